@@ -1,0 +1,74 @@
+"""The backend interface the Engine drives, its CPU implementation, and backend selection.
+
+A backend owns one KV cache and a position (tokens in the cache). Both implementations keep
+the same contract, so the facade, the tests and the validator treat them alike:
+  prefill(ids) -> fp32 logits [vocab] of the last token (appends ids at the position)
+  decode(token) -> fp32 logits [vocab] (appends one token)
+  reset(); rollback(position)
+  generate_ids(prompt_ids, params) -> iterator of sampled ids; it resets and prefills first.
+    Closing it early leaves the cache holding the prompt + every yielded id but the last.
+"""
+from __future__ import annotations
+
+from typing import Iterator
+
+import numpy as np
+
+from .device import cuda_status
+from .errors import BackendUnavailableError
+from .fileformat import AtomflowFile
+from .reference import ReferenceModel
+from .sampling import SamplingParams, sample_numpy
+
+
+class CpuBackend:
+    """numpy fp32 reference forward; slow, exact, and always available."""
+
+    name = "cpu"
+
+    def __init__(self, model: AtomflowFile, max_context: int, **_ignored):
+        self.spec = model.spec
+        self.max_context = max_context
+        self.ref = ReferenceModel(model, max_context)
+
+    @property
+    def position(self) -> int:
+        return self.ref.pos
+
+    def prefill(self, ids: np.ndarray) -> np.ndarray:
+        return self.ref.forward(np.asarray(ids, dtype=np.int32))
+
+    def decode(self, token: int) -> np.ndarray:
+        return self.ref.forward(np.array([token], dtype=np.int32))
+
+    def reset(self) -> None:
+        self.ref.pos = 0
+
+    def rollback(self, position: int) -> None:
+        if not 0 <= position <= self.ref.pos:
+            raise ValueError(f"rollback to {position}: must be in [0, {self.ref.pos}]")
+        self.ref.pos = position
+
+    def generate_ids(self, prompt_ids: np.ndarray, params: SamplingParams) -> Iterator[int]:
+        self.reset()
+        logits = self.prefill(prompt_ids)
+        for i in range(params.max_new_tokens):
+            token = sample_numpy(logits, params, self.position)
+            yield token
+            if i + 1 == params.max_new_tokens or self.position >= self.max_context:
+                return
+            logits = self.decode(token)
+
+
+def make_backend(name: str, model: AtomflowFile, max_context: int, eager: bool = False, verbose: bool = False):
+    if name not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"backend must be auto, cpu or cuda, got {name!r}")
+    if name == "cpu":
+        return CpuBackend(model, max_context)
+    ok, why = cuda_status()
+    if not ok:
+        if name == "cuda":
+            raise BackendUnavailableError(f"cuda backend unavailable: {why}")
+        return CpuBackend(model, max_context)
+    from .backend_cuda import CudaBackend
+    return CudaBackend(model, max_context, eager=eager, verbose=verbose)

@@ -1,0 +1,169 @@
+"""The `atomflow` command: quantize, info, run, download."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from . import __version__
+from .errors import AtomflowError
+
+
+def _err(msg: str) -> int:
+    print(f"atomflow: error: {msg}", file=sys.stderr)
+    return 1
+
+
+# -- quantize -----------------------------------------------------------------------------
+def cmd_quantize(a) -> int:
+    from .quantize import quantize
+    s = quantize(a.model, a.output, lm_head=a.lm_head, progress=not a.quiet)
+    print(f"wrote {s['path']} ({s['bytes'] / 2**30:.2f} GiB, lm_head {s['lm_head']}, "
+          f"worst relative error {max(s['errors'].values()):.5f})")
+    return 0
+
+
+# -- info ---------------------------------------------------------------------------------
+def cmd_info(a) -> int:
+    from .fileformat import AtomflowFile
+    with AtomflowFile(a.model, verify=a.verify) as m:
+        by_dtype: dict[str, int] = {}
+        for t in m.tensors.values():
+            by_dtype[t.dtype] = by_dtype.get(t.dtype, 0) + t.nbytes
+        info = dict(path=str(m.path), file_bytes=m.file_size, format_version=m.raw_metadata["format_version"],
+                    spec=m.spec.to_dict(), quantization=m.quantization, tensors=len(m.tensors),
+                    bytes_by_dtype=by_dtype, decode_bytes_per_token=m.weight_bytes,
+                    kv_bytes_per_token=m.spec.kv_bytes_per_token(), checksum=m.checksum,
+                    checksum_verified=bool(a.verify), source=m.metadata_json("source", {}),
+                    generation_config=m.metadata_json("generation_config", {}),
+                    has_chat_template=bool(m.raw_metadata.get("chat_template")),
+                    created_by=m.raw_metadata.get("created_by"))
+        if a.json:
+            print(json.dumps(info, indent=2))
+            return 0
+        s = m.spec
+        print(f"{m.path}  ({m.file_size / 2**30:.2f} GiB, format v{info['format_version']}, {info['created_by']})")
+        print(f"  model     {s.num_layers} layers, d {s.hidden_size}, ffn {s.intermediate_size}, heads {s.num_heads}"
+              f"/{s.num_kv_heads} kv, head_dim {s.head_dim}, vocab {s.vocab_size}")
+        print(f"  rope      {s.rope_type}, theta {s.rope_theta:g}" +
+              (f", factor {s.rope_factor:g}, original ctx {s.rope_original_max_position_embeddings}"
+               if s.rope_type == "llama3" else "") + f"; max positions {s.max_position_embeddings}")
+        print(f"  weights   {m.quantization['scheme']}, group {m.quantization['group_size']}, "
+              f"lm_head {m.quantization['lm_head']}, tied embeddings {s.tie_word_embeddings}")
+        print("  tensors   " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in sorted(by_dtype.items())) +
+              f" ({len(m.tensors)} tensors)")
+        print(f"  per token {m.weight_bytes / 2**20:.1f} MiB of weights + {s.kv_bytes_per_token() / 1024:.1f} KiB "
+              f"of KV per context token")
+        src = info["source"]
+        print(f"  source    {src.get('repo_id') or src.get('path')}" +
+              (f" @ {src['revision']}" if src.get("revision") else ""))
+        print(f"  checksum  {m.checksum}" + (" (verified)" if a.verify else ""))
+    return 0
+
+
+# -- run ----------------------------------------------------------------------------------
+def cmd_run(a) -> int:
+    from .engine import Engine
+    from .sampling import SamplingParams
+
+    eng = Engine.load(a.model, backend=a.backend, max_context=a.max_context, eager=a.eager or None,
+                      verbose=a.verbose)
+    defaults = eng.model.metadata_json("generation_config", {}) or {}
+
+    def pick(v, key, fallback):
+        return v if v is not None else (defaults.get(key) if defaults.get(key) is not None else fallback)
+
+    params = SamplingParams(temperature=pick(a.temperature, "temperature", 0.0), top_k=pick(a.top_k, "top_k", 0),
+                            top_p=pick(a.top_p, "top_p", 1.0), seed=a.seed, max_new_tokens=a.max_new_tokens,
+                            stop=tuple(a.stop or ()), ignore_eos=a.ignore_eos)
+    chat = False if a.raw else None
+    if a.verbose:
+        print(f"atomflow: backend {eng.backend_name}, max_context {eng.max_context}, {params}", file=sys.stderr)
+    for text in eng.generate(a.prompt, params, chat=chat):
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    st = eng.stats
+    if not a.quiet:
+        def rate(ms: float, n: int) -> str:
+            return f"({ms / n:8.2f} ms per token, {1e3 * n / ms:8.2f} tokens per second)" if n and ms > 0 else ""
+        pm, dm, nd = 1e3 * st.prompt_s, 1e3 * st.decode_s, max(st.generated_tokens - 1, 0)
+        print(f"\natomflow: backend {eng.backend_name} | stop: {st.stop_reason}", file=sys.stderr)
+        print(f"load time     = {1e3 * st.load_s:10.2f} ms", file=sys.stderr)
+        print(f"prompt eval   = {pm:10.2f} ms / {st.prompt_tokens:5d} tokens {rate(pm, st.prompt_tokens)}",
+              file=sys.stderr)
+        print(f"eval time     = {dm:10.2f} ms / {nd:5d} runs   {rate(dm, nd)}", file=sys.stderr)
+        print(f"total time    = {1e3 * (st.load_s + st.prompt_s + st.decode_s):10.2f} ms / "
+              f"{st.prompt_tokens + st.generated_tokens:5d} tokens", file=sys.stderr)
+    return 0
+
+
+# -- download -----------------------------------------------------------------------------
+def cmd_download(a) -> int:
+    from .download import download
+    path = download(a.repo_id, a.dir, revision=a.revision, token=a.token)
+    print(f"downloaded {a.repo_id} to {path}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="atomflow", description="Single-stream FP8 LLM decode engine.")
+    p.add_argument("--version", action="version", version=f"atomflow {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    q = sub.add_parser("quantize", help="quantize a Hugging Face Llama directory into one .atomflow file")
+    q.add_argument("model", help="HF model directory (or a repo id already downloaded to the HF cache)")
+    q.add_argument("-o", "--output", required=True, help="output .atomflow file")
+    q.add_argument("--lm-head", choices=["fp8", "bf16"], default="fp8", help="lm_head precision (default fp8)")
+    q.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    q.set_defaults(fn=cmd_quantize)
+
+    i = sub.add_parser("info", help="show a model file's spec, sizes and tensor summary")
+    i.add_argument("model")
+    i.add_argument("--json", action="store_true", help="machine-readable output")
+    i.add_argument("--verify", action="store_true", help="also verify the data checksum")
+    i.set_defaults(fn=cmd_info)
+
+    r = sub.add_parser("run", help="generate text from a prompt")
+    r.add_argument("model")
+    r.add_argument("-p", "--prompt", required=True)
+    r.add_argument("-n", "--max-new-tokens", type=int, default=128)
+    r.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: the model's)")
+    r.add_argument("--top-k", type=int, default=None, help="0 = off (default: the model's)")
+    r.add_argument("--top-p", type=float, default=None, help="1 = off (default: the model's)")
+    r.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
+    r.add_argument("--stop", action="append", help="stop string (repeatable)")
+    r.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
+    r.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    r.add_argument("--backend", choices=["auto", "cuda", "cpu"], default="auto")
+    r.add_argument("--max-context", type=int, default=None, help="KV cache length (default min(8192, model))")
+    r.add_argument("--eager", action="store_true", help="CUDA: run without the CUDA graph")
+    r.add_argument("-v", "--verbose", action="store_true")
+    r.add_argument("-q", "--quiet", action="store_true", help="no timing summary")
+    r.set_defaults(fn=cmd_run)
+
+    d = sub.add_parser("download", help="download a Hugging Face model (resumable)")
+    d.add_argument("repo_id")
+    d.add_argument("--dir", required=True, help="target directory")
+    d.add_argument("--revision", default=None)
+    d.add_argument("--token", default=None, help="HF token (default: HF_TOKEN / the saved login)")
+    d.set_defaults(fn=cmd_download)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except KeyboardInterrupt:
+        _err("interrupted")
+        return 130
+    except (AtomflowError, FileNotFoundError, ValueError, RuntimeError, OSError) as e:
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return _err(msg)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

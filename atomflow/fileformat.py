@@ -1,0 +1,278 @@
+"""The .atomflow file (docs/FORMAT.md): a safetensors container holding FP8 weights, their
+scales, bf16 embedding and norms, and everything needed to run the model (spec, tokenizer,
+chat template, generation config) in its metadata.
+
+safetensors' own writers take whole tensors in memory; ours streams them in row chunks so a
+quantize never holds more than one tensor, hashes the data as it goes, and renames the file
+into place only when complete.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from .errors import FormatError
+from .spec import QUANT_GROUP, ModelSpec
+
+FORMAT_NAME = "atomflow"
+FORMAT_VERSION = "1"
+MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
+_CHECKSUM_PLACEHOLDER = "sha256:" + "0" * 64
+
+DTYPES: dict[str, np.dtype] = {
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F32": np.dtype(np.float32),
+}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: str          # safetensors dtype string
+    shape: tuple[int, ...]
+    offset: int = 0     # absolute byte offset in the file (reader); 0 while planning
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * DTYPES[self.dtype].itemsize
+
+
+def expected_tensors(spec: ModelSpec, lm_head: str) -> list[TensorInfo]:
+    """The tensor table of a file for `spec`, in file order. lm_head: 'fp8' | 'bf16' | 'tied'."""
+    d, f, g = spec.hidden_size, spec.intermediate_size, QUANT_GROUP
+
+    def fp8(name: str, n: int, k: int) -> list[TensorInfo]:
+        return [TensorInfo(name, "F8_E4M3", (n, k)), TensorInfo(name + ".scale", "F32", (n, k // g))]
+
+    out = [TensorInfo("embed", "BF16", (spec.vocab_size, d))]
+    for i in range(spec.num_layers):
+        p = f"layers.{i}."
+        out.append(TensorInfo(p + "attn_norm", "BF16", (d,)))
+        out += fp8(p + "wqkv", spec.qkv_dim, d)
+        out += fp8(p + "wo", d, spec.q_dim)
+        out.append(TensorInfo(p + "mlp_norm", "BF16", (d,)))
+        out += fp8(p + "w13", 2 * f, d)
+        out += fp8(p + "w2", d, f)
+    out.append(TensorInfo("final_norm", "BF16", (d,)))
+    if lm_head == "fp8":
+        out += fp8("lm_head", spec.vocab_size, d)
+    elif lm_head == "bf16":
+        out.append(TensorInfo("lm_head", "BF16", (spec.vocab_size, d)))
+    elif lm_head != "tied":
+        raise ValueError(f"lm_head must be fp8, bf16 or tied, got {lm_head!r}")
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+class FileWriter:
+    """Streams tensors, in table order, into `path` via a temporary file.
+
+    with FileWriter(path, tensors, metadata) as w:
+        w.write("embed", rows)   # any number of row chunks per tensor, in order
+    On an exception the temporary file is removed and `path` is untouched."""
+
+    def __init__(self, path: str | Path, tensors: list[TensorInfo], metadata: dict[str, str]):
+        self.path = Path(path)
+        self.tensors = tensors
+        self.metadata = {k: str(v) for k, v in metadata.items()}
+        self.metadata["checksum"] = _CHECKSUM_PLACEHOLDER
+        self.tmp = self.path.with_name(f"{self.path.name}.tmp-{os.getpid()}")
+        self._index = 0          # tensor being written
+        self._written = 0        # bytes of it written so far
+        self._hash = hashlib.sha256()
+        header = self._header()
+        self._fh = open(self.tmp, "wb")
+        self._fh.write(struct.pack("<Q", len(header)) + header)
+
+    def _header(self) -> bytes:
+        table: dict = {"__metadata__": self.metadata}
+        pos = 0
+        for t in self.tensors:
+            table[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [pos, pos + t.nbytes]}
+            pos += t.nbytes
+        raw = json.dumps(table, separators=(",", ":")).encode()
+        return raw + b" " * (-(8 + len(raw)) % 8)  # data region 8-byte aligned, as safetensors pads
+
+    def write(self, name: str, array: np.ndarray) -> None:
+        if self._index >= len(self.tensors):
+            raise ValueError(f"write({name!r}): every tensor is already written")
+        t = self.tensors[self._index]
+        if name != t.name:
+            raise ValueError(f"write({name!r}): expected tensor {t.name!r} next")
+        if array.dtype != DTYPES[t.dtype]:
+            raise ValueError(f"write({name!r}): dtype {array.dtype}, table says {t.dtype}")
+        buf = np.ascontiguousarray(array).view(np.uint8).reshape(-1)
+        if self._written + buf.nbytes > t.nbytes:
+            raise ValueError(f"write({name!r}): more bytes than its shape {t.shape} holds")
+        self._fh.write(buf.data)
+        self._hash.update(buf.data)
+        self._written += buf.nbytes
+        if self._written == t.nbytes:
+            self._index, self._written = self._index + 1, 0
+
+    def finish(self) -> str:
+        """Checks every byte was written, fills in the checksum, renames into place."""
+        if self._index != len(self.tensors):
+            raise ValueError(f"file incomplete: tensor {self.tensors[self._index].name!r} not fully written")
+        checksum = "sha256:" + self._hash.hexdigest()
+        self.metadata["checksum"] = checksum
+        header = self._header()
+        self._fh.seek(8)
+        self._fh.write(header)  # same length: the checksum has a fixed width
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
+        self._fh.close()
+        os.replace(self.tmp, self.path)
+        return checksum
+
+    def abort(self) -> None:
+        if not self._fh.closed:
+            self._fh.close()
+        self.tmp.unlink(missing_ok=True)
+
+    def __enter__(self) -> "FileWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.finish()
+        else:
+            self.abort()
+
+
+# ---------------------------------------------------------------------------------------
+class AtomflowFile:
+    """A checked, memory-mapped .atomflow file. Raises FormatError on anything wrong with it."""
+
+    def __init__(self, path: str | Path, verify: bool = False):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"no such model file: {self.path}")
+        with open(self.path, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            if size < 8:
+                raise FormatError(f"{self.path}: not an atomflow file ({size} bytes, too short for a header)")
+            (n,) = struct.unpack("<Q", fh.read(8))
+            if n > MAX_HEADER_BYTES or 8 + n > size:
+                raise FormatError(f"{self.path}: not an atomflow file (header length {n} does not fit a {size}-byte file)")
+            try:
+                header = json.loads(fh.read(n))
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                raise FormatError(f"{self.path}: not an atomflow file (header is not JSON)") from None
+            self._mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        self.file_size = size
+        self.data_offset = 8 + n
+        meta = header.pop("__metadata__", None) if isinstance(header, dict) else None
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
+            raise FormatError(f"{self.path}: not an atomflow file (no \"format\": \"atomflow\" in its metadata)")
+        if meta.get("format_version") != FORMAT_VERSION:
+            raise FormatError(f"{self.path}: format version {meta.get('format_version')!r} is not supported "
+                              f"(this atomflow reads version {FORMAT_VERSION}); re-quantize the model")
+        self.raw_metadata: dict[str, str] = meta
+        try:
+            self.spec = ModelSpec.from_dict(json.loads(meta["spec"]))
+            self.quantization = json.loads(meta["quantization"])
+        except (KeyError, json.JSONDecodeError, TypeError, ValueError) as e:
+            raise FormatError(f"{self.path}: bad spec/quantization metadata ({e})") from None
+        self.tensors = self._parse_table(header)
+        self._check_table()
+        if verify:
+            self.verify_checksum()
+
+    def _parse_table(self, header: dict) -> dict[str, TensorInfo]:
+        tensors, data_len = {}, self.file_size - self.data_offset
+        for name, e in header.items():
+            try:
+                dtype, shape, (b, end) = e["dtype"], tuple(int(s) for s in e["shape"]), e["data_offsets"]
+            except (KeyError, TypeError, ValueError):
+                raise FormatError(f"{self.path}: malformed tensor entry {name!r}") from None
+            if dtype not in DTYPES:
+                raise FormatError(f"{self.path}: tensor {name!r} has unsupported dtype {dtype}")
+            t = TensorInfo(name, dtype, shape, self.data_offset + int(b))
+            if int(end) - int(b) != t.nbytes or int(b) < 0:
+                raise FormatError(f"{self.path}: tensor {name!r}: offsets {b}..{end} do not match shape {list(shape)} {dtype}")
+            if int(end) > data_len:
+                raise FormatError(f"{self.path}: truncated: tensor {name!r} ends at byte {end} of the data region, "
+                                  f"which holds only {data_len} bytes")
+            tensors[name] = t
+        return tensors
+
+    def _check_table(self) -> None:
+        want = {t.name: t for t in expected_tensors(self.spec, self.quantization.get("lm_head", "fp8"))}
+        missing, extra = sorted(set(want) - set(self.tensors)), sorted(set(self.tensors) - set(want))
+        if missing or extra:
+            raise FormatError(f"{self.path}: tensor table does not match the model spec "
+                              f"(missing: {missing[:4] or 'none'}, unexpected: {extra[:4] or 'none'})")
+        for name, w in want.items():
+            t = self.tensors[name]
+            if (t.dtype, t.shape) != (w.dtype, w.shape):
+                raise FormatError(f"{self.path}: tensor {name!r} is {t.dtype} {list(t.shape)}, "
+                                  f"the spec needs {w.dtype} {list(w.shape)}")
+
+    # -- access ------------------------------------------------------------------------------
+    def metadata_json(self, key: str, default=None):
+        raw = self.raw_metadata.get(key)
+        return default if raw in (None, "") else json.loads(raw)
+
+    @property
+    def checksum(self) -> str:
+        return self.raw_metadata.get("checksum", "")
+
+    def verify_checksum(self) -> None:
+        h = hashlib.sha256()
+        view = memoryview(self._mm)
+        step = 64 << 20
+        for off in range(self.data_offset, self.file_size, step):
+            h.update(view[off:min(off + step, self.file_size)])
+        view.release()
+        got = "sha256:" + h.hexdigest()
+        if got != self.checksum:
+            raise FormatError(f"{self.path}: checksum mismatch: the data is corrupt "
+                              f"(header says {self.checksum[:23]}..., data hashes to {got[:23]}...)")
+
+    def array(self, name: str) -> np.ndarray:
+        """Zero-copy read-only view of a tensor (ml_dtypes types for FP8 and bf16)."""
+        t = self.tensors[name]
+        return np.frombuffer(self._mm, dtype=DTYPES[t.dtype], count=int(np.prod(t.shape)), offset=t.offset).reshape(t.shape)
+
+    def weight_f32(self, name: str) -> np.ndarray:
+        """A weight as float32, dequantized when FP8: w[n, k] = fp8[n, k] * scale[n, k // 128]."""
+        a = self.array(name)
+        if self.tensors[name].dtype != "F8_E4M3":
+            return a.astype(np.float32)
+        scale = self.array(name + ".scale")
+        n, k = a.shape
+        w = a.astype(np.float32).reshape(n, k // QUANT_GROUP, QUANT_GROUP) * scale[:, :, None]
+        return w.reshape(n, k)
+
+    def lm_head_f32(self) -> np.ndarray:
+        return self.weight_f32("lm_head" if "lm_head" in self.tensors else "embed")
+
+    def tensor_table(self) -> list[dict]:
+        """For the CUDA core: name, dtype, shape, absolute offset, nbytes, in file order."""
+        return [dict(name=t.name, dtype=t.dtype, shape=list(t.shape), offset=t.offset, nbytes=t.nbytes)
+                for t in sorted(self.tensors.values(), key=lambda t: t.offset)]
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes a decode step must read once: every tensor except the embedding table (only one
+        row of it is read) — unless the embedding doubles as the lm_head."""
+        total = sum(t.nbytes for t in self.tensors.values())
+        return total - (0 if "lm_head" not in self.tensors else self.tensors["embed"].nbytes)
+
+    def close(self) -> None:
+        self._mm.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,251 @@
+"""HF Llama directory -> one .atomflow file (docs/FORMAT.md).
+
+Reads the sharded safetensors lazily, a block of rows at a time, so peak memory stays near
+one chunk of one tensor (tens of MiB), not the model. FP8 rounding is ml_dtypes'
+float8_e4m3fn (round to nearest even); values are clipped to +-448 first because ml_dtypes
+turns overflow into NaN rather than saturating.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+from safetensors import safe_open
+
+from . import __version__
+from .errors import UnsupportedModelError
+from .fileformat import FORMAT_NAME, FORMAT_VERSION, FileWriter, expected_tensors
+from .spec import QUANT_GROUP, ModelSpec
+
+FP8_MAX = 448.0
+CHUNK_BYTES = 64 << 20  # fp32 bytes of one row block in flight
+SOURCE_DTYPES = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}
+SOURCE_FILE = ".atomflow-source.json"  # written by `atomflow download`: repo id and revision
+
+
+def quantize_rows(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """fp32 [n, k] -> (fp8 e4m3fn [n, k], fp32 scales [n, k / 128]); scale = absmax / 448 per group."""
+    n, k = w.shape
+    g = w.reshape(n, k // QUANT_GROUP, QUANT_GROUP)
+    scale = np.abs(g).max(axis=-1) / np.float32(FP8_MAX)
+    scale[scale == 0] = 1.0  # an all-zero group: any scale dequantizes to zero
+    q = np.clip(g / scale[..., None], -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
+    return q.reshape(n, k), scale.astype(np.float32)
+
+
+def dequantize_rows(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    n, k = q.shape
+    return (q.astype(np.float32).reshape(n, k // QUANT_GROUP, QUANT_GROUP) * scale[..., None]).reshape(n, k)
+
+
+class _Source:
+    """Lazy access to the tensors of an HF checkpoint (one or many safetensors shards)."""
+
+    def __init__(self, hf_dir: Path):
+        index = hf_dir / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+        else:
+            shards = sorted(hf_dir.glob("*.safetensors"))
+            if not shards:
+                raise FileNotFoundError(f"{hf_dir}: no *.safetensors weights (PyTorch .bin checkpoints are not supported)")
+            weight_map = {}
+            for shard in shards:
+                with safe_open(shard, "numpy") as f:
+                    weight_map.update({k: shard.name for k in f.keys()})
+        self.dir, self.weight_map = hf_dir, weight_map
+        self._open: dict[str, object] = {}
+        self.dtypes: set[str] = set()
+
+    def has(self, name: str) -> bool:
+        return name in self.weight_map
+
+    def slice(self, name: str):
+        if name not in self.weight_map:
+            raise UnsupportedModelError(f"{self.dir}: checkpoint has no tensor {name!r}")
+        shard = self.weight_map[name]
+        if shard not in self._open:
+            path = self.dir / shard
+            if not path.is_file():
+                raise FileNotFoundError(f"{path}: shard named in the index is missing")
+            self._open[shard] = safe_open(path, "numpy")
+        sl = self._open[shard].get_slice(name)
+        dt = sl.get_dtype()
+        if dt not in SOURCE_DTYPES:
+            raise UnsupportedModelError(f"{name}: source dtype {dt} (supported: bf16, fp16, fp32)")
+        self.dtypes.add(SOURCE_DTYPES[dt])
+        return sl
+
+    def rows(self, name: str, shape: tuple[int, ...]):
+        """Yields fp32 row blocks of a 2-D tensor, checking its shape."""
+        sl = self.slice(name)
+        got = tuple(sl.get_shape())
+        if got != shape:
+            raise UnsupportedModelError(f"{name}: shape {list(got)}, config.json implies {list(shape)}")
+        step = max(1, CHUNK_BYTES // (4 * shape[-1]))
+        for a in range(0, shape[0], step):
+            yield np.asarray(sl[a:min(a + step, shape[0])], dtype=np.float32)
+
+    def vector(self, name: str, n: int) -> np.ndarray:
+        return next(self.rows(name, (n,)))
+
+
+@dataclass
+class _ErrStats:
+    """Relative quantization error ||W - W'|| / ||W|| of each matrix, accumulated over row blocks."""
+    err: dict[str, list[float]] = field(default_factory=dict)
+
+    def add(self, key: str, w: np.ndarray, q: np.ndarray, s: np.ndarray) -> None:
+        e = self.err.setdefault(key, [0.0, 0.0])
+        e[0] += float(np.square(w - dequantize_rows(q, s), dtype=np.float64).sum())
+        e[1] += float(np.square(w, dtype=np.float64).sum())
+
+    def rel(self, key: str) -> float:
+        num, den = self.err[key]
+        return float(np.sqrt(num / den)) if den > 0 else 0.0
+
+
+def _metadata(hf_dir: Path, spec: ModelSpec, lm_head: str, source_dtype: str) -> dict[str, str]:
+    def read_json(name: str) -> dict:
+        p = hf_dir / name
+        return json.loads(p.read_text()) if p.is_file() else {}
+
+    tok = hf_dir / "tokenizer.json"
+    if not tok.is_file():
+        raise FileNotFoundError(f"{hf_dir}: no tokenizer.json (a Hugging Face fast tokenizer is required)")
+    tok_cfg = read_json("tokenizer_config.json")
+    chat_template = tok_cfg.get("chat_template") or ""
+    template_src = "tokenizer_config.json" if chat_template else ""
+    if (hf_dir / "chat_template.jinja").is_file():
+        chat_template, template_src = (hf_dir / "chat_template.jinja").read_text(), "chat_template.jinja"
+    if isinstance(chat_template, list):  # named templates: take the default one
+        chat_template = next((t["template"] for t in chat_template if t.get("name") == "default"), "")
+
+    def token_text(v):
+        return v.get("content") if isinstance(v, dict) else v
+
+    config, gen = read_json("config.json"), read_json("generation_config.json")
+    eos: list[int] = []
+    for src in (gen.get("eos_token_id"), config.get("eos_token_id")):
+        for e in (src if isinstance(src, list) else [src]):
+            if isinstance(e, int) and e not in eos:
+                eos.append(e)
+    generation = dict(bos_token_id=gen.get("bos_token_id", config.get("bos_token_id")), eos_token_ids=eos,
+                      temperature=gen.get("temperature"), top_p=gen.get("top_p"), top_k=gen.get("top_k"))
+    source = read_json(SOURCE_FILE)
+    return {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "spec": spec.to_json(),
+        "quantization": json.dumps(dict(scheme="fp8_e4m3fn_w8a16", group_size=QUANT_GROUP, scale_dtype="F32",
+                                        lm_head=lm_head, source_dtype=source_dtype)),
+        "tokenizer": tok.read_text(encoding="utf-8"),
+        "tokenizer_config": json.dumps(dict(bos_token=token_text(tok_cfg.get("bos_token")),
+                                            eos_token=token_text(tok_cfg.get("eos_token")),
+                                            add_bos_token=tok_cfg.get("add_bos_token"),
+                                            chat_template_source=template_src)),
+        "chat_template": chat_template,
+        "generation_config": json.dumps(generation),
+        "source": json.dumps(dict(repo_id=source.get("repo_id"), revision=source.get("revision"),
+                                  path=str(hf_dir.resolve()))),
+        "created_by": f"atomflow {__version__}",
+    }
+
+
+def resolve_hf_dir(model: str | Path) -> Path:
+    """A local HF directory, or a repo id already in the local Hugging Face cache."""
+    p = Path(model)
+    if p.is_dir():
+        return p
+    if "/" in str(model) and not p.exists():
+        from huggingface_hub import snapshot_download
+        try:
+            return Path(snapshot_download(str(model), local_files_only=True))
+        except Exception:
+            raise FileNotFoundError(f"{model}: not a local directory, and not in the Hugging Face cache "
+                                    f"(run `atomflow download {model} --dir DIR` first)") from None
+    raise FileNotFoundError(f"no such model directory: {model}")
+
+
+def quantize(hf_dir: str | Path, out: str | Path, lm_head: str = "fp8", progress: bool = True,
+             log=None) -> dict:
+    """Quantize `hf_dir` into `out`. lm_head: 'fp8' (default) or 'bf16'. Returns a summary dict
+    (per-matrix relative errors, bytes, checksum). Nothing is left at `out` on failure."""
+    log = log or (lambda s: print(s, file=sys.stderr))
+    hf_dir = resolve_hf_dir(hf_dir)
+    if lm_head not in ("fp8", "bf16"):
+        raise ValueError(f"lm_head must be fp8 or bf16, got {lm_head!r}")
+    spec = ModelSpec.from_hf_dir(hf_dir, lm_head_fp8=(lm_head == "fp8"))
+    src = _Source(hf_dir)
+    head_mode = "tied" if (lm_head == "bf16" and spec.tie_word_embeddings) else lm_head
+    head_src = "model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"
+    first = src.slice("model.embed_tokens.weight").get_dtype()
+    tensors = expected_tensors(spec, head_mode)
+    stats = _ErrStats()
+    d, f = spec.hidden_size, spec.intermediate_size
+
+    from tqdm import tqdm
+    bar = tqdm(total=sum(t.nbytes for t in tensors), unit="B", unit_scale=True, desc="quantize",
+               disable=not progress, file=sys.stderr)
+
+    def write(w: FileWriter, name: str, a: np.ndarray) -> None:
+        w.write(name, a)
+        bar.update(a.nbytes)
+
+    def write_bf16(w: FileWriter, name: str, hf_name: str, shape: tuple[int, ...]) -> None:
+        for block in src.rows(hf_name, shape):
+            write(w, name, block.astype(ml_dtypes.bfloat16))
+
+    def write_fp8(w: FileWriter, name: str, parts: list[tuple[str, tuple[int, int]]], key: str) -> None:
+        scales = []
+        for hf_name, shape in parts:
+            for block in src.rows(hf_name, shape):
+                q, s = quantize_rows(block)
+                stats.add(key, block, q, s)
+                write(w, name, q)
+                scales.append(s)
+        write(w, name + ".scale", np.concatenate(scales))
+
+    try:
+        with FileWriter(out, tensors, _metadata(hf_dir, spec, head_mode, SOURCE_DTYPES[first])) as w:
+            write_bf16(w, "embed", "model.embed_tokens.weight", (spec.vocab_size, d))
+            for i in range(spec.num_layers):
+                p, h = f"layers.{i}.", f"model.layers.{i}."
+                write(w, p + "attn_norm", src.vector(h + "input_layernorm.weight", d).astype(ml_dtypes.bfloat16))
+                write_fp8(w, p + "wqkv", [(h + "self_attn.q_proj.weight", (spec.q_dim, d)),
+                                          (h + "self_attn.k_proj.weight", (spec.kv_dim, d)),
+                                          (h + "self_attn.v_proj.weight", (spec.kv_dim, d))], f"{i}.wqkv")
+                write_fp8(w, p + "wo", [(h + "self_attn.o_proj.weight", (d, spec.q_dim))], f"{i}.wo")
+                write(w, p + "mlp_norm",
+                      src.vector(h + "post_attention_layernorm.weight", d).astype(ml_dtypes.bfloat16))
+                write_fp8(w, p + "w13", [(h + "mlp.gate_proj.weight", (f, d)),
+                                         (h + "mlp.up_proj.weight", (f, d))], f"{i}.w13")
+                write_fp8(w, p + "w2", [(h + "mlp.down_proj.weight", (d, f))], f"{i}.w2")
+            write(w, "final_norm", src.vector("model.norm.weight", d).astype(ml_dtypes.bfloat16))
+            if head_mode == "fp8":
+                write_fp8(w, "lm_head", [(head_src, (spec.vocab_size, d))], "lm_head")
+            elif head_mode == "bf16":
+                write_bf16(w, "lm_head", head_src, (spec.vocab_size, d))
+    finally:
+        bar.close()
+
+    summary = dict(path=str(out), bytes=Path(out).stat().st_size, spec=spec.to_dict(), lm_head=head_mode,
+                   source_dtypes=sorted(src.dtypes), errors={k: stats.rel(k) for k in stats.err})
+    _print_error_table(spec, summary["errors"], log)
+    return summary
+
+
+def _print_error_table(spec: ModelSpec, errors: dict[str, float], log) -> None:
+    """One row per layer: relative quantization error ||W - W'|| / ||W|| of each matrix."""
+    log("relative quantization error ||W - Wq|| / ||W||")
+    log(f"{'layer':>6}  {'wqkv':>8}  {'wo':>8}  {'w13':>8}  {'w2':>8}")
+    for i in range(spec.num_layers):
+        log(f"{i:>6}  " + "  ".join(f"{errors[f'{i}.{m}']:8.5f}" for m in ("wqkv", "wo", "w13", "w2")))
+    if "lm_head" in errors:
+        log(f"{'lm_head':>6}  {errors['lm_head']:8.5f}")
+    worst = max(errors.values())
+    log(f"worst matrix: {worst:.5f}")

@@ -1,0 +1,124 @@
+"""The numpy fp32 forward pass over a file's dequantized weights: the CPU backend and the test
+oracle. Same semantics as the CUDA engine (fused QKV and gate/up, HF rotate-half RoPE with the
+spec's inv_freq table, GQA, contiguous KV cache), in plain fp32 so its only error against
+Hugging Face transformers on the same weights is float rounding.
+
+Probes: set `probe = fn(name, layer, array)` to receive the named activations of every
+layer ([M, ...] rows for the M tokens of the current call); the validator uses them.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from .fileformat import AtomflowFile
+
+PREFILL_CHUNK = 256  # bounds the [heads, chunk, context] score matrix for long prompts
+
+Probe = Callable[[str, int, np.ndarray], None]
+
+
+def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """x * rsqrt(mean(x^2) + eps) * w, in fp32 (HF LlamaRMSNorm)."""
+    var = np.mean(np.square(x), axis=-1, keepdims=True, dtype=np.float32)
+    return (x / np.sqrt(var + np.float32(eps))) * w
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (np.float32(1) + np.exp(-x))
+
+
+def rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray) -> np.ndarray:
+    """HF rotate-half RoPE. x [M, heads, D], positions [M] -> rotated x."""
+    ang = positions.astype(np.float32)[:, None] * inv_freq[None, :]  # [M, D/2], fp32 like HF
+    cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+class ReferenceModel:
+    def __init__(self, model: AtomflowFile, max_context: int):
+        spec = self.spec = model.spec
+        self.max_context = max_context
+        self.inv_freq = spec.rope_inv_freq()
+        self.embed = model.array("embed")  # bf16 rows, converted on lookup
+        self.layers = []
+        for i in range(spec.num_layers):
+            p = f"layers.{i}."
+            self.layers.append(dict(
+                attn_norm=model.weight_f32(p + "attn_norm"), wqkv=model.weight_f32(p + "wqkv"),
+                wo=model.weight_f32(p + "wo"), mlp_norm=model.weight_f32(p + "mlp_norm"),
+                w13=model.weight_f32(p + "w13"), w2=model.weight_f32(p + "w2")))
+        self.final_norm = model.weight_f32("final_norm")
+        self.lm_head = model.lm_head_f32()
+        shape = (spec.num_layers, max_context, spec.num_kv_heads, spec.head_dim)
+        self.k_cache = np.zeros(shape, np.float32)  # untouched pages cost no memory
+        self.v_cache = np.zeros(shape, np.float32)
+        self.pos = 0
+        self.probe: Probe | None = None
+
+    def forward(self, ids: np.ndarray) -> np.ndarray:
+        """Appends `ids` at the current position; returns the fp32 logits of the last one."""
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if len(ids) == 0:
+            raise ValueError("forward() needs at least one token")
+        if self.pos + len(ids) > self.max_context:
+            raise ValueError(f"{len(ids)} tokens at position {self.pos} do not fit max_context {self.max_context}")
+        if ids.min() < 0 or ids.max() >= self.spec.vocab_size:
+            raise ValueError(f"token id out of range [0, {self.spec.vocab_size})")
+        for a in range(0, len(ids), PREFILL_CHUNK):
+            x = self._forward_chunk(ids[a:a + PREFILL_CHUNK])
+        return x
+
+    def _emit(self, name: str, layer: int, a: np.ndarray) -> None:
+        if self.probe is not None:
+            self.probe(name, layer, a)
+
+    def _forward_chunk(self, ids: np.ndarray) -> np.ndarray:
+        s = self.spec
+        m, p0 = len(ids), self.pos
+        positions = np.arange(p0, p0 + m)
+        x = self.embed[ids].astype(np.float32)  # [M, d] fp32 residual stream
+        for i, L in enumerate(self.layers):
+            h = rmsnorm(x, L["attn_norm"], s.rms_norm_eps)
+            self._emit("attn_norm", i, h)
+            qkv = h @ L["wqkv"].T
+            q = qkv[:, :s.q_dim].reshape(m, s.num_heads, s.head_dim)
+            k = qkv[:, s.q_dim:s.q_dim + s.kv_dim].reshape(m, s.num_kv_heads, s.head_dim)
+            v = qkv[:, s.q_dim + s.kv_dim:].reshape(m, s.num_kv_heads, s.head_dim)
+            self.k_cache[i, p0:p0 + m] = rope(k, positions, self.inv_freq)
+            self.v_cache[i, p0:p0 + m] = v
+            attn = self._attention(rope(q, positions, self.inv_freq), i, p0)
+            o = attn @ L["wo"].T
+            self._emit("attn_out", i, o)
+            x = x + o
+            self._emit("resid_mid", i, x)
+            h = rmsnorm(x, L["mlp_norm"], s.rms_norm_eps)
+            gu = h @ L["w13"].T
+            mlp = (silu(gu[:, :s.intermediate_size]) * gu[:, s.intermediate_size:]) @ L["w2"].T
+            self._emit("mlp_out", i, mlp)
+            x = x + mlp
+            self._emit("layer_out", i, x)
+        self.pos += m
+        h = rmsnorm(x[-1:], self.final_norm, s.rms_norm_eps)
+        self._emit("final_norm", -1, h)
+        logits = (h @ self.lm_head.T)[0]
+        self._emit("logits", -1, logits[None])
+        return logits
+
+    def _attention(self, q: np.ndarray, layer: int, p0: int) -> np.ndarray:
+        """Causal GQA over the cache. q [M, H, D] at positions p0.. -> [M, H * D]."""
+        s = self.spec
+        m, t = q.shape[0], p0 + q.shape[0]
+        k, v = self.k_cache[layer, :t], self.v_cache[layer, :t]  # [T, Hkv, D]
+        qg = q.reshape(m, s.num_kv_heads, s.group_size, s.head_dim)
+        scores = np.einsum("mhgd,thd->hgmt", qg, k) * np.float32(s.head_dim ** -0.5)
+        causal = np.arange(t)[None, :] > (p0 + np.arange(m))[:, None]  # [M, T]: key after query
+        scores[..., causal] = -np.inf
+        scores -= scores.max(axis=-1, keepdims=True)
+        prob = np.exp(scores)
+        prob /= prob.sum(axis=-1, keepdims=True)
+        out = np.einsum("hgmt,thd->mhgd", prob, v)
+        return out.reshape(m, s.q_dim)

@@ -1,0 +1,208 @@
+"""ModelSpec: the validated shape of a Llama-family model, built from a Hugging Face config.json.
+
+Mirrored as a POD struct in include/atomflow/spec.h (same field names). Anything the engine
+does not support fails here, with a message naming what is unsupported.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .errors import UnsupportedModelError
+
+QUANT_GROUP = 128  # input columns per FP8 scale (docs/FORMAT.md)
+SUPPORTED_HEAD_DIMS = (64, 128)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_type: str  # "default" or "llama3"
+    rope_factor: float
+    rope_low_freq_factor: float
+    rope_high_freq_factor: float
+    rope_original_max_position_embeddings: int
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    lm_head_fp8: bool = True
+
+    # -- derived sizes ---------------------------------------------------------------------
+    @property
+    def q_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def qkv_dim(self) -> int:
+        return self.q_dim + 2 * self.kv_dim
+
+    @property
+    def group_size(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V (bf16) one token adds to the cache, all layers."""
+        return 2 * self.num_layers * self.kv_dim * 2
+
+    # -- RoPE ------------------------------------------------------------------------------
+    def rope_inv_freq(self) -> np.ndarray:
+        """float32 [head_dim / 2]: the rotary frequencies as transformers computes them (fp32
+        arithmetic, llama3 smoothing included; within 1 ulp of its values). The CUDA engine
+        receives this table, so both backends rotate by identical angles."""
+        d = self.head_dim
+        exponents = np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / np.float32(d)
+        # theta ** x correctly rounded to fp32 (torch's vectorized powf may differ by 1 ulp).
+        base = (np.float64(np.float32(self.rope_theta)) ** exponents.astype(np.float64)).astype(np.float32)
+        inv_freq = (np.float32(1.0) / base).astype(np.float32)
+        if self.rope_type == "default":
+            return inv_freq
+        factor = np.float32(self.rope_factor)
+        low, high = np.float32(self.rope_low_freq_factor), np.float32(self.rope_high_freq_factor)
+        old_ctx = np.float32(self.rope_original_max_position_embeddings)
+        low_freq_wavelen = old_ctx / low
+        high_freq_wavelen = old_ctx / high
+        wavelen = np.float32(2 * math.pi) / inv_freq
+        scaled = np.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq).astype(np.float32)
+        smooth = ((old_ctx / wavelen - low) / (high - low)).astype(np.float32)
+        smoothed = ((1 - smooth) * scaled / factor + smooth * scaled).astype(np.float32)
+        medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+        return np.where(medium, smoothed, scaled).astype(np.float32)
+
+    # -- serialization ---------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelSpec":
+        names = {f.name for f in dataclasses.fields(cls)}
+        missing = names - set(d) - {"lm_head_fp8"}
+        if missing:
+            raise ValueError(f"model spec is missing {sorted(missing)}")
+        spec = cls(**{k: v for k, v in d.items() if k in names})
+        spec.validate()
+        return spec
+
+    # -- from Hugging Face -----------------------------------------------------------------
+    @classmethod
+    def from_hf_config(cls, config: dict, lm_head_fp8: bool = True) -> "ModelSpec":
+        """Build from a transformers config.json (4.x `rope_theta`/`rope_scaling` or 5.x
+        `rope_parameters`). Raises UnsupportedModelError for anything the engine cannot run."""
+        archs = config.get("architectures") or []
+        model_type = config.get("model_type")
+        if "LlamaForCausalLM" not in archs and not (not archs and model_type == "llama"):
+            what = ", ".join(archs) if archs else f"model_type {model_type!r}"
+            raise UnsupportedModelError(f"unsupported architecture {what}: atomflow runs LlamaForCausalLM only")
+        if config.get("attention_bias"):
+            raise UnsupportedModelError("unsupported: attention_bias=true (Llama-family models without biases only)")
+        if config.get("mlp_bias"):
+            raise UnsupportedModelError("unsupported: mlp_bias=true")
+        if config.get("sliding_window") not in (None, 0):
+            raise UnsupportedModelError("unsupported: sliding-window attention")
+        act = config.get("hidden_act", "silu")
+        if act != "silu":
+            raise UnsupportedModelError(f"unsupported hidden_act {act!r}: only silu (SwiGLU)")
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+            if not isinstance(config.get(key), int) or config[key] <= 0:
+                raise UnsupportedModelError(f"config.json: {key} must be a positive integer, got {config.get(key)!r}")
+        hidden, heads = config["hidden_size"], config["num_attention_heads"]
+        kv_heads = config.get("num_key_value_heads") or heads
+        head_dim = config.get("head_dim") or hidden // heads
+
+        rope = _rope_settings(config)
+        spec = cls(
+            vocab_size=config["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=config["intermediate_size"],
+            num_layers=config["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            lm_head_fp8=lm_head_fp8,
+            **rope,
+        )
+        spec.validate()
+        return spec
+
+    @classmethod
+    def from_hf_dir(cls, path: str | Path, lm_head_fp8: bool = True) -> "ModelSpec":
+        cfg = Path(path) / "config.json"
+        if not cfg.is_file():
+            raise FileNotFoundError(f"no config.json in {path}")
+        try:
+            config = json.loads(cfg.read_text())
+        except json.JSONDecodeError as e:
+            raise UnsupportedModelError(f"{cfg}: not valid JSON ({e})") from None
+        return cls.from_hf_config(config, lm_head_fp8=lm_head_fp8)
+
+    def validate(self) -> None:
+        def bad(msg: str):
+            raise UnsupportedModelError(f"unsupported model: {msg}")
+
+        for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                  "head_dim", "max_position_embeddings"):
+            if not isinstance(getattr(self, f), int) or getattr(self, f) <= 0:
+                bad(f"{f} must be a positive integer, got {getattr(self, f)!r}")
+        if self.num_heads % self.num_kv_heads:
+            bad(f"num_attention_heads {self.num_heads} is not divisible by num_key_value_heads {self.num_kv_heads}")
+        if self.head_dim not in SUPPORTED_HEAD_DIMS:
+            bad(f"head_dim {self.head_dim} (supported: {', '.join(map(str, SUPPORTED_HEAD_DIMS))})")
+        for name, k in (("hidden_size", self.hidden_size), ("intermediate_size", self.intermediate_size),
+                        ("num_attention_heads * head_dim", self.q_dim)):
+            if k % QUANT_GROUP:
+                bad(f"{name} = {k} is not a multiple of the FP8 group size {QUANT_GROUP}")
+        if self.rope_type not in ("default", "llama3"):
+            bad(f"rope_type {self.rope_type!r} (supported: default, llama3)")
+        if not (self.rms_norm_eps > 0 and math.isfinite(self.rms_norm_eps)):
+            bad(f"rms_norm_eps {self.rms_norm_eps}")
+        if not (self.rope_theta > 0 and math.isfinite(self.rope_theta)):
+            bad(f"rope_theta {self.rope_theta}")
+        if self.rope_type == "llama3":
+            if not self.rope_factor > 0 or not self.rope_original_max_position_embeddings > 0:
+                bad("llama3 rope scaling needs factor > 0 and original_max_position_embeddings > 0")
+            if not self.rope_high_freq_factor > self.rope_low_freq_factor:
+                bad("llama3 rope scaling needs high_freq_factor > low_freq_factor")
+
+
+def _rope_settings(config: dict) -> dict:
+    """Normalize transformers 4.x (rope_theta + rope_scaling) and 5.x (rope_parameters)."""
+    params = config.get("rope_parameters")
+    if isinstance(params, dict) and "full_attention" in params:  # per-layer-type form
+        params = params["full_attention"]
+    scaling = params if isinstance(params, dict) else (config.get("rope_scaling") or {})
+    theta = config.get("rope_theta", (params or {}).get("rope_theta", 10000.0))
+    rope_type = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+    if rope_type not in ("default", "llama3"):
+        raise UnsupportedModelError(f"unsupported rope scaling {rope_type!r} (supported: none/default, llama3)")
+    out = dict(rope_theta=float(theta), rope_type=rope_type, rope_factor=1.0, rope_low_freq_factor=1.0,
+               rope_high_freq_factor=4.0, rope_original_max_position_embeddings=0)
+    if rope_type == "llama3":
+        try:
+            out.update(rope_factor=float(scaling["factor"]),
+                       rope_low_freq_factor=float(scaling["low_freq_factor"]),
+                       rope_high_freq_factor=float(scaling["high_freq_factor"]),
+                       rope_original_max_position_embeddings=int(scaling["original_max_position_embeddings"]))
+        except KeyError as e:
+            raise UnsupportedModelError(f"llama3 rope scaling is missing {e.args[0]!r}") from None
+    return out

@@ -1,0 +1,97 @@
+// The kernel launchers: the one boundary shared by the core engine (csrc/core) and the
+// sandbox (csrc/sandbox). One op per file in csrc/kernels/, each file = kernel(s) + launcher.
+//
+// Conventions
+//  - Activations entering a matrix product are bf16; the residual stream is fp32 (at M = 1
+//    it is a few KB, so full precision costs nothing in bandwidth); accumulation is fp32.
+//  - Linear weights are FP8 E4M3 (OCP e4m3fn) stored row-major [N, K] (one output row is K
+//    contiguous bytes), with fp32 scales [N, K / 128]: w[n, k] = fp8[n, k] * scale[n, k / 128].
+//  - The current position (tokens already in the KV cache) lives in DEVICE memory (`pos`), so
+//    a captured CUDA graph serves every position. Kernels read it; only the engine advances it.
+//  - KV cache per layer: K and V each [max_context, num_kv_heads, head_dim] bf16, contiguous.
+//  - Every launcher takes a cudaStream_t, checks its assumptions (AF_CHECK), and ends with
+//    AF_CUDA_CHECK(cudaGetLastError()). No launcher allocates memory: scratch comes from the
+//    caller (sizes from the *_scratch_bytes functions), so everything can be graph-captured.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+#include "atomflow/common.h"
+
+namespace atomflow::kernels {
+
+// ---------------------------------------------------------------------------------------
+// embedding.cu: out[m, :] = float(table[tokens[m], :]), m < M. table bf16 [vocab, d].
+// Token ids are checked on the host before they reach the device; the kernel clamps to
+// [0, vocab) so a bad id can never read out of bounds.
+void embedding(const bf16* table, const int32_t* tokens, int M, int d, int vocab, float* out,
+               cudaStream_t stream);
+
+// ---------------------------------------------------------------------------------------
+// rmsnorm.cu: out[m, :] = bf16(x[m, :] * rsqrt(mean(x[m, :]^2) + eps) * w), x fp32 [M, d],
+// w bf16 [d]. Matches HF LlamaRMSNorm in fp32 (the weight multiplies the normalized fp32).
+void rmsnorm(const float* x, const bf16* w, int M, int d, float eps, bf16* out, cudaStream_t stream);
+
+// ---------------------------------------------------------------------------------------
+// gemv_w8a16.cu / gemm_w8a16.cu: y[m, n] = sum_k x[m, k] * w[n, k], with an epilogue:
+enum class Epilogue : int {
+  Store = 0,        // out fp32 [M, N]:  out = y
+  AddResidual = 1,  // out fp32 [M, N]:  out += y      (O and down projections)
+  SwiGLU = 2,       // N = 2F, out bf16 [M, F]: out = silu(y[:, :F]) * y[:, F:]   (fused gate/up)
+};
+
+// M = 1 decode. K % 128 == 0. 16-byte weight loads, weights read exactly once.
+void gemv_w8a16(const uint8_t* w, const float* scales, const bf16* x, int N, int K, Epilogue ep,
+                void* out, cudaStream_t stream);
+
+// M > 1 prefill on tensor cores (FP8 dequantized to bf16 in the main loop). x bf16 [M, K].
+void gemm_w8a16(const uint8_t* w, const float* scales, const bf16* x, int M, int N, int K,
+                Epilogue ep, void* out, cudaStream_t stream);
+
+// ---------------------------------------------------------------------------------------
+// rope.cu: RoPE (HF rotate-half convention) on q and k of a fused qkv row, then the KV append.
+//   qkv fp32 [M, (H + 2 * Hkv) * D]: q heads, then k heads, then v heads.
+//   token m sits at position p = *pos + m; angle_i = p * inv_freq[i], i < D / 2
+//   (inv_freq computed on the host by atomflow/spec.py, llama3 scaling included, fp32).
+//   q_out bf16 [M, H, D] = rope(q); k_cache[p] = bf16(rope(k)); v_cache[p] = bf16(v).
+void rope_kv_append(const float* qkv, const float* inv_freq, const int32_t* pos, int M, int H,
+                    int Hkv, int D, int max_context, bf16* q_out, bf16* k_cache, bf16* v_cache,
+                    cudaStream_t stream);
+
+// ---------------------------------------------------------------------------------------
+// attention_decode.cu: causal GQA attention over the contiguous cache, for decode (M = 1) and
+// prefill chunks (M > 1). Query m (at position *pos + m) attends to cache rows [0, *pos + m].
+//   q bf16 [M, H, D], caches bf16 [max_context, Hkv, D], out bf16 [M, H, D], scale = 1/sqrt(D).
+// Flash-decoding: the context is split across blocks (the grid is fixed by max_context, the
+// work per block is derived from *pos on the device), each K/V row is loaded once for all
+// H / Hkv query heads of its group, partials are merged by a second pass. D in {64, 128}.
+size_t attention_scratch_bytes(int M, int H, int D, int max_context);
+void attention(const bf16* q, const bf16* k_cache, const bf16* v_cache, const int32_t* pos, int M,
+               int H, int Hkv, int D, int max_context, float scale, void* scratch, bf16* out,
+               cudaStream_t stream);
+
+// ---------------------------------------------------------------------------------------
+// elementwise.cu: small ops the fused paths do not cover.
+void add_inplace(float* x, const float* y, int n, cudaStream_t stream);  // x += y
+
+// ---------------------------------------------------------------------------------------
+// sampling.cu: one token from fp32 logits [vocab], entirely on the device.
+// Parameters live in device memory so one captured graph serves any settings.
+struct SamplingConfig {
+  float temperature;   // 0 = greedy (argmax, lowest index on ties)
+  int32_t top_k;       // 0 = off
+  float top_p;         // 1 = off
+  uint32_t pad_;
+  uint64_t seed;       // with the position, keys a counter-based RNG: same seed, same tokens
+};
+size_t sampling_scratch_bytes(int vocab);
+// Reads *pos (device) as the RNG counter; writes the token to *token_out (device).
+void sample(const float* logits, int vocab, const SamplingConfig* cfg, const int32_t* pos,
+            void* scratch, int32_t* token_out, cudaStream_t stream);
+
+// ---------------------------------------------------------------------------------------
+// stream_read.cu: the read-bandwidth ceiling. Reads n_bytes (multiple of 16) once with 16-byte
+// loads and writes a tiny checksum to sink[0] so the reads cannot be elided.
+void stream_read(const void* data, size_t n_bytes, uint32_t* sink, cudaStream_t stream);
+
+}  // namespace atomflow::kernels

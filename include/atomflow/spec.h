@@ -1,0 +1,38 @@
+// ModelSpec: the C++ mirror of atomflow/spec.py's validated dataclass. Plain data, no logic
+// beyond derived sizes; Python validates, C++ trusts (and asserts what kernels need).
+#pragma once
+#include <cstdint>
+
+namespace atomflow {
+
+enum class RopeType : int32_t { Default = 0, Llama3 = 1 };
+
+struct ModelSpec {
+  int32_t vocab_size = 0;
+  int32_t hidden_size = 0;        // d
+  int32_t intermediate_size = 0;  // ffn
+  int32_t num_layers = 0;
+  int32_t num_heads = 0;          // query heads
+  int32_t num_kv_heads = 0;       // GQA: num_heads % num_kv_heads == 0
+  int32_t head_dim = 0;           // 64 or 128
+  float rms_norm_eps = 1e-5f;
+  float rope_theta = 10000.0f;
+  RopeType rope_type = RopeType::Default;
+  float rope_factor = 1.0f;
+  float rope_low_freq_factor = 1.0f;
+  float rope_high_freq_factor = 4.0f;
+  int32_t rope_original_max_position_embeddings = 0;
+  int32_t max_position_embeddings = 0;
+  bool tie_word_embeddings = false;
+  bool lm_head_fp8 = true;        // false: lm_head is bf16 (or the embedding itself when tied)
+
+  int32_t q_dim() const { return num_heads * head_dim; }
+  int32_t kv_dim() const { return num_kv_heads * head_dim; }
+  int32_t qkv_dim() const { return q_dim() + 2 * kv_dim(); }
+  int32_t group_size() const { return num_heads / num_kv_heads; }
+};
+
+// FP8 quantization: one fp32 scale per output row per this many input columns.
+constexpr int kQuantGroup = 128;
+
+}  // namespace atomflow

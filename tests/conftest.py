@@ -1,0 +1,57 @@
+"""Shared fixtures: a tiny random Llama (HF directory) and its quantized .atomflow file, made
+once per session; GPU tests skipped cleanly where there is no CUDA core or no GPU."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_tool(name: str):
+    """Import tools/<name>.py as a module (tools/ is scripts, not a package)."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _cuda_status() -> tuple[bool, str]:
+    from atomflow.device import cuda_status
+    return cuda_status()
+
+
+def pytest_collection_modifyitems(config, items):
+    ok, why = _cuda_status()
+    if ok:
+        return
+    skip = pytest.mark.skip(reason=f"gpu: {why}")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def make_tiny_model():
+    return load_tool("make_tiny_model")
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_dir(tmp_path_factory, make_tiny_model) -> Path:
+    out = tmp_path_factory.mktemp("hf") / "tiny"
+    make_tiny_model.make_model(out, preset="tiny", seed=0)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_model_file(tmp_path_factory, tiny_hf_dir) -> Path:
+    from atomflow.quantize import quantize
+    out = tmp_path_factory.mktemp("model") / "tiny.atomflow"
+    quantize(tiny_hf_dir, out, progress=False, log=lambda s: None)
+    return out
