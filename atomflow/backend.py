@@ -10,6 +10,7 @@ the same contract, so the facade, the tests and the validator treat them alike:
 """
 from __future__ import annotations
 
+import sys
 from typing import Iterator
 
 import numpy as np
@@ -69,6 +70,7 @@ def make_backend(name: str, model: AtomflowFile, max_context: int, eager: bool =
     if not ok:
         if name == "cuda":
             raise BackendUnavailableError(f"cuda backend unavailable: {why}")
+        print(f"atomflow: running on the CPU backend (slow): {why}", file=sys.stderr)
         return CpuBackend(model, max_context)
     from .backend_cuda import CudaBackend
     return CudaBackend(model, max_context, eager=eager, verbose=verbose)

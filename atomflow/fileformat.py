@@ -142,10 +142,14 @@ class FileWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.finish()
-        else:
+        if exc_type is not None:
             self.abort()
+            return
+        try:
+            self.finish()
+        except BaseException:
+            self.abort()
+            raise
 
 
 # ---------------------------------------------------------------------------------------
@@ -269,7 +273,10 @@ class AtomflowFile:
         return total - (0 if "lm_head" not in self.tensors else self.tensors["embed"].nbytes)
 
     def close(self) -> None:
-        self._mm.close()
+        try:
+            self._mm.close()
+        except BufferError:  # arrays still view the map; it closes when they are gone
+            pass
 
     def __enter__(self):
         return self

@@ -8,6 +8,7 @@ turns overflow into NaN rather than saturating.
 from __future__ import annotations
 
 import json
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -161,7 +162,7 @@ def resolve_hf_dir(model: str | Path) -> Path:
     p = Path(model)
     if p.is_dir():
         return p
-    if "/" in str(model) and not p.exists():
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", str(model)) and not p.exists():  # looks like org/name
         from huggingface_hub import snapshot_download
         try:
             return Path(snapshot_download(str(model), local_files_only=True))

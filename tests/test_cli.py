@@ -1,0 +1,85 @@
+"""The `atomflow` command as a user runs it: quantize -> info -> run, download from the local
+HF cache when offline, and one-line errors with exit code 1 for bad input."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def atomflow(*args, env=None, check=True):
+    r = subprocess.run([sys.executable, "-m", "atomflow.cli", *map(str, args)], capture_output=True, text=True,
+                       env={**os.environ, **(env or {})}, timeout=600)
+    if check and r.returncode != 0:
+        raise AssertionError(f"atomflow {args} -> {r.returncode}\n{r.stderr}")
+    return r
+
+
+def test_quantize_info_run(tiny_hf_dir, tmp_path):
+    out = tmp_path / "tiny.atomflow"
+    r = atomflow("quantize", tiny_hf_dir, "-o", out, "-q")
+    assert "wrote" in r.stdout and out.is_file()
+    assert "relative quantization error" in r.stderr and "lm_head" in r.stderr
+
+    info = json.loads(atomflow("info", out, "--json", "--verify").stdout)
+    assert info["spec"]["num_layers"] == 3 and info["quantization"]["lm_head"] == "fp8"
+    assert info["checksum_verified"] and info["source"]["path"] == str(tiny_hf_dir.resolve())
+    assert "checksum" in atomflow("info", out).stdout
+
+    r = atomflow("run", out, "--prompt", "Tell me a story", "-n", "12", "--temperature", "0", "--backend", "cpu",
+                 "--ignore-eos")
+    assert r.stdout.strip(), "no text streamed"
+    for field in ("load time", "prompt eval", "eval time", "tokens per second", "backend cpu"):
+        assert field in r.stderr
+    again = atomflow("run", out, "--prompt", "Tell me a story", "-n", "12", "--temperature", "0", "--backend",
+                     "cpu", "--ignore-eos", "-q")
+    assert again.stdout == r.stdout  # greedy: same text
+
+
+def _error_line(r) -> str:
+    assert r.returncode == 1, r.stderr
+    lines = [x for x in r.stderr.splitlines() if x.startswith("atomflow: error:")]
+    assert len(lines) == 1, r.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["run", "{missing}", "-p", "hi"], "no such model file"),
+    (["run", "{garbage}", "-p", "hi"], "not an atomflow file"),
+    (["run", "{model}", "-p", "hi", "--top-p", "1.5", "--backend", "cpu"], "top_p"),
+    (["run", "{model}", "-p", "hi", "--temperature", "-1", "--backend", "cpu"], "temperature"),
+    (["run", "{model}", "-p", "word " * 40, "--max-context", "8", "--backend", "cpu"], "does not fit max_context 8"),
+    (["info", "{garbage}"], "not an atomflow file"),
+    (["quantize", "{missing}", "-o", "{out}"], "no such model directory"),
+])
+def test_bad_input_is_one_line(tiny_model_file, tmp_path, args, needle):
+    garbage = tmp_path / "garbage.atomflow"
+    garbage.write_bytes(os.urandom(4096))
+    subst = dict(missing=tmp_path / "nope.atomflow", garbage=garbage, model=tiny_model_file, out=tmp_path / "o")
+    r = atomflow(*[a.format(**subst) for a in args], check=False)
+    assert needle in _error_line(r)
+    assert not (tmp_path / "o").exists()
+
+
+def test_download_offline_from_cache(tiny_hf_dir, tmp_path):
+    """The download path against local data: an HF cache holding the model, the Hub unreachable."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    snap = tmp_path / "cache" / "models--org--tiny" / "snapshots" / commit
+    snap.mkdir(parents=True)
+    (tmp_path / "cache" / "models--org--tiny" / "refs").mkdir()
+    (tmp_path / "cache" / "models--org--tiny" / "refs" / "main").write_text(commit)
+    for f in tiny_hf_dir.iterdir():
+        (snap / f.name).symlink_to(f)
+    env = dict(HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(tmp_path / "cache"))
+    target = tmp_path / "dl"
+    r = atomflow("download", "org/tiny", "--dir", target, env=env)
+    assert "downloaded" in r.stdout
+    assert (target / "config.json").is_file() and not (target / "config.json").is_symlink()
+    out = tmp_path / "m.atomflow"
+    atomflow("quantize", target, "-o", out, "-q")
+    src = json.loads(atomflow("info", out, "--json").stdout)["source"]
+    assert src["repo_id"] == "org/tiny" and src["revision"] == commit
+
+    r = atomflow("download", "org/absent", "--dir", tmp_path / "x", env=env, check=False)
+    assert "not in the local cache" in _error_line(r)
