@@ -7,9 +7,12 @@ turns overflow into NaN rather than saturating.
 """
 from __future__ import annotations
 
+import collections
 import json
+import os
 import re
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,7 +26,8 @@ from .fileformat import FORMAT_NAME, FORMAT_VERSION, FileWriter, expected_tensor
 from .spec import QUANT_GROUP, ModelSpec
 
 FP8_MAX = 448.0
-CHUNK_BYTES = 64 << 20  # fp32 bytes of one row block in flight
+CHUNK_BYTES = 8 << 20   # fp32 bytes of one row block
+MAX_THREADS = 8         # row blocks quantized in parallel (numpy releases the GIL); bounds memory too
 SOURCE_DTYPES = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}
 SOURCE_FILE = ".atomflow-source.json"  # written by `atomflow download`: repo id and revision
 
@@ -92,7 +96,10 @@ class _Source:
             yield np.asarray(sl[a:min(a + step, shape[0])], dtype=np.float32)
 
     def vector(self, name: str, n: int) -> np.ndarray:
-        return next(self.rows(name, (n,)))
+        sl = self.slice(name)
+        if tuple(sl.get_shape()) != (n,):
+            raise UnsupportedModelError(f"{name}: shape {sl.get_shape()}, config.json implies [{n}]")
+        return np.asarray(sl[:], dtype=np.float32)
 
 
 @dataclass
@@ -100,10 +107,15 @@ class _ErrStats:
     """Relative quantization error ||W - W'|| / ||W|| of each matrix, accumulated over row blocks."""
     err: dict[str, list[float]] = field(default_factory=dict)
 
-    def add(self, key: str, w: np.ndarray, q: np.ndarray, s: np.ndarray) -> None:
+    def add(self, key: str, sums: tuple[float, float]) -> None:
         e = self.err.setdefault(key, [0.0, 0.0])
-        e[0] += float(np.square(w - dequantize_rows(q, s), dtype=np.float64).sum())
-        e[1] += float(np.square(w, dtype=np.float64).sum())
+        e[0] += sums[0]
+        e[1] += sums[1]
+
+    @staticmethod
+    def sums(w: np.ndarray, q: np.ndarray, s: np.ndarray) -> tuple[float, float]:
+        return (float(np.square(w - dequantize_rows(q, s)).sum(dtype=np.float64)),
+                float(np.square(w).sum(dtype=np.float64)))
 
     def rel(self, key: str) -> float:
         num, den = self.err[key]
@@ -201,16 +213,31 @@ def quantize(hf_dir: str | Path, out: str | Path, lm_head: str = "fp8", progress
         for block in src.rows(hf_name, shape):
             write(w, name, block.astype(ml_dtypes.bfloat16))
 
+    def quantize_block(block: np.ndarray):
+        q, s = quantize_rows(block)
+        return q, s, _ErrStats.sums(block, q, s)
+
     def write_fp8(w: FileWriter, name: str, parts: list[tuple[str, tuple[int, int]]], key: str) -> None:
-        scales = []
+        """Row blocks are quantized by a thread pool, at most 2 x threads in flight, written in order."""
+        scales, pending = [], collections.deque()
+
+        def drain_one():
+            q, s, sums = pending.popleft().result()
+            stats.add(key, sums)
+            write(w, name, q)
+            scales.append(s)
+
         for hf_name, shape in parts:
             for block in src.rows(hf_name, shape):
-                q, s = quantize_rows(block)
-                stats.add(key, block, q, s)
-                write(w, name, q)
-                scales.append(s)
+                pending.append(pool.submit(quantize_block, block))
+                if len(pending) >= 2 * threads:
+                    drain_one()
+        while pending:
+            drain_one()
         write(w, name + ".scale", np.concatenate(scales))
 
+    threads = max(1, min(MAX_THREADS, os.cpu_count() or 1))
+    pool = ThreadPoolExecutor(threads)
     try:
         with FileWriter(out, tensors, _metadata(hf_dir, spec, head_mode, SOURCE_DTYPES[first])) as w:
             write_bf16(w, "embed", "model.embed_tokens.weight", (spec.vocab_size, d))
@@ -233,6 +260,7 @@ def quantize(hf_dir: str | Path, out: str | Path, lm_head: str = "fp8", progress
                 write_bf16(w, "lm_head", head_src, (spec.vocab_size, d))
     finally:
         bar.close()
+        pool.shutdown(cancel_futures=True)
 
     summary = dict(path=str(out), bytes=Path(out).stat().st_size, spec=spec.to_dict(), lm_head=head_mode,
                    source_dtypes=sorted(src.dtypes), errors={k: stats.rel(k) for k in stats.err})
