@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One call on a GPU machine: build in place, run the GPU tests, time decode on the 3B and 8B
+# presets, write OUTDIR/summary.json and print a short table last.
+#   bash scripts/gpu_check.sh OUTDIR            (PRESETS=llama-3.2-3b,llama-3.1-8b by default;
+#                                                PYTEST_ARGS adds pytest options, SKIP_TESTS=1 skips)
+set -uo pipefail
+OUT=${1:?usage: scripts/gpu_check.sh OUTDIR}
+mkdir -p "$OUT"
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
+echo "== build"
+if ! python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1; then
+  tail -40 "$OUT/build.log"; echo "gpu_check: build failed (log: $OUT/build.log)"; exit 1
+fi
+grep -E "registers|spill|bytes stack" "$OUT/build.log" > "$OUT/ptxas.txt" 2>/dev/null
+
+rc=0
+if [ "${SKIP_TESTS:-0}" != "1" ]; then
+  echo "== pytest -m gpu"
+  python3 -m pytest -m gpu -q -rfE ${PYTEST_ARGS:-} --junitxml="$OUT/gpu_tests.xml" > "$OUT/gpu_tests.log" 2>&1 || rc=$?
+  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -25
+fi
+
+echo "== decode timings"
+python3 tools/gpu_bench.py --out "$OUT/summary.json" --presets "${PRESETS:-llama-3.2-3b,llama-3.1-8b}" \
+  --tests-xml "$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/bench.log" | tail -12 || rc=1
+exit $rc

@@ -1,0 +1,115 @@
+"""tools/make_tiny_model.py builds every model our tests and benchmarks run on, so it must write
+what Hugging Face would: a directory transformers loads (both config styles), consistent shards,
+the same bytes for the same seed, and the parameter counts of the real Llama shapes."""
+import json
+import math
+
+import ml_dtypes  # noqa: F401  (lets safetensors' numpy API read bf16)
+import numpy as np
+import pytest
+from safetensors import safe_open
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+
+def _tensors(d):
+    """name -> (file, array) for every tensor in every shard."""
+    out = {}
+    for f in sorted(d.glob("*.safetensors")):
+        with safe_open(str(f), "np") as h:
+            for k in h.keys():
+                out[k] = (f.name, h.get_tensor(k))
+    return out
+
+
+@pytest.mark.parametrize("version", [4, 5])
+def test_loads_in_transformers_with_both_config_styles(tmp_path, make_tiny_model, version):
+    d = make_tiny_model.make_model(tmp_path / "m", preset="tiny", seed=0, transformers_version=version)
+    cfg = json.loads((d / "config.json").read_text())
+    if version == 4:
+        assert {"rope_scaling", "rope_theta", "torch_dtype"} <= cfg.keys() and "rope_parameters" not in cfg
+    else:
+        assert {"rope_parameters", "dtype"} <= cfg.keys() and not {"rope_scaling", "rope_theta"} & cfg.keys()
+    model = transformers.LlamaForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(d)
+    rope = model.config.rope_parameters
+    assert (rope["rope_type"], rope["factor"], rope["original_max_position_embeddings"], rope["rope_theta"]) == \
+        ("llama3", 8.0, 64, 500000.0)
+    assert model.config.tie_word_embeddings and model.config.vocab_size == len(tok) == 1024
+
+    ids = tok("The history of computing is a history of memory.", return_tensors="pt").input_ids
+    assert ids[0, 0].item() == tok.convert_tokens_to_ids("<|begin_of_text|>")
+    with torch.no_grad():
+        out = model(ids, output_hidden_states=True)
+        greedy = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False)
+    logits = out.logits[0, -1]
+    assert torch.isfinite(out.logits).all()
+    # activations neither vanish nor explode; logits are peaked but not one-hot
+    rms = [h[0].pow(2).mean().sqrt().item() for h in out.hidden_states[1:-1]]
+    assert all(0.3 < r < 10 for r in rms), rms
+    assert 1.0 < logits.std().item() < 4.0
+    assert 0.01 < logits.softmax(-1).max().item() < 0.9
+    assert len(set(greedy[0, ids.shape[1]:].tolist())) >= 8  # greedy does not lock onto one token
+
+
+def test_sharded_index_is_consistent(tiny_hf_dir, make_tiny_model):
+    index = json.loads((tiny_hf_dir / "model.safetensors.index.json").read_text())
+    tensors = _tensors(tiny_hf_dir)
+    shapes = make_tiny_model.hf_tensor_shapes("tiny")
+    assert len({f for f, _ in tensors.values()}) == 2  # the tiny preset always exercises sharding
+    assert index["weight_map"] == {k: f for k, (f, _) in tensors.items()}
+    assert list(shapes) == list(index["weight_map"])
+    assert {k: a.shape for k, (_, a) in tensors.items()} == shapes
+    assert index["metadata"]["total_size"] == sum(a.nbytes for _, a in tensors.values())
+    assert all(a.dtype == ml_dtypes.bfloat16 for _, a in tensors.values())
+    assert "lm_head.weight" not in tensors
+
+
+def test_same_seed_same_bytes(tmp_path, make_tiny_model):
+    a = make_tiny_model.make_model(tmp_path / "a", seed=7, threads=1)
+    b = make_tiny_model.make_model(tmp_path / "b", seed=7, threads=4)  # thread count must not matter
+    c = make_tiny_model.make_model(tmp_path / "c", seed=8)
+    for f in sorted(p.name for p in a.iterdir()):
+        assert (a / f).read_bytes() == (b / f).read_bytes(), f
+    ta, tc = _tensors(a), _tensors(c)
+    assert not np.array_equal(ta["model.layers.0.mlp.up_proj.weight"][1], tc["model.layers.0.mlp.up_proj.weight"][1])
+    assert (a / "tokenizer.json").read_bytes() == (c / "tokenizer.json").read_bytes()
+
+
+def test_untied_writes_lm_head(tmp_path, make_tiny_model):
+    d = make_tiny_model.make_model(tmp_path / "u", untied=True, dtype="fp32", num_layers=1)
+    assert json.loads((d / "config.json").read_text())["tie_word_embeddings"] is False
+    t = _tensors(d)
+    head, embed = t["lm_head.weight"][1], t["model.embed_tokens.weight"][1]
+    assert head.shape == embed.shape and head.dtype == np.float32 and not np.array_equal(head, embed)
+    model = transformers.LlamaForCausalLM.from_pretrained(d, dtype=torch.float32)
+    assert np.array_equal(model.lm_head.weight.detach().numpy(), head)
+
+
+def test_cli_single_file_when_under_shard_size(tmp_path, make_tiny_model):
+    assert make_tiny_model.main([str(tmp_path / "s"), "--num-layers", "2", "--shard-size-mb", "100",
+                                 "--dtype", "fp16", "--seed", "3"]) == 0
+    files = sorted(p.name for p in (tmp_path / "s").iterdir())
+    assert "model.safetensors" in files and "model.safetensors.index.json" not in files
+    assert json.loads((tmp_path / "s" / "config.json").read_text())["num_hidden_layers"] == 2
+
+
+@pytest.mark.parametrize("preset, params, tied", [  # the real checkpoints' counts (1.24B, 3.21B, 8.03B)
+    ("llama-3.2-1b", 1_235_814_400, True), ("llama-3.2-3b", 3_212_749_824, True),
+    ("llama-3.1-8b", 8_030_261_248, False)])
+def test_preset_shapes_match_llama(make_tiny_model, preset, params, tied):
+    """Computed, not written: the shapes give the real models' exact parameter counts."""
+    shapes = make_tiny_model.hf_tensor_shapes(preset)
+    assert shapes["model.embed_tokens.weight"][0] == 128256
+    assert ("lm_head.weight" not in shapes) == tied
+    assert sum(math.prod(s) for s in shapes.values()) == params
+
+
+def test_generation_config_and_specials(tiny_hf_dir):
+    gen = json.loads((tiny_hf_dir / "generation_config.json").read_text())
+    vocab = json.loads((tiny_hf_dir / "tokenizer.json").read_text())["added_tokens"]
+    ids = {t["content"]: t["id"] for t in vocab}
+    assert gen["eos_token_id"] == [ids["<|end_of_text|>"], ids["<|eot_id|>"]]
+    assert (gen["bos_token_id"], gen["temperature"], gen["top_p"], gen["do_sample"]) == \
+        (ids["<|begin_of_text|>"], 0.6, 0.9, True)
