@@ -8,6 +8,7 @@ turns overflow into NaN rather than saturating.
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import re
@@ -63,43 +64,48 @@ class _Source:
                 with safe_open(shard, "numpy") as f:
                     weight_map.update({k: shard.name for k in f.keys()})
         self.dir, self.weight_map = hf_dir, weight_map
-        self._open: dict[str, object] = {}
         self.dtypes: set[str] = set()
 
     def has(self, name: str) -> bool:
         return name in self.weight_map
 
+    @contextlib.contextmanager
     def slice(self, name: str):
+        """The tensor's lazy slice. The shard is opened for this tensor only: safetensors maps the
+        file, and pages a mapping touched count as ours until it is closed, so a shard held
+        open would grow the process by the whole checkpoint."""
         if name not in self.weight_map:
             raise UnsupportedModelError(f"{self.dir}: checkpoint has no tensor {name!r}")
-        shard = self.weight_map[name]
-        if shard not in self._open:
-            path = self.dir / shard
-            if not path.is_file():
-                raise FileNotFoundError(f"{path}: shard named in the index is missing")
-            self._open[shard] = safe_open(path, "numpy")
-        sl = self._open[shard].get_slice(name)
-        dt = sl.get_dtype()
-        if dt not in SOURCE_DTYPES:
-            raise UnsupportedModelError(f"{name}: source dtype {dt} (supported: bf16, fp16, fp32)")
-        self.dtypes.add(SOURCE_DTYPES[dt])
-        return sl
+        path = self.dir / self.weight_map[name]
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: shard named in the index is missing")
+        with safe_open(path, "numpy") as f:
+            sl = f.get_slice(name)
+            dt = sl.get_dtype()
+            if dt not in SOURCE_DTYPES:
+                raise UnsupportedModelError(f"{name}: source dtype {dt} (supported: bf16, fp16, fp32)")
+            self.dtypes.add(SOURCE_DTYPES[dt])
+            yield sl
+
+    def dtype(self, name: str) -> str:
+        with self.slice(name) as sl:
+            return sl.get_dtype()
 
     def rows(self, name: str, shape: tuple[int, ...]):
         """Yields fp32 row blocks of a 2-D tensor, checking its shape."""
-        sl = self.slice(name)
-        got = tuple(sl.get_shape())
-        if got != shape:
-            raise UnsupportedModelError(f"{name}: shape {list(got)}, config.json implies {list(shape)}")
-        step = max(1, CHUNK_BYTES // (4 * shape[-1]))
-        for a in range(0, shape[0], step):
-            yield np.asarray(sl[a:min(a + step, shape[0])], dtype=np.float32)
+        with self.slice(name) as sl:
+            got = tuple(sl.get_shape())
+            if got != shape:
+                raise UnsupportedModelError(f"{name}: shape {list(got)}, config.json implies {list(shape)}")
+            step = max(1, CHUNK_BYTES // (4 * shape[-1]))
+            for a in range(0, shape[0], step):
+                yield np.asarray(sl[a:min(a + step, shape[0])], dtype=np.float32)
 
     def vector(self, name: str, n: int) -> np.ndarray:
-        sl = self.slice(name)
-        if tuple(sl.get_shape()) != (n,):
-            raise UnsupportedModelError(f"{name}: shape {sl.get_shape()}, config.json implies [{n}]")
-        return np.asarray(sl[:], dtype=np.float32)
+        with self.slice(name) as sl:
+            if tuple(sl.get_shape()) != (n,):
+                raise UnsupportedModelError(f"{name}: shape {sl.get_shape()}, config.json implies [{n}]")
+            return np.asarray(sl[:], dtype=np.float32)
 
 
 @dataclass
@@ -196,7 +202,7 @@ def quantize(hf_dir: str | Path, out: str | Path, lm_head: str = "fp8", progress
     src = _Source(hf_dir)
     head_mode = "tied" if (lm_head == "bf16" and spec.tie_word_embeddings) else lm_head
     head_src = "model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"
-    first = src.slice("model.embed_tokens.weight").get_dtype()
+    first = src.dtype("model.embed_tokens.weight")
     tensors = expected_tensors(spec, head_mode)
     stats = _ErrStats()
     d, f = spec.hidden_size, spec.intermediate_size
