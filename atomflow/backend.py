@@ -50,6 +50,28 @@ class CpuBackend:
             raise ValueError(f"rollback to {position}: must be in [0, {self.ref.pos}]")
         self.ref.pos = position
 
+    def probed_prefill(self, ids: np.ndarray) -> dict[str, np.ndarray]:
+        """prefill() that also returns the validator's probes: "attn_norm.3" -> [M, d], ...,
+        "final_norm" and "logits" -> [1, ...] (the last position)."""
+        return self._probed(lambda: self.prefill(ids))
+
+    def probed_decode(self, token: int) -> dict[str, np.ndarray]:
+        return self._probed(lambda: self.decode(token))
+
+    def _probed(self, run) -> dict[str, np.ndarray]:
+        got: dict[str, list[np.ndarray]] = {}
+
+        def probe(name: str, layer: int, a: np.ndarray) -> None:
+            got.setdefault(name if layer < 0 else f"{name}.{layer}", []).append(np.array(a, dtype=np.float32))
+
+        self.ref.probe = probe
+        try:
+            run()
+        finally:
+            self.ref.probe = None
+        # a long prompt runs in chunks: the last chunk's final_norm/logits are the last position
+        return {k: (v[-1] if k in ("final_norm", "logits") else np.concatenate(v)) for k, v in got.items()}
+
     def generate_ids(self, prompt_ids: np.ndarray, params: SamplingParams) -> Iterator[int]:
         self.reset()
         logits = self.prefill(prompt_ids)

@@ -100,6 +100,23 @@ def cmd_run(a) -> int:
     return 0
 
 
+# -- validate -----------------------------------------------------------------------------
+def cmd_validate(a) -> int:
+    from .engine import Engine
+    from .validate import format_table, rows_json, validate, verdict_line
+    eng = Engine.load(a.model, backend=a.backend, max_context=a.max_context, verbose=a.verbose)
+    rows = validate(eng, a.ground_truth)
+    if a.json:
+        print(rows_json(rows))
+    else:
+        shown = rows if a.all else [r for r in rows if r.verdict != "PASS" or r.probe in ("layer_out", "logits")]
+        print(format_table(shown))
+        if len(shown) < len(rows):
+            print(f"({len(rows) - len(shown)} more PASS rows: --all shows every probe)")
+    print(f"atomflow validate ({eng.backend_name}): {verdict_line(rows)}", file=sys.stderr)
+    return 1 if any(r.verdict == "FAIL" for r in rows) else 0
+
+
 # -- download -----------------------------------------------------------------------------
 def cmd_download(a) -> int:
     from .download import download
@@ -143,6 +160,16 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("-v", "--verbose", action="store_true")
     r.add_argument("-q", "--quiet", action="store_true", help="no timing summary")
     r.set_defaults(fn=cmd_run)
+
+    v = sub.add_parser("validate", help="compare every layer's activations with Hugging Face dumps")
+    v.add_argument("model")
+    v.add_argument("--ground-truth", required=True, help="directory from tools/gen_ground_truth.py")
+    v.add_argument("--backend", choices=["auto", "cuda", "cpu"], default="auto")
+    v.add_argument("--max-context", type=int, default=None)
+    v.add_argument("--json", action="store_true", help="every row as JSON")
+    v.add_argument("--all", action="store_true", help="print every probe, not only layer outputs and problems")
+    v.add_argument("-v", "--verbose", action="store_true")
+    v.set_defaults(fn=cmd_validate)
 
     d = sub.add_parser("download", help="download a Hugging Face model (resumable)")
     d.add_argument("repo_id")

@@ -42,15 +42,18 @@ def test_loads_in_transformers_with_both_config_styles(tmp_path, make_tiny_model
     assert ids[0, 0].item() == tok.convert_tokens_to_ids("<|begin_of_text|>")
     with torch.no_grad():
         out = model(ids, output_hidden_states=True)
-        greedy = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False)
+        torch.manual_seed(0)
+        sampled = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=True,
+                                 temperature=1.0, top_k=0, top_p=1.0)
     logits = out.logits[0, -1]
     assert torch.isfinite(out.logits).all()
-    # activations neither vanish nor explode; logits are peaked but not one-hot
-    rms = [h[0].pow(2).mean().sqrt().item() for h in out.hidden_states[1:-1]]
-    assert all(0.3 < r < 10 for r in rms), rms
-    assert 1.0 < logits.std().item() < 4.0
-    assert 0.01 < logits.softmax(-1).max().item() < 0.9
-    assert len(set(greedy[0, ids.shape[1]:].tolist())) >= 8  # greedy does not lock onto one token
+    # the residual stream starts at the embedding's RMS (1/16) and grows, neither vanishing nor exploding
+    rms = [h[0].pow(2).mean().sqrt().item() for h in out.hidden_states]
+    assert 0.05 < rms[0] < 0.08 and all(a < b < 10 for a, b in zip(rms, rms[1:])), rms
+    # logits are informative but not one-hot, so sampling at T = 1 varies
+    assert 0.5 < logits.std().item() < 4.0
+    assert 1 / 1024 < logits.softmax(-1).max().item() < 0.9
+    assert len(set(sampled[0, ids.shape[1]:].tolist())) >= 8
 
 
 def test_sharded_index_is_consistent(tiny_hf_dir, make_tiny_model):

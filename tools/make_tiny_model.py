@@ -21,17 +21,14 @@ model may emit ids the tokenizer does not know (the detokenizer must map them to
 Weights (seeded, deterministic, independent of the number of threads): every tensor is cut into
 fixed chunks of CHUNK elements, each drawn from its own numpy generator keyed by
 (seed, tensor index, chunk index), in a thread pool, and streamed straight to the shard file,
-so memory stays at a few chunks however big the model is (llama-3.1-8b: 12 s, 0.74 GB peak RSS
-on a 16-core host; llama-3.2-1b: 11 s on 2 cores). Same bytes on numpy 2.4 and 2.5. Scales keep activations O(1) through
-the layers and the logits peaked enough that greedy decoding of the tiny model varies:
-  v/gate/up:     N(0, 1/fan_in)          unit-variance outputs from a unit-RMS normed input
-  q/k:           N(0, 4/fan_in)          attention scores of std ~4: sharp, position-dependent
-  o/down:        N(0, 16/(2 L fan_in))   the residual stream ends at RMS ~3 whatever L is
-  embed/lm_head: N(0, 4/hidden)          logit std ~2 after the final norm
+so memory stays at a few chunks however big the model is. The scales make the residual stream
+dominated by the skip path, as in a trained model, so FP8 quantization error stays small
+through the layers (the validator's original-weights thresholds hold) instead of compounding
+chaotically; the price is that greedy decoding of a random model soon repeats itself:
+  q/k/v/gate/up: N(0, 1/fan_in)        (unit-variance outputs from a unit-RMS normed input)
+  o/down:        N(0, 0.04/fan_in)     (each layer adds a small update to the residual stream)
+  embed/lm_head: N(0, 1/hidden)        (small enough that sampling at T ~ 1 still varies)
   norms:         1 + N(0, 0.05^2)
-With tied embeddings a small residual stream lets the token's own embedding dominate its logits
-and greedy decoding repeats one token; the o/down gain above is what keeps the tiny model's
-greedy output varied (checked over several prompts and seeds).
 """
 
 from __future__ import annotations
@@ -205,11 +202,9 @@ def _init_stats(name: str, shape: tuple[int, ...], p: Preset) -> tuple[float, fl
     if name.endswith("norm.weight"):
         return 1.0, 0.05
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
-        return 0.0, 2.0 / math.sqrt(p.hidden)
-    if name.endswith(("q_proj.weight", "k_proj.weight")):
-        return 0.0, 2.0 / math.sqrt(shape[1])
+        return 0.0, 1.0 / math.sqrt(p.hidden)
     if name.endswith(("o_proj.weight", "down_proj.weight")):
-        return 0.0, 4.0 / math.sqrt(2 * p.layers * shape[1])
+        return 0.0, 0.2 / math.sqrt(shape[1])
     return 0.0, 1.0 / math.sqrt(shape[1])
 
 
