@@ -1,0 +1,371 @@
+// The engine's life cycle (plan, allocate, load, capture, free) and its public API: prefill,
+// decode, position control, sampling settings and pipelined generation over a pinned token ring.
+#include "atomflow/engine.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <stdexcept>
+
+#include "layout.h"
+#include "step_kernels.h"
+
+namespace atomflow {
+
+namespace {
+
+// Free device memory left beyond the arena for what the driver allocates on our behalf
+// (kernel images, the instantiated graph, the sampling and attention launch state).
+constexpr size_t kHeadroom = size_t(128) << 20;
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+kernels::SamplingConfig greedy() { return kernels::SamplingConfig{0.0f, 0, 1.0f, 0u, 0ull}; }
+
+// Throws when the arena does not fit, naming the largest max_context that would.
+void check_fits(const ModelSpec& spec, const ModelTensors& tensors, const Layout& layout, int max_context,
+                int prefill_chunk) {
+  size_t free_bytes = 0, total_bytes = 0;
+  AF_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+  const size_t needed = layout.plan.total() + kHeadroom;
+  if (needed <= free_bytes) return;
+  auto fits = [&](int ctx) {
+    return plan_layout(spec, tensors, ctx, prefill_chunk).plan.total() + kHeadroom <= free_bytes;
+  };
+  std::string msg = "not enough GPU memory: max_context " + std::to_string(max_context) + " needs " +
+                    format_bytes(needed) + " (" + layout.plan.summary() + ", plus " + format_bytes(kHeadroom) +
+                    " headroom), " + format_bytes(free_bytes) + " of " + format_bytes(total_bytes) + " is free; ";
+  if (!fits(1)) throw std::runtime_error(msg + "the weights alone do not fit");
+  int lo = 1, hi = max_context;  // fits(lo), !fits(hi)
+  while (hi - lo > 1) {
+    const int mid = lo + (hi - lo) / 2;
+    (fits(mid) ? lo : hi) = mid;
+  }
+  throw std::runtime_error(msg + "the largest max_context that fits is " + std::to_string(lo));
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------
+// life cycle
+
+Engine::Engine(const std::string& path, const ModelSpec& spec, const std::vector<TensorInfo>& tensors,
+               const std::vector<float>& inv_freq, const EngineOptions& options)
+    : spec_(spec), opt_(options) {
+  try {
+    init(path, tensors, inv_freq);
+  } catch (...) {
+    release();  // the arena member frees itself; the raw handles are ours
+    throw;
+  }
+}
+
+Engine::~Engine() { release(); }
+
+void Engine::init(const std::string& path, const std::vector<TensorInfo>& table, const std::vector<float>& inv_freq) {
+  const ModelSpec& s = spec_;
+  if (opt_.max_context < 1)
+    throw std::invalid_argument("max_context must be >= 1, got " + std::to_string(opt_.max_context));
+  if (opt_.prefill_chunk < 1)
+    throw std::invalid_argument("prefill_chunk must be >= 1, got " + std::to_string(opt_.prefill_chunk));
+  if (inv_freq.size() != static_cast<size_t>(s.head_dim / 2))
+    throw std::invalid_argument("inv_freq must hold head_dim / 2 = " + std::to_string(s.head_dim / 2) +
+                                " values, got " + std::to_string(inv_freq.size()));
+  AF_CHECK(s.vocab_size > 0 && s.hidden_size > 0 && s.intermediate_size > 0 && s.num_layers > 0 &&
+               s.num_heads > 0 && s.num_kv_heads > 0,
+           "every size in the model spec must be positive");
+  AF_CHECK(s.num_heads % s.num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
+  AF_CHECK(s.head_dim == 64 || s.head_dim == 128, "head_dim must be 64 or 128");
+  AF_CHECK(s.hidden_size % kQuantGroup == 0 && s.intermediate_size % kQuantGroup == 0 && s.q_dim() % kQuantGroup == 0,
+           "hidden_size, intermediate_size and num_heads * head_dim must be multiples of 128");
+
+  // Plan, check, allocate.
+  MappedFile file(path);
+  const ModelTensors tensors = resolve_tensors(s, table, file.size());
+  const Layout layout = plan_layout(s, tensors, opt_.max_context, opt_.prefill_chunk);
+  check_fits(s, tensors, layout, opt_.max_context, opt_.prefill_chunk);
+  if (opt_.verbose) std::fprintf(stderr, "atomflow: %s\n", layout.plan.summary().c_str());
+  arena_ = Arena(layout.plan.total());
+  ++allocations_;
+  plan_ = layout.plan.groups();
+  plan_.emplace_back("total", layout.plan.total());
+
+  // Carve.
+  buf_.embed = arena_.at<bf16>(layout.embed);
+  buf_.final_norm = arena_.at<bf16>(layout.final_norm);
+  buf_.lm_head = arena_.at<void>(layout.lm_head);
+  buf_.lm_head_scale = s.lm_head_fp8 ? arena_.at<float>(layout.lm_head_scale) : nullptr;
+  buf_.inv_freq = arena_.at<float>(layout.inv_freq);
+  for (const LayerSlots& l : layout.layers) {
+    buf_.layers.push_back(LayerPtrs{
+        arena_.at<bf16>(l.attn_norm), arena_.at<uint8_t>(l.wqkv), arena_.at<float>(l.wqkv_scale),
+        arena_.at<uint8_t>(l.wo), arena_.at<float>(l.wo_scale), arena_.at<bf16>(l.mlp_norm),
+        arena_.at<uint8_t>(l.w13), arena_.at<float>(l.w13_scale), arena_.at<uint8_t>(l.w2),
+        arena_.at<float>(l.w2_scale), arena_.at<bf16>(l.k_cache), arena_.at<bf16>(l.v_cache)});
+  }
+  buf_.x = arena_.at<float>(layout.x);
+  buf_.xn = arena_.at<bf16>(layout.xn);
+  buf_.qkv = arena_.at<float>(layout.qkv);
+  buf_.q = arena_.at<bf16>(layout.q);
+  buf_.attn_out = arena_.at<bf16>(layout.attn_out);
+  buf_.ffn = arena_.at<bf16>(layout.ffn);
+  buf_.logits = arena_.at<float>(layout.logits);
+  buf_.ids = arena_.at<int32_t>(layout.ids);
+  buf_.attn_scratch = arena_.at<void>(layout.attn_scratch);
+  buf_.sample_scratch = arena_.at<void>(layout.sample_scratch);
+  buf_.pos = arena_.at<int32_t>(layout.pos);
+  buf_.sample_pos = buf_.pos + 1;
+  buf_.token = arena_.at<int32_t>(layout.token);
+  buf_.sampling = arena_.at<kernels::SamplingConfig>(layout.sampling);
+
+  // Load the weights. load_seconds counts file -> device only (staging buffers included).
+  const auto t_load = std::chrono::steady_clock::now();
+  std::vector<CopyJob> jobs;
+  for (const auto& [t, offset] : layout.weight_slot) jobs.push_back(CopyJob{t->offset, t->nbytes, arena_.at<void>(offset)});
+  copy_to_device(file, jobs, LoadOptions{}, allocations_);
+  load_seconds_ = seconds_since(t_load);
+  AF_CUDA_CHECK(cudaMemcpy(arena_.at<float>(layout.inv_freq), inv_freq.data(), inv_freq.size() * sizeof(float), cudaMemcpyHostToDevice));
+  if (opt_.verbose) {
+    const size_t w = layout.plan.group_bytes("weights");
+    std::fprintf(stderr, "atomflow: loaded %s of weights in %.2f s (%.2f GB/s)\n", format_bytes(w).c_str(),
+                 load_seconds_, static_cast<double>(w) / 1e9 / std::max(load_seconds_, 1e-9));
+  }
+
+  // The stream every launch goes to, the per-step events, the pinned token ring and logits.
+  AF_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  for (cudaEvent_t& e : step_done_) AF_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  AF_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&ring_host_), kRingSize * sizeof(int32_t), cudaHostAllocMapped));
+  ++allocations_;
+  std::memset(ring_host_, 0, kRingSize * sizeof(int32_t));
+  AF_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&ring_dev_), ring_host_, 0));
+  AF_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&logits_host_), s.vocab_size * sizeof(float),
+                              cudaHostAllocDefault));
+  ++allocations_;
+
+  // Everything after the weights starts at zero: no stale NaN in a KV row or activation can
+  // leak into a result even through a kernel that reads past what it was given.
+  const size_t weights_end = layout.plan.group_bytes("weights");
+  AF_CUDA_CHECK(cudaMemsetAsync(arena_.at<char>(weights_end), 0, layout.plan.total() - weights_end, stream_));
+  step::write_pos(buf_.pos, 0, stream_);
+  step::write_sampling(buf_.sampling, greedy(), stream_);
+
+  // Warm-up: one eager step loads every kernel (lazy module loading cannot happen inside a
+  // capture) and surfaces a failing kernel here, with its own error, not as a graph failure.
+  try {
+    launch_step();
+    AF_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  } catch (const CudaError& e) {
+    throw CudaError(std::string("the decode step failed on its warm-up run (CUDA_LAUNCH_BLOCKING=1 names the "
+                                "kernel): ") + e.what());
+  }
+  if (!opt_.eager) capture_graph();
+  step::write_pos(buf_.pos, 0, stream_);
+  step::write_int(buf_.token, 0, stream_);
+  AF_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  host_pos_ = 0;
+}
+
+// Captures enqueue_decode_step() once. Its launches read pos, token and sampling from device
+// memory and write to fixed buffers, so replaying the graph is exactly one more step.
+void Engine::capture_graph() {
+  const std::string what = "capturing the decode step as a CUDA graph failed (ATOMFLOW_EAGER=1 runs without it): ";
+  cudaGraph_t graph = nullptr;
+  AF_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+  try {
+    enqueue_decode_step();
+  } catch (const std::exception& e) {
+    cudaStreamEndCapture(stream_, &graph);  // leave the stream usable whatever happened
+    if (graph) cudaGraphDestroy(graph);
+    cudaGetLastError();
+    throw std::runtime_error(what + e.what());
+  }
+  cudaError_t err = cudaStreamEndCapture(stream_, &graph);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    throw std::runtime_error(what + "cudaStreamEndCapture: " + cudaGetErrorString(err) +
+                             " (a launcher made a call that cannot be captured: a synchronization or an allocation?)");
+  }
+  size_t nodes = 0;
+  cudaGraphGetNodes(graph, nullptr, &nodes);
+  err = cudaGraphInstantiate(&graph_exec_, graph, 0);
+  cudaGraphDestroy(graph);
+  if (err != cudaSuccess) {
+    graph_exec_ = nullptr;
+    cudaGetLastError();
+    throw std::runtime_error(what + "cudaGraphInstantiate: " + cudaGetErrorString(err));
+  }
+  AF_CUDA_CHECK(cudaGraphUpload(graph_exec_, stream_));
+  if (opt_.verbose) std::fprintf(stderr, "atomflow: decode step captured as a CUDA graph (%zu nodes)\n", nodes);
+}
+
+void Engine::release() noexcept {
+  if (stream_) cudaStreamSynchronize(stream_);  // nothing may still read what is freed below
+  if (graph_exec_) cudaGraphExecDestroy(graph_exec_);
+  graph_exec_ = nullptr;
+  for (cudaEvent_t& e : step_done_) {
+    if (e) cudaEventDestroy(e);
+    e = nullptr;
+  }
+  if (stream_) cudaStreamDestroy(stream_);
+  stream_ = nullptr;
+  if (ring_host_) cudaFreeHost(ring_host_);
+  ring_host_ = ring_dev_ = nullptr;
+  if (logits_host_) cudaFreeHost(logits_host_);
+  logits_host_ = nullptr;
+  arena_ = Arena();
+}
+
+std::vector<std::pair<std::string, size_t>> Engine::plan() const { return plan_; }
+
+// ---------------------------------------------------------------------------------------
+// helpers
+
+void Engine::launch_step() {
+  if (graph_exec_)
+    AF_CUDA_CHECK(cudaGraphLaunch(graph_exec_, stream_));
+  else
+    enqueue_decode_step();
+}
+
+void Engine::require_idle(const char* what) const {
+  if (in_flight_ > 0)
+    throw std::runtime_error(std::string(what) + ": " + std::to_string(in_flight_) +
+                             " enqueued decode steps have not been waited for; call wait() or synchronize() first");
+}
+
+void Engine::check_token(int32_t token) const {
+  if (token < 0 || token >= spec_.vocab_size)
+    throw std::invalid_argument("token id " + std::to_string(token) + " is out of range [0, " +
+                                std::to_string(spec_.vocab_size) + ")");
+}
+
+void Engine::copy_logits_out(float* logits) {
+  const size_t bytes = static_cast<size_t>(spec_.vocab_size) * sizeof(float);
+  AF_CUDA_CHECK(cudaMemcpyAsync(logits_host_, buf_.logits, bytes, cudaMemcpyDeviceToHost, stream_));
+  AF_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  std::memcpy(logits, logits_host_, bytes);
+}
+
+// ---------------------------------------------------------------------------------------
+// prefill and decode
+
+void Engine::prefill(const int32_t* ids, int n, float* logits) {
+  std::lock_guard<std::mutex> lock(mu_);
+  require_idle("prefill");
+  if (n < 1) throw std::invalid_argument("prefill: the prompt is empty");
+  if (n > opt_.max_context - host_pos_)
+    throw std::invalid_argument("prompt of " + std::to_string(n) + " tokens at position " + std::to_string(host_pos_) +
+                                " does not fit max_context " + std::to_string(opt_.max_context));
+  for (int i = 0; i < n; ++i) {
+    if (ids[i] < 0 || ids[i] >= spec_.vocab_size)
+      throw std::invalid_argument("token id " + std::to_string(ids[i]) + " at index " + std::to_string(i) +
+                                  " is out of range [0, " + std::to_string(spec_.vocab_size) + ")");
+  }
+  // From pageable memory: returns once the ids are staged, so the caller's array may go.
+  AF_CUDA_CHECK(cudaMemcpyAsync(buf_.ids, ids, static_cast<size_t>(n) * sizeof(int32_t), cudaMemcpyHostToDevice,
+                                stream_));
+  int last_rows = 0;
+  for (int offset = 0; offset < n; offset += opt_.prefill_chunk) {
+    last_rows = std::min(opt_.prefill_chunk, n - offset);
+    enqueue_prefill_chunk(offset, last_rows);
+  }
+  enqueue_head(last_rows - 1);  // the chunk's rows are still in buf_.x; only the last one counts
+  host_pos_ += n;
+  copy_logits_out(logits);
+}
+
+void Engine::decode(int32_t token, float* logits) {
+  std::lock_guard<std::mutex> lock(mu_);
+  require_idle("decode");
+  check_token(token);
+  if (host_pos_ >= opt_.max_context)
+    throw std::runtime_error("context full: max_context " + std::to_string(opt_.max_context) + " reached");
+  step::write_int(buf_.token, token, stream_);
+  launch_step();
+  ++host_pos_;
+  copy_logits_out(logits);
+}
+
+// ---------------------------------------------------------------------------------------
+// position and sampling: tiny kernels on the stream, so they land between steps in order
+
+void Engine::set_position(int position) {
+  std::lock_guard<std::mutex> lock(mu_);
+  require_idle("set_position");
+  if (position < 0 || position > host_pos_)
+    throw std::invalid_argument("set_position(" + std::to_string(position) + "): a position can only roll back, to [0, " +
+                                std::to_string(host_pos_) + "]");
+  step::write_pos(buf_.pos, position, stream_);
+  host_pos_ = position;
+}
+
+void Engine::set_sampling(float temperature, int top_k, float top_p, uint64_t seed) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!(temperature >= 0.0f) || !std::isfinite(temperature))
+    throw std::invalid_argument("temperature must be finite and >= 0, got " + std::to_string(temperature));
+  if (top_k < 0) throw std::invalid_argument("top_k must be >= 0 (0 = off), got " + std::to_string(top_k));
+  if (!(top_p > 0.0f && top_p <= 1.0f))
+    throw std::invalid_argument("top_p must be in (0, 1] (1 = off), got " + std::to_string(top_p));
+  step::write_sampling(buf_.sampling, kernels::SamplingConfig{temperature, top_k, top_p, 0u, seed}, stream_);
+}
+
+// ---------------------------------------------------------------------------------------
+// pipelined generation
+
+void Engine::begin(int32_t token) {
+  std::lock_guard<std::mutex> lock(mu_);
+  check_token(token);
+  step::write_int(buf_.token, token, stream_);
+}
+
+void Engine::enqueue(int n) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (n < 0) throw std::invalid_argument("enqueue(n): n must be >= 0");
+  if (in_flight_ + n > kRingSize)
+    throw std::invalid_argument("enqueue(" + std::to_string(n) + "): " + std::to_string(in_flight_) +
+                                " steps already in flight and the token ring holds " + std::to_string(kRingSize) +
+                                "; wait() for some first");
+  for (int i = 0; i < n; ++i) {
+    if (host_pos_ >= opt_.max_context)
+      throw std::runtime_error("context full: max_context " + std::to_string(opt_.max_context) + " reached");
+    launch_step();
+    if (in_flight_ == 0) oldest_pos_ = host_pos_;
+    AF_CUDA_CHECK(cudaEventRecord(step_done_[(oldest_ + in_flight_) % kRingSize], stream_));
+    ++in_flight_;
+    ++host_pos_;
+  }
+}
+
+std::vector<int32_t> Engine::wait(int n) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (n < 0 || n > in_flight_)
+    throw std::invalid_argument("wait(" + std::to_string(n) + "): " + std::to_string(in_flight_) +
+                                " steps are in flight");
+  std::vector<int32_t> tokens;
+  tokens.reserve(n);
+  const volatile int32_t* ring = ring_host_;  // written by the device: read memory, not a register
+  for (int i = 0; i < n; ++i) {
+    AF_CUDA_CHECK(cudaEventSynchronize(step_done_[oldest_]));
+    // finish_step wrote the token of the step at position p into slot p % kRingSize. At most
+    // kRingSize consecutive positions are in flight, so no slot is overwritten before it is read.
+    const int32_t token = ring[oldest_pos_ % kRingSize];
+    tokens.push_back(token);
+    oldest_ = (oldest_ + 1) % kRingSize;
+    ++oldest_pos_;
+    --in_flight_;
+  }
+  return tokens;
+}
+
+void Engine::synchronize() {
+  std::lock_guard<std::mutex> lock(mu_);
+  AF_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  in_flight_ = 0;
+  oldest_ = 0;
+}
+
+}  // namespace atomflow

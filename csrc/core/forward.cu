@@ -1,0 +1,80 @@
+// The forward pass as launches on the engine's stream: the layer stack for `rows` tokens, the
+// head on one row, the decode step (what the CUDA graph holds) and a prefill chunk.
+// Nothing here synchronizes or allocates, so all of it can be captured.
+#include <cmath>
+
+#include "atomflow/engine.h"
+#include "bf16_gemv.h"
+#include "step_kernels.h"
+
+namespace atomflow {
+
+namespace {
+
+using kernels::Epilogue;
+
+// One row streams the weights once through the GEMV; more rows go to the tensor-core GEMM.
+void linear(const uint8_t* w, const float* scales, const bf16* x, int rows, int N, int K, Epilogue ep, void* out,
+            cudaStream_t stream) {
+  if (rows == 1)
+    kernels::gemv_w8a16(w, scales, x, N, K, ep, out, stream);
+  else
+    kernels::gemm_w8a16(w, scales, x, rows, N, K, ep, out, stream);
+}
+
+}  // namespace
+
+// rows tokens at positions *pos .. *pos + rows - 1, embedded in buf_.x, through every layer.
+void Engine::enqueue_layers(int rows) {
+  const ModelSpec& s = spec_;
+  const int d = s.hidden_size, f = s.intermediate_size;
+  const int H = s.num_heads, Hkv = s.num_kv_heads, D = s.head_dim, C = opt_.max_context;
+  const float eps = s.rms_norm_eps;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  for (const LayerPtrs& L : buf_.layers) {
+    kernels::rmsnorm(buf_.x, L.attn_norm, rows, d, eps, buf_.xn, stream_);
+    linear(L.wqkv, L.wqkv_scale, buf_.xn, rows, s.qkv_dim(), d, Epilogue::Store, buf_.qkv, stream_);
+    kernels::rope_kv_append(buf_.qkv, buf_.inv_freq, buf_.pos, rows, H, Hkv, D, C, buf_.q, L.k_cache, L.v_cache,
+                            stream_);
+    kernels::attention(buf_.q, L.k_cache, L.v_cache, buf_.pos, rows, H, Hkv, D, C, scale, buf_.attn_scratch,
+                       buf_.attn_out, stream_);
+    linear(L.wo, L.wo_scale, buf_.attn_out, rows, d, s.q_dim(), Epilogue::AddResidual, buf_.x, stream_);
+    kernels::rmsnorm(buf_.x, L.mlp_norm, rows, d, eps, buf_.xn, stream_);
+    linear(L.w13, L.w13_scale, buf_.xn, rows, 2 * f, d, Epilogue::SwiGLU, buf_.ffn, stream_);
+    linear(L.w2, L.w2_scale, buf_.ffn, rows, d, f, Epilogue::AddResidual, buf_.x, stream_);
+  }
+}
+
+// Final norm and lm_head on one row of the residual stream -> buf_.logits fp32 [vocab].
+void Engine::enqueue_head(int row) {
+  const int d = spec_.hidden_size, vocab = spec_.vocab_size;
+  kernels::rmsnorm(buf_.x + static_cast<size_t>(row) * d, buf_.final_norm, 1, d, spec_.rms_norm_eps, buf_.xn,
+                   stream_);
+  if (spec_.lm_head_fp8)
+    kernels::gemv_w8a16(static_cast<const uint8_t*>(buf_.lm_head), buf_.lm_head_scale, buf_.xn, vocab, d,
+                        Epilogue::Store, buf_.logits, stream_);
+  else
+    bf16_gemv(static_cast<const bf16*>(buf_.lm_head), buf_.xn, vocab, d, buf_.logits, stream_);
+}
+
+// One token: *token at position *pos in, logits and the sampled token (in *token and the ring)
+// out, *pos advanced. Reads all its inputs from device memory, so one graph serves every step.
+void Engine::enqueue_decode_step() {
+  const int d = spec_.hidden_size, vocab = spec_.vocab_size;
+  kernels::embedding(buf_.embed, buf_.token, 1, d, vocab, buf_.x, stream_);
+  enqueue_layers(1);
+  enqueue_head(0);
+  // The embedding above has read *token, so the sample may overwrite it with the next input.
+  // Its RNG counter is the position after this token (sample_pos), as on the CPU.
+  kernels::sample(buf_.logits, vocab, buf_.sampling, buf_.sample_pos, buf_.sample_scratch, buf_.token, stream_);
+  step::finish_step(buf_.token, buf_.pos, ring_dev_, kRingSize, stream_);
+}
+
+// ids[offset .. offset + rows) (already on the device) at *pos .., then *pos += rows.
+void Engine::enqueue_prefill_chunk(int offset, int rows) {
+  kernels::embedding(buf_.embed, buf_.ids + offset, rows, spec_.hidden_size, spec_.vocab_size, buf_.x, stream_);
+  enqueue_layers(rows);
+  step::advance_pos(buf_.pos, rows, stream_);
+}
+
+}  // namespace atomflow

@@ -1,0 +1,147 @@
+// The single-stream engine: one model in one arena, prefill in chunks, and a decode step
+// captured once as a CUDA graph that reads its position and input token from device memory.
+//
+// State the host mirrors: position() = tokens in the KV cache once every enqueued step has run.
+// Pipelined generation: begin(token) sets the first input token; enqueue(n) launches n decode
+// steps without waiting (each step samples on the device, and the sampled token is the next
+// step's input); wait(n) returns the sampled tokens of the oldest n steps, read from a small
+// ring in mapped pinned memory. Not copyable; every public method takes an internal lock.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "atomflow/arena.h"
+#include "atomflow/common.h"
+#include "atomflow/kernels.h"
+#include "atomflow/loader.h"
+#include "atomflow/spec.h"
+
+namespace atomflow {
+
+struct EngineOptions {
+  int max_context = 0;      // KV cache rows
+  int prefill_chunk = 256;  // rows per prefill pass; sizes the activation buffers
+  bool eager = false;       // run the decode step's launches directly instead of the graph
+  bool verbose = true;      // print the arena plan and the load time to stderr
+};
+
+class Engine {
+ public:
+  static constexpr int kRingSize = 8;  // decode steps that may be in flight at once
+
+  // Plans the arena, checks it fits, allocates it, loads the weights, captures the graph.
+  // inv_freq: fp32 [head_dim / 2]. Throws std::invalid_argument on a bad table or argument,
+  // std::runtime_error when memory is short, CudaError on a CUDA failure.
+  Engine(const std::string& path, const ModelSpec& spec, const std::vector<TensorInfo>& tensors,
+         const std::vector<float>& inv_freq, const EngineOptions& options);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // Appends ids[0..n) at the current position; writes the last token's logits (fp32 [vocab]).
+  void prefill(const int32_t* ids, int n, float* logits);
+  // Feeds one token at the current position, runs the decode step, writes its logits.
+  void decode(int32_t token, float* logits);
+
+  void set_position(int position);  // roll back: 0 <= position <= position()
+  void reset() { set_position(0); }
+  void set_sampling(float temperature, int top_k, float top_p, uint64_t seed);
+
+  void begin(int32_t token);
+  void enqueue(int n);
+  std::vector<int32_t> wait(int n);
+  // Waits for all device work. Steps enqueued and not yet waited for are dropped (their tokens
+  // are not returned), so position() is then settled and may be rolled back.
+  void synchronize();
+
+  const ModelSpec& spec() const { return spec_; }
+  int max_context() const { return opt_.max_context; }
+  int position() const { return host_pos_; }
+  int in_flight() const { return in_flight_; }
+  int device_allocations() const { return allocations_; }
+  double load_seconds() const { return load_seconds_; }
+  bool graph_enabled() const { return graph_exec_ != nullptr; }
+  // (group, bytes) for weights, kv, activations, scratch, then ("total", bytes).
+  std::vector<std::pair<std::string, size_t>> plan() const;
+
+ private:
+  // Device pointers carved out of the arena.
+  struct LayerPtrs {
+    const bf16* attn_norm;
+    const uint8_t* wqkv;
+    const float* wqkv_scale;
+    const uint8_t* wo;
+    const float* wo_scale;
+    const bf16* mlp_norm;
+    const uint8_t* w13;
+    const float* w13_scale;
+    const uint8_t* w2;
+    const float* w2_scale;
+    bf16* k_cache;
+    bf16* v_cache;
+  };
+  struct Buffers {
+    const bf16* embed;
+    const bf16* final_norm;
+    const void* lm_head;        // uint8_t FP8 or bf16
+    const float* lm_head_scale; // FP8 head only
+    const float* inv_freq;
+    std::vector<LayerPtrs> layers;
+    float* x;
+    bf16* xn;
+    float* qkv;
+    bf16* q;
+    bf16* attn_out;
+    bf16* ffn;
+    float* logits;
+    int32_t* ids;
+    void* attn_scratch;
+    void* sample_scratch;
+    int32_t* pos;         // [2]: pos[0] tokens in the cache, pos[1] = pos[0] + 1 (step_kernels.h)
+    int32_t* sample_pos;  // &pos[1]: the RNG counter of the token sampled after pos[0]
+    int32_t* token;
+    kernels::SamplingConfig* sampling;
+  };
+
+  // forward.cu: the launches, enqueued on stream_ (graph-capturable: no sync, no allocation).
+  void enqueue_layers(int rows);
+  void enqueue_head(int row);
+  void enqueue_decode_step();
+  void enqueue_prefill_chunk(int offset, int rows);
+
+  // engine.cu
+  void init(const std::string& path, const std::vector<TensorInfo>& tensors, const std::vector<float>& inv_freq);
+  void capture_graph();
+  void launch_step();  // one decode step: the graph, or its launches when eager
+  void require_idle(const char* what) const;
+  void check_token(int32_t token) const;
+  void copy_logits_out(float* logits);
+  void release() noexcept;
+
+  ModelSpec spec_;
+  EngineOptions opt_;
+  Arena arena_;
+  std::vector<std::pair<std::string, size_t>> plan_;
+  Buffers buf_{};
+
+  cudaStream_t stream_ = nullptr;
+  cudaGraphExec_t graph_exec_ = nullptr;
+  cudaEvent_t step_done_[kRingSize] = {};
+  int32_t* ring_host_ = nullptr;  // mapped pinned: finish_step writes, wait() reads
+  int32_t* ring_dev_ = nullptr;   // the same memory as the device sees it
+  float* logits_host_ = nullptr;  // pinned [vocab], for the D2H of the logits
+
+  int host_pos_ = 0;              // position once every enqueued step has run
+  int in_flight_ = 0;             // enqueued steps not yet waited for
+  int oldest_ = 0;                // step_done_ index of the oldest of them
+  int oldest_pos_ = 0;            // the input position of the oldest of them
+  int allocations_ = 0;           // every cudaMalloc / cudaHostAlloc the engine made
+  double load_seconds_ = 0;
+  mutable std::mutex mu_;
+};
+
+}  // namespace atomflow

@@ -1,0 +1,397 @@
+"""Rung 3 of the correctness ladder: the CUDA engine (atomflow._core through CudaBackend) against
+the numpy reference (CpuBackend) on the same file, plus the engine's own contract: graph == eager,
+repeatable greedy output, zero allocations after load, rollback, the pipelined token ring, seeded
+sampling, and the errors it must raise. Skipped (conftest) without the CUDA core or a GPU."""
+from __future__ import annotations
+
+import gc
+import shutil
+
+import numpy as np
+import pytest
+
+from atomflow.fileformat import AtomflowFile
+from atomflow.sampling import SamplingParams, sample_numpy
+
+pytestmark = pytest.mark.gpu
+
+COS_MIN, REL_L2_MAX = 0.9999, 1e-2  # bf16 activations and KV cache vs an fp32 reference
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def cos_rel(got: np.ndarray, want: np.ndarray) -> tuple[float, float]:
+    got, want = got.astype(np.float64), want.astype(np.float64)
+    cos = float(got @ want / (np.linalg.norm(got) * np.linalg.norm(want)))
+    return cos, float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+def assert_close(got: np.ndarray, want: np.ndarray, what: str) -> None:
+    assert got.shape == want.shape and got.dtype == np.float32, f"{what}: {got.shape} {got.dtype}"
+    assert np.isfinite(got).all(), f"{what}: non-finite logits"
+    cos, rel = cos_rel(got, want)
+    assert cos >= COS_MIN and rel <= REL_L2_MAX, f"{what}: cosine {cos:.6f}, rel-L2 {rel:.2e}"
+
+
+def cuda(model: AtomflowFile, max_context: int, **kw):
+    from atomflow.backend_cuda import CudaBackend
+    return CudaBackend(model, max_context, verbose=False, **kw)
+
+
+def cpu(model: AtomflowFile, max_context: int):
+    from atomflow.backend import CpuBackend
+    return CpuBackend(model, max_context)
+
+
+def prompt(n: int, vocab: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, vocab, n).astype(np.int32)
+
+
+def compare_run(model: AtomflowFile, ids: np.ndarray, steps: int, max_context: int, split: int | None = None,
+                **cuda_kw) -> None:
+    """Prefill ids (in two calls at `split`) on both backends, then `steps` decode steps fed with
+    the reference's greedy token; the logits must agree at every step."""
+    ref, eng = cpu(model, max_context), cuda(model, max_context, **cuda_kw)
+    parts = [ids] if split is None else [ids[:split], ids[split:]]
+    for i, part in enumerate(parts):
+        want, got = ref.prefill(part), eng.prefill(part)
+        assert_close(got, want, f"prefill part {i} ({len(part)} tokens at {ref.position - len(part)})")
+    assert eng.position == ref.position == len(ids)
+    for step in range(steps):
+        token = int(np.argmax(want))
+        want, got = ref.decode(token), eng.decode(token)
+        assert_close(got, want, f"decode step {step} (position {ref.position - 1})")
+    assert eng.position == len(ids) + steps
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_new_tokens=n, seed=0)
+
+
+# ----------------------------------------------------------------------------- model files
+
+@pytest.fixture(scope="session")
+def model_files(tmp_path_factory, make_tiny_model):
+    """make(preset, lm_head="fp8", untied=False) -> AtomflowFile, built once per session."""
+    from atomflow.quantize import quantize
+    cache: dict = {}
+
+    def make(preset: str, lm_head: str = "fp8", untied: bool = False) -> AtomflowFile:
+        key = (preset, lm_head, untied)
+        if key not in cache:
+            root = tmp_path_factory.mktemp(f"{preset}-{lm_head}{'-untied' if untied else ''}")
+            hf = make_tiny_model.make_model(root / "hf", preset=preset, seed=0, untied=untied)
+            quantize(hf, root / "model.atomflow", lm_head=lm_head, progress=False, log=lambda s: None)
+            shutil.rmtree(hf)  # the big presets' HF copies would fill the disk
+            cache[key] = AtomflowFile(root / "model.atomflow")
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_file) -> AtomflowFile:
+    return AtomflowFile(tiny_model_file)
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tiny):
+    eng = cuda(tiny, 512)
+    yield eng
+    del eng
+    gc.collect()
+
+
+# ----------------------------------------------------------------------------- logits vs reference
+
+@pytest.mark.parametrize("lm_head,untied", [("fp8", False), ("bf16", False), ("bf16", True), ("fp8", True)],
+                         ids=["fp8-head", "tied-bf16-embed-head", "bf16-head", "fp8-untied"])
+def test_logits_match_reference_tiny(model_files, lm_head, untied):
+    model = model_files("tiny", lm_head, untied)
+    compare_run(model, prompt(64, model.spec.vocab_size), steps=64, max_context=256)
+
+
+@pytest.mark.parametrize("n", [1, 2, 31, 255, 256, 257, 300, 513])
+def test_prefill_lengths_match_reference(tiny, n):
+    """Chunk edges: a one-row chunk takes the GEMV path, 257 leaves a one-row last chunk."""
+    compare_run(tiny, prompt(n, tiny.spec.vocab_size, seed=n), steps=2, max_context=1024)
+
+
+def test_prefill_in_two_calls_matches_reference(tiny):
+    compare_run(tiny, prompt(300, tiny.spec.vocab_size, seed=3), steps=4, max_context=512, split=123)
+
+
+def test_small_prefill_chunk_matches_reference(tiny):
+    from atomflow import _core
+    ref = cpu(tiny, 256)
+    eng = _core.Engine(str(tiny.path), tiny.spec.to_dict(), tiny.tensor_table(), tiny.spec.rope_inv_freq(), 256,
+                       prefill_chunk=7, verbose=False)
+    ids = prompt(100, tiny.spec.vocab_size, seed=5)
+    assert_close(eng.prefill(ids), ref.prefill(ids), "prefill in 7-row chunks")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["llama-3.2-1b", "llama-3.2-3b"])
+def test_logits_match_reference_presets(model_files, preset):
+    model = model_files(preset)
+    compare_run(model, prompt(64, model.spec.vocab_size), steps=64, max_context=256)
+
+
+def test_long_context_matches_reference(tiny):
+    """Positions past 8192, reached through chunked prefill in two calls."""
+    ids = prompt(8200, tiny.spec.vocab_size, seed=1)
+    compare_run(tiny, ids, steps=16, max_context=8448, split=5000)
+
+
+# ----------------------------------------------------------------------------- determinism
+
+def test_graph_and_eager_agree(tiny):
+    ids = prompt(50, tiny.spec.vocab_size, seed=2)
+    graph, eager = cuda(tiny, 256), cuda(tiny, 256, eager=True)
+    assert graph.engine.graph_enabled and not eager.engine.graph_enabled
+    a, b = list(graph.generate_ids(ids, greedy(64))), list(eager.generate_ids(ids, greedy(64)))
+    assert a == b
+    graph.rollback(60)
+    eager.rollback(60)
+    _, rel = cos_rel(graph.decode(a[10]), eager.decode(a[10]))
+    assert rel <= 1e-5
+
+
+def test_eager_from_environment(tiny, monkeypatch):
+    monkeypatch.setenv("ATOMFLOW_EAGER", "1")
+    assert cuda(tiny, 64).eager
+
+
+def test_greedy_is_repeatable(tiny_engine, tiny):
+    ids = prompt(40, tiny.spec.vocab_size, seed=4)
+    first = list(tiny_engine.generate_ids(ids, greedy(80)))
+    assert list(tiny_engine.generate_ids(ids, greedy(80))) == first
+    assert len(set(first)) > 1, "the tiny model should not repeat one token forever"
+
+
+def test_generate_matches_decode_loop(tiny_engine, tiny):
+    """The pipelined path (device sampling, token ring) == argmax of decode()'s logits."""
+    ids = prompt(33, tiny.spec.vocab_size, seed=6)
+    piped = list(tiny_engine.generate_ids(ids, greedy(40)))
+    tiny_engine.reset()
+    tiny_engine.prefill(ids[:-1])  # as generate_ids does: the last prompt token is a decode step
+    logits = tiny_engine.decode(int(ids[-1]))
+    loop = []
+    for _ in range(40):
+        loop.append(int(np.argmax(logits)))
+        logits = tiny_engine.decode(loop[-1])
+    assert piped == loop
+
+
+# ----------------------------------------------------------------------------- memory
+
+def test_no_allocations_after_load(tiny_engine, tiny):
+    eng = tiny_engine
+    before = eng.engine.device_allocations
+    assert before >= 1
+    ids = prompt(100, tiny.spec.vocab_size, seed=8)
+    eng.reset()
+    eng.prefill(ids)
+    for t in range(20):
+        eng.decode(t)
+    assert len(list(eng.generate_ids(ids, SamplingParams(temperature=0.9, top_p=0.9, max_new_tokens=300)))) == 300
+    assert eng.engine.device_allocations == before
+
+
+def test_plan(tiny):
+    s = tiny.spec
+    eng = cuda(tiny, 1000).engine
+    plan = eng.plan
+    assert set(plan) == {"weights", "kv", "activations", "scratch", "total"}
+    assert plan["total"] == plan["weights"] + plan["kv"] + plan["activations"] + plan["scratch"]
+    slot = -(-1000 * s.kv_dim * 2 // 256) * 256
+    assert plan["kv"] == 2 * s.num_layers * slot
+    assert plan["weights"] >= sum(t["nbytes"] for t in tiny.tensor_table())
+    assert plan["activations"] + plan["scratch"] < 64 << 20
+    assert eng.load_seconds > 0 and eng.graph_enabled and eng.max_context == 1000
+
+
+def test_device_and_build_info():
+    from atomflow import _core
+    ok, why = _core.cuda_available()
+    assert ok and why == ""
+    info = _core.device_info()
+    assert info["capability"] >= (8, 9) and info["total_memory"] >= info["free_memory"] > 0
+    assert info["sm_count"] > 0 and info["l2_bytes"] > 0 and info["name"]
+    build = _core.build_info()
+    assert build["cuda_arch"] and build["cuda_runtime_version"] > 0
+
+
+# ----------------------------------------------------------------------------- position control
+
+def test_rollback_reproduces_logits(tiny_engine, tiny):
+    eng = tiny_engine
+    eng.reset()
+    eng.prefill(prompt(40, tiny.spec.vocab_size, seed=9))
+    first = [eng.decode(t) for t in (5, 6, 7)]
+    assert eng.position == 43
+    eng.rollback(41)
+    again = [eng.decode(t) for t in (6, 7)]
+    for a, b in zip(first[1:], again):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError):
+        eng.rollback(44)
+
+
+def test_closing_generate_keeps_prompt_and_yielded(tiny_engine, tiny):
+    """Closed after 5 tokens, the cache holds the prompt and the first 4: decoding the 5th
+    continues exactly where the CPU reference does."""
+    eng = tiny_engine
+    ids = prompt(30, tiny.spec.vocab_size, seed=10)
+    gen = eng.generate_ids(ids, greedy(50))
+    tokens = [next(gen) for _ in range(5)]
+    gen.close()
+    assert eng.position == 30 + 4
+    ref = cpu(tiny, 128)
+    ref.prefill(np.concatenate([ids, np.array(tokens[:4], np.int32)]))
+    assert_close(eng.decode(tokens[4]), ref.decode(tokens[4]), "decode after close")
+
+
+def test_context_full(tiny):
+    eng = cuda(tiny, 48)
+    eng.prefill(prompt(47, tiny.spec.vocab_size))
+    eng.decode(1)
+    with pytest.raises(RuntimeError, match="context full: max_context 48 reached"):
+        eng.decode(1)
+    eng.rollback(46)
+    core = eng.engine
+    core.begin(3)
+    core.enqueue(2)
+    with pytest.raises(RuntimeError, match="context full"):
+        core.enqueue(1)
+    assert len(core.wait(2)) == 2 and core.position == 48
+    # generate_ids stops when the context is full: steps at positions 40..47.
+    assert len(list(eng.generate_ids(prompt(41, tiny.spec.vocab_size), greedy(100)))) == 8
+
+
+# ----------------------------------------------------------------------------- the token ring
+
+def test_ring_limits(tiny_engine, tiny):
+    core = tiny_engine.engine
+    tiny_engine.reset()
+    tiny_engine.prefill(prompt(10, tiny.spec.vocab_size))
+    core.begin(1)
+    core.enqueue(core.ring_size)
+    with pytest.raises(ValueError, match="ring"):
+        core.enqueue(1)
+    with pytest.raises(RuntimeError, match="call wait"):
+        core.decode(1)
+    with pytest.raises(ValueError):
+        core.wait(core.ring_size + 1)
+    tokens = core.wait(core.ring_size)
+    assert len(tokens) == core.ring_size and all(0 <= t < tiny.spec.vocab_size for t in tokens)
+    assert core.in_flight == 0 and core.position == 10 + core.ring_size
+    core.enqueue(3)
+    core.synchronize()  # drops the three unread tokens
+    assert core.in_flight == 0 and core.position == 10 + core.ring_size + 3
+
+
+# ----------------------------------------------------------------------------- sampling
+
+def sampled(eng, ids, params) -> list[int]:
+    return list(eng.generate_ids(ids, params))
+
+
+def test_seeded_sampling_repeats_and_varies(tiny_engine, tiny):
+    ids = prompt(16, tiny.spec.vocab_size, seed=11)
+    p = dict(temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=48)
+    a = sampled(tiny_engine, ids, SamplingParams(seed=1234, **p))
+    assert sampled(tiny_engine, ids, SamplingParams(seed=1234, **p)) == a
+    b = sampled(tiny_engine, ids, SamplingParams(seed=4321, **p))
+    assert a != b
+
+
+def test_device_sampler_follows_sample_numpy(tiny_engine, tiny):
+    """Each step's device-sampled token equals sample_numpy on that step's logits with the CPU
+    backend's RNG counter (the position after the fed token). Rerunning a step after a rollback
+    gives its logits."""
+    eng, core = tiny_engine, tiny_engine.engine
+    params = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=77, max_new_tokens=1)
+    eng.reset()
+    ids = prompt(24, tiny.spec.vocab_size, seed=12)
+    eng.prefill(ids[:-1])
+    core.set_sampling(params.temperature, params.top_k, params.top_p, params.seed)
+    token, mismatches = int(ids[-1]), 0
+    for _ in range(48):
+        pos = core.position
+        core.begin(token)
+        core.enqueue(1)
+        (drawn,) = core.wait(1)
+        eng.rollback(pos)
+        logits = eng.decode(token)
+        mismatches += drawn != sample_numpy(logits, params, core.position)
+        token = drawn
+    assert mismatches <= 1, f"{mismatches} of 48 draws differ from sample_numpy"
+
+
+def test_bad_sampling_settings(tiny_engine):
+    core = tiny_engine.engine
+    for args in [(-1.0, 0, 1.0, 0), (1.0, -1, 1.0, 0), (1.0, 0, 0.0, 0), (1.0, 0, 1.5, 0), (1.0, 0, 1.0, -1)]:
+        with pytest.raises(ValueError):
+            core.set_sampling(*args)
+
+
+# ----------------------------------------------------------------------------- errors
+
+def test_prompt_longer_than_context(tiny):
+    eng = cuda(tiny, 64)
+    with pytest.raises(ValueError, match="prompt of 65 tokens at position 0 does not fit max_context 64"):
+        eng.prefill(prompt(65, tiny.spec.vocab_size))
+    with pytest.raises(ValueError, match="does not fit max_context 64"):
+        eng.generate_ids(prompt(65, tiny.spec.vocab_size), greedy(4))
+    eng.prefill(prompt(60, tiny.spec.vocab_size))
+    with pytest.raises(ValueError, match="prompt of 5 tokens at position 60 does not fit max_context 64"):
+        eng.prefill(prompt(5, tiny.spec.vocab_size))
+    assert eng.position == 60
+
+
+def test_token_out_of_range(tiny_engine, tiny):
+    eng, vocab = tiny_engine, tiny.spec.vocab_size
+    eng.reset()
+    for bad in ([0, vocab], [-1], [2**40]):
+        with pytest.raises(ValueError, match="out of range"):
+            eng.prefill(np.array(bad, dtype=np.int64))
+    for bad in (vocab, -1):
+        with pytest.raises(ValueError, match="out of range"):
+            eng.decode(bad)
+        with pytest.raises(ValueError, match="out of range"):
+            eng.engine.begin(bad)
+    with pytest.raises(ValueError):
+        eng.prefill(np.array([], dtype=np.int32))
+    with pytest.raises(ValueError):
+        eng.prefill(np.array([1.5, 2.0]))
+    assert eng.position == 0
+
+
+def test_bad_tensor_table(tiny):
+    from atomflow import _core
+    table = [t for t in tiny.tensor_table() if t["name"] != "layers.1.w2"]
+    with pytest.raises(ValueError, match="layers.1.w2"):
+        _core.Engine(str(tiny.path), tiny.spec.to_dict(), table, tiny.spec.rope_inv_freq(), 64, verbose=False)
+    table = tiny.tensor_table()
+    table[-1] = dict(table[-1], offset=tiny.file_size)  # past the end of the file
+    with pytest.raises(ValueError, match="past the end"):
+        _core.Engine(str(tiny.path), tiny.spec.to_dict(), table, tiny.spec.rope_inv_freq(), 64, verbose=False)
+
+
+def test_too_large_context_names_what_fits(tiny):
+    from atomflow import _core
+    with pytest.raises(RuntimeError, match="largest max_context that fits is"):
+        _core.Engine(str(tiny.path), tiny.spec.to_dict(), tiny.tensor_table(), tiny.spec.rope_inv_freq(),
+                     2 * 10**8, verbose=False)
+
+
+# ----------------------------------------------------------------------------- load speed
+
+@pytest.mark.slow
+def test_load_time_3b(model_files):
+    model = model_files("llama-3.2-3b")
+    cuda(model, 256)  # warms the page cache
+    gc.collect()
+    eng = cuda(model, 256)
+    assert eng.engine.load_seconds <= 1.0, f"load took {eng.engine.load_seconds:.2f} s"
