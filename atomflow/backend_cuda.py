@@ -89,6 +89,16 @@ class CudaBackend:
         self._end_run()
         return self.engine.decode(int(token))
 
+    def probed_prefill(self, ids: np.ndarray) -> dict[str, np.ndarray]:
+        """prefill() run eagerly, returning the validator's probes (see CpuBackend)."""
+        ids = self._ids(ids)
+        self._end_run()
+        return dict(self.engine.prefill_probed(ids))
+
+    def probed_decode(self, token: int) -> dict[str, np.ndarray]:
+        self._end_run()
+        return dict(self.engine.decode_probed(int(token)))
+
     def reset(self) -> None:
         self._end_run()
         self.engine.reset()

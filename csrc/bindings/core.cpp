@@ -8,6 +8,8 @@
 #include <climits>
 #include <cstdint>
 #include <memory>
+#include <cstring>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -114,6 +116,31 @@ py::array_t<float> new_logits(const Engine& e) { return py::array_t<float>(e.spe
 
 }  // namespace
 
+// Collects probe rows (C++ side, no GIL needed) and hands them to Python as
+// {"attn_norm.3": fp32 [rows, dim], ..., "final_norm": [1, d], "logits": [1, vocab]};
+// a prompt prefilled in several chunks appends each chunk's rows.
+struct ProbeRows {
+  std::map<std::string, std::pair<std::vector<float>, int>> data;
+  atomflow::Engine::ProbeSink sink() {
+    return [this](const std::string& name, int layer, const std::vector<float>& rows, int dim) {
+      auto& slot = data[layer < 0 ? name : name + "." + std::to_string(layer)];
+      if (layer < 0) slot.first.clear();  // final_norm/logits: only the last chunk's last row counts
+      slot.first.insert(slot.first.end(), rows.begin(), rows.end());
+      slot.second = dim;
+    };
+  }
+  py::dict to_dict() const {
+    py::dict d;
+    for (const auto& [name, v] : data) {
+      const py::ssize_t dim = v.second, n = static_cast<py::ssize_t>(v.first.size()) / dim;
+      py::array_t<float> a({n, dim});
+      std::memcpy(a.mutable_data(), v.first.data(), v.first.size() * sizeof(float));
+      d[py::str(name)] = a;
+    }
+    return d;
+  }
+};
+
 PYBIND11_MODULE(_core, m) {
   m.doc() = "atomflow CUDA core: the single-stream FP8 decode engine";
 
@@ -178,6 +205,28 @@ PYBIND11_MODULE(_core, m) {
              e.decode(t, out);
              return logits;
            }, py::arg("token"), "feed one token at the current position; its fp32 logits [vocab]")
+      .def("prefill_probed", [](Engine& e, const py::array& ids) {
+             std::vector<int32_t> v = ids_arg(ids, e.spec().vocab_size);
+             ProbeRows rows;
+             py::array_t<float> logits = new_logits(e);
+             float* out = logits.mutable_data();
+             {
+               py::gil_scoped_release nogil;
+               e.prefill_probed(v.data(), static_cast<int>(v.size()), out, rows.sink());
+             }
+             return rows.to_dict();
+           }, py::arg("ids"), "prefill (eager) returning the validator's probes: name -> fp32 [rows, dim]")
+      .def("decode_probed", [](Engine& e, long long token) {
+             const int32_t t = token_arg(token, e.spec().vocab_size);
+             ProbeRows rows;
+             py::array_t<float> logits = new_logits(e);
+             float* out = logits.mutable_data();
+             {
+               py::gil_scoped_release nogil;
+               e.decode_probed(t, out, rows.sink());
+             }
+             return rows.to_dict();
+           }, py::arg("token"), "one eager decode step returning the validator's probes")
       .def("set_position", [](Engine& e, int position) { e.set_position(position); }, py::arg("position"),
            "roll back to 0 <= position <= current position")
       .def("reset", [](Engine& e) { e.reset(); })

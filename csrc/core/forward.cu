@@ -31,17 +31,30 @@ void Engine::enqueue_layers(int rows) {
   const int H = s.num_heads, Hkv = s.num_kv_heads, D = s.head_dim, C = opt_.max_context;
   const float eps = s.rms_norm_eps;
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  for (const LayerPtrs& L : buf_.layers) {
+  for (size_t i = 0; i < buf_.layers.size(); ++i) {
+    const LayerPtrs& L = buf_.layers[i];
+    const int li = static_cast<int>(i);
     kernels::rmsnorm(buf_.x, L.attn_norm, rows, d, eps, buf_.xn, stream_);
+    if (probe_) probe_point("attn_norm", li, ProbeSrc::XN, rows);
     linear(L.wqkv, L.wqkv_scale, buf_.xn, rows, s.qkv_dim(), d, Epilogue::Store, buf_.qkv, stream_);
     kernels::rope_kv_append(buf_.qkv, buf_.inv_freq, buf_.pos, rows, H, Hkv, D, C, buf_.q, L.k_cache, L.v_cache,
                             stream_);
     kernels::attention(buf_.q, L.k_cache, L.v_cache, buf_.pos, rows, H, Hkv, D, C, scale, buf_.attn_scratch,
                        buf_.attn_out, stream_);
+    if (probe_) probe_snapshot(rows);
     linear(L.wo, L.wo_scale, buf_.attn_out, rows, d, s.q_dim(), Epilogue::AddResidual, buf_.x, stream_);
+    if (probe_) {
+      probe_point("attn_out", li, ProbeSrc::X_DELTA, rows);
+      probe_point("resid_mid", li, ProbeSrc::X, rows);
+    }
     kernels::rmsnorm(buf_.x, L.mlp_norm, rows, d, eps, buf_.xn, stream_);
     linear(L.w13, L.w13_scale, buf_.xn, rows, 2 * f, d, Epilogue::SwiGLU, buf_.ffn, stream_);
+    if (probe_) probe_snapshot(rows);
     linear(L.w2, L.w2_scale, buf_.ffn, rows, d, f, Epilogue::AddResidual, buf_.x, stream_);
+    if (probe_) {
+      probe_point("mlp_out", li, ProbeSrc::X_DELTA, rows);
+      probe_point("layer_out", li, ProbeSrc::X, rows);
+    }
   }
 }
 
@@ -50,11 +63,13 @@ void Engine::enqueue_head(int row) {
   const int d = spec_.hidden_size, vocab = spec_.vocab_size;
   kernels::rmsnorm(buf_.x + static_cast<size_t>(row) * d, buf_.final_norm, 1, d, spec_.rms_norm_eps, buf_.xn,
                    stream_);
+  if (probe_) probe_point("final_norm", -1, ProbeSrc::XN, 1);
   if (spec_.lm_head_fp8)
     kernels::gemv_w8a16(static_cast<const uint8_t*>(buf_.lm_head), buf_.lm_head_scale, buf_.xn, vocab, d,
                         Epilogue::Store, buf_.logits, stream_);
   else
     bf16_gemv(static_cast<const bf16*>(buf_.lm_head), buf_.xn, vocab, d, buf_.logits, stream_);
+  if (probe_) probe_point("logits", -1, ProbeSrc::LOGITS, 1);
 }
 
 // One token: *token at position *pos in, logits and the sampled token (in *token and the ring)

@@ -9,6 +9,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <mutex>
 #include <string>
 #include <utility>
@@ -57,6 +58,14 @@ class Engine {
   // Waits for all device work. Steps enqueued and not yet waited for are dropped (their tokens
   // are not returned), so position() is then settled and may be rolled back.
   void synchronize();
+
+  // Probe mode, for the validator: the same launches run eagerly (never the graph), and after
+  // each probe point the named activation goes to `sink` as fp32 [rows, dim] (names as in
+  // atomflow/validate.py: attn_norm, attn_out, resid_mid, mlp_out, layer_out per layer;
+  // final_norm and logits for the last row). Costs nothing when not used.
+  using ProbeSink = std::function<void(const std::string& name, int layer, const std::vector<float>& rows, int dim)>;
+  void prefill_probed(const int32_t* ids, int n, float* logits, const ProbeSink& sink);
+  void decode_probed(int32_t token, float* logits, const ProbeSink& sink);
 
   const ModelSpec& spec() const { return spec_; }
   int max_context() const { return opt_.max_context; }
@@ -113,6 +122,12 @@ class Engine {
   void enqueue_decode_step();
   void enqueue_prefill_chunk(int offset, int rows);
 
+  // probes.cu: what a probe point reads; X_DELTA is x minus the last snapshot (the output of a
+  // projection whose epilogue added it into the residual stream).
+  enum class ProbeSrc { XN, X, X_DELTA, LOGITS };
+  void probe_snapshot(int rows);
+  void probe_point(const char* name, int layer, ProbeSrc src, int rows);
+
   // engine.cu
   void init(const std::string& path, const std::vector<TensorInfo>& tensors, const std::vector<float>& inv_freq);
   void capture_graph();
@@ -141,6 +156,8 @@ class Engine {
   int oldest_pos_ = 0;            // the input position of the oldest of them
   int allocations_ = 0;           // every cudaMalloc / cudaHostAlloc the engine made
   double load_seconds_ = 0;
+  const ProbeSink* probe_ = nullptr;   // set only inside prefill_probed / decode_probed
+  std::vector<float> probe_x_;         // snapshot of x for the X_DELTA probes
   mutable std::mutex mu_;
 };
 
