@@ -1,0 +1,397 @@
+// _core.ops: each kernel exposed to Python for testing and benchmarking. numpy in (bf16 as uint16
+// bit patterns, fp8 as uint8 bytes), device copies, outputs poisoned with 0xFF bytes (NaN for
+// floats, -1 for ints) so an unwritten element cannot pass, one launch, synchronize, numpy out.
+// The time_* helpers return microseconds per launch (CUDA events around batches of back-to-back
+// launches, median over batches), rotating over enough weight / cache copies that the L2 cannot
+// serve them.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "atomflow/device_buffer.h"
+#include "atomflow/kernels.h"
+
+namespace py = pybind11;
+using atomflow::DeviceBuffer;
+using atomflow::bf16;
+namespace k = atomflow::kernels;
+
+namespace {
+
+// ------------------------------------------------------------------ argument checks
+
+template <class T>
+const char* dtype_name();
+template <>
+const char* dtype_name<float>() { return "float32"; }
+template <>
+const char* dtype_name<uint16_t>() { return "uint16 (bf16 bit patterns)"; }
+template <>
+const char* dtype_name<uint8_t>() { return "uint8 (fp8 e4m3 bytes)"; }
+template <>
+const char* dtype_name<int32_t>() { return "int32"; }
+template <>
+const char* dtype_name<uint64_t>() { return "uint64"; }
+
+std::string shape_str(const std::vector<py::ssize_t>& s) {
+  std::string out = "(";
+  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + (s[i] < 0 ? std::string("*") : std::to_string(s[i]));
+  return out + (s.size() == 1 ? ",)" : ")");
+}
+
+// The array itself (no copy, no cast): exact dtype, C-contiguous, the expected shape (-1 = any).
+template <class T>
+py::array_t<T> arg(const py::array& a, const char* name, const std::vector<py::ssize_t>& shape) {
+  if (!py::isinstance<py::array_t<T>>(a))
+    throw py::value_error(std::string(name) + " must have dtype " + dtype_name<T>() + ", got " +
+                          std::string(py::str(a.dtype())));
+  if (!(a.flags() & py::array::c_style)) throw py::value_error(std::string(name) + " must be C-contiguous");
+  std::vector<py::ssize_t> got(a.shape(), a.shape() + a.ndim());
+  bool ok = got.size() == shape.size();
+  for (size_t i = 0; ok && i < shape.size(); ++i) ok = shape[i] < 0 || shape[i] == got[i];
+  if (!ok) throw py::value_error(std::string(name) + " has shape " + shape_str(got) + ", expected " + shape_str(shape));
+  return py::reinterpret_borrow<py::array_t<T>>(a);
+}
+
+void require(bool cond, const std::string& msg) {
+  if (!cond) throw py::value_error(msg);
+}
+
+k::Epilogue epilogue_arg(int ep) {
+  require(ep >= 0 && ep <= 2, "epilogue must be 0 (Store), 1 (AddResidual) or 2 (SwiGLU), got " + std::to_string(ep));
+  return static_cast<k::Epilogue>(ep);
+}
+
+// ------------------------------------------------------------------ device copies
+
+template <class T>
+DeviceBuffer to_device(const py::array_t<T>& a) {
+  DeviceBuffer d(static_cast<size_t>(a.nbytes()));
+  d.upload(a.data(), static_cast<size_t>(a.nbytes()));
+  return d;
+}
+
+DeviceBuffer poisoned(size_t bytes) {
+  DeviceBuffer d(bytes);
+  d.fill(0xFF);
+  return d;
+}
+
+DeviceBuffer device_int(int32_t v) {
+  DeviceBuffer d(sizeof(int32_t));
+  d.upload(&v, sizeof(v));
+  return d;
+}
+
+void sync() {
+  AF_CUDA_CHECK(cudaGetLastError());
+  AF_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+template <class T>
+py::array_t<T> to_host(const DeviceBuffer& d, const std::vector<py::ssize_t>& shape) {
+  py::array_t<T> out(shape);
+  d.download(out.mutable_data(), static_cast<size_t>(out.nbytes()));
+  return out;
+}
+
+// ------------------------------------------------------------------ timing
+
+// Median over iters samples of the mean time of kBatch back-to-back launches, after warmup
+// launches. Back-to-back launches hide the launch latency, as in a CUDA graph replay; launch(i)
+// gets a running index so callers can rotate through copies of their data.
+constexpr int kBatch = 10;
+double median_us(const std::function<void(int)>& launch, int iters, int warmup) {
+  require(iters >= 1, "iters must be >= 1");
+  cudaEvent_t start, stop;
+  AF_CUDA_CHECK(cudaEventCreate(&start));
+  AF_CUDA_CHECK(cudaEventCreate(&stop));
+  std::vector<float> ms(static_cast<size_t>(iters));
+  int n = 0;
+  for (; n < warmup; ++n) launch(n);
+  for (int i = 0; i < iters; ++i) {
+    AF_CUDA_CHECK(cudaEventRecord(start));
+    for (int b = 0; b < kBatch; ++b) launch(n++);
+    AF_CUDA_CHECK(cudaEventRecord(stop));
+    AF_CUDA_CHECK(cudaEventSynchronize(stop));
+    AF_CUDA_CHECK(cudaEventElapsedTime(&ms[static_cast<size_t>(i)], start, stop));
+  }
+  AF_CUDA_CHECK(cudaEventDestroy(start));
+  AF_CUDA_CHECK(cudaEventDestroy(stop));
+  std::nth_element(ms.begin(), ms.begin() + iters / 2, ms.end());
+  return 1000.0 * ms[static_cast<size_t>(iters / 2)] / kBatch;
+}
+
+// Copies of a working set, carved out of one allocation, so that consecutive launches never find
+// their data in L2 (60 MB on an H200): at least 256 MB in all and at least 2 copies.
+struct Rotating {
+  size_t stride = 0;
+  int copies = 0;
+  DeviceBuffer buf;
+  explicit Rotating(size_t bytes_per_copy) : stride((std::max<size_t>(bytes_per_copy, 1) + 255) / 256 * 256) {
+    copies = static_cast<int>(std::max<size_t>(2, (size_t{256} << 20) / stride + 1));
+    buf = DeviceBuffer(stride * copies);
+  }
+  template <class T>
+  T* at(int i, size_t offset = 0) const {
+    return reinterpret_cast<T*>(buf.get<uint8_t>() + stride * static_cast<size_t>(i % copies) + offset);
+  }
+};
+
+// ------------------------------------------------------------------ ops
+
+py::array_t<float> embedding(const py::array& table_, const py::array& tokens_) {
+  auto table = arg<uint16_t>(table_, "table", {-1, -1});
+  auto tokens = arg<int32_t>(tokens_, "tokens", {-1});
+  const int vocab = static_cast<int>(table.shape(0)), d = static_cast<int>(table.shape(1));
+  const int M = static_cast<int>(tokens.shape(0));
+  require(M >= 1, "tokens must not be empty");
+  DeviceBuffer dt = to_device(table), dtok = to_device(tokens);
+  DeviceBuffer out = poisoned(sizeof(float) * M * d);
+  k::embedding(dt.get<bf16>(), dtok.get<int32_t>(), M, d, vocab, out.get<float>(), nullptr);
+  sync();
+  return to_host<float>(out, {M, d});
+}
+
+py::array_t<uint16_t> rmsnorm(const py::array& x_, const py::array& w_, float eps) {
+  auto x = arg<float>(x_, "x", {-1, -1});
+  const int M = static_cast<int>(x.shape(0)), d = static_cast<int>(x.shape(1));
+  auto w = arg<uint16_t>(w_, "w", {d});
+  DeviceBuffer dx = to_device(x), dw = to_device(w);
+  DeviceBuffer out = poisoned(sizeof(bf16) * M * d);
+  k::rmsnorm(dx.get<float>(), dw.get<bf16>(), M, d, eps, out.get<bf16>(), nullptr);
+  sync();
+  return to_host<uint16_t>(out, {M, d});
+}
+
+py::array_t<float> add_inplace(const py::array& x_, const py::array& y_) {
+  auto x = arg<float>(x_, "x", {-1});
+  const int n = static_cast<int>(x.shape(0));
+  auto y = arg<float>(y_, "y", {n});
+  DeviceBuffer dx = to_device(x), dy = to_device(y);
+  k::add_inplace(dx.get<float>(), dy.get<float>(), n, nullptr);
+  sync();
+  return to_host<float>(dx, {n});
+}
+
+// Shared by gemv (M = 1, x [K]) and gemm (x [M, K]). out_init: the AddResidual starting values.
+py::array linear(const py::array& w_, const py::array& s_, const py::array& x_, int ep_, const py::object& out_init_,
+                 bool gemm) {
+  const k::Epilogue ep = epilogue_arg(ep_);
+  auto w = arg<uint8_t>(w_, "w", {-1, -1});
+  const int N = static_cast<int>(w.shape(0)), K = static_cast<int>(w.shape(1));
+  require(K % 128 == 0, "w: K = " + std::to_string(K) + " must be a multiple of 128");
+  auto s = arg<float>(s_, "scales", {N, K / 128});
+  auto x = gemm ? arg<uint16_t>(x_, "x", {-1, K}) : arg<uint16_t>(x_, "x", {K});
+  const int M = gemm ? static_cast<int>(x.shape(0)) : 1;
+  require(M >= 1, "x must have at least one row");
+  if (ep == k::Epilogue::SwiGLU) require(N % 2 == 0, "SwiGLU needs an even N (gate rows, then up rows)");
+  const bool add = ep == k::Epilogue::AddResidual;
+  require(add == !out_init_.is_none(), "out_init is required with AddResidual and only with it");
+
+  DeviceBuffer dw = to_device(w), ds = to_device(s), dx = to_device(x);
+  const std::vector<py::ssize_t> fp32_shape = gemm ? std::vector<py::ssize_t>{M, N} : std::vector<py::ssize_t>{N};
+  DeviceBuffer out;
+  if (add) {
+    out = to_device(arg<float>(out_init_.cast<py::array>(), "out_init", fp32_shape));
+  } else {
+    const size_t elem = ep == k::Epilogue::SwiGLU ? sizeof(bf16) : sizeof(float);
+    const size_t cols = ep == k::Epilogue::SwiGLU ? N / 2 : N;
+    out = poisoned(elem * M * cols);
+  }
+  if (gemm)
+    k::gemm_w8a16(dw.get<uint8_t>(), ds.get<float>(), dx.get<bf16>(), M, N, K, ep, out.get(), nullptr);
+  else
+    k::gemv_w8a16(dw.get<uint8_t>(), ds.get<float>(), dx.get<bf16>(), N, K, ep, out.get(), nullptr);
+  sync();
+  if (ep != k::Epilogue::SwiGLU) return to_host<float>(out, fp32_shape);
+  return gemm ? to_host<uint16_t>(out, {M, N / 2}) : to_host<uint16_t>(out, {N / 2});
+}
+
+py::tuple rope_kv_append(const py::array& qkv_, const py::array& inv_freq_, int pos, int H, int Hkv, int D,
+                         const py::array& k_cache_, const py::array& v_cache_) {
+  require(H >= 1 && Hkv >= 1 && D >= 2 && D % 2 == 0, "need H, Hkv >= 1 and an even D");
+  auto qkv = arg<float>(qkv_, "qkv", {-1, static_cast<py::ssize_t>(H + 2 * Hkv) * D});
+  const int M = static_cast<int>(qkv.shape(0));
+  auto inv_freq = arg<float>(inv_freq_, "inv_freq", {D / 2});
+  auto kc = arg<uint16_t>(k_cache_, "k_cache", {-1, Hkv, D});
+  const int C = static_cast<int>(kc.shape(0));
+  auto vc = arg<uint16_t>(v_cache_, "v_cache", {C, Hkv, D});
+  require(M >= 1 && pos >= 0, "need at least one token and pos >= 0");
+  DeviceBuffer dqkv = to_device(qkv), dfreq = to_device(inv_freq), dk = to_device(kc), dv = to_device(vc);
+  DeviceBuffer dpos = device_int(pos);
+  DeviceBuffer q = poisoned(sizeof(bf16) * M * H * D);
+  k::rope_kv_append(dqkv.get<float>(), dfreq.get<float>(), dpos.get<int32_t>(), M, H, Hkv, D, C, q.get<bf16>(),
+                    dk.get<bf16>(), dv.get<bf16>(), nullptr);
+  sync();
+  return py::make_tuple(to_host<uint16_t>(q, {M, H, D}), to_host<uint16_t>(dk, {C, Hkv, D}),
+                        to_host<uint16_t>(dv, {C, Hkv, D}));
+}
+
+py::array_t<uint16_t> attention(const py::array& q_, const py::array& k_cache_, const py::array& v_cache_, int pos,
+                                const py::object& scale_) {
+  auto q = arg<uint16_t>(q_, "q", {-1, -1, -1});
+  const int M = static_cast<int>(q.shape(0)), H = static_cast<int>(q.shape(1)), D = static_cast<int>(q.shape(2));
+  auto kc = arg<uint16_t>(k_cache_, "k_cache", {-1, -1, D});
+  const int C = static_cast<int>(kc.shape(0)), Hkv = static_cast<int>(kc.shape(1));
+  auto vc = arg<uint16_t>(v_cache_, "v_cache", {C, Hkv, D});
+  require(M >= 1 && pos >= 0 && pos + M <= C, "need M >= 1, pos >= 0 and pos + M <= cache rows");
+  const float scale = scale_.is_none() ? 1.0f / std::sqrt(static_cast<float>(D)) : scale_.cast<float>();
+  DeviceBuffer dq = to_device(q), dk = to_device(kc), dv = to_device(vc), dpos = device_int(pos);
+  DeviceBuffer scratch = poisoned(k::attention_scratch_bytes(M, H, D, C));
+  DeviceBuffer out = poisoned(sizeof(bf16) * M * H * D);
+  k::attention(dq.get<bf16>(), dk.get<bf16>(), dv.get<bf16>(), dpos.get<int32_t>(), M, H, Hkv, D, C, scale, scratch.get(),
+               out.get<bf16>(), nullptr);
+  sync();
+  return to_host<uint16_t>(out, {M, H, D});
+}
+
+// One draw per seed (same logits and position): device configs uploaded once, one launch each.
+py::array_t<int32_t> sample_seeds(const py::array& logits_, float temperature, int top_k, float top_p,
+                                  const py::array& seeds_, int pos) {
+  auto logits = arg<float>(logits_, "logits", {-1});
+  auto seeds = arg<uint64_t>(seeds_, "seeds", {-1});
+  const int vocab = static_cast<int>(logits.shape(0)), n = static_cast<int>(seeds.shape(0));
+  require(vocab >= 1 && n >= 1, "logits and seeds must not be empty");
+  std::vector<k::SamplingConfig> cfg(static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i) cfg[static_cast<size_t>(i)] = {temperature, top_k, top_p, 0u, seeds.at(i)};
+  DeviceBuffer dl = to_device(logits), dpos = device_int(pos);
+  DeviceBuffer dcfg(sizeof(k::SamplingConfig) * n);
+  dcfg.upload(cfg.data(), dcfg.bytes());
+  DeviceBuffer scratch(k::sampling_scratch_bytes(vocab));
+  DeviceBuffer out = poisoned(sizeof(int32_t) * n);
+  for (int i = 0; i < n; ++i)
+    k::sample(dl.get<float>(), vocab, dcfg.get<k::SamplingConfig>() + i, dpos.get<int32_t>(), scratch.get(),
+              out.get<int32_t>() + i, nullptr);
+  sync();
+  return to_host<int32_t>(out, {n});
+}
+
+int sample(const py::array& logits, float temperature, int top_k, float top_p, uint64_t seed, int pos) {
+  py::array_t<uint64_t> seeds(1);
+  seeds.mutable_at(0) = seed;
+  return sample_seeds(logits, temperature, top_k, top_p, seeds, pos).at(0);
+}
+
+// ------------------------------------------------------------------ micro-benchmarks
+
+double stream_read_bandwidth(size_t n_bytes, int iters) {
+  require(n_bytes >= 16 && n_bytes % 16 == 0, "n_bytes must be a positive multiple of 16");
+  DeviceBuffer data(n_bytes), sink(sizeof(uint32_t));
+  data.fill(0x5A);
+  sink.fill(0);
+  const double us = median_us([&](int) { k::stream_read(data.get(), n_bytes, sink.get<uint32_t>(), nullptr); }, iters, 3);
+  return static_cast<double>(n_bytes) / (us * 1e3);  // bytes / ns = GB/s
+}
+
+// Random-looking weight bytes are not needed for timing (no DRAM compression on cudaMalloc memory):
+// every byte 0x38 (1.0 in e4m3, and a finite fp32 scale) keeps every value finite.
+double time_gemv(int N, int K, int iters, int ep_) {
+  const k::Epilogue ep = epilogue_arg(ep_);
+  const size_t wbytes = static_cast<size_t>(N) * K, sbytes = static_cast<size_t>(N) * (K / 128) * sizeof(float);
+  Rotating ws(wbytes + sbytes);
+  ws.buf.fill(0x38);
+  DeviceBuffer x(sizeof(bf16) * K), out(sizeof(float) * N);
+  x.fill(0);
+  out.fill(0);
+  return median_us([&](int i) {
+    k::gemv_w8a16(ws.at<uint8_t>(i), ws.at<float>(i, wbytes), x.get<bf16>(), N, K, ep, out.get(), nullptr);
+  }, iters, std::min(ws.copies, 32));
+}
+
+double time_gemm(int M, int N, int K, int iters, int ep_) {
+  const k::Epilogue ep = epilogue_arg(ep_);
+  const size_t wbytes = static_cast<size_t>(N) * K, sbytes = static_cast<size_t>(N) * (K / 128) * sizeof(float);
+  DeviceBuffer w(wbytes), s(sbytes), x(sizeof(bf16) * M * K), out(sizeof(float) * M * N);
+  w.fill(0x38);
+  s.fill(0);
+  x.fill(0);
+  out.fill(0);
+  return median_us([&](int) {
+    k::gemm_w8a16(w.get<uint8_t>(), s.get<float>(), x.get<bf16>(), M, N, K, ep, out.get(), nullptr);
+  }, iters, 2);
+}
+
+// Attention of M query tokens whose last one sees `context` keys (pos = context - M).
+double time_attention(int context, int H, int Hkv, int D, int M, int iters) {
+  require(context >= M && M >= 1, "need context >= M >= 1");
+  const int C = context;
+  const size_t cache = static_cast<size_t>(C) * Hkv * D * sizeof(bf16);
+  Rotating kv(2 * cache);  // K then V of one copy
+  kv.buf.fill(0);
+  DeviceBuffer q(sizeof(bf16) * M * H * D), out(sizeof(bf16) * M * H * D), pos = device_int(context - M);
+  DeviceBuffer scratch(k::attention_scratch_bytes(M, H, D, C));
+  q.fill(0);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  return median_us([&](int i) {
+    k::attention(q.get<bf16>(), kv.at<bf16>(i), kv.at<bf16>(i, cache), pos.get<int32_t>(), M, H, Hkv, D, C, scale,
+                 scratch.get(), out.get<bf16>(), nullptr);
+  }, iters, std::min(kv.copies, 32));
+}
+
+double time_sample(int vocab, float temperature, int top_k, float top_p, int iters) {
+  require(vocab >= 1, "vocab must be >= 1");
+  std::vector<float> host(static_cast<size_t>(vocab));
+  for (int i = 0; i < vocab; ++i) host[static_cast<size_t>(i)] = std::sin(0.37f * i) * 8.0f;  // spread, distinct
+  DeviceBuffer logits(sizeof(float) * vocab), pos = device_int(100), token(sizeof(int32_t));
+  logits.upload(host.data(), logits.bytes());
+  const k::SamplingConfig cfg{temperature, top_k, top_p, 0u, 1234u};
+  DeviceBuffer dcfg(sizeof(cfg));
+  dcfg.upload(&cfg, sizeof(cfg));
+  DeviceBuffer scratch(k::sampling_scratch_bytes(vocab));
+  return median_us([&](int) {
+    k::sample(logits.get<float>(), vocab, dcfg.get<k::SamplingConfig>(), pos.get<int32_t>(), scratch.get(),
+              token.get<int32_t>(), nullptr);
+  }, iters, 3);
+}
+
+}  // namespace
+
+void register_ops(pybind11::module_& m) {
+  m.doc() = "Kernel test harness: each kernel on numpy inputs (bf16 = uint16, fp8 = uint8), and timers";
+  m.def("embedding", &embedding, py::arg("table"), py::arg("tokens"), "table u16 [vocab, d], tokens i32 [M] -> f32 [M, d]");
+  m.def("rmsnorm", &rmsnorm, py::arg("x"), py::arg("w"), py::arg("eps"), "x f32 [M, d], w u16 [d] -> u16 [M, d]");
+  m.def("add_inplace", &add_inplace, py::arg("x"), py::arg("y"), "x, y f32 [n] -> x + y");
+  m.def(
+      "gemv",
+      [](const py::array& w, const py::array& s, const py::array& x, int ep, const py::object& out_init) {
+        return linear(w, s, x, ep, out_init, false);
+      },
+      py::arg("w"), py::arg("scales"), py::arg("x"), py::arg("epilogue") = 0, py::arg("out_init") = py::none(),
+      "w u8 [N, K], scales f32 [N, K/128], x u16 [K]; epilogue 0 Store -> f32 [N], 1 AddResidual (out_init f32 [N]) "
+      "-> f32 [N], 2 SwiGLU -> u16 [N/2]");
+  m.def(
+      "gemm",
+      [](const py::array& w, const py::array& s, const py::array& x, int ep, const py::object& out_init) {
+        return linear(w, s, x, ep, out_init, true);
+      },
+      py::arg("w"), py::arg("scales"), py::arg("x"), py::arg("epilogue") = 0, py::arg("out_init") = py::none(),
+      "like gemv with x u16 [M, K] and outputs [M, ...]");
+  m.def("rope_kv_append", &rope_kv_append, py::arg("qkv"), py::arg("inv_freq"), py::arg("pos"), py::arg("H"),
+        py::arg("Hkv"), py::arg("D"), py::arg("k_cache"), py::arg("v_cache"),
+        "qkv f32 [M, (H + 2 Hkv) D], inv_freq f32 [D/2], caches u16 [C, Hkv, D] (initial contents) -> "
+        "(q u16 [M, H, D], k_cache, v_cache)");
+  m.def("attention", &attention, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("pos"),
+        py::arg("scale") = py::none(), "q u16 [M, H, D], caches u16 [C, Hkv, D], pos -> u16 [M, H, D]");
+  m.def("sample", &sample, py::arg("logits"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"),
+        py::arg("seed"), py::arg("pos"), "one token from f32 logits [vocab]");
+  m.def("sample_seeds", &sample_seeds, py::arg("logits"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"),
+        py::arg("seeds"), py::arg("pos"), "one token per seed (u64 [n]) -> i32 [n]");
+  m.def("stream_read_bandwidth", &stream_read_bandwidth, py::arg("n_bytes"), py::arg("iters") = 20,
+        "GB/s of the streaming-read kernel (median of iters batches)");
+  m.def("time_gemv", &time_gemv, py::arg("N"), py::arg("K"), py::arg("iters") = 50, py::arg("epilogue") = 0,
+        "us per gemv_w8a16 launch (median of iters batches), weights rotated so L2 cannot serve them");
+  m.def("time_gemm", &time_gemm, py::arg("M"), py::arg("N"), py::arg("K"), py::arg("iters") = 20,
+        py::arg("epilogue") = 0, "us per gemm_w8a16 launch (median of iters batches)");
+  m.def("time_attention", &time_attention, py::arg("context"), py::arg("H"), py::arg("Hkv"), py::arg("D"),
+        py::arg("M") = 1, py::arg("iters") = 50,
+        "us per attention call (split + merge) for M queries, the last seeing `context` keys; caches rotated past L2");
+  m.def("time_sample", &time_sample, py::arg("vocab"), py::arg("temperature") = 0.0f, py::arg("top_k") = 0,
+        py::arg("top_p") = 1.0f, py::arg("iters") = 50, "us per sample launch (median of iters batches)");
+}

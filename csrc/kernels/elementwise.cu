@@ -1,0 +1,25 @@
+// Small elementwise ops the fused paths do not cover: x += y (fp32).
+#include "atomflow/kernels.h"
+
+namespace atomflow::kernels {
+
+constexpr int kAddThreads = 256;
+
+static __global__ void __launch_bounds__(kAddThreads)
+    add_inplace_kernel(float* __restrict__ x, const float* __restrict__ y, int n) {
+  const int stride = gridDim.x * kAddThreads;
+  for (int i = blockIdx.x * kAddThreads + threadIdx.x; i < n; i += stride) x[i] += y[i];
+}
+
+// ---- launcher ----
+
+void add_inplace(float* x, const float* y, int n, cudaStream_t stream) {
+  AF_CHECK(n >= 0, "add_inplace: n must be >= 0");
+  if (n == 0) return;
+  // A grid-stride loop: a few thousand blocks at most, each thread a few elements.
+  const int blocks = min(CEIL_DIV(n, kAddThreads), 4096);
+  add_inplace_kernel<<<blocks, kAddThreads, 0, stream>>>(x, y, n);
+  AF_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace atomflow::kernels

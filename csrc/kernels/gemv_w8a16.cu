@@ -1,0 +1,222 @@
+// W8A16 GEMV for M = 1 decode: y[n] = sum_k x[k] * fp8[n, k] * scale[n, k / 128], fp32 accumulation,
+// with a Store / AddResidual / SwiGLU epilogue. The hot kernel: ~95% of the bytes of a decode step.
+//
+// Layout of the work
+//  - One warp owns a PAIR of rows and streams both across K: lane l reads 16 weight bytes of each
+//    row at chunk c = l + 32 u (u < kUnroll = 8), so one warp instruction reads 512 contiguous bytes
+//    per row and each lane keeps 2 x 8 = 16 independent 16-byte loads (256 B) in flight: a row of
+//    K <= 4096 arrives in one DRAM round trip, K = 14336 in four. 2 blocks x 8 warps per SM.
+//    SwiGLU pairs row i with row F + i (gate and up of the same output), the other epilogues pair
+//    rows 2p and 2p + 1; the x values each lane reads from shared memory serve both rows.
+//  - Blocks are persistent-style: the grid is min(work, what fits on the SMs) and warps stride over
+//    row pairs, so x (bf16 [K] -> fp32 in shared memory) is staged once per block, not per pair.
+//  - A 16-byte chunk never straddles a 128-column scale group: the chunk's fp32 partial sum is
+//    multiplied by its scale once (1 FMA per 16 weights).
+//  - Per weight byte the SM array can afford only ~8 lane-instructions at HBM speed; per 16 bytes
+//    and row we spend 8 cvt (packed e4m3x2 -> f16x2), 16 f16 -> f32, 16 FMA, 2 shared loads (shared
+//    with the other row) and ~3 for the scale and addressing: ~3 instructions per byte.
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include "atomflow/kernels.h"
+
+namespace atomflow::kernels {
+
+constexpr int kGemvThreads = 256;
+constexpr int kGemvWarps = kGemvThreads / 32;
+constexpr int kGemvUnroll = 8;  // 16-byte chunks per row per lane per iteration
+constexpr int kQuantGroup = 128;
+
+// Streaming weight load: read once, so keep it out of L1 (x and scales live there).
+static __device__ __forceinline__ uint4 ld_weights(const uint8_t* p) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p));
+  return v;
+}
+
+// x is stored as fp32 with a swizzle: chunk c (16 values = 4 float4) has its float4 i at
+// 4 c + (i ^ ((c >> 1) & 3)). Lanes read 64 B apart; without the swizzle every quarter-warp of a
+// 128-bit shared load would hit the same 4 banks twice (a 2-way conflict on every x load).
+static __device__ __forceinline__ int x_slot(int c, int i) { return 4 * c + (i ^ ((c >> 1) & 3)); }
+
+// The two 16-weight dot products of one chunk (row a and row b share the x loads).
+static __device__ __forceinline__ void dot16x2(uint4 wa, uint4 wb, const float4* __restrict__ xs, int c, float& da,
+                                               float& db) {
+  const uint32_t a[4] = {wa.x, wa.y, wa.z, wa.w};
+  const uint32_t b[4] = {wb.x, wb.y, wb.z, wb.w};
+  float sa = 0.f, sb = 0.f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float4 xv = xs[x_slot(c, i)];
+    // Bytes k, k+1 -> (lo.x, lo.y); k+2, k+3 -> (hi.x, hi.y). e4m3 -> f16 is exact.
+    const float2 a01 = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(a[i] & 0xFFFFu, __NV_E4M3)));
+    const float2 a23 = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(a[i] >> 16, __NV_E4M3)));
+    const float2 b01 = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(b[i] & 0xFFFFu, __NV_E4M3)));
+    const float2 b23 = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(b[i] >> 16, __NV_E4M3)));
+    sa = fmaf(a01.x, xv.x, sa);
+    sa = fmaf(a01.y, xv.y, sa);
+    sa = fmaf(a23.x, xv.z, sa);
+    sa = fmaf(a23.y, xv.w, sa);
+    sb = fmaf(b01.x, xv.x, sb);
+    sb = fmaf(b01.y, xv.y, sb);
+    sb = fmaf(b23.x, xv.z, sb);
+    sb = fmaf(b23.y, xv.w, sb);
+  }
+  da = sa;
+  db = sb;
+}
+
+template <Epilogue EP>
+static __global__ void __launch_bounds__(kGemvThreads, 2)
+    gemv_w8a16_kernel(const uint8_t* __restrict__ w, const float* __restrict__ scales, const bf16* __restrict__ x,
+                      int N, int K, void* __restrict__ out) {
+  extern __shared__ float4 xs[];  // K fp32 values, swizzled (x_slot)
+  const int C = K / 16;           // 16-byte chunks per row
+  const int G = K / kQuantGroup;  // scale groups per row
+  const int lane = threadIdx.x % 32;
+  const int n_pairs = EP == Epilogue::SwiGLU ? N / 2 : CEIL_DIV(N, 2);
+  const int warp_stride = gridDim.x * kGemvWarps;
+  const int first_pair = blockIdx.x * kGemvWarps + threadIdx.x / 32;
+
+  // Row pair p: SwiGLU pairs gate row p with up row F + p; otherwise rows 2p and 2p + 1 (for odd
+  // N the last pair reads its one row twice and stores once).
+  auto rows_of = [&](int p, int& r0, int& r1) {
+    if constexpr (EP == Epilogue::SwiGLU) {
+      r0 = p;
+      r1 = p + N / 2;
+    } else {
+      r0 = 2 * p;
+      r1 = min(2 * p + 1, N - 1);
+    }
+  };
+
+  // Start the first weights on their way to L2 before the x staging round trip.
+  if (first_pair < n_pairs) {
+    int r0, r1;
+    rows_of(first_pair, r0, r1);
+#pragma unroll
+    for (int u = 0; u < kGemvUnroll; ++u) {
+      const int c = lane + 32 * u;
+      if (c < C) {
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(w + static_cast<size_t>(r0) * K + 16 * c));
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(w + static_cast<size_t>(r1) * K + 16 * c));
+      }
+    }
+  }
+
+  // Stage x: 8 bf16 per 16-byte load -> two float4 of chunk v / 2.
+  const uint4* x8 = reinterpret_cast<const uint4*>(x);
+  for (int v = threadIdx.x; v < K / 8; v += kGemvThreads) {
+    const uint4 raw = __ldg(x8 + v);
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+    const float2 f0 = __bfloat1622float2(h[0]), f1 = __bfloat1622float2(h[1]);
+    const float2 f2 = __bfloat1622float2(h[2]), f3 = __bfloat1622float2(h[3]);
+    const int c = v / 2, i = 2 * (v % 2);
+    xs[x_slot(c, i)] = make_float4(f0.x, f0.y, f1.x, f1.y);
+    xs[x_slot(c, i + 1)] = make_float4(f2.x, f2.y, f3.x, f3.y);
+  }
+  __syncthreads();
+
+  for (int p = first_pair; p < n_pairs; p += warp_stride) {
+    int r0, r1;
+    rows_of(p, r0, r1);
+    const uint8_t* w0 = w + static_cast<size_t>(r0) * K;
+    const uint8_t* w1 = w + static_cast<size_t>(r1) * K;
+    const float* s0 = scales + static_cast<size_t>(r0) * G;
+    const float* s1 = scales + static_cast<size_t>(r1) * G;
+    float acc0 = 0.f, acc1 = 0.f;
+    for (int c0 = lane; c0 < C; c0 += 32 * kGemvUnroll) {
+      // All loads of the iteration first (16 x 16 B of weights + 16 scales per lane), then the math.
+      uint4 wa[kGemvUnroll], wb[kGemvUnroll];
+      float sa[kGemvUnroll], sb[kGemvUnroll];
+#pragma unroll
+      for (int u = 0; u < kGemvUnroll; ++u) {
+        const int c = c0 + 32 * u;
+        if (c < C) {
+          wa[u] = ld_weights(w0 + 16 * c);
+          wb[u] = ld_weights(w1 + 16 * c);
+          sa[u] = __ldg(s0 + c / 8);
+          sb[u] = __ldg(s1 + c / 8);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kGemvUnroll; ++u) {
+        const int c = c0 + 32 * u;
+        if (c < C) {
+          float da, db;
+          dot16x2(wa[u], wb[u], xs, c, da, db);
+          acc0 = fmaf(da, sa[u], acc0);
+          acc1 = fmaf(db, sb[u], acc1);
+        }
+      }
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) {
+      acc0 += __shfl_xor_sync(0xffffffffu, acc0, off);
+      acc1 += __shfl_xor_sync(0xffffffffu, acc1, off);
+    }
+    if (lane == 0) {
+      if constexpr (EP == Epilogue::SwiGLU) {
+        const float silu = acc0 / (1.f + expf(-acc0));
+        static_cast<bf16*>(out)[p] = __float2bfloat16(silu * acc1);
+      } else {
+        float* o = static_cast<float*>(out);
+        const bool second = 2 * p + 1 < N;
+        if constexpr (EP == Epilogue::Store) {
+          o[r0] = acc0;
+          if (second) o[r1] = acc1;
+        } else {
+          o[r0] += acc0;
+          if (second) o[r1] += acc1;
+        }
+      }
+    }
+  }
+}
+
+// ---- launcher ----
+
+template <Epilogue EP>
+static void launch_gemv(const uint8_t* w, const float* scales, const bf16* x, int N, int K, void* out,
+                        cudaStream_t stream) {
+  const size_t smem = static_cast<size_t>(K) * sizeof(float);
+  int device = 0, sms = 0, smem_optin = 0;
+  AF_CUDA_CHECK(cudaGetDevice(&device));
+  AF_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  AF_CUDA_CHECK(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  AF_CHECK(smem <= static_cast<size_t>(smem_optin), "gemv_w8a16: K too large to stage x in shared memory");
+  // The staged x may exceed 48 KB: allow up to the device maximum, once (not inside a graph capture).
+  static const bool configured = [smem_optin] {
+    AF_CUDA_CHECK(cudaFuncSetAttribute(gemv_w8a16_kernel<EP>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_optin));
+    return true;
+  }();
+  (void)configured;
+  int per_sm = 0;
+  AF_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_w8a16_kernel<EP>, kGemvThreads, smem));
+  AF_CHECK(per_sm >= 1, "gemv_w8a16: kernel does not fit on an SM");
+  const int n_pairs = EP == Epilogue::SwiGLU ? N / 2 : CEIL_DIV(N, 2);
+  const int blocks = min(CEIL_DIV(n_pairs, kGemvWarps), sms * per_sm);
+  gemv_w8a16_kernel<EP><<<blocks, kGemvThreads, smem, stream>>>(w, scales, x, N, K, out);
+  AF_CUDA_CHECK(cudaGetLastError());
+}
+
+void gemv_w8a16(const uint8_t* w, const float* scales, const bf16* x, int N, int K, Epilogue ep, void* out,
+                cudaStream_t stream) {
+  AF_CHECK(N >= 1 && K >= kQuantGroup, "gemv_w8a16: N must be >= 1 and K >= 128");
+  AF_CHECK(K % kQuantGroup == 0, "gemv_w8a16: K must be a multiple of 128 (the scale group)");
+  AF_CHECK(reinterpret_cast<uintptr_t>(w) % 16 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0,
+           "gemv_w8a16: w and x must be 16-byte aligned");
+  switch (ep) {
+    case Epilogue::Store: launch_gemv<Epilogue::Store>(w, scales, x, N, K, out, stream); break;
+    case Epilogue::AddResidual: launch_gemv<Epilogue::AddResidual>(w, scales, x, N, K, out, stream); break;
+    case Epilogue::SwiGLU:
+      AF_CHECK(N % 2 == 0, "gemv_w8a16: SwiGLU needs N = 2F (gate rows, then up rows)");
+      launch_gemv<Epilogue::SwiGLU>(w, scales, x, N, K, out, stream);
+      break;
+    default: AF_CHECK(false, "gemv_w8a16: unknown epilogue");
+  }
+}
+
+}  // namespace atomflow::kernels

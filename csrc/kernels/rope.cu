@@ -1,0 +1,66 @@
+// RoPE (HF rotate-half) on the q and k heads of a fused qkv row, then the KV-cache append:
+// one block per token; cos/sin computed once per (token, frequency) and shared by all heads.
+#include "atomflow/kernels.h"
+
+namespace atomflow::kernels {
+
+constexpr int kRopeThreads = 256;
+
+static __global__ void __launch_bounds__(kRopeThreads)
+    rope_kv_append_kernel(const float* __restrict__ qkv, const float* __restrict__ inv_freq,
+                          const int32_t* __restrict__ pos, int H, int Hkv, int D, int max_context,
+                          bf16* __restrict__ q_out, bf16* __restrict__ k_cache, bf16* __restrict__ v_cache) {
+  extern __shared__ float cs[];  // cos [D/2], then sin [D/2]
+  const int half = D / 2;
+  const int m = blockIdx.x;
+  const int p = *pos + m;
+  for (int i = threadIdx.x; i < half; i += kRopeThreads) {
+    // Accurate sincosf, not __sinf: angles reach ~1e5 rad at long context.
+    const float angle = static_cast<float>(p) * inv_freq[i];
+    sincosf(angle, &cs[half + i], &cs[i]);
+  }
+  __syncthreads();
+
+  const float* row = qkv + static_cast<size_t>(m) * (H + 2 * Hkv) * D;
+  // The host guards the position too; a token past the cache is still rotated into q_out but
+  // never written outside the cache.
+  const bool in_cache = p < max_context;
+  bf16* k_row = k_cache + static_cast<size_t>(p) * Hkv * D;
+  bf16* v_row = v_cache + static_cast<size_t>(p) * Hkv * D;
+
+  // Rotation pairs (i, i + D/2) of the H query heads, then of the Hkv key heads.
+  for (int idx = threadIdx.x; idx < (H + Hkv) * half; idx += kRopeThreads) {
+    const int head = idx / half, i = idx % half;
+    const float x1 = row[head * D + i], x2 = row[head * D + i + half];
+    const float c = cs[i], s = cs[half + i];
+    const float o1 = x1 * c - x2 * s;
+    const float o2 = x2 * c + x1 * s;
+    if (head < H) {
+      bf16* q = q_out + (static_cast<size_t>(m) * H + head) * D;
+      q[i] = __float2bfloat16(o1);
+      q[i + half] = __float2bfloat16(o2);
+    } else if (in_cache) {
+      bf16* k = k_row + (head - H) * D;
+      k[i] = __float2bfloat16(o1);
+      k[i + half] = __float2bfloat16(o2);
+    }
+  }
+  if (in_cache) {
+    const float* v = row + (H + Hkv) * D;
+    for (int idx = threadIdx.x; idx < Hkv * D; idx += kRopeThreads) v_row[idx] = __float2bfloat16(v[idx]);
+  }
+}
+
+// ---- launcher ----
+
+void rope_kv_append(const float* qkv, const float* inv_freq, const int32_t* pos, int M, int H, int Hkv, int D,
+                    int max_context, bf16* q_out, bf16* k_cache, bf16* v_cache, cudaStream_t stream) {
+  AF_CHECK(M >= 1 && H >= 1 && Hkv >= 1 && max_context >= 1, "rope_kv_append: M, H, Hkv, max_context must be >= 1");
+  AF_CHECK(D >= 2 && D % 2 == 0 && D <= 1024, "rope_kv_append: head_dim must be even and <= 1024");
+  const size_t smem = static_cast<size_t>(D) * sizeof(float);
+  rope_kv_append_kernel<<<M, kRopeThreads, smem, stream>>>(qkv, inv_freq, pos, H, Hkv, D, max_context, q_out,
+                                                           k_cache, v_cache);
+  AF_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace atomflow::kernels

@@ -1,0 +1,415 @@
+"""Rung 1 of the correctness ladder: every CUDA kernel (atomflow._core.ops) against a float64 numpy
+reference, on fresh random inputs (the seed is printed, so a failure can be replayed with
+ATOMFLOW_TEST_SEED=<seed>) and awkward sizes. The harness poisons every output with 0xFF bytes
+(NaN, or -1 for ints) before the launch, so an element the kernel forgets to write cannot pass.
+
+Tolerances follow from the input precision: the references use the exact dequantized weights
+(fp8 * scale) and the exact bf16 inputs, so fp32 accumulation must match to rel-L2 < 1e-5; an
+output rounded once to bf16 is allowed ~4e-3 (its relative rounding error is <= 2^-9).
+Skipped cleanly without the CUDA core or a GPU."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+ml_dtypes = pytest.importorskip("ml_dtypes")
+BF16, FP8 = ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn
+
+
+def _load_ops():
+    try:
+        from atomflow import _core
+    except ImportError as e:
+        return None, f"atomflow._core is not importable ({e})"
+    ok, why = _core.cuda_available()
+    if not ok:
+        return None, why
+    if not hasattr(_core, "ops"):
+        return None, "atomflow._core was built without the ops submodule"
+    return _core.ops, ""
+
+
+ops, WHY_NOT = _load_ops()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(ops is None, reason=f"gpu: {WHY_NOT}")]
+
+FP32_REL, BF16_REL = 1e-5, 4e-3
+
+
+@pytest.fixture
+def rng():
+    seed = int(os.environ.get("ATOMFLOW_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
+    print(f"rng seed {seed} (replay: ATOMFLOW_TEST_SEED={seed})")
+    return np.random.default_rng(seed)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def bf16_bits(a) -> np.ndarray:
+    """float -> bf16 (round to nearest even) as uint16 bit patterns."""
+    return np.ascontiguousarray(np.asarray(a, dtype=np.float32).astype(BF16).view(np.uint16))
+
+
+def from_bf16(bits: np.ndarray) -> np.ndarray:
+    return bits.view(BF16).astype(np.float64)
+
+
+def rel_l2(got, want) -> float:
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-300))
+
+
+def assert_close(got, want, tol: float, what: str) -> None:
+    got = np.asarray(got, np.float64)
+    assert got.shape == want.shape, f"{what}: shape {got.shape}, expected {want.shape}"
+    bad = ~np.isfinite(got)
+    assert not bad.any(), f"{what}: {int(bad.sum())} non-finite outputs (unwritten?), first at {np.argwhere(bad)[0]}"
+    err = rel_l2(got, want)
+    assert err < tol, f"{what}: rel-L2 {err:.3e} >= {tol:.0e}"
+
+
+FP8_TO_F64 = np.arange(256, dtype=np.uint8).view(FP8).astype(np.float64)
+
+
+def random_fp8(rng, shape) -> np.ndarray:
+    """Uniformly random e4m3 codes (zeros, subnormals and +-448 included), NaN codes excluded."""
+    b = rng.integers(0, 256, size=shape, dtype=np.uint8)
+    b[(b & 0x7F) == 0x7F] ^= 1  # 0x7F / 0xFF (NaN) -> +-448
+    return b
+
+
+def random_scales(rng, n, k) -> np.ndarray:
+    """Scales spread over 8 binades, so a scale applied to the wrong group shows."""
+    return (2.0 ** rng.uniform(-12, -4, size=(n, k // 128))).astype(np.float32)
+
+
+def reference_linear(w: np.ndarray, scales: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """float64 x [M, K] @ (fp8 w [N, K] * scale).T, dequantized exactly, in row chunks."""
+    n, k = w.shape
+    y = np.empty((x.shape[0], n))
+    step = max(1, (1 << 24) // k)
+    for r in range(0, n, step):
+        wd = FP8_TO_F64[w[r:r + step]].reshape(-1, k // 128, 128) * scales[r:r + step, :, None]
+        y[:, r:r + step] = x @ wd.reshape(-1, k).T
+    return y
+
+
+def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        return gate / (1.0 + np.exp(-gate)) * up
+
+
+def check_linear(rng, N: int, K: int, M: int | None) -> None:
+    """All three epilogues of gemv (M None) or gemm (M rows) on one random weight matrix."""
+    w, s = random_fp8(rng, (N, K)), random_scales(rng, N, K)
+    shape = (K,) if M is None else (M, K)
+    x = bf16_bits(rng.standard_normal(shape))
+    y = reference_linear(w, s, from_bf16(x).reshape(-1, K))
+    y = y[0] if M is None else y
+    run = ops.gemv if M is None else ops.gemm
+    what = f"{'gemv' if M is None else f'gemm M={M}'} N={N} K={K}"
+
+    assert_close(run(w, s, x, 0), y, FP32_REL, f"{what} Store")
+    residual = (rng.standard_normal(y.shape) * (y.std() + 1.0)).astype(np.float32)
+    assert_close(run(w, s, x, 1, residual), residual + y, FP32_REL, f"{what} AddResidual")
+    if N % 2 == 0:
+        F = N // 2
+        want = silu_mul(y[..., :F], y[..., F:])
+        assert_close(from_bf16(run(w, s, x, 2)), want, BF16_REL, f"{what} SwiGLU")
+
+
+# Every linear layer of the three target models: (name, N, K).
+MODELS = {
+    "llama-3.2-1b": dict(d=2048, ffn=8192, H=32, Hkv=8, D=64),
+    "llama-3.2-3b": dict(d=3072, ffn=8192, H=24, Hkv=8, D=128),
+    "llama-3.1-8b": dict(d=4096, ffn=14336, H=32, Hkv=8, D=128),
+}
+VOCAB = 128256
+
+
+def model_shapes():
+    for name, m in MODELS.items():
+        d, ffn, qkv = m["d"], m["ffn"], (m["H"] + 2 * m["Hkv"]) * m["D"]
+        yield pytest.param(qkv, d, id=f"{name}-qkv")
+        yield pytest.param(d, m["H"] * m["D"], id=f"{name}-o")
+        yield pytest.param(2 * ffn, d, id=f"{name}-gate_up")
+        yield pytest.param(d, ffn, id=f"{name}-down")
+        yield pytest.param(VOCAB, d, id=f"{name}-lm_head", marks=pytest.mark.slow)
+
+
+ODD_SHAPES = [(1, 128), (2, 128), (7, 384), (14, 256), (129, 1024), (258, 640), (1001, 4096), (3, 14336)]
+
+
+# ----------------------------------------------------------------------------- gemv / gemm
+
+@pytest.mark.parametrize("N,K", list(model_shapes()))
+def test_gemv_model_shapes(rng, N, K):
+    check_linear(rng, N, K, None)
+
+
+@pytest.mark.parametrize("N,K", ODD_SHAPES)
+def test_gemv_odd_shapes(rng, N, K):
+    check_linear(rng, N, K, None)
+
+
+@pytest.mark.parametrize("N,K", list(model_shapes()))
+def test_gemm_model_shapes(rng, N, K):
+    check_linear(rng, N, K, 37)
+
+
+@pytest.mark.parametrize("M", [2, 5, 17, 128, 130, 257])
+@pytest.mark.parametrize("N,K", [(1, 128), (7, 384), (129, 1024), (258, 640), (3072, 3072)])
+def test_gemm_odd_shapes(rng, M, N, K):
+    check_linear(rng, N, K, M)
+
+
+def test_linear_rejects_bad_arguments():
+    w, s, x = np.zeros((4, 128), np.uint8), np.ones((4, 1), np.float32), np.zeros(128, np.uint16)
+    with pytest.raises(ValueError):
+        ops.gemv(w, s, x.astype(np.float32))  # x must be bf16 bits
+    with pytest.raises(ValueError):
+        ops.gemv(np.zeros((4, 100), np.uint8), np.ones((4, 1), np.float32), np.zeros(100, np.uint16))  # K % 128
+    with pytest.raises(ValueError):
+        ops.gemv(np.zeros((3, 128), np.uint8), np.ones((3, 1), np.float32), x, 2)  # SwiGLU needs even N
+    with pytest.raises(ValueError):
+        ops.gemv(w, s, x, 1)  # AddResidual without out_init
+
+
+# ----------------------------------------------------------------------------- attention
+
+def reference_attention(q, kc, vc, pos, scale):
+    """float64 causal GQA attention: query m (position pos + m) sees cache rows [0, pos + m]."""
+    M, H, D = q.shape
+    Hkv = kc.shape[1]
+    G = H // Hkv
+    qf, kf, vf = from_bf16(q), from_bf16(kc), from_bf16(vc)
+    out = np.empty((M, H, D))
+    for m in range(M):
+        n = pos + m + 1
+        for h in range(Hkv):
+            s = qf[m, h * G:(h + 1) * G] @ kf[:n, h].T * scale  # [G, n]
+            p = np.exp(s - s.max(axis=1, keepdims=True))
+            out[m, h * G:(h + 1) * G] = (p / p.sum(axis=1, keepdims=True)) @ vf[:n, h]
+    return out
+
+
+def check_attention(rng, M, context, Hkv, G, D):
+    """M queries, the last one seeing `context` keys; cache rows past the context hold NaN, so a
+    kernel reading outside the causal range fails."""
+    H, pos = Hkv * G, context - M
+    C = context + 3
+    kc = bf16_bits(rng.standard_normal((C, Hkv, D)))
+    vc = bf16_bits(rng.standard_normal((C, Hkv, D)))
+    kc[context:] = vc[context:] = 0x7FC0  # bf16 NaN
+    q = bf16_bits(rng.standard_normal((M, H, D)) * 2.0)
+    scale = 1.0 / np.sqrt(D)
+    got = from_bf16(ops.attention(q, kc, vc, pos, scale))
+    want = reference_attention(q, kc, vc, pos, scale)
+    for m in range(M):
+        assert_close(got[m], want[m], 6e-3, f"attention M={M} context={context} Hkv={Hkv} G={G} D={D} query {m}")
+
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("G", [1, 3, 4, 8])
+@pytest.mark.parametrize("context", [1, 2, 17, 300, 4097])
+def test_attention_decode(rng, context, G, D):
+    check_attention(rng, 1, context, 2, G, D)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("D,G", [(64, 4), (128, 3), (128, 4)])
+def test_attention_decode_long_context(rng, D, G):
+    check_attention(rng, 1, 33000, 8, G, D)  # every split in use
+
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("G", [1, 3, 4, 8])
+@pytest.mark.parametrize("M,context", [(2, 2), (7, 7), (5, 300), (64, 64), (33, 4097)])
+def test_attention_prefill_chunk(rng, M, context, G, D):
+    check_attention(rng, M, context, 2, G, D)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("M,context", [(256, 256), (256, 1300)])
+def test_attention_prefill_large_chunk(rng, M, context):
+    check_attention(rng, M, context, 8, 3, 128)
+
+
+def test_attention_rejects_unsupported():
+    z = lambda *s: np.zeros(s, np.uint16)
+    with pytest.raises(ValueError, match="head_dim"):
+        ops.attention(z(1, 4, 96), z(8, 2, 96), z(8, 2, 96), 0)
+    with pytest.raises(ValueError, match="GQA"):
+        ops.attention(z(1, 10, 64), z(8, 2, 64), z(8, 2, 64), 0)  # G = 5
+
+
+# ----------------------------------------------------------------------------- rope + KV append
+
+def llama_inv_freq(D, theta=500000.0):
+    return (1.0 / theta ** (np.arange(0, D, 2, dtype=np.float64) / D)).astype(np.float32)
+
+
+@pytest.mark.parametrize("H,Hkv,D", [(24, 8, 128), (32, 8, 64), (3, 1, 64)])
+@pytest.mark.parametrize("M,pos,C", [(1, 0, 4), (1, 4095, 4100), (5, 17, 30), (2, 70000, 70003),
+                                     (33, 100000, 64), (3, 126, 128)])  # last two: tokens past the cache
+def test_rope_kv_append(rng, M, pos, C, H, Hkv, D):
+    W = (H + 2 * Hkv) * D
+    qkv = rng.standard_normal((M, W)).astype(np.float32)
+    inv_freq = llama_inv_freq(D)
+    kc0 = bf16_bits(rng.standard_normal((C, Hkv, D)))
+    vc0 = bf16_bits(rng.standard_normal((C, Hkv, D)))
+    q, kc, vc = ops.rope_kv_append(qkv, inv_freq, pos, H, Hkv, D, kc0.copy(), vc0.copy())
+
+    p = (pos + np.arange(M)).astype(np.float32)
+    angle = (p[:, None] * inv_freq[None, :]).astype(np.float64)  # the fp32 product, as on the device
+    cos, sin = np.cos(angle)[:, None, :], np.sin(angle)[:, None, :]
+    heads = qkv.astype(np.float64).reshape(M, H + 2 * Hkv, D)
+    x1, x2 = heads[..., :D // 2], heads[..., D // 2:]
+    rot = np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    assert_close(from_bf16(q), rot[:, :H], BF16_REL, "rope q")
+    written = [m for m in range(M) if pos + m < C]
+    rows = [pos + m for m in written]
+    if rows:
+        assert_close(from_bf16(kc[rows]), rot[written, H:H + Hkv], BF16_REL, "rope k_cache")
+        want_v = bf16_bits(heads[written, H + Hkv:].astype(np.float32))
+        assert np.array_equal(vc[rows], want_v), "v_cache rows must be bf16(v) exactly"
+    untouched = np.setdiff1d(np.arange(C), rows)
+    assert np.array_equal(kc[untouched], kc0[untouched]) and np.array_equal(vc[untouched], vc0[untouched]), \
+        "rope_kv_append wrote outside its rows"
+
+
+# ----------------------------------------------------------------------------- small ops
+
+@pytest.mark.parametrize("M,d", [(1, 1), (1, 3072), (3, 7), (17, 4096), (2, 8193)])
+def test_rmsnorm(rng, M, d):
+    x = (rng.standard_normal((M, d)) * rng.uniform(0.1, 30, (M, 1))).astype(np.float32)
+    w = bf16_bits(rng.standard_normal(d))
+    eps = 1e-5
+    xf = x.astype(np.float64)
+    want = xf / np.sqrt((xf * xf).mean(axis=1, keepdims=True) + eps) * from_bf16(w)
+    assert_close(from_bf16(ops.rmsnorm(x, w, eps)), want, BF16_REL, f"rmsnorm M={M} d={d}")
+
+
+@pytest.mark.parametrize("vocab,d", [(1, 1), (50, 7), (1000, 3072)])
+def test_embedding(rng, vocab, d):
+    table = bf16_bits(rng.standard_normal((vocab, d)))
+    tokens = rng.integers(0, vocab, 9).astype(np.int32)
+    got = ops.embedding(table, tokens)
+    assert np.array_equal(got, from_bf16(table[tokens]).astype(np.float32))
+    # Out-of-range ids are clamped on the device (the host rejects them before this).
+    got = ops.embedding(table, np.array([-5, vocab + 3], np.int32))
+    assert np.array_equal(got, from_bf16(table[[0, vocab - 1]]).astype(np.float32))
+
+
+@pytest.mark.parametrize("n", [1, 5, 1000003])
+def test_add_inplace(rng, n):
+    x, y = rng.standard_normal(n).astype(np.float32), rng.standard_normal(n).astype(np.float32)
+    assert np.array_equal(ops.add_inplace(x, y), x + y)
+
+
+def test_stream_read_bandwidth_is_sane():
+    gbs = ops.stream_read_bandwidth(1 << 28, 5)
+    assert np.isfinite(gbs) and 100 < gbs < 20000, f"{gbs} GB/s"
+
+
+# ----------------------------------------------------------------------------- sampling
+
+def distinct_logits(rng, vocab, spread=3.0):
+    return (rng.standard_normal(vocab) * spread).astype(np.float32)
+
+
+@pytest.mark.parametrize("vocab", [1, 3, 9, 1000, 128256, 151936])
+def test_greedy_is_argmax_lowest_index_on_ties(rng, vocab):
+    x = distinct_logits(rng, vocab)
+    x[rng.integers(0, vocab, vocab // 10)] = -np.inf
+    assert ops.sample(x, 0.0, 0, 1.0, 1, 0) == int(np.argmax(x))
+    if vocab >= 3:
+        i, j = sorted(rng.choice(vocab, 2, replace=False))
+        x[i] = x[j] = x.max() + 1.0
+        assert ops.sample(x, 0.0, 5, 0.5, 7, 3) == i  # top-k / top-p do not apply when greedy
+        x[:] = 0.25  # all tied
+        assert ops.sample(x, 0.0, 0, 1.0, 1, 0) == 0
+
+
+# Settings exactly representable in fp32 (the device receives fp32), so only exp rounding differs.
+SETTINGS = [(1.0, 0, 1.0), (0.5, 0, 1.0), (1.25, 50, 1.0), (1.0, 0, 0.875), (0.75, 20, 0.5), (1.0, 1, 1.0),
+            (2.0, 0, 0.0625), (1.0, 999, 0.96875)]
+
+
+@pytest.mark.parametrize("vocab", [7, 1000, 128256])
+def test_sampling_follows_sample_numpy(rng, vocab):
+    """The device draw is sample_numpy's draw: same allowed set, same Philox u, same inverse CDF."""
+    from atomflow.sampling import SamplingParams, sample_numpy
+    mismatches, total = [], 0
+    for T, k, p in SETTINGS:
+        x = distinct_logits(rng, vocab)
+        for _ in range(6):
+            seed, pos = int(rng.integers(0, 2**63)), int(rng.integers(0, 2**31 - 2))
+            params = SamplingParams(temperature=T, top_k=k, top_p=p, seed=seed)
+            got, want = ops.sample(x, T, k, p, seed, pos), sample_numpy(x, params, pos)
+            total += 1
+            if got != want:
+                mismatches.append((T, k, p, seed, pos, got, want))
+    # fp32 exp vs float64 may move a draw that lands within ~1e-7 of a CDF step: vanishingly rare.
+    assert len(mismatches) <= 1, f"{len(mismatches)} of {total} draws differ: {mismatches[:4]}"
+
+
+def test_same_seed_same_token_other_seeds_vary(rng):
+    x = distinct_logits(rng, 5000, spread=1.0)
+    seeds = rng.integers(0, 2**63, 64, dtype=np.uint64)
+    a = ops.sample_seeds(x, 1.0, 0, 1.0, seeds, 42)
+    assert np.array_equal(a, ops.sample_seeds(x, 1.0, 0, 1.0, seeds, 42))
+    assert len(set(a.tolist())) > 20
+    b = ops.sample_seeds(x, 1.0, 0, 1.0, np.full(64, seeds[0], np.uint64), 42)
+    assert (b == a[0]).all()
+
+
+@pytest.mark.slow
+def test_temperature_frequencies_match_softmax(rng):
+    vocab, T, n = 12, 0.7, 40000
+    x = distinct_logits(rng, vocab, spread=1.0)
+    seeds = rng.integers(0, 2**63, n, dtype=np.uint64)
+    got = ops.sample_seeds(x, T, 0, 1.0, seeds, int(rng.integers(0, 1000)))
+    assert got.min() >= 0 and got.max() < vocab
+    z = x.astype(np.float64) / T
+    prob = np.exp(z - z.max())
+    prob /= prob.sum()
+    expected, observed = prob * n, np.bincount(got, minlength=vocab)
+    ok = expected >= 5
+    chi2 = float((((observed - expected) ** 2) / expected)[ok].sum())
+    df = int(ok.sum()) - 1
+    assert chi2 < df + 10 * np.sqrt(2 * df), f"chi-square {chi2:.1f} with {df} dof: {observed} vs {expected.round()}"
+
+
+@pytest.mark.parametrize("vocab,k", [(1000, 1), (1000, 3), (1000, 20), (128256, 40)])
+def test_top_k_stays_in_top_k(rng, vocab, k):
+    x = distinct_logits(rng, vocab, spread=0.5)  # flat: the top k all get drawn
+    top = set(np.argsort(x)[-k:].tolist())
+    got = ops.sample_seeds(x, 1.5, k, 1.0, rng.integers(0, 2**63, 400, dtype=np.uint64), 9)
+    outside = set(got.tolist()) - top
+    assert not outside, f"tokens outside the top {k}: {sorted(outside)[:10]}"
+    if k <= 3:
+        assert set(got.tolist()) == top
+
+
+@pytest.mark.parametrize("vocab,top_p,top_k", [(1000, 0.5, 0), (1000, 0.875, 0), (1000, 0.9375, 100),
+                                               (128256, 0.75, 0), (50, 0.03125, 0)])
+def test_top_p_stays_in_nucleus(rng, vocab, top_p, top_k):
+    from atomflow.sampling import SamplingParams, allowed_tokens
+    T = 1.0
+    # Logits whose nucleus boundary is not within 1e-6 of top_p (fp32 vs float64 could disagree).
+    while True:
+        x = distinct_logits(rng, vocab, spread=2.0)
+        z = x.astype(np.float64) / T
+        if 0 < top_k < vocab:
+            z = np.where(z >= np.sort(z)[-top_k], z, -np.inf)
+        p = np.exp(z - z.max())
+        c = np.cumsum(np.sort(p / p.sum())[::-1])
+        if np.abs(c - top_p).min() > 1e-6:
+            break
+    allowed = allowed_tokens(x, SamplingParams(temperature=T, top_k=top_k, top_p=top_p, seed=0))
+    got = ops.sample_seeds(x, T, top_k, top_p, rng.integers(0, 2**63, 300, dtype=np.uint64), 5)
+    outside = [t for t in set(got.tolist()) if not allowed[t]]
+    assert not outside, f"tokens outside the nucleus ({int(allowed.sum())} tokens): {outside[:10]}"
+    assert len(set(got.tolist())) > 1 or allowed.sum() == 1

@@ -1,0 +1,126 @@
+"""Kernel micro-benchmarks: one table per kernel with the shape, the time per launch (median over
+batches of back-to-back launches), the bytes it must move, GB/s, and the fraction of the
+streaming-read ceiling measured in the same run. Weights and KV caches are rotated through more
+memory than the L2 holds, so the numbers are DRAM numbers.
+
+    python tools/bench_kernels.py [--iters 50] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+MODELS = {  # Llama 3.2 3B and 3.1 8B
+    "3B": dict(d=3072, ffn=8192, H=24, Hkv=8, D=128, layers=28),
+    "8B": dict(d=4096, ffn=14336, H=32, Hkv=8, D=128, layers=32),
+}
+VOCAB = 128256
+STORE, ADD, SWIGLU = 0, 1, 2
+
+
+def linear_shapes(m: dict):
+    """(name, N, K, epilogue) of each linear layer, with the epilogue the engine uses."""
+    qkv = (m["H"] + 2 * m["Hkv"]) * m["D"]
+    return [("qkv", qkv, m["d"], STORE), ("o", m["d"], m["H"] * m["D"], ADD),
+            ("gate_up", 2 * m["ffn"], m["d"], SWIGLU), ("down", m["d"], m["ffn"], ADD),
+            ("lm_head", VOCAB, m["d"], STORE)]
+
+
+def gemv_bytes(N: int, K: int, ep: int) -> int:
+    """Weights + scales + x in, and the output written (read too for AddResidual)."""
+    out = {STORE: 4 * N, ADD: 8 * N, SWIGLU: 2 * (N // 2)}[ep]
+    return N * K + N * (K // 128) * 4 + 2 * K + out
+
+
+def table(title: str, header: list[str], rows: list[list[str]]) -> None:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    print(f"\n{title}")
+    print("  ".join(h.rjust(w) for h, w in zip(header, widths)))
+    for r in rows:
+        print("  ".join(c.rjust(w) for c, w in zip(r, widths)))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--iters", type=int, default=50, help="timed launches per shape (median reported)")
+    ap.add_argument("--json", help="also write the results to this file")
+    args = ap.parse_args(argv)
+    try:
+        from atomflow import _core
+    except ImportError as e:
+        print(f"bench_kernels: atomflow._core is not importable ({e})", file=sys.stderr)
+        return 2
+    ok, why = _core.cuda_available()
+    if not ok:
+        print(f"bench_kernels: no usable GPU ({why})", file=sys.stderr)
+        return 2
+    ops, info = _core.ops, _core.device_info()
+    results: dict = {"device": info["name"], "sm_count": info["sm_count"]}
+
+    ceiling = ops.stream_read_bandwidth(1 << 30, 20)
+    results["stream_read_GBps"] = ceiling
+    print(f"{info['name']} ({info['sm_count']} SMs): streaming read {ceiling:.0f} GB/s (1 GiB)")
+    pct = lambda gbs: f"{100 * gbs / ceiling:.1f}%"
+
+    # GEMV: every linear layer of the decode step, with its real epilogue.
+    rows, results["gemv"] = [], []
+    for model, m in MODELS.items():
+        step_us = step_bytes = 0.0
+        for name, N, K, ep in linear_shapes(m):
+            us = ops.time_gemv(N, K, iters=args.iters, epilogue=ep)
+            nbytes = gemv_bytes(N, K, ep)
+            gbs = nbytes / us / 1e3
+            per_step = 1 if name == "lm_head" else m["layers"]
+            step_us += us * per_step
+            step_bytes += nbytes * per_step
+            rows.append([model, name, f"{N}x{K}", f"{us:.2f}", f"{nbytes / 2**20:.1f}", f"{gbs:.0f}", pct(gbs)])
+            results["gemv"].append(dict(model=model, layer=name, N=N, K=K, us=us, bytes=nbytes, GBps=gbs))
+        gbs = step_bytes / step_us / 1e3
+        rows.append([model, "all linears / token", "", f"{step_us:.0f}", f"{step_bytes / 2**20:.0f}", f"{gbs:.0f}", pct(gbs)])
+    table("gemv_w8a16 (M = 1)", ["model", "layer", "N x K", "us", "MiB", "GB/s", "of ceiling"], rows)
+
+    # Decode attention: KV read = 2 (K, V) x context x Hkv x D x 2 B per layer.
+    rows, results["attention"] = [], []
+    for model, m in MODELS.items():
+        H, Hkv, D = m["H"], m["Hkv"], m["D"]
+        for ctx in [128, 512, 2048, 8192, 32768]:
+            us = ops.time_attention(ctx, H, Hkv, D, M=1, iters=args.iters)
+            nbytes = 2 * ctx * Hkv * D * 2 + 2 * H * D * 2
+            gbs = nbytes / us / 1e3
+            rows.append([model, f"H={H} Hkv={Hkv} D={D}", str(ctx), f"{us:.2f}", f"{nbytes / 2**20:.2f}", f"{gbs:.0f}",
+                         pct(gbs)])
+            results["attention"].append(dict(model=model, context=ctx, us=us, bytes=nbytes, GBps=gbs))
+    table("attention (M = 1, one layer)", ["model", "heads", "context", "us", "MiB", "GB/s", "of ceiling"], rows)
+
+    # Prefill GEMM: compute-bound, so TFLOP/s; the last row is one 512-token prefill's linears.
+    rows, results["gemm"] = [], []
+    M = 512
+    for model, m in MODELS.items():
+        total_us = 0.0
+        for name, N, K, ep in linear_shapes(m)[:4]:  # the head runs on the last row only (GEMV)
+            us = ops.time_gemm(M, N, K, iters=max(5, args.iters // 5), epilogue=ep)
+            tflops = 2 * M * N * K / us / 1e6
+            total_us += us * m["layers"]
+            rows.append([model, name, f"{M}x{N}x{K}", f"{us:.1f}", f"{tflops:.0f}"])
+            results["gemm"].append(dict(model=model, layer=name, M=M, N=N, K=K, us=us, TFLOPs=tflops))
+        rows.append([model, f"{m['layers']} layers", f"{M} tokens", f"{total_us:.0f}", ""])
+    table("gemm_w8a16 (prefill)", ["model", "layer", "M x N x K", "us", "TFLOP/s"], rows)
+
+    # Sampling over the Llama 3 vocabulary.
+    rows, results["sample"] = [], []
+    for label, t, k, p in [("greedy", 0.0, 0, 1.0), ("temperature 0.8", 0.8, 0, 1.0),
+                           ("top_k 50", 0.8, 50, 1.0), ("top_p 0.9", 0.8, 0, 0.9), ("top_k 50 + top_p 0.9", 0.8, 50, 0.9)]:
+        us = ops.time_sample(VOCAB, t, k, p, iters=args.iters)
+        rows.append([label, str(VOCAB), f"{us:.2f}"])
+        results["sample"].append(dict(mode=label, vocab=VOCAB, us=us))
+    table("sample", ["mode", "vocab", "us"], rows)
+
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
