@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: build in place, run the GPU tests, time decode on the 3B and 8B
 # presets, write OUTDIR/summary.json and print a short table last.
-#   bash scripts/gpu_check.sh OUTDIR            (PRESETS=llama-3.2-3b,llama-3.1-8b by default;
-#                                                PYTEST_ARGS adds pytest options, SKIP_TESTS=1 skips)
+#   bash scripts/gpu_check.sh OUTDIR
+# Environment: PRESETS (default llama-3.2-3b,llama-3.1-8b), PYTEST_MARK (default gpu),
+# PYTEST_ARGS (extra pytest options), SKIP_TESTS=1, SKIP_KERNEL_BENCH=1.
 set -uo pipefail
 OUT=${1:?usage: scripts/gpu_check.sh OUTDIR}
 mkdir -p "$OUT"
@@ -19,8 +20,14 @@ grep -E "registers|spill|bytes stack" "$OUT/build.log" > "$OUT/ptxas.txt" 2>/dev
 rc=0
 if [ "${SKIP_TESTS:-0}" != "1" ]; then
   echo "== pytest -m gpu"
-  python3 -m pytest -m gpu -q -rfE ${PYTEST_ARGS:-} --junitxml="$OUT/gpu_tests.xml" > "$OUT/gpu_tests.log" 2>&1 || rc=$?
+  python3 -m pytest -m "${PYTEST_MARK:-gpu}" -q -rfE ${PYTEST_ARGS:-} --junitxml="$OUT/gpu_tests.xml" > "$OUT/gpu_tests.log" 2>&1 || rc=$?
   grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -25
+fi
+
+if [ "${SKIP_KERNEL_BENCH:-0}" != "1" ]; then
+  echo "== kernel bench"
+  python3 tools/bench_kernels.py --json "$OUT/kernels.json" > "$OUT/kernels.txt" 2>&1 || rc=1
+  tail -30 "$OUT/kernels.txt"
 fi
 
 echo "== decode timings"
