@@ -301,13 +301,19 @@ void sample(const float* logits, int vocab, const SamplingConfig* cfg, const int
   const size_t smem = static_cast<size_t>(CEIL_DIV(vocab, kSampleBlocks)) * 8;
   AF_CHECK(smem + sizeof(SampleShared) <= static_cast<size_t>(smem_optin),
            "sample: vocab too large (the 8-block cluster caches 8 bytes per token in shared memory)");
-  // The slice cache may exceed 48 KB: allow up to the device maximum, once (not inside a graph capture).
-  static const bool configured = [smem_optin] {
+  // The slice cache may exceed 48 KB: raise the kernel's dynamic limit to what this vocab needs
+  // (a host-side attribute, legal during graph capture). Only ever raised, so one setting serves
+  // every smaller vocab too.
+  static size_t configured = 0;
+  if (smem > configured) {
+    cudaFuncAttributes attr{};
+    AF_CUDA_CHECK(cudaFuncGetAttributes(&attr, sample_kernel));
+    AF_CHECK(smem + attr.sharedSizeBytes <= static_cast<size_t>(smem_optin),
+             "sample: vocab too large (the 8-block cluster caches 8 bytes per token in shared memory)");
     AF_CUDA_CHECK(cudaFuncSetAttribute(sample_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       smem_optin - static_cast<int>(sizeof(SampleShared))));
-    return true;
-  }();
-  (void)configured;
+                                       static_cast<int>(smem)));
+    configured = smem;
+  }
   sample_kernel<<<kSampleBlocks, kSampleThreads, smem, stream>>>(logits, vocab, cfg, pos, token_out);
   AF_CUDA_CHECK(cudaGetLastError());
 }
