@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from atomflow import Engine
-from atomflow.validate import validate, verdict_line
+from atomflow.validate import format_table, validate, verdict_line
 
 pytestmark = pytest.mark.gpu
 GT = Path(__file__).resolve().parents[1] / "ground_truth" / "tiny"
@@ -13,9 +13,10 @@ GT = Path(__file__).resolve().parents[1] / "ground_truth" / "tiny"
 
 def check(rows):
     dequant = [r for r in rows if r.reference == "dequant"]
-    assert dequant and all(r.verdict == "PASS" for r in dequant), verdict_line(rows)
+    bad = format_table([r for r in rows if r.verdict != "PASS"])
+    assert dequant and all(r.verdict == "PASS" for r in dequant), f"{verdict_line(rows)}\n{bad}"
     assert {r.phase for r in dequant} == {"prompt", "decode"}
-    assert not any(r.verdict == "FAIL" for r in rows), verdict_line(rows)
+    assert not any(r.verdict == "FAIL" for r in rows), f"{verdict_line(rows)}\n{bad}"
 
 
 def test_cuda_passes_tiny(tiny_model_file):

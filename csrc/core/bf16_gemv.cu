@@ -3,6 +3,8 @@
 
 #include "bf16_gemv.h"
 
+#include "atomflow/pdl.cuh"
+
 namespace atomflow {
 
 // ---------------------------------------------------------------------------------------
@@ -12,6 +14,7 @@ constexpr int kGemvWarps = 8;  // rows per block
 
 static __global__ void __launch_bounds__(kGemvWarps * 32)
     bf16_gemv_kernel(const bf16* __restrict__ w, const bf16* __restrict__ x, int N, int K, float* __restrict__ out) {
+  pdl_prologue();
   const int lane = threadIdx.x % 32;
   const int row = blockIdx.x * kGemvWarps + threadIdx.x / 32;
   if (row >= N) return;
@@ -44,8 +47,7 @@ void bf16_gemv(const bf16* w, const bf16* x, int N, int K, float* out, cudaStrea
   AF_CHECK(K % 8 == 0, "bf16_gemv needs K % 8 == 0 (16-byte loads)");
   AF_CHECK(reinterpret_cast<uintptr_t>(w) % 16 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0,
            "bf16_gemv needs 16-byte aligned w and x");
-  bf16_gemv_kernel<<<CEIL_DIV(N, kGemvWarps), kGemvWarps * 32, 0, stream>>>(w, x, N, K, out);
-  AF_CUDA_CHECK(cudaGetLastError());
+  af_launch(bf16_gemv_kernel, dim3(CEIL_DIV(N, kGemvWarps)), dim3(kGemvWarps * 32), 0, stream, w, x, N, K, out);
 }
 
 }  // namespace atomflow

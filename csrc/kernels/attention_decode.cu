@@ -15,6 +15,7 @@
 // in the log2 domain, q prescaled by scale * log2 e) over KT keys per step (all K and V loads of
 // the step issued first). Streams are merged in-warp by shuffles, then across warps in shared memory.
 #include "atomflow/kernels.h"
+#include "atomflow/pdl.cuh"
 
 namespace atomflow::kernels {
 
@@ -72,6 +73,7 @@ static __global__ void __launch_bounds__(kAttnThreads)
   __shared__ float sm_m[kAttnWarps][R], sm_l[kAttnWarps][R];
   __shared__ float sm_acc[kAttnWarps][R][D];
 
+  pdl_prologue();
   const int split = blockIdx.x, h = blockIdx.y, m0 = blockIdx.z * QT;
   const int pos = *pos_ptr;
   const int n_keys = call_keys(pos_ptr, M, max_context);
@@ -247,6 +249,7 @@ static __global__ void __launch_bounds__(kMaxSplits)
   __shared__ float weight[kMaxSplits];
   __shared__ float red[kMaxSplits / 32];
   __shared__ float row_max, inv_l;
+  pdl_prologue();
   const int head = blockIdx.x, m = blockIdx.y, tid = threadIdx.x;
   const int n_active = active_splits(call_keys(pos_ptr, M, max_context), s_max);
   const size_t p0 = (static_cast<size_t>(m) * H + head) * s_max;
@@ -301,12 +304,10 @@ static void launch_attention(const bf16* q, const bf16* k_cache, const bf16* v_c
   float* part_acc = part_ml + static_cast<size_t>(M) * H * s_max * 2;
   const dim3 grid(s_max, Hkv, CEIL_DIV(M, QT));
   const float q_scale = scale * 1.4426950408889634f;  // scores in log2 units: exp2f in the softmax
-  attention_split_kernel<D, G, QT><<<grid, kAttnThreads, 0, stream>>>(q, k_cache, v_cache, pos, M, H, Hkv, max_context,
-                                                                      s_max, q_scale, part_ml, part_acc);
-  AF_CUDA_CHECK(cudaGetLastError());
-  attention_merge_kernel<D><<<dim3(H, M), kMaxSplits, 0, stream>>>(part_ml, part_acc, pos, M, H, max_context, s_max,
-                                                                  out);
-  AF_CUDA_CHECK(cudaGetLastError());
+  af_launch(attention_split_kernel<D, G, QT>, grid, dim3(kAttnThreads), 0, stream, q, k_cache, v_cache, pos, M, H,
+            Hkv, max_context, s_max, q_scale, part_ml, part_acc);
+  af_launch(attention_merge_kernel<D>, dim3(H, M), dim3(kMaxSplits), 0, stream, part_ml, part_acc, pos, M, H,
+            max_context, s_max, out);
 }
 
 // Decode uses one query token per block; prefill chunks tile QT tokens so that G * QT <= 8 query

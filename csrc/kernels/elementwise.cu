@@ -1,5 +1,6 @@
 // Small elementwise ops the fused paths do not cover: x += y (fp32).
 #include "atomflow/kernels.h"
+#include "atomflow/pdl.cuh"
 
 namespace atomflow::kernels {
 
@@ -7,6 +8,7 @@ constexpr int kAddThreads = 256;
 
 static __global__ void __launch_bounds__(kAddThreads)
     add_inplace_kernel(float* __restrict__ x, const float* __restrict__ y, int n) {
+  pdl_prologue();
   const int stride = gridDim.x * kAddThreads;
   for (int i = blockIdx.x * kAddThreads + threadIdx.x; i < n; i += stride) x[i] += y[i];
 }
@@ -18,7 +20,7 @@ void add_inplace(float* x, const float* y, int n, cudaStream_t stream) {
   if (n == 0) return;
   // A grid-stride loop: a few thousand blocks at most, each thread a few elements.
   const int blocks = min(CEIL_DIV(n, kAddThreads), 4096);
-  add_inplace_kernel<<<blocks, kAddThreads, 0, stream>>>(x, y, n);
+  af_launch(add_inplace_kernel, dim3(blocks), dim3(kAddThreads), 0, stream, x, y, n);
   AF_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -1,5 +1,6 @@
 // Token embedding lookup: out[m, :] = float(table[tokens[m], :]), one block per token.
 #include "atomflow/kernels.h"
+#include "atomflow/pdl.cuh"
 
 namespace atomflow::kernels {
 
@@ -9,6 +10,7 @@ constexpr int kEmbedThreads = 256;
 static __global__ void __launch_bounds__(kEmbedThreads)
     embedding_kernel(const bf16* __restrict__ table, const int32_t* __restrict__ tokens, int d, int vocab,
                      float* __restrict__ out) {
+  pdl_prologue();
   const int m = blockIdx.x;
   // The host validates ids; clamping keeps a bad id from ever reading out of bounds.
   const int tok = min(max(tokens[m], 0), vocab - 1);
@@ -21,7 +23,7 @@ static __global__ void __launch_bounds__(kEmbedThreads)
 
 void embedding(const bf16* table, const int32_t* tokens, int M, int d, int vocab, float* out, cudaStream_t stream) {
   AF_CHECK(M >= 1 && d >= 1 && vocab >= 1, "embedding: M, d and vocab must be >= 1");
-  embedding_kernel<<<M, kEmbedThreads, 0, stream>>>(table, tokens, d, vocab, out);
+  af_launch(embedding_kernel, dim3(M), dim3(kEmbedThreads), 0, stream, table, tokens, d, vocab, out);
   AF_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -16,6 +16,7 @@
 #include <cuda_fp8.h>
 
 #include "atomflow/kernels.h"
+#include "atomflow/pdl.cuh"
 
 namespace atomflow::kernels {
 
@@ -76,6 +77,7 @@ static __global__ void __launch_bounds__(kGemmThreads, 2)
     gemm_w8a16_kernel(const uint8_t* __restrict__ w, const float* __restrict__ scales, const bf16* __restrict__ x,
                       int M, int N, int K, void* __restrict__ out) {
   extern __shared__ __align__(16) uint8_t smem[];
+  pdl_prologue();
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int wm = warp / 2, wn = warp % 2;
   const int g = lane / 4, c = lane % 4;
@@ -252,8 +254,7 @@ static void launch_gemm(const uint8_t* w, const float* scales, const bf16* x, in
   const int n_tiles = EP == Epilogue::SwiGLU ? CEIL_DIV(N / 2, kBN / 2) : CEIL_DIV(N, kBN);
   AF_CHECK(n_tiles <= 65535, "gemm_w8a16: N too large for the grid");
   const dim3 grid(CEIL_DIV(M, kBM), n_tiles);
-  gemm_w8a16_kernel<EP><<<grid, kGemmThreads, kGemmSmem, stream>>>(w, scales, x, M, N, K, out);
-  AF_CUDA_CHECK(cudaGetLastError());
+  af_launch(gemm_w8a16_kernel<EP>, grid, dim3(kGemmThreads), kGemmSmem, stream, w, scales, x, M, N, K, out);
 }
 
 void gemm_w8a16(const uint8_t* w, const float* scales, const bf16* x, int M, int N, int K, Epilogue ep, void* out,

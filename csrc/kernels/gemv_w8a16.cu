@@ -19,6 +19,7 @@
 #include <cuda_fp8.h>
 
 #include "atomflow/kernels.h"
+#include "atomflow/pdl.cuh"
 
 namespace atomflow::kernels {
 
@@ -26,6 +27,9 @@ constexpr int kGemvThreads = 256;
 constexpr int kGemvWarps = kGemvThreads / 32;
 constexpr int kGemvUnroll = 8;  // 16-byte chunks per row per lane per iteration
 constexpr int kQuantGroup = 128;
+// Weight bytes each warp prefetches into L2 while the previous kernel finishes: the grid holds
+// ~2100 warps, so ~17 MB in flight, well inside the 50 MB L2 next to the weights being read.
+constexpr int kGemvPrefetchBytes = 8192;
 
 // Streaming weight load: read once, so keep it out of L1 (x and scales live there).
 static __device__ __forceinline__ uint4 ld_weights(const uint8_t* p) {
@@ -92,19 +96,21 @@ static __global__ void __launch_bounds__(kGemvThreads, 2)
     }
   };
 
-  // Start the first weights on their way to L2 before the x staging round trip.
-  if (first_pair < n_pairs) {
-    int r0, r1;
-    rows_of(first_pair, r0, r1);
-#pragma unroll
-    for (int u = 0; u < kGemvUnroll; ++u) {
-      const int c = lane + 32 * u;
-      if (c < C) {
+  // Weights never depend on an earlier kernel: start this warp's first rows on their way to L2
+  // (up to kGemvPrefetchBytes) before waiting for the previous kernel (PDL) and staging x.
+  {
+    const int max_pairs = max(1, kGemvPrefetchBytes / (2 * K));
+    for (int i = 0, p = first_pair; i < max_pairs && p < n_pairs; ++i, p += warp_stride) {
+      int r0, r1;
+      rows_of(p, r0, r1);
+      for (int c = lane; c < C; c += 32) {
         asm volatile("prefetch.global.L2 [%0];" ::"l"(w + static_cast<size_t>(r0) * K + 16 * c));
         asm volatile("prefetch.global.L2 [%0];" ::"l"(w + static_cast<size_t>(r1) * K + 16 * c));
       }
     }
   }
+  pdl_launch_dependents();
+  pdl_wait();  // x (and, for AddResidual, out) come from earlier kernels
 
   // Stage x: 8 bf16 per 16-byte load -> two float4 of chunk v / 2.
   const uint4* x8 = reinterpret_cast<const uint4*>(x);
@@ -198,8 +204,7 @@ static void launch_gemv(const uint8_t* w, const float* scales, const bf16* x, in
   AF_CHECK(per_sm >= 1, "gemv_w8a16: kernel does not fit on an SM");
   const int n_pairs = EP == Epilogue::SwiGLU ? N / 2 : CEIL_DIV(N, 2);
   const int blocks = min(CEIL_DIV(n_pairs, kGemvWarps), sms * per_sm);
-  gemv_w8a16_kernel<EP><<<blocks, kGemvThreads, smem, stream>>>(w, scales, x, N, K, out);
-  AF_CUDA_CHECK(cudaGetLastError());
+  af_launch(gemv_w8a16_kernel<EP>, dim3(blocks), dim3(kGemvThreads), smem, stream, w, scales, x, N, K, out);
 }
 
 void gemv_w8a16(const uint8_t* w, const float* scales, const bf16* x, int N, int K, Epilogue ep, void* out,

@@ -1,6 +1,7 @@
 // RMSNorm, one block per row: out = bf16(x * rsqrt(mean(x^2) + eps) * w), all in fp32 (HF
 // LlamaRMSNorm semantics with the weight applied to the fp32 normalized value).
 #include "atomflow/kernels.h"
+#include "atomflow/pdl.cuh"
 
 namespace atomflow::kernels {
 
@@ -11,6 +12,7 @@ static __global__ void __launch_bounds__(kNormThreads)
                    bf16* __restrict__ out) {
   __shared__ float warp_sums[kNormThreads / 32];
   __shared__ float inv_rms;
+  pdl_prologue();
   const float* xr = x + static_cast<size_t>(blockIdx.x) * d;
   bf16* orow = out + static_cast<size_t>(blockIdx.x) * d;
 
@@ -37,7 +39,7 @@ static __global__ void __launch_bounds__(kNormThreads)
 
 void rmsnorm(const float* x, const bf16* w, int M, int d, float eps, bf16* out, cudaStream_t stream) {
   AF_CHECK(M >= 1 && d >= 1, "rmsnorm: M and d must be >= 1");
-  rmsnorm_kernel<<<M, kNormThreads, 0, stream>>>(x, w, d, eps, out);
+  af_launch(rmsnorm_kernel, dim3(M), dim3(kNormThreads), 0, stream, x, w, d, eps, out);
   AF_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -1,6 +1,7 @@
 // RoPE (HF rotate-half) on the q and k heads of a fused qkv row, then the KV-cache append:
 // one block per token; cos/sin computed once per (token, frequency) and shared by all heads.
 #include "atomflow/kernels.h"
+#include "atomflow/pdl.cuh"
 
 namespace atomflow::kernels {
 
@@ -11,6 +12,7 @@ static __global__ void __launch_bounds__(kRopeThreads)
                           const int32_t* __restrict__ pos, int H, int Hkv, int D, int max_context,
                           bf16* __restrict__ q_out, bf16* __restrict__ k_cache, bf16* __restrict__ v_cache) {
   extern __shared__ float cs[];  // cos [D/2], then sin [D/2]
+  pdl_prologue();
   const int half = D / 2;
   const int m = blockIdx.x;
   const int p = *pos + m;
@@ -58,9 +60,8 @@ void rope_kv_append(const float* qkv, const float* inv_freq, const int32_t* pos,
   AF_CHECK(M >= 1 && H >= 1 && Hkv >= 1 && max_context >= 1, "rope_kv_append: M, H, Hkv, max_context must be >= 1");
   AF_CHECK(D >= 2 && D % 2 == 0 && D <= 1024, "rope_kv_append: head_dim must be even and <= 1024");
   const size_t smem = static_cast<size_t>(D) * sizeof(float);
-  rope_kv_append_kernel<<<M, kRopeThreads, smem, stream>>>(qkv, inv_freq, pos, H, Hkv, D, max_context, q_out,
-                                                           k_cache, v_cache);
-  AF_CUDA_CHECK(cudaGetLastError());
+  af_launch(rope_kv_append_kernel, dim3(M), dim3(kRopeThreads), smem, stream, qkv, inv_freq, pos, H, Hkv, D,
+            max_context, q_out, k_cache, v_cache);
 }
 
 }  // namespace atomflow::kernels

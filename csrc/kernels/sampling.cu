@@ -22,6 +22,7 @@
 #include <cooperative_groups.h>
 
 #include "atomflow/kernels.h"
+#include "atomflow/pdl.cuh"
 
 namespace cg = cooperative_groups;
 
@@ -167,6 +168,7 @@ static __global__ void __cluster_dims__(kSampleBlocks, 1, 1) __launch_bounds__(k
                   const int32_t* __restrict__ pos_ptr, int32_t* __restrict__ token_out) {
   extern __shared__ uint32_t cache[];  // sampling only: keys [chunk], then weights (float) [chunk]
   __shared__ SampleShared sh;
+  pdl_prologue();
   cg::cluster_group cluster = cg::this_cluster();
   const int rank = static_cast<int>(cluster.block_rank());
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
@@ -314,8 +316,8 @@ void sample(const float* logits, int vocab, const SamplingConfig* cfg, const int
                                        static_cast<int>(smem)));
     configured = smem;
   }
-  sample_kernel<<<kSampleBlocks, kSampleThreads, smem, stream>>>(logits, vocab, cfg, pos, token_out);
-  AF_CUDA_CHECK(cudaGetLastError());
+  af_launch(sample_kernel, dim3(kSampleBlocks), dim3(kSampleThreads), smem, stream, logits, vocab, cfg, pos,
+            token_out);
 }
 
 }  // namespace atomflow::kernels

@@ -1,0 +1,61 @@
+// Programmatic dependent launch (PDL, sm_90): a kernel launched through af_launch() may start
+// while the kernel before it on the stream is still running, so its launch latency and its
+// reads of immutable data (weights) overlap the previous kernel's tail. The contract, for every
+// kernel launched this way:
+//   - pdl_wait() before reading anything an earlier kernel wrote, and before writing anything
+//     an earlier kernel reads (it returns once the previous grid has completed and flushed);
+//   - pdl_launch_dependents() as early as possible, to let the next kernel's blocks start.
+// Graph capture keeps the programmatic edges. Kill switch: ATOMFLOW_NO_PDL=1. On GPUs before
+// sm_90 both calls compile to nothing and launches are ordinary.
+#pragma once
+#include <cstdlib>
+#include <utility>
+
+#include "atomflow/common.h"
+
+namespace atomflow {
+
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// What most kernels do first: let the next kernel launch, then wait for the previous one.
+__device__ __forceinline__ void pdl_prologue() {
+  pdl_launch_dependents();
+  pdl_wait();
+}
+
+inline bool pdl_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("ATOMFLOW_NO_PDL");
+    return v == nullptr || v[0] == '\0' || v[0] == '0';
+  }();
+  return on;
+}
+
+// kernel<<<grid, block, smem, stream>>>(args...), with the PDL attribute when enabled; checked.
+template <typename... KernelArgs, typename... Args>
+void af_launch(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+               Args&&... args) {
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl_enabled() ? 1 : 0;
+  AF_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
+}
+
+}  // namespace atomflow
