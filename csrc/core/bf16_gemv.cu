@@ -13,7 +13,7 @@ namespace atomflow {
 constexpr int kGemvWarps = 8;  // rows per block
 
 static __global__ void __launch_bounds__(kGemvWarps * 32)
-    bf16_gemv_kernel(const bf16* __restrict__ w, const bf16* __restrict__ x, int N, int K, float* __restrict__ out) {
+    bf16_gemv_kernel(const bf16* __restrict__ w, const bf16* x, int N, int K, float* __restrict__ out) {
   pdl_prologue();
   const int lane = threadIdx.x % 32;
   const int row = blockIdx.x * kGemvWarps + threadIdx.x / 32;

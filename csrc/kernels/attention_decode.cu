@@ -42,7 +42,7 @@ static __device__ __forceinline__ int active_splits(int n_keys, int s_max) {
 
 static __device__ __forceinline__ uint4 ld_kv(const bf16* p) {
   uint4 v;
-  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+  asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];"
       : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
       : "l"(p));
   return v;
@@ -61,8 +61,8 @@ static __device__ __forceinline__ void bf16x8_to_float(uint4 v, float (&f)[8]) {
 // Partials: index ((m * H + head) * s_max + split); ml holds (max, sum) pairs, acc D floats.
 template <int D, int G, int QT>
 static __global__ void __launch_bounds__(kAttnThreads)
-    attention_split_kernel(const bf16* __restrict__ q, const bf16* __restrict__ k_cache,
-                           const bf16* __restrict__ v_cache, const int32_t* __restrict__ pos_ptr, int M, int H,
+    attention_split_kernel(const bf16* q, const bf16* k_cache,
+                           const bf16* v_cache, const int32_t* pos_ptr, int M, int H,
                            int Hkv, int max_context, int s_max, float q_scale, float* __restrict__ part_ml,
                            float* __restrict__ part_acc) {
   constexpr int LPR = D / 8;                // lanes per key row
@@ -95,7 +95,7 @@ static __global__ void __launch_bounds__(kAttnThreads)
   for (int r = 0; r < R; ++r) {
     const int m = m0 + r / G;
     if (m < M) {
-      const uint4 raw = __ldg(reinterpret_cast<const uint4*>(q + (static_cast<size_t>(m) * H + h * G + r % G) * D) + li);
+      const uint4 raw = __ldcg(reinterpret_cast<const uint4*>(q + (static_cast<size_t>(m) * H + h * G + r % G) * D) + li);
       bf16x8_to_float(raw, qf[r]);
 #pragma unroll
       for (int e = 0; e < 8; ++e) qf[r][e] *= q_scale;
@@ -243,8 +243,8 @@ static __global__ void __launch_bounds__(kAttnThreads)
 // One block per (head, query token): out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s.
 template <int D>
 static __global__ void __launch_bounds__(kMaxSplits)
-    attention_merge_kernel(const float* __restrict__ part_ml, const float* __restrict__ part_acc,
-                           const int32_t* __restrict__ pos_ptr, int M, int H, int max_context, int s_max,
+    attention_merge_kernel(const float* part_ml, const float* part_acc,
+                           const int32_t* pos_ptr, int M, int H, int max_context, int s_max,
                            bf16* __restrict__ out) {
   __shared__ float weight[kMaxSplits];
   __shared__ float red[kMaxSplits / 32];

@@ -74,7 +74,7 @@ static __device__ __forceinline__ int weight_row(int j, int n_tile, int N) {
 
 template <Epilogue EP>
 static __global__ void __launch_bounds__(kGemmThreads, 2)
-    gemm_w8a16_kernel(const uint8_t* __restrict__ w, const float* __restrict__ scales, const bf16* __restrict__ x,
+    gemm_w8a16_kernel(const uint8_t* __restrict__ w, const float* __restrict__ scales, const bf16* x,
                       int M, int N, int K, void* __restrict__ out) {
   extern __shared__ __align__(16) uint8_t smem[];
   pdl_prologue();

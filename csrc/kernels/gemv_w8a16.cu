@@ -74,7 +74,7 @@ static __device__ __forceinline__ void dot16x2(uint4 wa, uint4 wb, const float4*
 
 template <Epilogue EP>
 static __global__ void __launch_bounds__(kGemvThreads, 2)
-    gemv_w8a16_kernel(const uint8_t* __restrict__ w, const float* __restrict__ scales, const bf16* __restrict__ x,
+    gemv_w8a16_kernel(const uint8_t* __restrict__ w, const float* __restrict__ scales, const bf16* x,
                       int N, int K, void* __restrict__ out) {
   extern __shared__ float4 xs[];  // K fp32 values, swizzled (x_slot)
   const int C = K / 16;           // 16-byte chunks per row
@@ -115,7 +115,7 @@ static __global__ void __launch_bounds__(kGemvThreads, 2)
   // Stage x: 8 bf16 per 16-byte load -> two float4 of chunk v / 2.
   const uint4* x8 = reinterpret_cast<const uint4*>(x);
   for (int v = threadIdx.x; v < K / 8; v += kGemvThreads) {
-    const uint4 raw = __ldg(x8 + v);
+    const uint4 raw = __ldcg(x8 + v);  // x comes from the previous kernel: coherent load (pdl.cuh)
     const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
     const float2 f0 = __bfloat1622float2(h[0]), f1 = __bfloat1622float2(h[1]);
     const float2 f2 = __bfloat1622float2(h[2]), f3 = __bfloat1622float2(h[3]);

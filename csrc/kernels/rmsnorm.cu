@@ -8,7 +8,7 @@ namespace atomflow::kernels {
 constexpr int kNormThreads = 512;
 
 static __global__ void __launch_bounds__(kNormThreads)
-    rmsnorm_kernel(const float* __restrict__ x, const bf16* __restrict__ w, int d, float eps,
+    rmsnorm_kernel(const float* x, const bf16* __restrict__ w, int d, float eps,
                    bf16* __restrict__ out) {
   __shared__ float warp_sums[kNormThreads / 32];
   __shared__ float inv_rms;

@@ -8,8 +8,8 @@ namespace atomflow::kernels {
 constexpr int kRopeThreads = 256;
 
 static __global__ void __launch_bounds__(kRopeThreads)
-    rope_kv_append_kernel(const float* __restrict__ qkv, const float* __restrict__ inv_freq,
-                          const int32_t* __restrict__ pos, int H, int Hkv, int D, int max_context,
+    rope_kv_append_kernel(const float* qkv, const float* __restrict__ inv_freq,
+                          const int32_t* pos, int H, int Hkv, int D, int max_context,
                           bf16* __restrict__ q_out, bf16* __restrict__ k_cache, bf16* __restrict__ v_cache) {
   extern __shared__ float cs[];  // cos [D/2], then sin [D/2]
   pdl_prologue();

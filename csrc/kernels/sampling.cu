@@ -164,8 +164,8 @@ static __device__ uint64_t philox4x64_word0(uint64_t seed, uint64_t ctr) {
 }
 
 static __global__ void __cluster_dims__(kSampleBlocks, 1, 1) __launch_bounds__(kSampleThreads, 1)
-    sample_kernel(const float* __restrict__ logits, int vocab, const SamplingConfig* __restrict__ cfg_ptr,
-                  const int32_t* __restrict__ pos_ptr, int32_t* __restrict__ token_out) {
+    sample_kernel(const float* logits, int vocab, const SamplingConfig* cfg_ptr,
+                  const int32_t* pos_ptr, int32_t* __restrict__ token_out) {
   extern __shared__ uint32_t cache[];  // sampling only: keys [chunk], then weights (float) [chunk]
   __shared__ SampleShared sh;
   pdl_prologue();

@@ -4,7 +4,12 @@
 // kernel launched this way:
 //   - pdl_wait() before reading anything an earlier kernel wrote, and before writing anything
 //     an earlier kernel reads (it returns once the previous grid has completed and flushed);
-//   - pdl_launch_dependents() as early as possible, to let the next kernel's blocks start.
+//   - pdl_launch_dependents() as early as possible, to let the next kernel's blocks start;
+//   - never read data an earlier kernel wrote through the non-coherent path (ld.global.nc,
+//     __ldg, or a `const T* __restrict__` parameter, which lets the compiler pick it): .nc
+//     promises the data is read-only for the kernel's lifetime, and under PDL that lifetime
+//     overlaps the producer's (seen: multi-chunk prefill read stale activations). Weights,
+//     scales and other immutable tensors keep __restrict__ and .nc.
 // Graph capture keeps the programmatic edges. Kill switch: ATOMFLOW_NO_PDL=1. On GPUs before
 // sm_90 both calls compile to nothing and launches are ordinary.
 #pragma once
