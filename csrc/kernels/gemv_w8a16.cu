@@ -15,6 +15,8 @@
 //  - Per weight byte the SM array can afford only ~8 lane-instructions at HBM speed; per 16 bytes
 //    and row we spend 8 cvt (packed e4m3x2 -> f16x2), 16 f16 -> f32, 16 FMA, 2 shared loads (shared
 //    with the other row) and ~3 for the scale and addressing: ~3 instructions per byte.
+#include <cstdlib>
+
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
@@ -27,9 +29,15 @@ constexpr int kGemvThreads = 256;
 constexpr int kGemvWarps = kGemvThreads / 32;
 constexpr int kGemvUnroll = 8;  // 16-byte chunks per row per lane per iteration
 constexpr int kQuantGroup = 128;
-// Weight bytes each warp prefetches into L2 while the previous kernel finishes: the grid holds
-// ~2100 warps, so ~17 MB in flight, well inside the 50 MB L2 next to the weights being read.
-constexpr int kGemvPrefetchBytes = 8192;
+// Launch shape, tunable without a rebuild (read once per process):
+//  ATOMFLOW_GEMV_BLOCKS_PER_SM (default 1): resident GEMV blocks per SM. One leaves room on
+//    every SM for the next kernel's block, which PDL starts early to prefetch its weights.
+//  ATOMFLOW_GEMV_PREFETCH (default 16384): weight bytes each warp prefetches into L2 before it
+//    waits for the previous kernel; ~1000 warps x 16 KB = 17 MB, inside the 50 MB L2.
+static int env_int(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  return v && *v ? std::atoi(v) : fallback;
+}
 
 // Streaming weight load: read once, so keep it out of L1 (x and scales live there).
 static __device__ __forceinline__ uint4 ld_weights(const uint8_t* p) {
@@ -75,7 +83,7 @@ static __device__ __forceinline__ void dot16x2(uint4 wa, uint4 wb, const float4*
 template <Epilogue EP>
 static __global__ void __launch_bounds__(kGemvThreads, 2)
     gemv_w8a16_kernel(const uint8_t* __restrict__ w, const float* __restrict__ scales, const bf16* x,
-                      int N, int K, void* __restrict__ out) {
+                      int N, int K, int prefetch_bytes, void* __restrict__ out) {
   extern __shared__ float4 xs[];  // K fp32 values, swizzled (x_slot)
   const int C = K / 16;           // 16-byte chunks per row
   const int G = K / kQuantGroup;  // scale groups per row
@@ -97,9 +105,9 @@ static __global__ void __launch_bounds__(kGemvThreads, 2)
   };
 
   // Weights never depend on an earlier kernel: start this warp's first rows on their way to L2
-  // (up to kGemvPrefetchBytes) before waiting for the previous kernel (PDL) and staging x.
+  // (up to prefetch_bytes) before waiting for the previous kernel (PDL) and staging x.
   {
-    const int max_pairs = max(1, kGemvPrefetchBytes / (2 * K));
+    const int max_pairs = prefetch_bytes / (2 * K) + (prefetch_bytes > 0);
     for (int i = 0, p = first_pair; i < max_pairs && p < n_pairs; ++i, p += warp_stride) {
       int r0, r1;
       rows_of(p, r0, r1);
@@ -203,8 +211,11 @@ static void launch_gemv(const uint8_t* w, const float* scales, const bf16* x, in
   AF_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_w8a16_kernel<EP>, kGemvThreads, smem));
   AF_CHECK(per_sm >= 1, "gemv_w8a16: kernel does not fit on an SM");
   const int n_pairs = EP == Epilogue::SwiGLU ? N / 2 : CEIL_DIV(N, 2);
-  const int blocks = min(CEIL_DIV(n_pairs, kGemvWarps), sms * per_sm);
-  af_launch(gemv_w8a16_kernel<EP>, dim3(blocks), dim3(kGemvThreads), smem, stream, w, scales, x, N, K, out);
+  static const int blocks_per_sm = env_int("ATOMFLOW_GEMV_BLOCKS_PER_SM", 1);
+  static const int prefetch_bytes = env_int("ATOMFLOW_GEMV_PREFETCH", 16384);
+  const int blocks = min(CEIL_DIV(n_pairs, kGemvWarps), sms * min(per_sm, max(blocks_per_sm, 1)));
+  af_launch(gemv_w8a16_kernel<EP>, dim3(blocks), dim3(kGemvThreads), smem, stream, w, scales, x, N, K,
+            prefetch_bytes, out);
 }
 
 void gemv_w8a16(const uint8_t* w, const float* scales, const bf16* x, int N, int K, Epilogue ep, void* out,
