@@ -153,6 +153,22 @@ def test_gemv_odd_shapes(rng, N, K):
     check_linear(rng, N, K, None)
 
 
+@pytest.mark.parametrize("N,K", [(5120, 3072), (16384, 3072), (7, 384), (258, 640), (6, 14336)])
+def test_gemv_rmsnorm_equals_rmsnorm_then_gemv(rng, N, K):
+    """The fused prologue is the rmsnorm kernel's arithmetic: the two paths agree to the bit."""
+    w, s = random_fp8(rng, (N, K)), random_scales(rng, N, K)
+    x = (rng.standard_normal(K) * rng.uniform(0.1, 10)).astype(np.float32)
+    nw = bf16_bits(1 + 0.1 * rng.standard_normal(K))
+    xn = ops.rmsnorm(x[None], nw, 1e-5)[0]
+    for ep in (0, 2) if N % 2 == 0 else (0,):
+        np.testing.assert_array_equal(ops.gemv_rmsnorm(w, s, x, nw, 1e-5, ep), ops.gemv(w, s, xn, ep))
+    residual = rng.standard_normal(N).astype(np.float32)
+    np.testing.assert_array_equal(ops.gemv_rmsnorm(w, s, x, nw, 1e-5, 1, residual), ops.gemv(w, s, xn, 1, residual))
+    # and both against the fp32 reference of the normalized input
+    ref = reference_linear(w, s, from_bf16(xn).reshape(1, K))[0]
+    assert_close(ops.gemv_rmsnorm(w, s, x, nw, 1e-5, 0), ref, FP32_REL, f"gemv_rmsnorm N={N} K={K}")
+
+
 @pytest.mark.parametrize("N,K", list(model_shapes()))
 def test_gemm_model_shapes(rng, N, K):
     check_linear(rng, N, K, 37)

@@ -214,6 +214,29 @@ py::array linear(const py::array& w_, const py::array& s_, const py::array& x_, 
   return gemm ? to_host<uint16_t>(out, {M, N / 2}) : to_host<uint16_t>(out, {N / 2});
 }
 
+// gemv with RMSNorm fused into its prologue: x f32 [K] (the residual stream), norm_w u16 [K].
+py::array gemv_rmsnorm(const py::array& w_, const py::array& s_, const py::array& x_, const py::array& nw_, float eps,
+                       int ep_, const py::object& out_init_) {
+  const k::Epilogue ep = epilogue_arg(ep_);
+  auto w = arg<uint8_t>(w_, "w", {-1, -1});
+  const int N = static_cast<int>(w.shape(0)), K = static_cast<int>(w.shape(1));
+  require(K % 128 == 0, "w: K = " + std::to_string(K) + " must be a multiple of 128");
+  auto s = arg<float>(s_, "scales", {N, K / 128});
+  auto x = arg<float>(x_, "x", {K});
+  auto nw = arg<uint16_t>(nw_, "norm_w", {K});
+  if (ep == k::Epilogue::SwiGLU) require(N % 2 == 0, "SwiGLU needs an even N (gate rows, then up rows)");
+  const bool add = ep == k::Epilogue::AddResidual;
+  require(add == !out_init_.is_none(), "out_init is required with AddResidual and only with it");
+  DeviceBuffer dw = to_device(w), ds = to_device(s), dx = to_device(x), dn = to_device(nw);
+  DeviceBuffer out = add ? to_device(arg<float>(out_init_.cast<py::array>(), "out_init", {N}))
+                         : poisoned(ep == k::Epilogue::SwiGLU ? sizeof(bf16) * (N / 2) : sizeof(float) * N);
+  k::gemv_w8a16_rmsnorm(dw.get<uint8_t>(), ds.get<float>(), dx.get<float>(), dn.get<bf16>(), eps, N, K, ep, out.get(),
+                        nullptr);
+  sync();
+  if (ep == k::Epilogue::SwiGLU) return to_host<uint16_t>(out, {N / 2});
+  return to_host<float>(out, {N});
+}
+
 py::tuple rope_kv_append(const py::array& qkv_, const py::array& inv_freq_, int pos, int H, int Hkv, int D,
                          const py::array& k_cache_, const py::array& v_cache_) {
   require(H >= 1 && Hkv >= 1 && D >= 2 && D % 2 == 0, "need H, Hkv >= 1 and an even D");
@@ -366,6 +389,9 @@ void register_ops(pybind11::module_& m) {
       py::arg("w"), py::arg("scales"), py::arg("x"), py::arg("epilogue") = 0, py::arg("out_init") = py::none(),
       "w u8 [N, K], scales f32 [N, K/128], x u16 [K]; epilogue 0 Store -> f32 [N], 1 AddResidual (out_init f32 [N]) "
       "-> f32 [N], 2 SwiGLU -> u16 [N/2]");
+  m.def("gemv_rmsnorm", &gemv_rmsnorm, py::arg("w"), py::arg("scales"), py::arg("x"), py::arg("norm_w"),
+        py::arg("eps"), py::arg("epilogue") = 0, py::arg("out_init") = py::none(),
+        "gemv of bf16(rmsnorm(x f32 [K]) * norm_w u16 [K]); epilogues as gemv");
   m.def(
       "gemm",
       [](const py::array& w, const py::array& s, const py::array& x, int ep, const py::object& out_init) {

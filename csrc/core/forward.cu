@@ -29,14 +29,11 @@ void Engine::enqueue_layers(int rows) {
   const ModelSpec& s = spec_;
   const int d = s.hidden_size, f = s.intermediate_size;
   const int H = s.num_heads, Hkv = s.num_kv_heads, D = s.head_dim, C = opt_.max_context;
-  const float eps = s.rms_norm_eps;
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   for (size_t i = 0; i < buf_.layers.size(); ++i) {
     const LayerPtrs& L = buf_.layers[i];
     const int li = static_cast<int>(i);
-    kernels::rmsnorm(buf_.x, L.attn_norm, rows, d, eps, buf_.xn, stream_);
-    if (probe_) probe_point("attn_norm", li, ProbeSrc::XN, rows);
-    linear(L.wqkv, L.wqkv_scale, buf_.xn, rows, s.qkv_dim(), d, Epilogue::Store, buf_.qkv, stream_);
+    normed_linear(L.attn_norm, "attn_norm", li, L.wqkv, L.wqkv_scale, rows, s.qkv_dim(), Epilogue::Store, buf_.qkv);
     kernels::rope_kv_append(buf_.qkv, buf_.inv_freq, buf_.pos, rows, H, Hkv, D, C, buf_.q, L.k_cache, L.v_cache,
                             stream_);
     kernels::attention(buf_.q, L.k_cache, L.v_cache, buf_.pos, rows, H, Hkv, D, C, scale, buf_.attn_scratch,
@@ -47,8 +44,7 @@ void Engine::enqueue_layers(int rows) {
       probe_point("attn_out", li, ProbeSrc::X_DELTA, rows);
       probe_point("resid_mid", li, ProbeSrc::X, rows);
     }
-    kernels::rmsnorm(buf_.x, L.mlp_norm, rows, d, eps, buf_.xn, stream_);
-    linear(L.w13, L.w13_scale, buf_.xn, rows, 2 * f, d, Epilogue::SwiGLU, buf_.ffn, stream_);
+    normed_linear(L.mlp_norm, nullptr, li, L.w13, L.w13_scale, rows, 2 * f, Epilogue::SwiGLU, buf_.ffn);
     if (probe_) probe_snapshot(rows);
     linear(L.w2, L.w2_scale, buf_.ffn, rows, d, f, Epilogue::AddResidual, buf_.x, stream_);
     if (probe_) {
@@ -58,11 +54,30 @@ void Engine::enqueue_layers(int rows) {
   }
 }
 
+// RMSNorm of the residual stream, then a linear layer. At M = 1 the norm is fused into the GEMV's
+// prologue (bit-identical to the two kernels); probe mode keeps them apart to see the norm.
+void Engine::normed_linear(const bf16* norm, const char* probe_name, int layer, const uint8_t* w, const float* scales,
+                           int rows, int N, Epilogue ep, void* out) {
+  const int d = spec_.hidden_size;
+  if (rows == 1 && !probe_) {
+    kernels::gemv_w8a16_rmsnorm(w, scales, buf_.x, norm, spec_.rms_norm_eps, N, d, ep, out, stream_);
+    return;
+  }
+  kernels::rmsnorm(buf_.x, norm, rows, d, spec_.rms_norm_eps, buf_.xn, stream_);
+  if (probe_ && probe_name) probe_point(probe_name, layer, ProbeSrc::XN, rows);
+  linear(w, scales, buf_.xn, rows, N, d, ep, out, stream_);
+}
+
 // Final norm and lm_head on one row of the residual stream -> buf_.logits fp32 [vocab].
 void Engine::enqueue_head(int row) {
   const int d = spec_.hidden_size, vocab = spec_.vocab_size;
-  kernels::rmsnorm(buf_.x + static_cast<size_t>(row) * d, buf_.final_norm, 1, d, spec_.rms_norm_eps, buf_.xn,
-                   stream_);
+  const float* xrow = buf_.x + static_cast<size_t>(row) * d;
+  if (spec_.lm_head_fp8 && !probe_) {
+    kernels::gemv_w8a16_rmsnorm(static_cast<const uint8_t*>(buf_.lm_head), buf_.lm_head_scale, xrow, buf_.final_norm,
+                                spec_.rms_norm_eps, vocab, d, Epilogue::Store, buf_.logits, stream_);
+    return;
+  }
+  kernels::rmsnorm(xrow, buf_.final_norm, 1, d, spec_.rms_norm_eps, buf_.xn, stream_);
   if (probe_) probe_point("final_norm", -1, ProbeSrc::XN, 1);
   if (spec_.lm_head_fp8)
     kernels::gemv_w8a16(static_cast<const uint8_t*>(buf_.lm_head), buf_.lm_head_scale, buf_.xn, vocab, d,

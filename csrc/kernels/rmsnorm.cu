@@ -5,7 +5,7 @@
 
 namespace atomflow::kernels {
 
-constexpr int kNormThreads = 512;
+constexpr int kNormThreads = 256;  // the fused GEMV prologue (gemv_w8a16.cu) reduces the same way
 
 static __global__ void __launch_bounds__(kNormThreads)
     rmsnorm_kernel(const float* x, const bf16* __restrict__ w, int d, float eps,

@@ -40,9 +40,15 @@ enum class Epilogue : int {
   SwiGLU = 2,       // N = 2F, out bf16 [M, F]: out = silu(y[:, :F]) * y[:, F:]   (fused gate/up)
 };
 
-// M = 1 decode. K % 128 == 0. 16-byte weight loads, weights read exactly once.
+// M = 1 decode. K % 128 == 0. Weights read exactly once, streamed by the bulk-copy engine; the
+// first tiles are requested before the kernel waits for its predecessor (PDL).
 void gemv_w8a16(const uint8_t* w, const float* scales, const bf16* x, int N, int K, Epilogue ep,
                 void* out, cudaStream_t stream);
+// The same with RMSNorm fused into the prologue: the GEMV's input is
+// bf16(x * rsqrt(mean(x^2) + eps) * norm_w), x the fp32 residual stream [K] (bit-identical to
+// rmsnorm() followed by gemv_w8a16(), one launch and one round trip fewer).
+void gemv_w8a16_rmsnorm(const uint8_t* w, const float* scales, const float* x, const bf16* norm_w,
+                        float eps, int N, int K, Epilogue ep, void* out, cudaStream_t stream);
 
 // M > 1 prefill on tensor cores (FP8 dequantized to bf16 in the main loop). x bf16 [M, K].
 void gemm_w8a16(const uint8_t* w, const float* scales, const bf16* x, int M, int N, int K,
