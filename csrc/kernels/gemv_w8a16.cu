@@ -2,20 +2,29 @@
 // with a Store / AddResidual / SwiGLU epilogue and, optionally, RMSNorm fused into the prologue.
 // The hot kernel: ~95% of the bytes of a decode step.
 //
-// Why it is shaped this way: at M = 1 a GEMV is a pure stream of weights, so what matters is
-// that HBM never idles, also between kernels. Weights never depend on an earlier kernel, so
-//  - the weights travel by the bulk-copy engine (cp.async.bulk, completion on an mbarrier) into a
-//    ring of kStages shared-memory tiles: bytes in flight cost no registers, and
-//  - the first kStages tiles are requested BEFORE the kernel waits for its predecessor (PDL,
-//    pdl.cuh). One block per SM with a small footprint leaves room for the next kernel's block,
-//    which PDL starts early, so the next matrix is already streaming while this one finishes.
-// The scales travel the same way: with a row group's first tile, its 16 rows x K/128 scales go
-// into a scale slot (a dependent scale miss inside the loop cost a DRAM round trip per tile).
-// A tile is 16 rows x KC bytes (KC <= 1024, KC | K): warp w owns tile rows 2w and 2w + 1 (SwiGLU:
-// gate row i and up row F + i, so the epilogue has both); lane l owns 16-byte chunks l, l + 32.
-// x lives in shared memory as bf16 (fused RMSNorm: computed there from the fp32 residual
-// stream, rounded like the rmsnorm kernel), read once per chunk for both rows.
-// Per weight byte: ~3 instructions (packed e4m3x2 -> f16x2 cvt, f16 -> f32, FMA).
+// Layout of the work
+//  - One warp owns a PAIR of rows and streams both across K: lane l reads 16 weight bytes of each
+//    row at chunk c = l + 32 u (u < kUnroll = 8), so one warp instruction reads 512 contiguous bytes
+//    per row and each lane keeps 2 x 8 = 16 independent 16-byte loads (256 B) in flight: a row of
+//    K <= 4096 arrives in one DRAM round trip, K = 14336 in four. 2 blocks x 8 warps per SM.
+//    SwiGLU pairs row i with row F + i (gate and up of the same output), the other epilogues pair
+//    rows 2p and 2p + 1; the x values each lane reads from shared memory serve both rows.
+//  - Blocks are persistent-style: the grid is min(work, what fits on the SMs) and warps stride over
+//    row pairs, so x (bf16 [K] -> fp32 in shared memory) is staged once per block, not per pair.
+//  - Weights depend on no earlier kernel: each warp prefetches its first rows into L2 BEFORE it
+//    waits for the previous kernel (PDL, pdl.cuh), so the first DRAM round trip overlaps the
+//    previous kernel's tail and the x staging.
+//  - Fused RMSNorm (gemv_w8a16_rmsnorm): x is the fp32 residual stream; the block computes the
+//    norm with the rmsnorm kernel's exact arithmetic and reduction tree, so the result is
+//    bit-identical to rmsnorm() + gemv_w8a16(), with one launch and one round trip fewer.
+//  - A 16-byte chunk never straddles a 128-column scale group: the chunk's fp32 partial sum is
+//    multiplied by its scale once (1 FMA per 16 weights).
+//  - Per weight byte the SM array can afford only ~8 lane-instructions at HBM speed; per 16 bytes
+//    and row we spend 8 cvt (packed e4m3x2 -> f16x2), 16 f16 -> f32, 16 FMA, 2 shared loads (shared
+//    with the other row) and ~3 for the scale and addressing: ~3 instructions per byte.
+//  (Tried and measured slower, docs/PERF.md 2026-11-20: weights through a cp.async.bulk ring into
+//  shared memory, 1 block per SM (34% of the stream ceiling); the first iteration's loads into
+//  registers before the PDL wait (64% on lm_head against 95% here).)
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
@@ -24,137 +33,61 @@
 
 namespace atomflow::kernels {
 
-constexpr int kGemvThreads = 256;   // 8 warps
-constexpr int kTileRows = 16;       // 2 rows per warp
-constexpr int kMaxKC = 1024;        // bytes of a row per tile
-constexpr int kStages = 5;          // tiles in flight per block: 5 x 16 KB
+constexpr int kGemvThreads = 256;
+constexpr int kGemvWarps = kGemvThreads / 32;
+constexpr int kGemvUnroll = 8;  // 16-byte chunks per row per lane per iteration
 constexpr int kQuantGroup = 128;
-constexpr int kTileBytes = kTileRows * kMaxKC;
+// Weight bytes each warp prefetches into L2 while the previous kernel finishes: the grid holds
+// ~2100 warps, so ~17 MB in flight, well inside the 50 MB L2 next to the weights being read.
+constexpr int kGemvPrefetchBytes = 8192;
 
-// ---- bulk copy and mbarrier (PTX, sm_90) ---------------------------------------------------
-
-static __device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+// Streaming weight load: read once, so keep it out of L1 (x and scales live there).
+static __device__ __forceinline__ uint4 ld_weights(const uint8_t* p) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p));
+  return v;
 }
 
-static __device__ __forceinline__ void mbar_init(uint64_t* bar) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(bar)));
-}
+// x is stored as fp32 with a swizzle: chunk c (16 values = 4 float4) has its float4 i at
+// 4 c + (i ^ ((c >> 1) & 3)). Lanes read 64 B apart; without the swizzle every quarter-warp of a
+// 128-bit shared load would hit the same 4 banks twice (a 2-way conflict on every x load).
+static __device__ __forceinline__ int x_slot(int c, int i) { return 4 * c + (i ^ ((c >> 1) & 3)); }
 
-static __device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
-}
-
-static __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-  asm volatile(
-      "{\n"
-      ".reg .pred done;\n"
-      "WAIT_%=:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT_%=;\n"
-      "}\n" ::"r"(smem_u32(bar)),
-      "r"(parity)
-      : "memory");
-}
-
-// bytes (multiple of 16, both addresses 16-byte aligned) from global to shared, on the copy engine.
-static __device__ __forceinline__ void bulk_g2s(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                   smem_u32(dst)),
-               "l"(src), "r"(bytes), "r"(smem_u32(bar))
-               : "memory");
-}
-
-// ---- the work ------------------------------------------------------------------------------
-
-// Which weight rows tile row r (0..15) of row group g holds; -1 past the end of the matrix.
-template <Epilogue EP>
-static __device__ __forceinline__ int tile_row(int g, int r, int N) {
-  if constexpr (EP == Epilogue::SwiGLU) {
-    const int F = N / 2, i = g * (kTileRows / 2) + (r % 8);
-    return i < F ? (r < 8 ? i : F + i) : -1;
-  } else {
-    const int n = g * kTileRows + r;
-    return n < N ? n : -1;
-  }
-}
-
-// Thread 0: request tile t (row group, K chunk) of this block into stage t % kStages; with a row
-// group's first tile, also its scales [16 rows][G] into scale slot (t / n_kc) % kStages (a slot
-// is refilled only after the last tile of its group was consumed: kStages tiles are in flight).
-template <Epilogue EP>
-static __device__ void issue_tile(const uint8_t* w, const float* scales, int N, int K, int KC, int n_kc, int t,
-                                  uint8_t* tiles, float* sslots, uint64_t* bars) {
-  const int g = blockIdx.x + (t / n_kc) * gridDim.x, k0 = (t % n_kc) * KC;
-  const int s = t % kStages, G = K / kQuantGroup;
-  uint8_t* dst = tiles + s * kTileBytes;
-  uint32_t bytes = 0;
-  for (int r = 0; r < kTileRows; ++r) bytes += tile_row<EP>(g, r, N) >= 0 ? KC : 0;
-  const bool first = t % n_kc == 0;
-  float* sdst = sslots + static_cast<size_t>((t / n_kc) % kStages) * kTileRows * G;
-  // Scales of the group: runs of consecutive rows (one run; SwiGLU: gate run and up run).
-  const int runs = EP == Epilogue::SwiGLU ? 2 : 1, run_rows = kTileRows / runs;
-  int run_n[2] = {0, 0}, run_r0[2] = {0, 0};
-  bool bulk_scales = true;
-  if (first) {
-    for (int j = 0; j < runs; ++j) {
-      for (int r = 0; r < run_rows; ++r) run_n[j] += tile_row<EP>(g, j * run_rows + r, N) >= 0;
-      run_r0[j] = tile_row<EP>(g, j * run_rows, N);
-      // the copy engine needs 16-byte aligned, 16-byte multiple ranges
-      bulk_scales &= (static_cast<size_t>(run_r0[j]) * G) % 4 == 0 && (run_n[j] * G) % 4 == 0;
-    }
-    if (bulk_scales) {
-      for (int j = 0; j < runs; ++j) bytes += run_n[j] * G * 4;
-    } else {  // odd shapes: plain loads, published by the mbarrier arrive below (release)
-      for (int j = 0; j < runs; ++j)
-        for (int i = 0; i < run_n[j] * G; ++i) sdst[j * run_rows * G + i] = scales[static_cast<size_t>(run_r0[j]) * G + i];
-    }
-  }
-  mbar_expect_tx(&bars[s], bytes);
-  for (int r = 0; r < kTileRows; ++r) {
-    const int n = tile_row<EP>(g, r, N);
-    if (n >= 0) bulk_g2s(dst + r * KC, w + static_cast<size_t>(n) * K + k0, KC, &bars[s]);
-  }
-  if (first && bulk_scales)
-    for (int j = 0; j < runs; ++j)
-      bulk_g2s(sdst + j * run_rows * G, scales + static_cast<size_t>(run_r0[j]) * G, run_n[j] * G * 4, &bars[s]);
-}
-
-// 16 bf16 x values (two 16-byte shared loads) dot 16 fp8 weights, for two rows at once.
-static __device__ __forceinline__ void dot16x2(uint4 wa, uint4 wb, const uint4* xs2, float& da, float& db) {
-  const uint4 xv[2] = {xs2[0], xs2[1]};
-  const uint32_t a[4] = {wa.x, wa.y, wa.z, wa.w}, b[4] = {wb.x, wb.y, wb.z, wb.w};
-  const uint32_t xw[8] = {xv[0].x, xv[0].y, xv[0].z, xv[0].w, xv[1].x, xv[1].y, xv[1].z, xv[1].w};
+// The two 16-weight dot products of one chunk (row a and row b share the x loads).
+static __device__ __forceinline__ void dot16x2(uint4 wa, uint4 wb, const float4* __restrict__ xs, int c, float& da,
+                                               float& db) {
+  const uint32_t a[4] = {wa.x, wa.y, wa.z, wa.w};
+  const uint32_t b[4] = {wb.x, wb.y, wb.z, wb.w};
   float sa = 0.f, sb = 0.f;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    // bf16 -> fp32 is a shift; weights: e4m3 pairs -> f16x2 (exact) -> f32.
-    const float x0 = __uint_as_float(xw[2 * i] << 16), x1 = __uint_as_float(xw[2 * i] & 0xFFFF0000u);
-    const float x2 = __uint_as_float(xw[2 * i + 1] << 16), x3 = __uint_as_float(xw[2 * i + 1] & 0xFFFF0000u);
+    const float4 xv = xs[x_slot(c, i)];
+    // Bytes k, k+1 -> (lo.x, lo.y); k+2, k+3 -> (hi.x, hi.y). e4m3 -> f16 is exact.
     const float2 a01 = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(a[i] & 0xFFFFu, __NV_E4M3)));
     const float2 a23 = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(a[i] >> 16, __NV_E4M3)));
     const float2 b01 = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(b[i] & 0xFFFFu, __NV_E4M3)));
     const float2 b23 = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(b[i] >> 16, __NV_E4M3)));
-    sa = fmaf(a01.x, x0, sa);
-    sa = fmaf(a01.y, x1, sa);
-    sa = fmaf(a23.x, x2, sa);
-    sa = fmaf(a23.y, x3, sa);
-    sb = fmaf(b01.x, x0, sb);
-    sb = fmaf(b01.y, x1, sb);
-    sb = fmaf(b23.x, x2, sb);
-    sb = fmaf(b23.y, x3, sb);
+    sa = fmaf(a01.x, xv.x, sa);
+    sa = fmaf(a01.y, xv.y, sa);
+    sa = fmaf(a23.x, xv.z, sa);
+    sa = fmaf(a23.y, xv.w, sa);
+    sb = fmaf(b01.x, xv.x, sb);
+    sb = fmaf(b01.y, xv.y, sb);
+    sb = fmaf(b23.x, xv.z, sb);
+    sb = fmaf(b23.y, xv.w, sb);
   }
   da = sa;
   db = sb;
 }
 
-static __device__ __forceinline__ int lane_of(int tid) { return tid % 32; }
-
-// Stage x into shared memory as bf16: a copy of bf16 x, or RMSNorm of the fp32 residual stream
-// (x * rsqrt(mean(x^2) + eps) * norm_w, rounded to bf16 exactly as the rmsnorm kernel does).
+// Stage x into shared memory (fp32, swizzled): a copy of bf16 x, or the RMSNorm of the fp32
+// residual stream rounded to bf16 exactly as rmsnorm.cu does (same 256-thread reduction tree).
 template <bool NORM>
-static __device__ void stage_x(const void* x, const bf16* __restrict__ norm_w, float eps, int K, bf16* xs,
+static __device__ void stage_x(const void* x, const bf16* __restrict__ norm_w, float eps, int K, float4* xs,
                                float* red) {
+  float* xsf = reinterpret_cast<float*>(xs);
   if constexpr (NORM) {
     const float* xf = static_cast<const float*>(x);
     float ss = 0.f;
@@ -163,96 +96,126 @@ static __device__ void stage_x(const void* x, const bf16* __restrict__ norm_w, f
     for (int off = 16; off > 0; off /= 2) ss += __shfl_xor_sync(0xffffffffu, ss, off);
     if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = ss;
     __syncthreads();
-    // The same tree as rmsnorm.cu (256 threads there too), so the two paths agree to the bit.
-    float total = lane_of(threadIdx.x) < kGemvThreads / 32 ? red[lane_of(threadIdx.x)] : 0.f;
+    float total = threadIdx.x % 32 < kGemvWarps ? red[threadIdx.x % 32] : 0.f;
 #pragma unroll
     for (int off = 16; off > 0; off /= 2) total += __shfl_xor_sync(0xffffffffu, total, off);
     const float r = rsqrtf(total / static_cast<float>(K) + eps);
-    for (int i = threadIdx.x; i < K; i += kGemvThreads) xs[i] = __float2bfloat16(xf[i] * r * __bfloat162float(norm_w[i]));
+    for (int i = threadIdx.x; i < K; i += kGemvThreads) {
+      const float v = __bfloat162float(__float2bfloat16(xf[i] * r * __bfloat162float(norm_w[i])));
+      xsf[4 * x_slot(i / 16, (i % 16) / 4) + i % 4] = v;
+    }
   } else {
-    const uint4* src = static_cast<const uint4*>(x);
-    uint4* dst = reinterpret_cast<uint4*>(xs);
-    for (int i = threadIdx.x; i < K / 8; i += kGemvThreads) dst[i] = __ldcg(src + i);  // coherent: pdl.cuh
+    // 8 bf16 per 16-byte load -> two float4 of chunk v / 2.
+    const uint4* x8 = static_cast<const uint4*>(x);
+    for (int v = threadIdx.x; v < K / 8; v += kGemvThreads) {
+      const uint4 raw = __ldcg(x8 + v);  // x comes from the previous kernel: coherent load (pdl.cuh)
+      const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+      const float2 f0 = __bfloat1622float2(h[0]), f1 = __bfloat1622float2(h[1]);
+      const float2 f2 = __bfloat1622float2(h[2]), f3 = __bfloat1622float2(h[3]);
+      const int c = v / 2, i = 2 * (v % 2);
+      xs[x_slot(c, i)] = make_float4(f0.x, f0.y, f1.x, f1.y);
+      xs[x_slot(c, i + 1)] = make_float4(f2.x, f2.y, f3.x, f3.y);
+    }
   }
 }
 
 template <Epilogue EP, bool NORM>
 static __global__ void __launch_bounds__(kGemvThreads, 2)
     gemv_w8a16_kernel(const uint8_t* __restrict__ w, const float* __restrict__ scales, const void* x,
-                      const bf16* __restrict__ norm_w, float eps, int N, int K, int KC, void* out) {
-  extern __shared__ __align__(128) uint8_t smem[];
-  const int G = K / kQuantGroup;
-  uint8_t* tiles = smem;                                                     // kStages x 16 x KC
-  bf16* xs = reinterpret_cast<bf16*>(smem + kStages * kTileBytes);           // K
-  float* sslots = reinterpret_cast<float*>(xs + K);                          // kStages x 16 x G
-  __shared__ __align__(8) uint64_t bars[kStages];
-  __shared__ float red[kGemvThreads / 32];
+                      const bf16* __restrict__ norm_w, float eps, int N, int K, void* __restrict__ out) {
+  extern __shared__ float4 xs[];  // K fp32 values, swizzled (x_slot)
+  const int C = K / 16;           // 16-byte chunks per row
+  const int G = K / kQuantGroup;  // scale groups per row
+  const int lane = threadIdx.x % 32;
+  const int n_pairs = EP == Epilogue::SwiGLU ? N / 2 : CEIL_DIV(N, 2);
+  const int warp_stride = gridDim.x * kGemvWarps;
+  const int first_pair = blockIdx.x * kGemvWarps + threadIdx.x / 32;
 
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int n_groups = EP == Epilogue::SwiGLU ? CEIL_DIV(N / 2, kTileRows / 2) : CEIL_DIV(N, kTileRows);
-  const int my_groups = blockIdx.x < n_groups ? CEIL_DIV(n_groups - static_cast<int>(blockIdx.x), gridDim.x) : 0;
-  const int n_kc = K / KC;
-  const int n_tiles = my_groups * n_kc;
+  // Row pair p: SwiGLU pairs gate row p with up row F + p; otherwise rows 2p and 2p + 1 (for odd
+  // N the last pair reads its one row twice and stores once).
+  auto rows_of = [&](int p, int& r0, int& r1) {
+    if constexpr (EP == Epilogue::SwiGLU) {
+      r0 = p;
+      r1 = p + N / 2;
+    } else {
+      r0 = 2 * p;
+      r1 = min(2 * p + 1, N - 1);
+    }
+  };
 
-  // Weights first: they depend on nothing, so they stream while the previous kernel finishes.
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < kStages; ++s) mbar_init(&bars[s]);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    for (int t = 0; t < min(kStages, n_tiles); ++t) issue_tile<EP>(w, scales, N, K, KC, n_kc, t, tiles, sslots, bars);
+  // Weights never depend on an earlier kernel: start this warp's first rows on their way to L2
+  // (up to kGemvPrefetchBytes) before waiting for the previous kernel (PDL) and staging x.
+  {
+    const int max_pairs = max(1, kGemvPrefetchBytes / (2 * K));
+    for (int i = 0, p = first_pair; i < max_pairs && p < n_pairs; ++i, p += warp_stride) {
+      int r0, r1;
+      rows_of(p, r0, r1);
+      for (int c = lane; c < C; c += 32) {
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(w + static_cast<size_t>(r0) * K + 16 * c));
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(w + static_cast<size_t>(r1) * K + 16 * c));
+      }
+    }
   }
   pdl_launch_dependents();
   pdl_wait();  // x (and, for AddResidual, out) come from earlier kernels
-  stage_x<NORM>(x, norm_w, eps, K, xs, red);
-  __syncthreads();  // x staged; the barriers' init is visible to every thread
 
-  float acc0 = 0.f, acc1 = 0.f;
-  const int chunks = KC / 16;
-  for (int t = 0; t < n_tiles; ++t) {
-    const int s = t % kStages, g = blockIdx.x + (t / n_kc) * gridDim.x, kc = t % n_kc, k0 = kc * KC;
-    mbar_wait(&bars[s], (t / kStages) & 1);
-    const uint8_t* tile = tiles + s * kTileBytes;
-    const float* ts = sslots + static_cast<size_t>((t / n_kc) % kStages) * kTileRows * G;  // [16][G]
-    const int ra = tile_row<EP>(g, EP == Epilogue::SwiGLU ? warp : 2 * warp, N);
-    const int rb = tile_row<EP>(g, EP == Epilogue::SwiGLU ? warp + 8 : 2 * warp + 1, N);
-    const uint8_t* wa = tile + (EP == Epilogue::SwiGLU ? warp : 2 * warp) * KC;
-    const uint8_t* wb = tile + (EP == Epilogue::SwiGLU ? warp + 8 : 2 * warp + 1) * KC;
-    if (ra >= 0) {
-      for (int c = lane; c < chunks; c += 32) {
-        const int k = k0 + 16 * c;
-        // a missing second row (odd N) reads row a's bytes and is never stored
-        const uint4 va = *reinterpret_cast<const uint4*>(wa + 16 * c);
-        const uint4 vb = rb >= 0 ? *reinterpret_cast<const uint4*>(wb + 16 * c) : va;
-        float da, db;
-        dot16x2(va, vb, reinterpret_cast<const uint4*>(xs + k), da, db);
-        const int ia = EP == Epilogue::SwiGLU ? warp : 2 * warp, ib = EP == Epilogue::SwiGLU ? warp + 8 : 2 * warp + 1;
-        acc0 = fmaf(da, ts[ia * G + k / kQuantGroup], acc0);
-        if (rb >= 0) acc1 = fmaf(db, ts[ib * G + k / kQuantGroup], acc1);
-      }
-    }
-    if (kc == n_kc - 1) {  // the row group is complete: reduce over the warp and write
+  __shared__ float red[kGemvWarps];
+  stage_x<NORM>(x, norm_w, eps, K, xs, red);
+  __syncthreads();
+
+  for (int p = first_pair; p < n_pairs; p += warp_stride) {
+    int r0, r1;
+    rows_of(p, r0, r1);
+    const uint8_t* w0 = w + static_cast<size_t>(r0) * K;
+    const uint8_t* w1 = w + static_cast<size_t>(r1) * K;
+    const float* s0 = scales + static_cast<size_t>(r0) * G;
+    const float* s1 = scales + static_cast<size_t>(r1) * G;
+    float acc0 = 0.f, acc1 = 0.f;
+    for (int c0 = lane; c0 < C; c0 += 32 * kGemvUnroll) {
+      // All loads of the iteration first (16 x 16 B of weights + 16 scales per lane), then the math.
+      uint4 wa[kGemvUnroll], wb[kGemvUnroll];
+      float sa[kGemvUnroll], sb[kGemvUnroll];
 #pragma unroll
-      for (int off = 16; off > 0; off /= 2) {
-        acc0 += __shfl_xor_sync(0xffffffffu, acc0, off);
-        acc1 += __shfl_xor_sync(0xffffffffu, acc1, off);
-      }
-      if (lane == 0 && ra >= 0) {
-        if constexpr (EP == Epilogue::SwiGLU) {
-          const float silu = acc0 / (1.f + expf(-acc0));
-          static_cast<bf16*>(out)[ra] = __float2bfloat16(silu * acc1);
-        } else if constexpr (EP == Epilogue::Store) {
-          static_cast<float*>(out)[ra] = acc0;
-          if (rb >= 0) static_cast<float*>(out)[rb] = acc1;
-        } else {
-          static_cast<float*>(out)[ra] += acc0;
-          if (rb >= 0) static_cast<float*>(out)[rb] += acc1;
+      for (int u = 0; u < kGemvUnroll; ++u) {
+        const int c = c0 + 32 * u;
+        if (c < C) {
+          wa[u] = ld_weights(w0 + 16 * c);
+          wb[u] = ld_weights(w1 + 16 * c);
+          sa[u] = __ldg(s0 + c / 8);
+          sb[u] = __ldg(s1 + c / 8);
         }
       }
-      acc0 = acc1 = 0.f;
+#pragma unroll
+      for (int u = 0; u < kGemvUnroll; ++u) {
+        const int c = c0 + 32 * u;
+        if (c < C) {
+          float da, db;
+          dot16x2(wa[u], wb[u], xs, c, da, db);
+          acc0 = fmaf(da, sa[u], acc0);
+          acc1 = fmaf(db, sb[u], acc1);
+        }
+      }
     }
-    __syncthreads();  // every warp is done with stage s: it may be refilled
-    if (threadIdx.x == 0 && t + kStages < n_tiles) {
-      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic reads before async writes
-      issue_tile<EP>(w, scales, N, K, KC, n_kc, t + kStages, tiles, sslots, bars);
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) {
+      acc0 += __shfl_xor_sync(0xffffffffu, acc0, off);
+      acc1 += __shfl_xor_sync(0xffffffffu, acc1, off);
+    }
+    if (lane == 0) {
+      if constexpr (EP == Epilogue::SwiGLU) {
+        const float silu = acc0 / (1.f + expf(-acc0));
+        static_cast<bf16*>(out)[p] = __float2bfloat16(silu * acc1);
+      } else {
+        float* o = static_cast<float*>(out);
+        const bool second = 2 * p + 1 < N;
+        if constexpr (EP == Epilogue::Store) {
+          o[r0] = acc0;
+          if (second) o[r1] = acc1;
+        } else {
+          o[r0] += acc0;
+          if (second) o[r1] += acc1;
+        }
+      }
     }
   }
 }
@@ -262,24 +225,26 @@ static __global__ void __launch_bounds__(kGemvThreads, 2)
 template <Epilogue EP, bool NORM>
 static void launch_gemv(const uint8_t* w, const float* scales, const void* x, const bf16* norm_w, float eps, int N,
                         int K, void* out, cudaStream_t stream) {
-  int KC = kMaxKC;
-  while (K % KC) KC /= 2;  // K % 128 == 0, so this stops at 128 at the latest
-  const size_t smem = static_cast<size_t>(kStages) * kTileBytes + static_cast<size_t>(K) * sizeof(bf16) +
-                      static_cast<size_t>(kStages) * kTileRows * (K / kQuantGroup) * sizeof(float);
+  const size_t smem = static_cast<size_t>(K) * sizeof(float);
+  int device = 0, sms = 0, smem_optin = 0;
+  AF_CUDA_CHECK(cudaGetDevice(&device));
+  AF_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  AF_CUDA_CHECK(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  AF_CHECK(smem <= static_cast<size_t>(smem_optin), "gemv_w8a16: K too large to stage x in shared memory");
   static size_t configured = 48 << 10;  // raise the dynamic limit only when needed (host-side, capture-safe)
   if (smem > configured) {
     AF_CUDA_CHECK(cudaFuncSetAttribute(gemv_w8a16_kernel<EP, NORM>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        static_cast<int>(smem)));
     configured = smem;
   }
-  int device = 0, sms = 0;
-  AF_CUDA_CHECK(cudaGetDevice(&device));
-  AF_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  const int n_groups = EP == Epilogue::SwiGLU ? CEIL_DIV(N / 2, kTileRows / 2) : CEIL_DIV(N, kTileRows);
-  // One block per SM: its ring keeps 80 KB in flight, and the SM keeps room for the next kernel.
-  const int blocks = min(n_groups, sms);
+  int per_sm = 0;
+  AF_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_w8a16_kernel<EP, NORM>, kGemvThreads,
+                                                              smem));
+  AF_CHECK(per_sm >= 1, "gemv_w8a16: kernel does not fit on an SM");
+  const int n_pairs = EP == Epilogue::SwiGLU ? N / 2 : CEIL_DIV(N, 2);
+  const int blocks = min(CEIL_DIV(n_pairs, kGemvWarps), sms * min(per_sm, 2));
   af_launch(gemv_w8a16_kernel<EP, NORM>, dim3(blocks), dim3(kGemvThreads), smem, stream, w, scales, x, norm_w, eps,
-            N, K, KC, out);
+            N, K, out);
 }
 
 template <bool NORM>
@@ -287,7 +252,6 @@ static void dispatch_gemv(const uint8_t* w, const float* scales, const void* x, 
                           int K, Epilogue ep, void* out, cudaStream_t stream) {
   AF_CHECK(N >= 1 && K >= kQuantGroup, "gemv_w8a16: N must be >= 1 and K >= 128");
   AF_CHECK(K % kQuantGroup == 0, "gemv_w8a16: K must be a multiple of 128 (the scale group)");
-  AF_CHECK(K <= 32768, "gemv_w8a16: K > 32768 is not supported (x is staged in shared memory)");
   AF_CHECK(reinterpret_cast<uintptr_t>(w) % 16 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0,
            "gemv_w8a16: w and x must be 16-byte aligned");
   switch (ep) {
