@@ -34,7 +34,7 @@ def _load_ops():
 ops, WHY_NOT = _load_ops()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(ops is None, reason=f"gpu: {WHY_NOT}")]
 
-FP32_REL, BF16_REL = 1e-5, 4e-3
+FP32_REL, BF16_REL, F16_REL = 1e-5, 4e-3, 5e-4
 
 
 @pytest.fixture
@@ -53,6 +53,15 @@ def bf16_bits(a) -> np.ndarray:
 
 def from_bf16(bits: np.ndarray) -> np.ndarray:
     return bits.view(BF16).astype(np.float64)
+
+
+def f16_bits(a) -> np.ndarray:
+    """float -> fp16 (round to nearest even) as uint16 bit patterns: the RMSNorm output's type."""
+    return np.ascontiguousarray(np.asarray(a, dtype=np.float32).astype(np.float16).view(np.uint16))
+
+
+def from_f16(bits: np.ndarray) -> np.ndarray:
+    return bits.view(np.float16).astype(np.float64)
 
 
 def rel_l2(got, want) -> float:
@@ -100,15 +109,21 @@ def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
         return gate / (1.0 + np.exp(-gate)) * up
 
 
-def check_linear(rng, N: int, K: int, M: int | None) -> None:
-    """All three epilogues of gemv (M None) or gemm (M rows) on one random weight matrix."""
+def check_linear(rng, N: int, K: int, M: int | None, x_dtype: str = "bf16") -> None:
+    """All three epilogues of gemv (M None) or gemm (M rows) on one random weight matrix, with a
+    bf16 or fp16 activation input."""
     w, s = random_fp8(rng, (N, K)), random_scales(rng, N, K)
     shape = (K,) if M is None else (M, K)
-    x = bf16_bits(rng.standard_normal(shape))
-    y = reference_linear(w, s, from_bf16(x).reshape(-1, K))
+    to_bits, from_bits = (bf16_bits, from_bf16) if x_dtype == "bf16" else (f16_bits, from_f16)
+    x = to_bits(rng.standard_normal(shape))
+    y = reference_linear(w, s, from_bits(x).reshape(-1, K))
     y = y[0] if M is None else y
-    run = ops.gemv if M is None else ops.gemm
-    what = f"{'gemv' if M is None else f'gemm M={M}'} N={N} K={K}"
+    gemx = ops.gemv if M is None else ops.gemm
+
+    def run(w, s, x, ep, out_init=None):
+        return gemx(w, s, x, ep, out_init, x_dtype)
+
+    what = f"{'gemv' if M is None else f'gemm M={M}'} N={N} K={K} x {x_dtype}"
 
     assert_close(run(w, s, x, 0), y, FP32_REL, f"{what} Store")
     residual = (rng.standard_normal(y.shape) * (y.std() + 1.0)).astype(np.float32)
@@ -153,19 +168,27 @@ def test_gemv_odd_shapes(rng, N, K):
     check_linear(rng, N, K, None)
 
 
+@pytest.mark.parametrize("N,K", [(5120, 3072), (16384, 3072), (129, 1024), (7, 384)])
+@pytest.mark.parametrize("M", [None, 37])
+def test_linear_f16_input(rng, N, K, M):
+    """The RMSNorm output is fp16: gemv and gemm run fp16 activations too (f16 mma in the gemm)."""
+    check_linear(rng, N, K, M, "f16")
+
+
 @pytest.mark.parametrize("N,K", [(5120, 3072), (16384, 3072), (7, 384), (258, 640), (6, 14336)])
 def test_gemv_rmsnorm_equals_rmsnorm_then_gemv(rng, N, K):
     """The fused prologue is the rmsnorm kernel's arithmetic: the two paths agree to the bit."""
     w, s = random_fp8(rng, (N, K)), random_scales(rng, N, K)
     x = (rng.standard_normal(K) * rng.uniform(0.1, 10)).astype(np.float32)
     nw = bf16_bits(1 + 0.1 * rng.standard_normal(K))
-    xn = ops.rmsnorm(x[None], nw, 1e-5)[0]
+    xn = ops.rmsnorm(x[None], nw, 1e-5)[0]  # fp16 bits
     for ep in (0, 2) if N % 2 == 0 else (0,):
-        np.testing.assert_array_equal(ops.gemv_rmsnorm(w, s, x, nw, 1e-5, ep), ops.gemv(w, s, xn, ep))
+        np.testing.assert_array_equal(ops.gemv_rmsnorm(w, s, x, nw, 1e-5, ep), ops.gemv(w, s, xn, ep, None, "f16"))
     residual = rng.standard_normal(N).astype(np.float32)
-    np.testing.assert_array_equal(ops.gemv_rmsnorm(w, s, x, nw, 1e-5, 1, residual), ops.gemv(w, s, xn, 1, residual))
+    np.testing.assert_array_equal(ops.gemv_rmsnorm(w, s, x, nw, 1e-5, 1, residual),
+                                  ops.gemv(w, s, xn, 1, residual, "f16"))
     # and both against the fp32 reference of the normalized input
-    ref = reference_linear(w, s, from_bf16(xn).reshape(1, K))[0]
+    ref = reference_linear(w, s, from_f16(xn).reshape(1, K))[0]
     assert_close(ops.gemv_rmsnorm(w, s, x, nw, 1e-5, 0), ref, FP32_REL, f"gemv_rmsnorm N={N} K={K}")
 
 
@@ -304,7 +327,7 @@ def test_rmsnorm(rng, M, d):
     eps = 1e-5
     xf = x.astype(np.float64)
     want = xf / np.sqrt((xf * xf).mean(axis=1, keepdims=True) + eps) * from_bf16(w)
-    assert_close(from_bf16(ops.rmsnorm(x, w, eps)), want, BF16_REL, f"rmsnorm M={M} d={d}")
+    assert_close(from_f16(ops.rmsnorm(x, w, eps)), want, F16_REL, f"rmsnorm M={M} d={d}")
 
 
 @pytest.mark.parametrize("vocab,d", [(1, 1), (50, 7), (1000, 3072)])

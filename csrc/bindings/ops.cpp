@@ -20,6 +20,7 @@
 namespace py = pybind11;
 using atomflow::DeviceBuffer;
 using atomflow::bf16;
+using atomflow::f16;
 namespace k = atomflow::kernels;
 
 namespace {
@@ -164,8 +165,8 @@ py::array_t<uint16_t> rmsnorm(const py::array& x_, const py::array& w_, float ep
   const int M = static_cast<int>(x.shape(0)), d = static_cast<int>(x.shape(1));
   auto w = arg<uint16_t>(w_, "w", {d});
   DeviceBuffer dx = to_device(x), dw = to_device(w);
-  DeviceBuffer out = poisoned(sizeof(bf16) * M * d);
-  k::rmsnorm(dx.get<float>(), dw.get<bf16>(), M, d, eps, out.get<bf16>(), nullptr);
+  DeviceBuffer out = poisoned(sizeof(f16) * M * d);
+  k::rmsnorm(dx.get<float>(), dw.get<bf16>(), M, d, eps, out.get<f16>(), nullptr);
   sync();
   return to_host<uint16_t>(out, {M, d});
 }
@@ -182,7 +183,9 @@ py::array_t<float> add_inplace(const py::array& x_, const py::array& y_) {
 
 // Shared by gemv (M = 1, x [K]) and gemm (x [M, K]). out_init: the AddResidual starting values.
 py::array linear(const py::array& w_, const py::array& s_, const py::array& x_, int ep_, const py::object& out_init_,
-                 bool gemm) {
+                 bool gemm, const std::string& x_dtype) {
+  require(x_dtype == "bf16" || x_dtype == "f16", "x_dtype must be 'bf16' or 'f16', got '" + x_dtype + "'");
+  const k::Act xt = x_dtype == "f16" ? k::Act::F16 : k::Act::BF16;
   const k::Epilogue ep = epilogue_arg(ep_);
   auto w = arg<uint8_t>(w_, "w", {-1, -1});
   const int N = static_cast<int>(w.shape(0)), K = static_cast<int>(w.shape(1));
@@ -206,9 +209,9 @@ py::array linear(const py::array& w_, const py::array& s_, const py::array& x_, 
     out = poisoned(elem * M * cols);
   }
   if (gemm)
-    k::gemm_w8a16(dw.get<uint8_t>(), ds.get<float>(), dx.get<bf16>(), M, N, K, ep, out.get(), nullptr);
+    k::gemm_w8a16(dw.get<uint8_t>(), ds.get<float>(), dx.get(), xt, M, N, K, ep, out.get(), nullptr);
   else
-    k::gemv_w8a16(dw.get<uint8_t>(), ds.get<float>(), dx.get<bf16>(), N, K, ep, out.get(), nullptr);
+    k::gemv_w8a16(dw.get<uint8_t>(), ds.get<float>(), dx.get(), xt, N, K, ep, out.get(), nullptr);
   sync();
   if (ep != k::Epilogue::SwiGLU) return to_host<float>(out, fp32_shape);
   return gemm ? to_host<uint16_t>(out, {M, N / 2}) : to_host<uint16_t>(out, {N / 2});
@@ -324,7 +327,7 @@ double time_gemv(int N, int K, int iters, int ep_) {
   x.fill(0);
   out.fill(0);
   return median_us([&](int i) {
-    k::gemv_w8a16(ws.at<uint8_t>(i), ws.at<float>(i, wbytes), x.get<bf16>(), N, K, ep, out.get(), nullptr);
+    k::gemv_w8a16(ws.at<uint8_t>(i), ws.at<float>(i, wbytes), x.get(), k::Act::BF16, N, K, ep, out.get(), nullptr);
   }, iters, std::min(ws.copies, 32));
 }
 
@@ -337,7 +340,7 @@ double time_gemm(int M, int N, int K, int iters, int ep_) {
   x.fill(0);
   out.fill(0);
   return median_us([&](int) {
-    k::gemm_w8a16(w.get<uint8_t>(), s.get<float>(), x.get<bf16>(), M, N, K, ep, out.get(), nullptr);
+    k::gemm_w8a16(w.get<uint8_t>(), s.get<float>(), x.get(), k::Act::BF16, M, N, K, ep, out.get(), nullptr);
   }, iters, 2);
 }
 
@@ -379,25 +382,25 @@ double time_sample(int vocab, float temperature, int top_k, float top_p, int ite
 void register_ops(pybind11::module_& m) {
   m.doc() = "Kernel test harness: each kernel on numpy inputs (bf16 = uint16, fp8 = uint8), and timers";
   m.def("embedding", &embedding, py::arg("table"), py::arg("tokens"), "table u16 [vocab, d], tokens i32 [M] -> f32 [M, d]");
-  m.def("rmsnorm", &rmsnorm, py::arg("x"), py::arg("w"), py::arg("eps"), "x f32 [M, d], w u16 [d] -> u16 [M, d]");
+  m.def("rmsnorm", &rmsnorm, py::arg("x"), py::arg("w"), py::arg("eps"), "x f32 [M, d], w u16 [d] (bf16) -> u16 [M, d] (f16)");
   m.def("add_inplace", &add_inplace, py::arg("x"), py::arg("y"), "x, y f32 [n] -> x + y");
   m.def(
       "gemv",
-      [](const py::array& w, const py::array& s, const py::array& x, int ep, const py::object& out_init) {
-        return linear(w, s, x, ep, out_init, false);
-      },
+      [](const py::array& w, const py::array& s, const py::array& x, int ep, const py::object& out_init,
+         const std::string& x_dtype) { return linear(w, s, x, ep, out_init, false, x_dtype); },
       py::arg("w"), py::arg("scales"), py::arg("x"), py::arg("epilogue") = 0, py::arg("out_init") = py::none(),
-      "w u8 [N, K], scales f32 [N, K/128], x u16 [K]; epilogue 0 Store -> f32 [N], 1 AddResidual (out_init f32 [N]) "
-      "-> f32 [N], 2 SwiGLU -> u16 [N/2]");
+      py::arg("x_dtype") = "bf16",
+      "w u8 [N, K], scales f32 [N, K/128], x u16 [K] (bf16 or f16 bits, x_dtype); epilogue 0 Store -> f32 [N], "
+      "1 AddResidual (out_init f32 [N]) -> f32 [N], 2 SwiGLU -> u16 [N/2] (bf16)");
   m.def("gemv_rmsnorm", &gemv_rmsnorm, py::arg("w"), py::arg("scales"), py::arg("x"), py::arg("norm_w"),
         py::arg("eps"), py::arg("epilogue") = 0, py::arg("out_init") = py::none(),
         "gemv of bf16(rmsnorm(x f32 [K]) * norm_w u16 [K]); epilogues as gemv");
   m.def(
       "gemm",
-      [](const py::array& w, const py::array& s, const py::array& x, int ep, const py::object& out_init) {
-        return linear(w, s, x, ep, out_init, true);
-      },
+      [](const py::array& w, const py::array& s, const py::array& x, int ep, const py::object& out_init,
+         const std::string& x_dtype) { return linear(w, s, x, ep, out_init, true, x_dtype); },
       py::arg("w"), py::arg("scales"), py::arg("x"), py::arg("epilogue") = 0, py::arg("out_init") = py::none(),
+      py::arg("x_dtype") = "bf16",
       "like gemv with x u16 [M, K] and outputs [M, ...]");
   m.def("rope_kv_append", &rope_kv_append, py::arg("qkv"), py::arg("inv_freq"), py::arg("pos"), py::arg("H"),
         py::arg("Hkv"), py::arg("D"), py::arg("k_cache"), py::arg("v_cache"),

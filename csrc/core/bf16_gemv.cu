@@ -13,7 +13,7 @@ namespace atomflow {
 constexpr int kGemvWarps = 8;  // rows per block
 
 static __global__ void __launch_bounds__(kGemvWarps * 32)
-    bf16_gemv_kernel(const bf16* __restrict__ w, const bf16* x, int N, int K, float* __restrict__ out) {
+    bf16_gemv_kernel(const bf16* __restrict__ w, const f16* x, int N, int K, float* __restrict__ out) {
   pdl_prologue();
   const int lane = threadIdx.x % 32;
   const int row = blockIdx.x * kGemvWarps + threadIdx.x / 32;
@@ -25,11 +25,11 @@ static __global__ void __launch_bounds__(kGemvWarps * 32)
     const uint4 a = wr[i];
     const uint4 b = xv[i];
     const __nv_bfloat162* a2 = reinterpret_cast<const __nv_bfloat162*>(&a);
-    const __nv_bfloat162* b2 = reinterpret_cast<const __nv_bfloat162*>(&b);
+    const __half2* b2 = reinterpret_cast<const __half2*>(&b);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const float2 fa = __bfloat1622float2(a2[j]);
-      const float2 fb = __bfloat1622float2(b2[j]);
+      const float2 fb = __half22float2(b2[j]);
       acc = fmaf(fa.x, fb.x, acc);
       acc = fmaf(fa.y, fb.y, acc);
     }
@@ -42,7 +42,7 @@ static __global__ void __launch_bounds__(kGemvWarps * 32)
 // ---------------------------------------------------------------------------------------
 // launcher
 
-void bf16_gemv(const bf16* w, const bf16* x, int N, int K, float* out, cudaStream_t stream) {
+void bf16_gemv(const bf16* w, const f16* x, int N, int K, float* out, cudaStream_t stream) {
   AF_CHECK(N > 0 && K > 0, "bf16_gemv needs N > 0 and K > 0");
   AF_CHECK(K % 8 == 0, "bf16_gemv needs K % 8 == 0 (16-byte loads)");
   AF_CHECK(reinterpret_cast<uintptr_t>(w) % 16 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0,

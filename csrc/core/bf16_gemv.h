@@ -5,8 +5,9 @@
 
 namespace atomflow {
 
-// out[n] = sum_k float(w[n, k]) * float(x[k]); w bf16 [N, K] row-major, x bf16 [K], out fp32 [N].
+// out[n] = sum_k float(w[n, k]) * float(x[k]); w bf16 [N, K] row-major, x fp16 [K] (the RMSNorm
+// output), out fp32 [N].
 // K % 8 == 0 and 16-byte aligned w and x (16-byte loads).
-void bf16_gemv(const bf16* w, const bf16* x, int N, int K, float* out, cudaStream_t stream);
+void bf16_gemv(const bf16* w, const f16* x, int N, int K, float* out, cudaStream_t stream);
 
 }  // namespace atomflow

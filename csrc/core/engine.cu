@@ -108,7 +108,7 @@ void Engine::init(const std::string& path, const std::vector<TensorInfo>& table,
         arena_.at<float>(l.w2_scale), arena_.at<bf16>(l.k_cache), arena_.at<bf16>(l.v_cache)});
   }
   buf_.x = arena_.at<float>(layout.x);
-  buf_.xn = arena_.at<bf16>(layout.xn);
+  buf_.xn = arena_.at<f16>(layout.xn);
   buf_.qkv = arena_.at<float>(layout.qkv);
   buf_.q = arena_.at<bf16>(layout.q);
   buf_.attn_out = arena_.at<bf16>(layout.attn_out);

@@ -14,12 +14,12 @@ namespace {
 using kernels::Epilogue;
 
 // One row streams the weights once through the GEMV; more rows go to the tensor-core GEMM.
-void linear(const uint8_t* w, const float* scales, const bf16* x, int rows, int N, int K, Epilogue ep, void* out,
-            cudaStream_t stream) {
+void linear(const uint8_t* w, const float* scales, const void* x, kernels::Act xt, int rows, int N, int K,
+            Epilogue ep, void* out, cudaStream_t stream) {
   if (rows == 1)
-    kernels::gemv_w8a16(w, scales, x, N, K, ep, out, stream);
+    kernels::gemv_w8a16(w, scales, x, xt, N, K, ep, out, stream);
   else
-    kernels::gemm_w8a16(w, scales, x, rows, N, K, ep, out, stream);
+    kernels::gemm_w8a16(w, scales, x, xt, rows, N, K, ep, out, stream);
 }
 
 }  // namespace
@@ -39,14 +39,15 @@ void Engine::enqueue_layers(int rows) {
     kernels::attention(buf_.q, L.k_cache, L.v_cache, buf_.pos, rows, H, Hkv, D, C, scale, buf_.attn_scratch,
                        buf_.attn_out, stream_);
     if (probe_) probe_snapshot(rows);
-    linear(L.wo, L.wo_scale, buf_.attn_out, rows, d, s.q_dim(), Epilogue::AddResidual, buf_.x, stream_);
+    linear(L.wo, L.wo_scale, buf_.attn_out, kernels::Act::BF16, rows, d, s.q_dim(), Epilogue::AddResidual, buf_.x,
+           stream_);
     if (probe_) {
       probe_point("attn_out", li, ProbeSrc::X_DELTA, rows);
       probe_point("resid_mid", li, ProbeSrc::X, rows);
     }
     normed_linear(L.mlp_norm, nullptr, li, L.w13, L.w13_scale, rows, 2 * f, Epilogue::SwiGLU, buf_.ffn);
     if (probe_) probe_snapshot(rows);
-    linear(L.w2, L.w2_scale, buf_.ffn, rows, d, f, Epilogue::AddResidual, buf_.x, stream_);
+    linear(L.w2, L.w2_scale, buf_.ffn, kernels::Act::BF16, rows, d, f, Epilogue::AddResidual, buf_.x, stream_);
     if (probe_) {
       probe_point("mlp_out", li, ProbeSrc::X_DELTA, rows);
       probe_point("layer_out", li, ProbeSrc::X, rows);
@@ -65,7 +66,7 @@ void Engine::normed_linear(const bf16* norm, const char* probe_name, int layer, 
   }
   kernels::rmsnorm(buf_.x, norm, rows, d, spec_.rms_norm_eps, buf_.xn, stream_);
   if (probe_ && probe_name) probe_point(probe_name, layer, ProbeSrc::XN, rows);
-  linear(w, scales, buf_.xn, rows, N, d, ep, out, stream_);
+  linear(w, scales, buf_.xn, kernels::Act::F16, rows, N, d, ep, out, stream_);
 }
 
 // Final norm and lm_head on one row of the residual stream -> buf_.logits fp32 [vocab].
@@ -80,7 +81,8 @@ void Engine::enqueue_head(int row) {
   kernels::rmsnorm(xrow, buf_.final_norm, 1, d, spec_.rms_norm_eps, buf_.xn, stream_);
   if (probe_) probe_point("final_norm", -1, ProbeSrc::XN, 1);
   if (spec_.lm_head_fp8)
-    kernels::gemv_w8a16(static_cast<const uint8_t*>(buf_.lm_head), buf_.lm_head_scale, buf_.xn, vocab, d,
+    kernels::gemv_w8a16(static_cast<const uint8_t*>(buf_.lm_head), buf_.lm_head_scale, buf_.xn, kernels::Act::F16,
+                        vocab, d,
                         Epilogue::Store, buf_.logits, stream_);
   else
     bf16_gemv(static_cast<const bf16*>(buf_.lm_head), buf_.xn, vocab, d, buf_.logits, stream_);

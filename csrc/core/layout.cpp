@@ -133,7 +133,7 @@ Layout plan_layout(const ModelSpec& s, const ModelTensors& t, int max_context, i
 
   const size_t rows = static_cast<size_t>(prefill_chunk);
   L.x = plan.reserve("activations", rows * s.hidden_size * sizeof(float));
-  L.xn = plan.reserve("activations", rows * s.hidden_size * sizeof(bf16));
+  L.xn = plan.reserve("activations", rows * s.hidden_size * sizeof(f16));
   L.qkv = plan.reserve("activations", rows * s.qkv_dim() * sizeof(float));
   L.q = plan.reserve("activations", rows * s.q_dim() * sizeof(bf16));
   L.attn_out = plan.reserve("activations", rows * s.q_dim() * sizeof(bf16));

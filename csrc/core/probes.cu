@@ -8,16 +8,17 @@ namespace atomflow {
 
 namespace {
 
-std::vector<float> to_host_f32(const void* dev, bool bf16_src, size_t n, cudaStream_t stream) {
+// fp32, or (f16_src) the fp16 RMSNorm output, as fp32 on the host.
+std::vector<float> to_host_f32(const void* dev, bool f16_src, size_t n, cudaStream_t stream) {
   std::vector<float> out(n);
   AF_CUDA_CHECK(cudaStreamSynchronize(stream));
-  if (!bf16_src) {
+  if (!f16_src) {
     AF_CUDA_CHECK(cudaMemcpy(out.data(), dev, n * sizeof(float), cudaMemcpyDeviceToHost));
     return out;
   }
-  std::vector<bf16> tmp(n);
-  AF_CUDA_CHECK(cudaMemcpy(tmp.data(), dev, n * sizeof(bf16), cudaMemcpyDeviceToHost));
-  for (size_t i = 0; i < n; ++i) out[i] = __bfloat162float(tmp[i]);
+  std::vector<f16> tmp(n);
+  AF_CUDA_CHECK(cudaMemcpy(tmp.data(), dev, n * sizeof(f16), cudaMemcpyDeviceToHost));
+  for (size_t i = 0; i < n; ++i) out[i] = __half2float(tmp[i]);
   return out;
 }
 

@@ -1,9 +1,10 @@
 // W8A16 GEMM for M > 1 (prefill) on tensor cores: y[m, n] = sum_k x[m, k] * fp8[n, k] * scale[n, k / 128],
-// mma.sync m16n8k16 bf16 with fp32 accumulation, same three epilogues as the GEMV.
+// mma.sync m16n8k16 (bf16 or fp16, the activation's type) with fp32 accumulation, same three
+// epilogues as the GEMV.
 //
 //  - Block tile 128 (M) x 64 (N) x 128 (K = one scale group), 4 warps of 64 x 32, 2-stage cp.async
-//    pipeline (x tile bf16, weight tile fp8, both kept in their stored precision in shared memory).
-//  - The weight fragments are converted fp8 -> bf16 in registers (exact). Each k-tile is one scale
+//    pipeline (x tile 16-bit, weight tile fp8, both kept in their stored precision in shared memory).
+//  - The weight fragments are converted fp8 -> the activation's 16-bit type in registers (exact). Each k-tile is one scale
 //    group, so its mma results go to a zeroed fp32 partial that is added to the accumulator times
 //    the per-column scale: products and sums stay fp32, as in the GEMV (no bf16 rounding of w * s).
 //  - K is permuted inside each 32-wide k-step so that every lane reads contiguous bytes: for mma j
@@ -42,19 +43,34 @@ static __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, 
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(gmem), "r"(src_bytes));
 }
 
-// Two e4m3 bytes (low = lower k) -> bf16x2, exactly: e4m3 -> f16x2 -> f32 -> bf16 loses nothing.
-static __device__ __forceinline__ uint32_t fp8x2_to_bf16x2(uint32_t two_bytes) {
-  const float2 f = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(two_bytes, __NV_E4M3)));
-  const __nv_bfloat162 b = __floats2bfloat162_rn(f.x, f.y);
-  return *reinterpret_cast<const uint32_t*>(&b);
+// Two e4m3 bytes (low = lower k) -> the activation's 16-bit type, exactly (e4m3 fits both):
+// fp16 directly (cvt.rn.f16x2.e4m3x2), bf16 through f32.
+template <Act A>
+static __device__ __forceinline__ uint32_t fp8x2_to_16x2(uint32_t two_bytes) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(two_bytes, __NV_E4M3);
+  if constexpr (A == Act::F16) {
+    return *reinterpret_cast<const uint32_t*>(&h);
+  } else {
+    const float2 f = __half22float2(__half2(h));
+    const __nv_bfloat162 b = __floats2bfloat162_rn(f.x, f.y);
+    return *reinterpret_cast<const uint32_t*>(&b);
+  }
 }
 
-static __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                                uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+template <Act A>
+static __device__ __forceinline__ void mma16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                             uint32_t b0, uint32_t b1) {
+  if constexpr (A == Act::F16) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  } else {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
 }
 
 // Block-local column j (0..63) -> weight row, or -1 past the end. SwiGLU: j = 32 wn + 16 t + q is
@@ -72,9 +88,9 @@ static __device__ __forceinline__ int weight_row(int j, int n_tile, int N) {
   }
 }
 
-template <Epilogue EP>
+template <Epilogue EP, Act A>
 static __global__ void __launch_bounds__(kGemmThreads, 2)
-    gemm_w8a16_kernel(const uint8_t* __restrict__ w, const float* __restrict__ scales, const bf16* x,
+    gemm_w8a16_kernel(const uint8_t* __restrict__ w, const float* __restrict__ scales, const uint16_t* x,
                       int M, int N, int K, void* __restrict__ out) {
   extern __shared__ __align__(16) uint8_t smem[];
   pdl_prologue();
@@ -102,7 +118,7 @@ static __global__ void __launch_bounds__(kGemmThreads, 2)
     for (int i = 0; i < 16; ++i) {
       const int r = a_row0 + 8 * i;
       const bool ok = m0 + r < M;
-      const bf16* src = x + static_cast<size_t>(ok ? m0 + r : 0) * K + kt * kBK + a_col * 8;
+      const uint16_t* src = x + static_cast<size_t>(ok ? m0 + r : 0) * K + kt * kBK + a_col * 8;
       cp_async16(sA + r * kAStride + a_col * 16, src, ok);
     }
 #pragma unroll
@@ -177,8 +193,8 @@ static __global__ void __launch_bounds__(kGemmThreads, 2)
 #pragma unroll
         for (int nt = 0; nt < kNT; ++nt) {
           const uint32_t four = j ? b8[nt].y : b8[nt].x;  // physical k 8c + 4j + 0..3
-          b[nt][0] = fp8x2_to_bf16x2(four & 0xFFFFu);
-          b[nt][1] = fp8x2_to_bf16x2(four >> 16);
+          b[nt][0] = fp8x2_to_16x2<A>(four & 0xFFFFu);
+          b[nt][1] = fp8x2_to_16x2<A>(four >> 16);
         }
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt) {
@@ -187,7 +203,7 @@ static __global__ void __launch_bounds__(kGemmThreads, 2)
           const uint32_t a1 = j ? a_hi[mt].z : a_hi[mt].x;  // row g + 8
           const uint32_t a3 = j ? a_hi[mt].w : a_hi[mt].y;
 #pragma unroll
-          for (int nt = 0; nt < kNT; ++nt) mma_bf16(part[mt][nt], a0, a1, a2, a3, b[nt][0], b[nt][1]);
+          for (int nt = 0; nt < kNT; ++nt) mma16<A>(part[mt][nt], a0, a1, a2, a3, b[nt][0], b[nt][1]);
         }
       }
     }
@@ -242,36 +258,47 @@ static __global__ void __launch_bounds__(kGemmThreads, 2)
 
 // ---- launcher ----
 
-template <Epilogue EP>
-static void launch_gemm(const uint8_t* w, const float* scales, const bf16* x, int M, int N, int K, void* out,
+template <Epilogue EP, Act A>
+static void launch_gemm(const uint8_t* w, const float* scales, const void* x, int M, int N, int K, void* out,
                         cudaStream_t stream) {
   // 100 KB of dynamic shared memory: set once (not inside a graph capture).
   static const bool configured = [] {
-    AF_CUDA_CHECK(cudaFuncSetAttribute(gemm_w8a16_kernel<EP>, cudaFuncAttributeMaxDynamicSharedMemorySize, kGemmSmem));
+    AF_CUDA_CHECK(
+        cudaFuncSetAttribute(gemm_w8a16_kernel<EP, A>, cudaFuncAttributeMaxDynamicSharedMemorySize, kGemmSmem));
     return true;
   }();
   (void)configured;
   const int n_tiles = EP == Epilogue::SwiGLU ? CEIL_DIV(N / 2, kBN / 2) : CEIL_DIV(N, kBN);
   AF_CHECK(n_tiles <= 65535, "gemm_w8a16: N too large for the grid");
   const dim3 grid(CEIL_DIV(M, kBM), n_tiles);
-  af_launch(gemm_w8a16_kernel<EP>, grid, dim3(kGemmThreads), kGemmSmem, stream, w, scales, x, M, N, K, out);
+  af_launch(gemm_w8a16_kernel<EP, A>, grid, dim3(kGemmThreads), kGemmSmem, stream, w, scales,
+            static_cast<const uint16_t*>(x), M, N, K, out);
 }
 
-void gemm_w8a16(const uint8_t* w, const float* scales, const bf16* x, int M, int N, int K, Epilogue ep, void* out,
-                cudaStream_t stream) {
+template <Act A>
+static void dispatch_gemm(const uint8_t* w, const float* scales, const void* x, int M, int N, int K, Epilogue ep,
+                          void* out, cudaStream_t stream) {
+  switch (ep) {
+    case Epilogue::Store: launch_gemm<Epilogue::Store, A>(w, scales, x, M, N, K, out, stream); break;
+    case Epilogue::AddResidual: launch_gemm<Epilogue::AddResidual, A>(w, scales, x, M, N, K, out, stream); break;
+    case Epilogue::SwiGLU:
+      AF_CHECK(N % 2 == 0, "gemm_w8a16: SwiGLU needs N = 2F (gate rows, then up rows)");
+      launch_gemm<Epilogue::SwiGLU, A>(w, scales, x, M, N, K, out, stream);
+      break;
+    default: AF_CHECK(false, "gemm_w8a16: unknown epilogue");
+  }
+}
+
+void gemm_w8a16(const uint8_t* w, const float* scales, const void* x, Act x_type, int M, int N, int K, Epilogue ep,
+                void* out, cudaStream_t stream) {
   AF_CHECK(M >= 1 && N >= 1 && K >= kBK, "gemm_w8a16: M, N must be >= 1 and K >= 128");
   AF_CHECK(K % kBK == 0, "gemm_w8a16: K must be a multiple of 128 (the scale group)");
   AF_CHECK(reinterpret_cast<uintptr_t>(w) % 16 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0,
            "gemm_w8a16: w and x must be 16-byte aligned");
-  switch (ep) {
-    case Epilogue::Store: launch_gemm<Epilogue::Store>(w, scales, x, M, N, K, out, stream); break;
-    case Epilogue::AddResidual: launch_gemm<Epilogue::AddResidual>(w, scales, x, M, N, K, out, stream); break;
-    case Epilogue::SwiGLU:
-      AF_CHECK(N % 2 == 0, "gemm_w8a16: SwiGLU needs N = 2F (gate rows, then up rows)");
-      launch_gemm<Epilogue::SwiGLU>(w, scales, x, M, N, K, out, stream);
-      break;
-    default: AF_CHECK(false, "gemm_w8a16: unknown epilogue");
-  }
+  if (x_type == Act::F16)
+    dispatch_gemm<Act::F16>(w, scales, x, M, N, K, ep, out, stream);
+  else
+    dispatch_gemm<Act::BF16>(w, scales, x, M, N, K, ep, out, stream);
 }
 
 }  // namespace atomflow::kernels

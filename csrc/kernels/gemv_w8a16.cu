@@ -10,13 +10,13 @@
 //    SwiGLU pairs row i with row F + i (gate and up of the same output), the other epilogues pair
 //    rows 2p and 2p + 1; the x values each lane reads from shared memory serve both rows.
 //  - Blocks are persistent-style: the grid is min(work, what fits on the SMs) and warps stride over
-//    row pairs, so x (bf16 [K] -> fp32 in shared memory) is staged once per block, not per pair.
+//    row pairs, so x (16-bit [K] -> fp32 in shared memory) is staged once per block, not per pair.
 //  - Weights depend on no earlier kernel: each warp prefetches its first rows into L2 BEFORE it
 //    waits for the previous kernel (PDL, pdl.cuh), so the first DRAM round trip overlaps the
 //    previous kernel's tail and the x staging.
 //  - Fused RMSNorm (gemv_w8a16_rmsnorm): x is the fp32 residual stream; the block computes the
 //    norm with the rmsnorm kernel's exact arithmetic and reduction tree, so the result is
-//    bit-identical to rmsnorm() + gemv_w8a16(), with one launch and one round trip fewer.
+//    bit-identical to rmsnorm() + gemv_w8a16(Act::F16), with one launch and one round trip fewer.
 //  - A 16-byte chunk never straddles a 128-column scale group: the chunk's fp32 partial sum is
 //    multiplied by its scale once (1 FMA per 16 weights).
 //  - Per weight byte the SM array can afford only ~8 lane-instructions at HBM speed; per 16 bytes
@@ -82,13 +82,16 @@ static __device__ __forceinline__ void dot16x2(uint4 wa, uint4 wb, const float4*
   db = sb;
 }
 
-// Stage x into shared memory (fp32, swizzled): a copy of bf16 x, or the RMSNorm of the fp32
-// residual stream rounded to bf16 exactly as rmsnorm.cu does (same 256-thread reduction tree).
-template <bool NORM>
+// What the GEMV reads: 16-bit x (bf16 or fp16), or the fp32 residual stream to normalize.
+enum class In { BF16, F16, NORM };
+
+// Stage x into shared memory (fp32, swizzled): a copy of 16-bit x, or the RMSNorm of the fp32
+// residual stream rounded to fp16 exactly as rmsnorm.cu does (same 256-thread reduction tree).
+template <In IN>
 static __device__ void stage_x(const void* x, const bf16* __restrict__ norm_w, float eps, int K, float4* xs,
                                float* red) {
   float* xsf = reinterpret_cast<float*>(xs);
-  if constexpr (NORM) {
+  if constexpr (IN == In::NORM) {
     const float* xf = static_cast<const float*>(x);
     float ss = 0.f;
     for (int i = threadIdx.x; i < K; i += kGemvThreads) ss = fmaf(xf[i], xf[i], ss);
@@ -101,17 +104,24 @@ static __device__ void stage_x(const void* x, const bf16* __restrict__ norm_w, f
     for (int off = 16; off > 0; off /= 2) total += __shfl_xor_sync(0xffffffffu, total, off);
     const float r = rsqrtf(total / static_cast<float>(K) + eps);
     for (int i = threadIdx.x; i < K; i += kGemvThreads) {
-      const float v = __bfloat162float(__float2bfloat16(xf[i] * r * __bfloat162float(norm_w[i])));
+      const float v = __half2float(__float2half_rn(xf[i] * r * __bfloat162float(norm_w[i])));
       xsf[4 * x_slot(i / 16, (i % 16) / 4) + i % 4] = v;
     }
   } else {
-    // 8 bf16 per 16-byte load -> two float4 of chunk v / 2.
+    // 8 values per 16-byte load -> two float4 of chunk v / 2.
     const uint4* x8 = static_cast<const uint4*>(x);
     for (int v = threadIdx.x; v < K / 8; v += kGemvThreads) {
       const uint4 raw = __ldcg(x8 + v);  // x comes from the previous kernel: coherent load (pdl.cuh)
-      const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
-      const float2 f0 = __bfloat1622float2(h[0]), f1 = __bfloat1622float2(h[1]);
-      const float2 f2 = __bfloat1622float2(h[2]), f3 = __bfloat1622float2(h[3]);
+      float2 f0, f1, f2, f3;
+      if constexpr (IN == In::BF16) {
+        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+        f0 = __bfloat1622float2(h[0]), f1 = __bfloat1622float2(h[1]);
+        f2 = __bfloat1622float2(h[2]), f3 = __bfloat1622float2(h[3]);
+      } else {
+        const __half2* h = reinterpret_cast<const __half2*>(&raw);
+        f0 = __half22float2(h[0]), f1 = __half22float2(h[1]);
+        f2 = __half22float2(h[2]), f3 = __half22float2(h[3]);
+      }
       const int c = v / 2, i = 2 * (v % 2);
       xs[x_slot(c, i)] = make_float4(f0.x, f0.y, f1.x, f1.y);
       xs[x_slot(c, i + 1)] = make_float4(f2.x, f2.y, f3.x, f3.y);
@@ -119,7 +129,7 @@ static __device__ void stage_x(const void* x, const bf16* __restrict__ norm_w, f
   }
 }
 
-template <Epilogue EP, bool NORM>
+template <Epilogue EP, In IN>
 static __global__ void __launch_bounds__(kGemvThreads, 2)
     gemv_w8a16_kernel(const uint8_t* __restrict__ w, const float* __restrict__ scales, const void* x,
                       const bf16* __restrict__ norm_w, float eps, int N, int K, void* __restrict__ out) {
@@ -160,7 +170,7 @@ static __global__ void __launch_bounds__(kGemvThreads, 2)
   pdl_wait();  // x (and, for AddResidual, out) come from earlier kernels
 
   __shared__ float red[kGemvWarps];
-  stage_x<NORM>(x, norm_w, eps, K, xs, red);
+  stage_x<IN>(x, norm_w, eps, K, xs, red);
   __syncthreads();
 
   for (int p = first_pair; p < n_pairs; p += warp_stride) {
@@ -222,7 +232,7 @@ static __global__ void __launch_bounds__(kGemvThreads, 2)
 
 // ---- launcher ----
 
-template <Epilogue EP, bool NORM>
+template <Epilogue EP, In IN>
 static void launch_gemv(const uint8_t* w, const float* scales, const void* x, const bf16* norm_w, float eps, int N,
                         int K, void* out, cudaStream_t stream) {
   const size_t smem = static_cast<size_t>(K) * sizeof(float);
@@ -233,21 +243,21 @@ static void launch_gemv(const uint8_t* w, const float* scales, const void* x, co
   AF_CHECK(smem <= static_cast<size_t>(smem_optin), "gemv_w8a16: K too large to stage x in shared memory");
   static size_t configured = 48 << 10;  // raise the dynamic limit only when needed (host-side, capture-safe)
   if (smem > configured) {
-    AF_CUDA_CHECK(cudaFuncSetAttribute(gemv_w8a16_kernel<EP, NORM>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    AF_CUDA_CHECK(cudaFuncSetAttribute(gemv_w8a16_kernel<EP, IN>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        static_cast<int>(smem)));
     configured = smem;
   }
   int per_sm = 0;
-  AF_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_w8a16_kernel<EP, NORM>, kGemvThreads,
+  AF_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_w8a16_kernel<EP, IN>, kGemvThreads,
                                                               smem));
   AF_CHECK(per_sm >= 1, "gemv_w8a16: kernel does not fit on an SM");
   const int n_pairs = EP == Epilogue::SwiGLU ? N / 2 : CEIL_DIV(N, 2);
   const int blocks = min(CEIL_DIV(n_pairs, kGemvWarps), sms * min(per_sm, 2));
-  af_launch(gemv_w8a16_kernel<EP, NORM>, dim3(blocks), dim3(kGemvThreads), smem, stream, w, scales, x, norm_w, eps,
+  af_launch(gemv_w8a16_kernel<EP, IN>, dim3(blocks), dim3(kGemvThreads), smem, stream, w, scales, x, norm_w, eps,
             N, K, out);
 }
 
-template <bool NORM>
+template <In IN>
 static void dispatch_gemv(const uint8_t* w, const float* scales, const void* x, const bf16* norm_w, float eps, int N,
                           int K, Epilogue ep, void* out, cudaStream_t stream) {
   AF_CHECK(N >= 1 && K >= kQuantGroup, "gemv_w8a16: N must be >= 1 and K >= 128");
@@ -255,27 +265,30 @@ static void dispatch_gemv(const uint8_t* w, const float* scales, const void* x, 
   AF_CHECK(reinterpret_cast<uintptr_t>(w) % 16 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0,
            "gemv_w8a16: w and x must be 16-byte aligned");
   switch (ep) {
-    case Epilogue::Store: launch_gemv<Epilogue::Store, NORM>(w, scales, x, norm_w, eps, N, K, out, stream); break;
+    case Epilogue::Store: launch_gemv<Epilogue::Store, IN>(w, scales, x, norm_w, eps, N, K, out, stream); break;
     case Epilogue::AddResidual:
-      launch_gemv<Epilogue::AddResidual, NORM>(w, scales, x, norm_w, eps, N, K, out, stream);
+      launch_gemv<Epilogue::AddResidual, IN>(w, scales, x, norm_w, eps, N, K, out, stream);
       break;
     case Epilogue::SwiGLU:
       AF_CHECK(N % 2 == 0, "gemv_w8a16: SwiGLU needs N = 2F (gate rows, then up rows)");
-      launch_gemv<Epilogue::SwiGLU, NORM>(w, scales, x, norm_w, eps, N, K, out, stream);
+      launch_gemv<Epilogue::SwiGLU, IN>(w, scales, x, norm_w, eps, N, K, out, stream);
       break;
     default: AF_CHECK(false, "gemv_w8a16: unknown epilogue");
   }
 }
 
-void gemv_w8a16(const uint8_t* w, const float* scales, const bf16* x, int N, int K, Epilogue ep, void* out,
-                cudaStream_t stream) {
-  dispatch_gemv<false>(w, scales, x, nullptr, 0.f, N, K, ep, out, stream);
+void gemv_w8a16(const uint8_t* w, const float* scales, const void* x, Act x_type, int N, int K, Epilogue ep,
+                void* out, cudaStream_t stream) {
+  if (x_type == Act::F16)
+    dispatch_gemv<In::F16>(w, scales, x, nullptr, 0.f, N, K, ep, out, stream);
+  else
+    dispatch_gemv<In::BF16>(w, scales, x, nullptr, 0.f, N, K, ep, out, stream);
 }
 
 void gemv_w8a16_rmsnorm(const uint8_t* w, const float* scales, const float* x, const bf16* norm_w, float eps, int N,
                         int K, Epilogue ep, void* out, cudaStream_t stream) {
   AF_CHECK(norm_w != nullptr, "gemv_w8a16_rmsnorm: needs the norm weight");
-  dispatch_gemv<true>(w, scales, x, norm_w, eps, N, K, ep, out, stream);
+  dispatch_gemv<In::NORM>(w, scales, x, norm_w, eps, N, K, ep, out, stream);
 }
 
 }  // namespace atomflow::kernels

@@ -1,6 +1,7 @@
 // Shared by every CUDA file: the one error macro, CEIL_DIV, and the bf16 alias.
 #pragma once
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -10,6 +11,7 @@
 namespace atomflow {
 
 using bf16 = __nv_bfloat16;
+using f16 = __half;
 
 // A failed CUDA call, with the call's text, file and line. Surfaces in Python as RuntimeError.
 struct CudaError : std::runtime_error {

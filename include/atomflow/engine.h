@@ -101,7 +101,7 @@ class Engine {
     const float* inv_freq;
     std::vector<LayerPtrs> layers;
     float* x;
-    bf16* xn;
+    f16* xn;           // RMSNorm output (fp16: kernels.h)
     float* qkv;
     bf16* q;
     bf16* attn_out;

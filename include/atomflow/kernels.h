@@ -2,7 +2,10 @@
 // sandbox (csrc/sandbox). One op per file in csrc/kernels/, each file = kernel(s) + launcher.
 //
 // Conventions
-//  - Activations entering a matrix product are bf16; the residual stream is fp32 (at M = 1
+//  - Activations entering a matrix product are 16-bit: the RMSNorm output in fp16 (its values are
+//    normalized, so fp16's 3 extra mantissa bits are free precision: 8x less rounding error than
+//    bf16 where the engine's error budget is largest), attention and SwiGLU outputs in bf16 (their
+//    range is not bounded). The residual stream is fp32 (at M = 1
 //    it is a few KB, so full precision costs nothing in bandwidth); accumulation is fp32.
 //  - Linear weights are FP8 E4M3 (OCP e4m3fn) stored row-major [N, K] (one output row is K
 //    contiguous bytes), with fp32 scales [N, K / 128]: w[n, k] = fp8[n, k] * scale[n, k / 128].
@@ -28,9 +31,12 @@ void embedding(const bf16* table, const int32_t* tokens, int M, int d, int vocab
                cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------
-// rmsnorm.cu: out[m, :] = bf16(x[m, :] * rsqrt(mean(x[m, :]^2) + eps) * w), x fp32 [M, d],
+// rmsnorm.cu: out[m, :] = f16(x[m, :] * rsqrt(mean(x[m, :]^2) + eps) * w), x fp32 [M, d],
 // w bf16 [d]. Matches HF LlamaRMSNorm in fp32 (the weight multiplies the normalized fp32).
-void rmsnorm(const float* x, const bf16* w, int M, int d, float eps, bf16* out, cudaStream_t stream);
+void rmsnorm(const float* x, const bf16* w, int M, int d, float eps, f16* out, cudaStream_t stream);
+
+// The 16-bit type of a matrix product's activation input.
+enum class Act : int { BF16 = 0, F16 = 1 };
 
 // ---------------------------------------------------------------------------------------
 // gemv_w8a16.cu / gemm_w8a16.cu: y[m, n] = sum_k x[m, k] * w[n, k], with an epilogue:
@@ -42,16 +48,17 @@ enum class Epilogue : int {
 
 // M = 1 decode. K % 128 == 0. Weights read exactly once, streamed by the bulk-copy engine; the
 // first tiles are requested before the kernel waits for its predecessor (PDL).
-void gemv_w8a16(const uint8_t* w, const float* scales, const bf16* x, int N, int K, Epilogue ep,
-                void* out, cudaStream_t stream);
+void gemv_w8a16(const uint8_t* w, const float* scales, const void* x, Act x_type, int N, int K,
+                Epilogue ep, void* out, cudaStream_t stream);
 // The same with RMSNorm fused into the prologue: the GEMV's input is
-// bf16(x * rsqrt(mean(x^2) + eps) * norm_w), x the fp32 residual stream [K] (bit-identical to
-// rmsnorm() followed by gemv_w8a16(), one launch and one round trip fewer).
+// f16(x * rsqrt(mean(x^2) + eps) * norm_w), x the fp32 residual stream [K] (bit-identical to
+// rmsnorm() followed by gemv_w8a16(..., Act::F16, ...), one launch and one round trip fewer).
 void gemv_w8a16_rmsnorm(const uint8_t* w, const float* scales, const float* x, const bf16* norm_w,
                         float eps, int N, int K, Epilogue ep, void* out, cudaStream_t stream);
 
-// M > 1 prefill on tensor cores (FP8 dequantized to bf16 in the main loop). x bf16 [M, K].
-void gemm_w8a16(const uint8_t* w, const float* scales, const bf16* x, int M, int N, int K,
+// M > 1 prefill on tensor cores (FP8 converted exactly to the activation's 16-bit type in the
+// main loop). x [M, K] of x_type.
+void gemm_w8a16(const uint8_t* w, const float* scales, const void* x, Act x_type, int M, int N, int K,
                 Epilogue ep, void* out, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------
