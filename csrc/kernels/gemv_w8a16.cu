@@ -30,6 +30,7 @@
 
 #include "atomflow/kernels.h"
 #include "atomflow/pdl.cuh"
+#include "atomflow/rmsnorm.cuh"
 
 namespace atomflow::kernels {
 
@@ -93,18 +94,9 @@ static __device__ void stage_x(const void* x, const bf16* __restrict__ norm_w, f
   float* xsf = reinterpret_cast<float*>(xs);
   if constexpr (IN == In::NORM) {
     const float* xf = static_cast<const float*>(x);
-    float ss = 0.f;
-    for (int i = threadIdx.x; i < K; i += kGemvThreads) ss = fmaf(xf[i], xf[i], ss);
-#pragma unroll
-    for (int off = 16; off > 0; off /= 2) ss += __shfl_xor_sync(0xffffffffu, ss, off);
-    if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = ss;
-    __syncthreads();
-    float total = threadIdx.x % 32 < kGemvWarps ? red[threadIdx.x % 32] : 0.f;
-#pragma unroll
-    for (int off = 16; off > 0; off /= 2) total += __shfl_xor_sync(0xffffffffu, total, off);
-    const float r = rsqrtf(total / static_cast<float>(K) + eps);
+    const float r = block_inv_rms<kGemvThreads>(xf, K, eps, red);
     for (int i = threadIdx.x; i < K; i += kGemvThreads) {
-      const float v = __half2float(__float2half_rn(xf[i] * r * __bfloat162float(norm_w[i])));
+      const float v = __half2float(rmsnorm_value(xf[i], r, norm_w[i]));
       xsf[4 * x_slot(i / 16, (i % 16) / 4) + i % 4] = v;
     }
   } else {
