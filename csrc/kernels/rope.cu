@@ -1,5 +1,8 @@
 // RoPE (HF rotate-half) on the q and k heads of a fused qkv row, then the KV-cache append:
 // one block per token; cos/sin computed once per (token, frequency) and shared by all heads.
+// Templated on a row policy (STYLE.md habit 11): where token m sits and which cache row it
+// fills. ContiguousRows is the core engine's (position *pos + m, row = position); SlotRows is the
+// sandbox's paged cache (position and destination row given per token by the host).
 #include "atomflow/kernels.h"
 #include "atomflow/pdl.cuh"
 
@@ -7,15 +10,39 @@ namespace atomflow::kernels {
 
 constexpr int kRopeThreads = 256;
 
+// Token m at position *pos + m, stored in cache row p while p < max_context.
+struct ContiguousRows {
+  const int32_t* pos;
+  int max_context;
+  __device__ __forceinline__ int position(int m) const { return *pos + m; }
+  __device__ __forceinline__ long long row(int, int p) const { return p < max_context ? p : -1; }
+};
+
+// Token m at positions[m], stored in row slots[m] of the pool while the slot is inside it.
+struct SlotRows {
+  const int32_t* positions;
+  const int32_t* slots;
+  long long num_slots;
+  __device__ __forceinline__ int position(int m) const { return positions[m]; }
+  __device__ __forceinline__ long long row(int m, int) const {
+    const long long s = slots[m];
+    return s >= 0 && s < num_slots ? s : -1;
+  }
+};
+
+template <class Rows>
 static __global__ void __launch_bounds__(kRopeThreads)
-    rope_kv_append_kernel(const float* qkv, const float* __restrict__ inv_freq,
-                          const int32_t* pos, int H, int Hkv, int D, int max_context,
+    rope_kv_append_kernel(const float* qkv, const float* __restrict__ inv_freq, const Rows rows, int H, int Hkv, int D,
                           bf16* __restrict__ q_out, bf16* __restrict__ k_cache, bf16* __restrict__ v_cache) {
   extern __shared__ float cs[];  // cos [D/2], then sin [D/2]
   pdl_prologue();
   const int half = D / 2;
   const int m = blockIdx.x;
-  const int p = *pos + m;
+  const int p = rows.position(m);
+  // The destination row, -1 for none. Read before the sincosf loop: read after it, ptxas gave the
+  // kernel a stack frame. The host guards the position too; a token past the cache is still
+  // rotated into q_out but never written outside the cache.
+  const long long dest = rows.row(m, p);
   for (int i = threadIdx.x; i < half; i += kRopeThreads) {
     // Accurate sincosf, not __sinf: angles reach ~1e5 rad at long context.
     const float angle = static_cast<float>(p) * inv_freq[i];
@@ -24,11 +51,9 @@ static __global__ void __launch_bounds__(kRopeThreads)
   __syncthreads();
 
   const float* row = qkv + static_cast<size_t>(m) * (H + 2 * Hkv) * D;
-  // The host guards the position too; a token past the cache is still rotated into q_out but
-  // never written outside the cache.
-  const bool in_cache = p < max_context;
-  bf16* k_row = k_cache + static_cast<size_t>(p) * Hkv * D;
-  bf16* v_row = v_cache + static_cast<size_t>(p) * Hkv * D;
+  const bool in_cache = dest >= 0;
+  bf16* k_row = k_cache + static_cast<size_t>(in_cache ? dest : 0) * Hkv * D;
+  bf16* v_row = v_cache + static_cast<size_t>(in_cache ? dest : 0) * Hkv * D;
 
   // Rotation pairs (i, i + D/2) of the H query heads, then of the Hkv key heads.
   for (int idx = threadIdx.x; idx < (H + Hkv) * half; idx += kRopeThreads) {
@@ -53,15 +78,25 @@ static __global__ void __launch_bounds__(kRopeThreads)
   }
 }
 
-// ---- launcher ----
+// ---- launchers ----
 
 void rope_kv_append(const float* qkv, const float* inv_freq, const int32_t* pos, int M, int H, int Hkv, int D,
                     int max_context, bf16* q_out, bf16* k_cache, bf16* v_cache, cudaStream_t stream) {
   AF_CHECK(M >= 1 && H >= 1 && Hkv >= 1 && max_context >= 1, "rope_kv_append: M, H, Hkv, max_context must be >= 1");
   AF_CHECK(D >= 2 && D % 2 == 0 && D <= 1024, "rope_kv_append: head_dim must be even and <= 1024");
   const size_t smem = static_cast<size_t>(D) * sizeof(float);
-  af_launch(rope_kv_append_kernel, dim3(M), dim3(kRopeThreads), smem, stream, qkv, inv_freq, pos, H, Hkv, D,
-            max_context, q_out, k_cache, v_cache);
+  af_launch(rope_kv_append_kernel<ContiguousRows>, dim3(M), dim3(kRopeThreads), smem, stream, qkv, inv_freq,
+            ContiguousRows{pos, max_context}, H, Hkv, D, q_out, k_cache, v_cache);
+}
+
+void rope_kv_append_slots(const float* qkv, const float* inv_freq, const int32_t* positions, const int32_t* slots,
+                          int M, int H, int Hkv, int D, long long num_slots, bf16* q_out, bf16* k_pool, bf16* v_pool,
+                          cudaStream_t stream) {
+  AF_CHECK(M >= 1 && H >= 1 && Hkv >= 1 && num_slots >= 1, "rope_kv_append_slots: M, H, Hkv, num_slots must be >= 1");
+  AF_CHECK(D >= 2 && D % 2 == 0 && D <= 1024, "rope_kv_append_slots: head_dim must be even and <= 1024");
+  const size_t smem = static_cast<size_t>(D) * sizeof(float);
+  af_launch(rope_kv_append_kernel<SlotRows>, dim3(M), dim3(kRopeThreads), smem, stream, qkv, inv_freq,
+            SlotRows{positions, slots, num_slots}, H, Hkv, D, q_out, k_pool, v_pool);
 }
 
 }  // namespace atomflow::kernels

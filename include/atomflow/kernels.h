@@ -84,6 +84,32 @@ void attention(const bf16* q, const bf16* k_cache, const bf16* v_cache, const in
                cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------
+// Paged and batched decode attention (the sandbox, docs/SANDBOX.md): the same split + merge
+// kernels as attention() with another KV addressing policy (STYLE.md habit 11). B sequences, M
+// query tokens each (decode: M = 1): q bf16 [B * M, H, D] (row b * M + m), out bf16 [B * M, H, D].
+// lens int32 [B] (device): the keys sequence b holds INCLUDING this call's M tokens, so its query m
+// sits at position lens[b] - M + m and sees keys [0, lens[b] - M + m]. Requires M <= lens[b].
+//  - attention_paged: caches are pools bf16 [num_blocks, block_size, Hkv, D]; key p of sequence b
+//    is in block block_tables[b * max_blocks + p / block_size], slot p % block_size. block_size a
+//    power of two in [8, 256]; lens[b] <= max_blocks * block_size.
+//  - attention_batched: contiguous caches bf16 [B, capacity, Hkv, D] (the paging-free baseline).
+size_t attention_paged_scratch_bytes(int B, int M, int H, int D, int max_blocks, int block_size);
+void attention_paged(const bf16* q, const bf16* k_pool, const bf16* v_pool, const int32_t* block_tables,
+                     const int32_t* lens, int B, int M, int H, int Hkv, int D, int block_size, int num_blocks,
+                     int max_blocks, float scale, void* scratch, bf16* out, cudaStream_t stream);
+size_t attention_batched_scratch_bytes(int B, int M, int H, int D, int capacity);
+void attention_batched(const bf16* q, const bf16* k_cache, const bf16* v_cache, const int32_t* lens, int B, int M,
+                       int H, int Hkv, int D, int capacity, float scale, void* scratch, bf16* out, cudaStream_t stream);
+
+// rope.cu, slot-addressed variant of rope_kv_append (the same kernel, another row policy): token
+// row m is at position positions[m] and its K / V go to row slots[m] of k_pool / v_pool
+// ([num_slots, Hkv, D] viewed flat; for a paged pool slot = block * block_size + offset). A slot
+// outside [0, num_slots) writes nothing (q is still rotated). positions, slots int32 [M] (device).
+void rope_kv_append_slots(const float* qkv, const float* inv_freq, const int32_t* positions, const int32_t* slots,
+                          int M, int H, int Hkv, int D, long long num_slots, bf16* q_out, bf16* k_pool, bf16* v_pool,
+                          cudaStream_t stream);
+
+// ---------------------------------------------------------------------------------------
 // elementwise.cu: small ops the fused paths do not cover.
 void add_inplace(float* x, const float* y, int n, cudaStream_t stream);  // x += y
 
