@@ -1,4 +1,4 @@
-"""The `atomflow` command: quantize, info, run, download."""
+"""The `atomflow` command: quantize, info, run, validate, download, bench, profile."""
 from __future__ import annotations
 
 import argparse
@@ -125,6 +125,43 @@ def cmd_download(a) -> int:
     return 0
 
 
+# -- bench --------------------------------------------------------------------------------
+def cmd_bench(a) -> int:
+    from .bench_plan import make_options
+    from .bench_report import render
+    from .llama_bench import run_bench
+    opts = make_options(a.model, n_prompt=a.n_prompt, n_gen=a.n_gen, context=a.context, repetitions=a.repetitions,
+                        warmup=not a.no_warmup, output=a.output, baselines=a.baseline, hf_dir=a.hf_dir, seed=a.seed)
+    print(render(run_bench(opts), opts.output))
+    return 0
+
+
+# -- profile ------------------------------------------------------------------------------
+def cmd_profile(a) -> int:
+    from .bench_plan import one_int
+    from .kernel_profile import format_table, plot, run_profile
+    steps, context = one_int(a.steps, "--steps", 1), one_int(a.context, "--context", 0)
+    if a.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ValueError("--plot needs matplotlib (pip install matplotlib)") from None
+    result = run_profile(a.model, steps=steps, context=context)
+    print(json.dumps(result, indent=2) if a.json else format_table(result))
+    if a.plot:
+        plot(result, a.plot)
+        print(f"atomflow profile: wrote {a.plot}", file=sys.stderr)
+    return 0
+
+
+def _one_line_errors(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Bad options of this subcommand: one line on stderr and exit 1 (argparse: usage and exit 2)."""
+    def error(message: str):
+        sys.exit(_err(message))
+    parser.error = error  # type: ignore[method-assign]
+    return parser
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="atomflow", description="Single-stream FP8 LLM decode engine.")
     p.add_argument("--version", action="version", version=f"atomflow {__version__}")
@@ -177,6 +214,38 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--revision", default=None)
     d.add_argument("--token", default=None, help="HF token (default: HF_TOKEN / the saved login)")
     d.set_defaults(fn=cmd_download)
+
+    # Numbers are read as strings and checked by the command (comma lists, one-line errors).
+    b = _one_line_errors(sub.add_parser(
+        "bench", help="llama-bench-style speed tests (pp, tg, tg at depth) against baselines",
+        description="Prompt processing (pp), token generation (tg) and tg after the cache is filled to a depth, "
+                    "on random token ids, greedy, EOS ignored; tokens/s, TPOT percentiles, bytes per token, GB/s "
+                    "and efficiency vs the streaming-read bandwidth measured in the same run."))
+    b.add_argument("model")
+    b.add_argument("-p", "--n-prompt", default="512", help="prompt tokens of the pp tests, comma list; 0 = none")
+    b.add_argument("-n", "--n-gen", default="128", help="generated tokens of the tg tests, comma list; 0 = none")
+    b.add_argument("--context", default=None,
+                   help="cache depths for tg at a long context, comma list (e.g. 4096,32768)")
+    b.add_argument("-r", "--repetitions", default="5", help="timed repetitions per test (default 5)")
+    b.add_argument("--no-warmup", action="store_true", help="no untimed warm-up run before the tests")
+    b.add_argument("-o", "--output", default="md", help="md (default) | json (every sample) | csv")
+    b.add_argument("--baseline", action="append", default=[], metavar="NAME",
+                   help="hf | torch-compile | torch-compile-int8 | vllm | all (repeatable)")
+    b.add_argument("--hf-dir", default=None,
+                   help="the model's original HF directory for the baselines (default: the file's recorded source)")
+    b.add_argument("--seed", default="0", help="seed of the random token ids")
+    b.set_defaults(fn=cmd_bench)
+
+    pr = _one_line_errors(sub.add_parser(
+        "profile", help="per-kernel breakdown of the decode step (eager, CUDA events)",
+        description="Eager decode steps with a CUDA event after each launch group: time, share of the step and "
+                    "GB/s per kernel, next to the graph-mode step. scripts/profile.sh wraps ncu and nsys."))
+    pr.add_argument("model")
+    pr.add_argument("--steps", default="20", help="profiled decode steps (default 20)")
+    pr.add_argument("--context", default="128", help="tokens in the cache before the first step (default 128)")
+    pr.add_argument("--plot", default=None, metavar="FILE.png", help="bar chart of the breakdown (matplotlib)")
+    pr.add_argument("--json", action="store_true", help="machine-readable output")
+    pr.set_defaults(fn=cmd_profile)
     return p
 
 

@@ -1,6 +1,7 @@
 // _core: the CUDA engine for Python. Argument checks and conversions only; the engine lives in
 // csrc/core and knows nothing of Python. C++ std::invalid_argument surfaces as ValueError,
 // std::runtime_error (CUDA errors included) as RuntimeError.
+#include <cuda_profiler_api.h>
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -171,6 +172,11 @@ PYBIND11_MODULE(_core, m) {
     return d;
   }, "the CUDA architectures this build targets and the runtime/driver versions");
 
+  // Nsight capture range (scripts/profile.sh: ncu --profile-from-start off, nsys
+  // --capture-range=cudaProfilerApi): only the steps between the two calls are recorded.
+  m.def("profiler_start", [] { AF_CUDA_CHECK(cudaProfilerStart()); }, "start an Nsight capture range");
+  m.def("profiler_stop", [] { AF_CUDA_CHECK(cudaProfilerStop()); }, "end an Nsight capture range");
+
   py::class_<Engine>(m, "Engine")
       .def(py::init([](const std::string& path, const py::dict& spec, const py::list& tensors,
                        const py::array_t<float, py::array::c_style | py::array::forcecast>& inv_freq, int max_context,
@@ -227,6 +233,29 @@ PYBIND11_MODULE(_core, m) {
              }
              return rows.to_dict();
            }, py::arg("token"), "one eager decode step returning the validator's probes")
+      .def("profile_decode", [](Engine& e, long long token, int steps, const std::string& mode) {
+             const int32_t t = token_arg(token, e.spec().vocab_size);
+             Engine::ProfileMode m;
+             if (mode == "kernels")
+               m = Engine::ProfileMode::Kernels;
+             else if (mode == "eager")
+               m = Engine::ProfileMode::EagerStep;
+             else if (mode == "graph")
+               m = Engine::ProfileMode::GraphStep;
+             else
+               throw py::value_error("mode must be 'kernels', 'eager' or 'graph', got '" + mode + "'");
+             std::vector<Engine::ProfileEntry> entries;
+             {
+               py::gil_scoped_release nogil;
+               entries = e.profile_decode(t, steps, m);
+             }
+             py::list out;
+             for (const auto& x : entries) out.append(py::make_tuple(std::string(x.label), x.layer, x.us));
+             return out;
+           }, py::arg("token"), py::arg("steps"), py::arg("mode") = "kernels",
+           "steps decode steps from token (they advance the position), timed on the device: "
+           "[(label, layer, microseconds)]; mode 'kernels' = eager, one entry per launch group; "
+           "'eager' / 'graph' = one ('step', -1, us) per step")
       .def("set_position", [](Engine& e, int position) { e.set_position(position); }, py::arg("position"),
            "roll back to 0 <= position <= current position")
       .def("reset", [](Engine& e) { e.reset(); })

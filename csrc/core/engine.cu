@@ -10,6 +10,7 @@
 #include <stdexcept>
 
 #include "layout.h"
+#include "nvtx.h"
 #include "step_kernels.h"
 
 namespace atomflow {
@@ -83,6 +84,8 @@ void Engine::init(const std::string& path, const std::vector<TensorInfo>& table,
   AF_CHECK(s.hidden_size % kQuantGroup == 0 && s.intermediate_size % kQuantGroup == 0 && s.q_dim() % kQuantGroup == 0,
            "hidden_size, intermediate_size and num_heads * head_dim must be multiples of 128");
 
+  for (int i = 0; i < s.num_layers; ++i) layer_names_.push_back("layer " + std::to_string(i));  // NVTX
+
   // Plan, check, allocate.
   MappedFile file(path);
   const ModelTensors tensors = resolve_tensors(s, table, file.size());
@@ -145,6 +148,7 @@ void Engine::init(const std::string& path, const std::vector<TensorInfo>& table,
   AF_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&logits_host_), s.vocab_size * sizeof(float),
                               cudaHostAllocDefault));
   ++allocations_;
+  init_profiler();
 
   // Everything after the weights starts at zero: no stale NaN in a KV row or activation can
   // leak into a result even through a kernel that reads past what it was given.
@@ -203,7 +207,9 @@ void Engine::capture_graph() {
 }
 
 void Engine::release() noexcept {
+  if (gate_host_) *reinterpret_cast<volatile int32_t*>(gate_host_) = gate_ticket_;  // profiler.cu
   if (stream_) cudaStreamSynchronize(stream_);  // nothing may still read what is freed below
+  release_profiler();
   if (graph_exec_) cudaGraphExecDestroy(graph_exec_);
   graph_exec_ = nullptr;
   for (cudaEvent_t& e : step_done_) {
@@ -225,6 +231,7 @@ std::vector<std::pair<std::string, size_t>> Engine::plan() const { return plan_;
 // helpers
 
 void Engine::launch_step() {
+  NvtxRange range(graph_exec_ ? "decode_step (graph)" : "decode_step");
   if (graph_exec_)
     AF_CUDA_CHECK(cudaGraphLaunch(graph_exec_, stream_));
   else
@@ -255,6 +262,7 @@ void Engine::copy_logits_out(float* logits) {
 
 void Engine::prefill(const int32_t* ids, int n, float* logits) {
   std::lock_guard<std::mutex> lock(mu_);
+  NvtxRange range("prefill");
   require_idle("prefill");
   if (n < 1) throw std::invalid_argument("prefill: the prompt is empty");
   if (n > opt_.max_context - host_pos_)

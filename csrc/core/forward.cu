@@ -1,10 +1,13 @@
 // The forward pass as launches on the engine's stream: the layer stack for `rows` tokens, the
 // head on one row, the decode step (what the CUDA graph holds) and a prefill chunk.
-// Nothing here synchronizes or allocates, so all of it can be captured.
+// Nothing here synchronizes or allocates, so all of it can be captured. NVTX ranges (host-side)
+// name the layers and kernel groups for Nsight Systems; mark() ends a launch group for the
+// profiler (profiler.cu) and does nothing outside profile_decode.
 #include <cmath>
 
 #include "atomflow/engine.h"
 #include "bf16_gemv.h"
+#include "nvtx.h"
 #include "step_kernels.h"
 
 namespace atomflow {
@@ -33,21 +36,35 @@ void Engine::enqueue_layers(int rows) {
   for (size_t i = 0; i < buf_.layers.size(); ++i) {
     const LayerPtrs& L = buf_.layers[i];
     const int li = static_cast<int>(i);
-    normed_linear(L.attn_norm, "attn_norm", li, L.wqkv, L.wqkv_scale, rows, s.qkv_dim(), Epilogue::Store, buf_.qkv);
-    kernels::rope_kv_append(buf_.qkv, buf_.inv_freq, buf_.pos, rows, H, Hkv, D, C, buf_.q, L.k_cache, L.v_cache,
-                            stream_);
-    kernels::attention(buf_.q, L.k_cache, L.v_cache, buf_.pos, rows, H, Hkv, D, C, scale, buf_.attn_scratch,
-                       buf_.attn_out, stream_);
-    if (probe_) probe_snapshot(rows);
-    linear(L.wo, L.wo_scale, buf_.attn_out, kernels::Act::BF16, rows, d, s.q_dim(), Epilogue::AddResidual, buf_.x,
-           stream_);
+    NvtxRange layer_range(layer_names_[i].c_str());
+    {
+      NvtxRange r("attention_block");
+      normed_linear(L.attn_norm, "attn_norm", li, L.wqkv, L.wqkv_scale, rows, s.qkv_dim(), Epilogue::Store,
+                    buf_.qkv);
+      mark("gemv_qkv+norm", li);
+      kernels::rope_kv_append(buf_.qkv, buf_.inv_freq, buf_.pos, rows, H, Hkv, D, C, buf_.q, L.k_cache, L.v_cache,
+                              stream_);
+      mark("rope_kv_append", li);
+      kernels::attention(buf_.q, L.k_cache, L.v_cache, buf_.pos, rows, H, Hkv, D, C, scale, buf_.attn_scratch,
+                         buf_.attn_out, stream_);
+      mark("attention", li);  // split + merge kernels: one entry
+      if (probe_) probe_snapshot(rows);
+      linear(L.wo, L.wo_scale, buf_.attn_out, kernels::Act::BF16, rows, d, s.q_dim(), Epilogue::AddResidual, buf_.x,
+             stream_);
+      mark("gemv_o", li);
+    }
     if (probe_) {
       probe_point("attn_out", li, ProbeSrc::X_DELTA, rows);
       probe_point("resid_mid", li, ProbeSrc::X, rows);
     }
-    normed_linear(L.mlp_norm, nullptr, li, L.w13, L.w13_scale, rows, 2 * f, Epilogue::SwiGLU, buf_.ffn);
-    if (probe_) probe_snapshot(rows);
-    linear(L.w2, L.w2_scale, buf_.ffn, kernels::Act::BF16, rows, d, f, Epilogue::AddResidual, buf_.x, stream_);
+    {
+      NvtxRange r("mlp_block");
+      normed_linear(L.mlp_norm, nullptr, li, L.w13, L.w13_scale, rows, 2 * f, Epilogue::SwiGLU, buf_.ffn);
+      mark("gemv_gate_up+norm", li);
+      if (probe_) probe_snapshot(rows);
+      linear(L.w2, L.w2_scale, buf_.ffn, kernels::Act::BF16, rows, d, f, Epilogue::AddResidual, buf_.x, stream_);
+      mark("gemv_down", li);
+    }
     if (probe_) {
       probe_point("mlp_out", li, ProbeSrc::X_DELTA, rows);
       probe_point("layer_out", li, ProbeSrc::X, rows);
@@ -71,6 +88,7 @@ void Engine::normed_linear(const bf16* norm, const char* probe_name, int layer, 
 
 // Final norm and lm_head on one row of the residual stream -> buf_.logits fp32 [vocab].
 void Engine::enqueue_head(int row) {
+  NvtxRange range("lm_head");
   const int d = spec_.hidden_size, vocab = spec_.vocab_size;
   const float* xrow = buf_.x + static_cast<size_t>(row) * d;
   if (spec_.lm_head_fp8 && !probe_) {
@@ -94,16 +112,24 @@ void Engine::enqueue_head(int row) {
 void Engine::enqueue_decode_step() {
   const int d = spec_.hidden_size, vocab = spec_.vocab_size;
   kernels::embedding(buf_.embed, buf_.token, 1, d, vocab, buf_.x, stream_);
+  mark("embedding", -1);
   enqueue_layers(1);
   enqueue_head(0);
+  mark("lm_head", -1);  // the final RMSNorm is fused into it (or its own launch with a bf16 head)
   // The embedding above has read *token, so the sample may overwrite it with the next input.
   // Its RNG counter is the position after this token (sample_pos), as on the CPU.
-  kernels::sample(buf_.logits, vocab, buf_.sampling, buf_.sample_pos, buf_.sample_scratch, buf_.token, stream_);
+  {
+    NvtxRange range("sample");
+    kernels::sample(buf_.logits, vocab, buf_.sampling, buf_.sample_pos, buf_.sample_scratch, buf_.token, stream_);
+  }
+  mark("sample", -1);
   step::finish_step(buf_.token, buf_.pos, ring_dev_, kRingSize, stream_);
+  mark("finish", -1);
 }
 
 // ids[offset .. offset + rows) (already on the device) at *pos .., then *pos += rows.
 void Engine::enqueue_prefill_chunk(int offset, int rows) {
+  NvtxRange range("prefill_chunk");
   kernels::embedding(buf_.embed, buf_.ids + offset, rows, spec_.hidden_size, spec_.vocab_size, buf_.x, stream_);
   enqueue_layers(rows);
   step::advance_pos(buf_.pos, rows, stream_);

@@ -43,6 +43,18 @@ static __global__ void finish_step_kernel(const int32_t* token, int32_t* pos, in
   pos[1] = p + 2;
 }
 
+// One thread polls host memory (volatile: every read crosses the bus). No PDL: the gate must
+// finish before anything behind it starts.
+static __global__ void gate_kernel(const int32_t* flag, int32_t ticket, uint64_t timeout_ns) {
+  uint64_t t0, t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  do {
+    if (*reinterpret_cast<const volatile int32_t*>(flag) == ticket) return;
+    __nanosleep(1000);
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  } while (t - t0 < timeout_ns);
+}
+
 // ---------------------------------------------------------------------------------------
 // launchers
 
@@ -65,6 +77,11 @@ void advance_pos(int32_t* pos, int32_t n, cudaStream_t stream) {
 void finish_step(const int32_t* token, int32_t* pos, int32_t* ring, int ring_size, cudaStream_t stream) {
   AF_CHECK(ring_size > 0, "the token ring needs at least one slot");
   af_launch(finish_step_kernel, dim3(1), dim3(1), 0, stream, token, pos, ring, ring_size);
+}
+
+void gate(const int32_t* flag, int32_t ticket, uint64_t timeout_ns, cudaStream_t stream) {
+  gate_kernel<<<1, 1, 0, stream>>>(flag, ticket, timeout_ns);
+  AF_CUDA_CHECK(cudaGetLastError());
 }
 
 }  // namespace atomflow::step

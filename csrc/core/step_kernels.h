@@ -30,4 +30,10 @@ void advance_pos(int32_t* pos, int32_t n, cudaStream_t stream);
 // step's input.
 void finish_step(const int32_t* token, int32_t* pos, int32_t* ring, int ring_size, cudaStream_t stream);
 
+// Holds the stream until the host writes `ticket` to *flag (mapped pinned memory) or timeout_ns
+// passes, so the launches queued behind it run back to back, at the GPU's pace, not the host's
+// (the profiler). The timeout keeps a host that cannot open the gate (a full launch queue) from
+// hanging the GPU; the timing is then host-paced again, never wrong.
+void gate(const int32_t* flag, int32_t ticket, uint64_t timeout_ns, cudaStream_t stream);
+
 }  // namespace atomflow::step

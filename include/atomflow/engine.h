@@ -67,6 +67,26 @@ class Engine {
   void prefill_probed(const int32_t* ids, int n, float* logits, const ProbeSink& sink);
   void decode_probed(int32_t token, float* logits, const ProbeSink& sink);
 
+  // Profile mode, for `atomflow profile`: `steps` decode steps from `token` at the current
+  // position (they advance it, like decode()), each timed on the device by CUDA events and
+  // returned as (label, layer, microseconds) in launch order (layer -1 outside the layer stack).
+  //   Kernels:   eager, an event after each launch group (static labels: "embedding",
+  //              "gemv_qkv+norm", "rope_kv_append", "attention" (split + merge),
+  //              "gemv_o", "gemv_gate_up+norm", "gemv_down", "lm_head" (final norm fused),
+  //              "sample", "finish"); one entry per group.
+  //   EagerStep: eager, one ("step", -1, us) entry per step (no events inside: PDL overlap kept).
+  //   GraphStep: the captured graph, one ("step", -1, us) entry per step.
+  // Each step's launches are queued behind a gate kernel the host opens once the step is fully
+  // enqueued, so the times are the GPU's, not the host's launch rate. Events and the gate are
+  // made at load: no allocation here.
+  enum class ProfileMode { Kernels, EagerStep, GraphStep };
+  struct ProfileEntry {
+    const char* label;  // static storage
+    int layer;
+    float us;
+  };
+  std::vector<ProfileEntry> profile_decode(int32_t token, int steps, ProfileMode mode);
+
   const ModelSpec& spec() const { return spec_; }
   int max_context() const { return opt_.max_context; }
   int position() const { return host_pos_; }
@@ -130,6 +150,11 @@ class Engine {
   void probe_snapshot(int rows);
   void probe_point(const char* name, int layer, ProbeSrc src, int rows);
 
+  // profiler.cu: mark() records the event that ends a launch group; a no-op outside Kernels mode.
+  void init_profiler();
+  void mark(const char* label, int layer);
+  void release_profiler() noexcept;
+
   // engine.cu
   void init(const std::string& path, const std::vector<TensorInfo>& tensors, const std::vector<float>& inv_freq);
   void capture_graph();
@@ -160,6 +185,19 @@ class Engine {
   double load_seconds_ = 0;
   const ProbeSink* probe_ = nullptr;   // set only inside prefill_probed / decode_probed
   std::vector<float> probe_x_;         // snapshot of x for the X_DELTA probes
+  std::vector<std::string> layer_names_;  // "layer 0", ...: NVTX range names, made at load
+
+  struct ProfileMark {
+    const char* label;
+    int layer;
+  };
+  bool profiling_ = false;                 // set only inside profile_decode(Kernels)
+  std::vector<cudaEvent_t> prof_events_;   // [0] starts a step, [i + 1] ends prof_marks_[i]
+  std::vector<ProfileMark> prof_marks_;
+  size_t prof_count_ = 0;                  // marks recorded in the current step
+  int32_t* gate_host_ = nullptr;           // mapped pinned: the host opens the gate here
+  int32_t* gate_dev_ = nullptr;
+  int32_t gate_ticket_ = 0;
   mutable std::mutex mu_;
 };
 

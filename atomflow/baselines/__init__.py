@@ -1,0 +1,56 @@
+"""Baselines for `atomflow bench`, run on the model's original Hugging Face directory with the
+same tests (prompt lengths, generated tokens, depths, random token ids) as our engine:
+
+  hf                  transformers eager, bf16, a manual greedy loop over past_key_values
+  torch-compile       atomflow.baselines.torch_llama (gpt-fast recipe), bf16, decode step under
+                      torch.compile(mode="reduce-overhead", fullgraph=True)
+  torch-compile-int8  the same with int8 weight-only linears
+  vllm                vLLM's offline LLM, bf16, when it is importable
+
+A baseline that cannot run here (no torch, no CUDA, no HF directory, an import error, out of
+memory) gives rows marked skipped with the reason; nothing is estimated. torch is imported only
+inside the runners, on demand.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+from ..bench_plan import BenchOptions, BenchTest
+from ..bench_result import skipped_row
+
+
+class Skip(Exception):
+    """This baseline (or one test of it) cannot run here; the message says why."""
+
+
+def reason(e: BaseException) -> str:
+    """One line naming an unexpected failure."""
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__
+
+
+def check_hf_dir(hf_dir: str | Path | None) -> Path:
+    if not hf_dir:
+        raise Skip("no HF directory: pass --hf-dir (the model file records no existing source directory)")
+    p = Path(hf_dir)
+    if not (p / "config.json").is_file():
+        raise Skip(f"no HF model in {p} (no config.json)")
+    return p
+
+
+def run(name: str, hf_dir: str | Path | None, opts: BenchOptions, bandwidth_gbs: float | None,
+        log: Callable[[str], None]) -> list[dict]:
+    """Rows for every test of opts; a baseline that cannot start gives one skipped row per test."""
+    tests: tuple[BenchTest, ...] = opts.tests
+    try:
+        path = check_hf_dir(hf_dir)
+        if name == "vllm":
+            from .vllm_runner import run_vllm
+            return run_vllm(path, opts, bandwidth_gbs, log)
+        from .torch_runner import run_torch_baseline
+        return run_torch_baseline(name, path, opts, bandwidth_gbs, log)
+    except Skip as e:
+        return [skipped_row(name, t, str(e)) for t in tests]
+    except Exception as e:  # noqa: BLE001 - reported as the row's reason, never hidden or faked
+        return [skipped_row(name, t, reason(e)) for t in tests]

@@ -1,0 +1,87 @@
+"""Our engine's side of `atomflow bench`: each test timed through the public paths a user runs,
+random token ids (no tokenizer, no text), greedy, EOS ignored.
+
+  pp<P>     Engine.prefill of P tokens from an empty cache (returns once the logits are on the
+            host); TTFT = the pipelined generate path's first token from the same prompt.
+  tg<N>@dD  the pipelined generate path from a prompt of D + 1 tokens (D prefilled, the last
+            one fed to the first decode step); TPOT = the intervals between consecutive tokens
+            as the host receives them, N - 1 per repetition; prefill time excluded.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import numpy as np
+
+from .bench import PREFILL_CHUNK, prompt_bytes_per_token, token_bytes
+from .bench_plan import BenchOptions, BenchTest, prompt_ids
+from .bench_result import measured_row
+from .engine import Engine
+from .sampling import SamplingParams
+
+WARMUP_TOKENS = 16
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True)
+
+
+def head_bytes(eng: Engine) -> int:
+    """Final norm + lm_head (the embedding when tied): what a prefill reads once, not per chunk."""
+    t = eng.model.tensors
+    names = ["final_norm"] + (["lm_head", "lm_head.scale"] if "lm_head" in t else ["embed"])
+    return sum(t[n].nbytes for n in names if n in t)
+
+
+def time_pp(eng: Engine, test: BenchTest, opts: BenchOptions) -> dict:
+    ids = prompt_ids(eng.spec.vocab_size, test.n_prompt, opts.seed)
+    if opts.warmup:
+        eng.reset()
+        eng.prefill(ids)
+    tps, ttft = [], []
+    for _ in range(opts.repetitions):
+        eng.reset()
+        t0 = time.perf_counter()
+        eng.prefill(ids)
+        tps.append(test.n_prompt / (time.perf_counter() - t0))
+        tokens = eng.generate_tokens(ids, greedy(1))
+        t0 = time.perf_counter()
+        next(tokens)
+        ttft.append(1e3 * (time.perf_counter() - t0))
+        tokens.close()
+    eng.reset()
+    return dict(tokens_per_s=tps, ttft_ms=ttft)
+
+
+def time_tg(eng: Engine, test: BenchTest, opts: BenchOptions) -> dict:
+    ids = prompt_ids(eng.spec.vocab_size, test.depth + 1, opts.seed)
+    n = test.n_gen
+    if opts.warmup and test.depth == 0:  # deeper tests run the same graph: warm by then
+        list(eng.generate_tokens(ids, greedy(min(n, WARMUP_TOKENS))))
+    tps, gaps = [], []
+    for _ in range(opts.repetitions):
+        stamps = [time.perf_counter() for _ in eng.generate_tokens(ids, greedy(n))]
+        if len(stamps) != n:
+            raise RuntimeError(f"{test.name}: the engine generated {len(stamps)} tokens, not {n}")
+        tps.append((n - 1) / (stamps[-1] - stamps[0]))
+        gaps.append(list(np.diff(stamps) * 1e3))
+    eng.reset()
+    return dict(tokens_per_s=tps, tpot_ms=gaps)
+
+
+def run_engine_tests(eng: Engine, opts: BenchOptions, bandwidth_gbs: float | None,
+                     log: Callable[[str], None]) -> list[dict]:
+    rows = []
+    for test in opts.tests:
+        log(f"atomflow: {test.name}")
+        if test.kind == "pp":
+            s = time_pp(eng, test, opts)
+            nbytes = prompt_bytes_per_token(eng.spec, eng.model.weight_bytes, head_bytes(eng), test.n_prompt,
+                                            PREFILL_CHUNK)
+        else:
+            s = time_tg(eng, test, opts)
+            nbytes = token_bytes(eng.spec, eng.model.weight_bytes, test.mean_context)
+        rows.append(measured_row("atomflow", test, bytes_per_token=nbytes, bandwidth_gbs=bandwidth_gbs,
+                             weight_dtype="fp8", **s))
+    return rows

@@ -1,0 +1,83 @@
+"""Render an `atomflow bench` result (bench_result.py) as markdown (llama-bench's table plus TPOT
+percentiles, bytes and efficiency, then our speedups), JSON (everything, every sample) or CSV
+(one line per engine and test)."""
+from __future__ import annotations
+
+import csv
+import io
+import json
+
+CSV_COLUMNS = ("engine", "test", "status", "reason", "n_prompt", "n_gen", "depth", "tokens_per_s_avg",
+               "tokens_per_s_std", "tpot_ms_p50", "tpot_ms_p90", "tpot_ms_p99", "ttft_ms", "bytes_per_token",
+               "achieved_gbs", "efficiency", "speedup", "gpu", "read_bandwidth_gbs", "commit")
+
+
+def render(result: dict, fmt: str) -> str:
+    if fmt == "json":
+        return json.dumps(result, indent=2)
+    if fmt == "csv":
+        return to_csv(result)
+    if fmt == "md":
+        return to_markdown(result)
+    raise ValueError(f"output format must be md, json or csv, got {fmt!r}")
+
+
+def _num(x, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def _gpu(result: dict) -> str:
+    return (result.get("device") or {}).get("name") or "unknown GPU"
+
+
+def to_markdown(result: dict) -> str:
+    model = result["model"]
+    opts = result["options"]
+    lines = [f"atomflow bench: {model['name']} | {_gpu(result)} | read bandwidth "
+             f"{_num(result.get('read_bandwidth_gbs'), '.0f')} GB/s | commit {result.get('commit')} | "
+             f"{opts['repetitions']} repetitions", "",
+             "| engine | test | t/s | TPOT p50 ms | p90 | p99 | TTFT ms | MB/token | GB/s | eff |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    rows, shown_skip = result["rows"], set()
+    for r in rows:
+        if r["status"] != "ok":
+            same = [x for x in rows if x["engine"] == r["engine"]]
+            if all(x["status"] != "ok" and x["reason"] == r["reason"] for x in same):  # one line for all
+                if r["engine"] not in shown_skip:
+                    shown_skip.add(r["engine"])
+                    lines.append(f"| {r['engine']} | all | skipped: {r['reason']} | | | | | | | |")
+                continue
+            lines.append(f"| {r['engine']} | {r['test']} | skipped: {r['reason']} | | | | | | | |")
+            continue
+        tps = f"{r['tokens_per_s_avg']:.2f} ± {r['tokens_per_s_std']:.2f}"
+        mb = None if r["bytes_per_token"] is None else r["bytes_per_token"] / 1e6
+        eff = "-" if r["efficiency"] is None else f"{100 * r['efficiency']:.1f}%"
+        lines.append(f"| {r['engine']} | {r['test']} | {tps} | {_num(r['tpot_ms_p50'], '.3f')} | "
+                     f"{_num(r['tpot_ms_p90'], '.3f')} | {_num(r['tpot_ms_p99'], '.3f')} | "
+                     f"{_num(r['ttft_ms'], '.2f')} | {_num(mb, '.1f')} | {_num(r['achieved_gbs'], '.0f')} | {eff} |")
+    lines += ["", "pp: prompt tokens/s, TTFT = prefill + first token; its bytes/efficiency are a floor "
+              "(prefill is compute-bound). tg: TPOT percentiles over every gap; GB/s = bytes / TPOT p50."]
+    ups = result.get("speedups") or []
+    if result.get("baselines"):
+        tests = [t for t in dict.fromkeys(r["test"] for r in result["rows"] if r["engine"] == "atomflow")]
+        lines += ["", "Speedup of atomflow (tg: baseline TPOT p50 / ours; pp: our prompt t/s / the baseline's)", "",
+                  "| baseline | " + " | ".join(tests) + " |", "|---|" + "---:|" * len(tests)]
+        for b in result["baselines"]:
+            cells = []
+            for t in tests:
+                s = next((u for u in ups if u["baseline"] == b and u["test"] == t), None)
+                cells.append(f"{s['speedup']:.2f}x" if s else "-")
+            lines.append(f"| {b} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def to_csv(result: dict) -> str:
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=CSV_COLUMNS, extrasaction="ignore", lineterminator="\n")
+    w.writeheader()
+    ups = {(u["baseline"], u["test"]): u["speedup"] for u in result.get("speedups") or []}
+    for r in result["rows"]:
+        w.writerow({**{k: ("" if r.get(k) is None else r.get(k)) for k in CSV_COLUMNS},
+                    "speedup": ups.get((r["engine"], r["test"]), ""), "gpu": _gpu(result),
+                    "read_bandwidth_gbs": result.get("read_bandwidth_gbs") or "", "commit": result.get("commit")})
+    return buf.getvalue()

@@ -1,0 +1,136 @@
+"""`atomflow bench` and `atomflow profile` on the GPU, on the tiny model: every field filled and
+sane, the baselines on its HF directory, the profile mode's labels, times and contract (real
+decode steps, no allocation, the graph untouched). Skipped (conftest) without a GPU."""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from atomflow.bench_report import render
+from atomflow.fileformat import AtomflowFile
+from atomflow.kernel_profile import LABELS
+
+pytestmark = pytest.mark.gpu
+
+PER_LAYER = {"gemv_qkv+norm", "rope_kv_append", "attention", "gemv_o", "gemv_gate_up+norm", "gemv_down"}
+
+
+def atomflow(*args, env=None) -> subprocess.CompletedProcess:
+    r = subprocess.run([sys.executable, "-m", "atomflow.cli", *map(str, args)], capture_output=True, text=True,
+                       env={**os.environ, **(env or {})}, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r
+
+
+def rows_of(result: dict, engine: str) -> dict[str, dict]:
+    return {r["test"]: r for r in result["rows"] if r["engine"] == engine}
+
+
+def test_bench_tiny(tiny_model_file):
+    res = json.loads(atomflow("bench", tiny_model_file, "-p", "32", "-n", "16", "-r", "2", "--context", "64",
+                              "-o", "json").stdout)
+    assert res["device"]["name"] and res["commit"] and res["versions"]["cuda_runtime"]
+    assert res["read_bandwidth_gbs"] > 100
+    rows = rows_of(res, "atomflow")
+    assert set(rows) == {"pp32", "tg16", "tg16@d64"}
+    for name, r in rows.items():
+        assert r["status"] == "ok", r
+        assert r["tokens_per_s_avg"] > 0 and r["tokens_per_s_std"] >= 0 and len(r["samples"]["tokens_per_s"]) == 2
+        assert r["bytes_per_token"] > AtomflowFile(tiny_model_file).weight_bytes / 32
+        assert r["achieved_gbs"] > 0 and 0 < r["efficiency"] < 1.0, r["efficiency"]
+    pp = rows["pp32"]
+    assert pp["ttft_ms"] > 0 and pp["tpot_ms_p50"] is None and len(pp["samples"]["ttft_ms"]) == 2
+    for name in ("tg16", "tg16@d64"):
+        r = rows[name]
+        assert 0 < r["tpot_ms_p50"] <= r["tpot_ms_p90"] <= r["tpot_ms_p99"]
+        assert [len(g) for g in r["samples"]["tpot_ms"]] == [15, 15]
+        assert r["achieved_gbs"] == pytest.approx(r["bytes_per_token"] / r["tpot_ms_p50"] / 1e6)
+    assert rows["tg16@d64"]["bytes_per_token"] > rows["tg16"]["bytes_per_token"]  # KV read at depth
+    assert "| atomflow | tg16 |" in render(res, "md") and render(res, "csv").count("\n") == 4
+
+
+def test_bench_baselines_tiny(tiny_model_file, tiny_hf_dir):
+    """torch-compile (and its int8 variant, and hf) on the tiny model's HF directory, found through
+    the file's recorded source; vllm is reported as skipped where it is not installed."""
+    pytest.importorskip("torch")
+    res = json.loads(atomflow("bench", tiny_model_file, "-p", "32", "-n", "16", "-r", "2", "-o", "json",
+                              "--baseline", "all").stdout)
+    assert res["hf_dir"] == str(tiny_hf_dir.resolve()) and res["versions"]["torch"]
+    for name in ("torch-compile", "torch-compile-int8", "hf"):
+        rows = rows_of(res, name)
+        assert set(rows) == {"pp32", "tg16"}
+        for r in rows.values():
+            assert r["status"] == "ok", r
+            assert r["tokens_per_s_avg"] > 0 and 0 < r["efficiency"] < 1.0
+        assert rows["tg16"]["tpot_ms_p50"] > 0
+    tc = rows_of(res, "torch-compile")["tg16"]
+    assert tc["compile_s"] > 0 and tc["cudagraph_skips"] == 0, "torch.compile ran without CUDA graphs"
+    assert rows_of(res, "torch-compile-int8")["tg16"]["bytes_per_token"] < tc["bytes_per_token"]
+    ups = {(u["baseline"], u["test"]) for u in res["speedups"]}
+    assert {("torch-compile", "tg16"), ("hf", "tg16"), ("torch-compile", "pp32")} <= ups
+    vllm = rows_of(res, "vllm")
+    assert all(r["status"] == "ok" for r in vllm.values()) or all(r["reason"] for r in vllm.values())
+
+
+@pytest.mark.parametrize("pdl", ["on", "off"])
+def test_profile_tiny(tiny_model_file, pdl):
+    """Every label, the right launch counts, and the kernels' sum against the eager step timed
+    without events. With PDL off the events cost only their own gaps: within 25%. With PDL on
+    the events also remove the overlap PDL gives each launch, so only a looser bound holds."""
+    env = {"ATOMFLOW_NO_PDL": "1"} if pdl == "off" else {}
+    res = json.loads(atomflow("profile", tiny_model_file, "--steps", "8", "--context", "32", "--json",
+                              env=env).stdout)
+    layers = AtomflowFile(tiny_model_file).spec.num_layers
+    rows = {r["label"]: r for r in res["rows"]}
+    assert set(rows) == set(LABELS) and not res["missing_labels"]
+    for label, r in rows.items():
+        assert r["count_per_step"] == (layers if label in PER_LAYER else 1), label
+        assert r["avg_us"] > 0, label
+    assert len(res["per_layer"]) == 6 * layers + 4
+    ratio = res["kernel_sum_us"] / res["eager_step_us"]
+    print(f"PDL {pdl}: kernels {res['kernel_sum_us']:.1f} us, eager step {res['eager_step_us']:.1f} us, "
+          f"graph step {res['graph_step_us']:.1f} us, TPOT {res['tpot_ms']:.3f} ms")
+    assert (0.75 <= ratio <= 1.25) if pdl == "off" else (0.75 <= ratio <= 2.0), ratio
+    assert res["graph_step_us"] > 0 and res["tpot_ms"] > 0
+
+
+def test_profile_decode_contract(tiny_model_file):
+    """Profiled steps are real decode steps (the cache and the next input token are what graph
+    steps leave), they allocate nothing, and the graph still serves afterwards."""
+    from atomflow.backend_cuda import CudaBackend
+    from atomflow.sampling import SamplingParams
+    model = AtomflowFile(tiny_model_file)
+    be = CudaBackend(model, 256, verbose=False)
+    core = be.engine
+    ids = np.random.default_rng(5).integers(0, model.spec.vocab_size, 20).astype(np.int32)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=4, seed=0)
+    g = list(be.generate_ids(ids, greedy))  # the graph path: steps fed ids[-1], g0, g1, g2
+    before = core.device_allocations
+    for mode in ("kernels", "eager", "graph"):
+        be.reset()
+        be.prefill(ids[:-1])
+        out = core.profile_decode(int(ids[-1]), 3, mode)
+        assert core.position == len(ids) - 1 + 3
+        assert all(us > 0 for _, _, us in out) and len(out) == (3 * (6 * model.spec.num_layers + 4)
+                                                                if mode == "kernels" else 3)
+        # the cache holds ids, g0, g1: decoding g2 continues the run the graph path made
+        got = be.decode(g[2])
+        be.reset()
+        be.prefill(np.concatenate([ids, g[:2]]))
+        want = be.decode(g[2])
+        cos = float(got @ want / np.linalg.norm(got) / np.linalg.norm(want))
+        assert cos > 0.9999, (mode, cos)
+    assert core.device_allocations == before and core.graph_enabled
+    assert list(be.generate_ids(ids, greedy)) == g
+    with pytest.raises(ValueError, match="mode must be"):
+        core.profile_decode(1, 1, "fast")
+    with pytest.raises(ValueError, match="do not fit max_context"):
+        core.profile_decode(1, 1000, "kernels")
+    del be, core
+    gc.collect()

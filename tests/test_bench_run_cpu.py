@@ -1,0 +1,69 @@
+"""The bench's timing loops and orchestration, run on the CPU backend (same Engine contract as the
+CUDA one): every test gives the samples it promises, and run_bench assembles one result with
+the baselines that cannot run here marked skipped."""
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from atomflow import llama_bench
+from atomflow.bench_engine import run_engine_tests
+from atomflow.bench_plan import make_options
+from atomflow.bench_report import render
+from atomflow.engine import Engine
+from atomflow.fileformat import AtomflowFile
+
+
+def test_engine_tests_on_cpu(tiny_model_file):
+    opts = make_options(str(tiny_model_file), n_prompt="8", n_gen="4", context="6", repetitions="2")
+    eng = Engine.load(tiny_model_file, backend="cpu", max_context=opts.max_context)
+    rows = {r["test"]: r for r in run_engine_tests(eng, opts, 100.0, lambda m: None)}
+    assert set(rows) == {"pp8", "tg4", "tg4@d6"}
+    assert all(r["status"] == "ok" and r["tokens_per_s_avg"] > 0 for r in rows.values())
+    assert len(rows["pp8"]["samples"]["ttft_ms"]) == 2 and rows["pp8"]["tpot_ms_p50"] is None
+    assert [len(g) for g in rows["tg4@d6"]["samples"]["tpot_ms"]] == [3, 3]
+    assert rows["tg4@d6"]["bytes_per_token"] - rows["tg4"]["bytes_per_token"] == pytest.approx(
+        6 * eng.spec.kv_bytes_per_token())
+    assert eng.position == 0
+
+
+def test_run_bench_orchestration(tiny_model_file, monkeypatch):
+    """run_bench with the GPU parts swapped for the CPU backend: the result has every section, the
+    HF directory comes from the file's recorded source, unavailable baselines are skipped rows."""
+    import atomflow.bench as bench
+    monkeypatch.setattr(llama_bench, "preflight", lambda opts: AtomflowFile(opts.model))
+    monkeypatch.setattr(bench, "read_bandwidth_gbs", lambda: 1000.0)
+    real_load = Engine.load
+
+    def cpu_load(cls, path, backend="auto", max_context=None, **kw):
+        return real_load(path, backend="cpu", max_context=max_context)
+
+    monkeypatch.setattr(Engine, "load", classmethod(cpu_load))
+    monkeypatch.setitem(sys.modules, "vllm", None)   # import vllm -> ImportError
+    monkeypatch.setitem(sys.modules, "torch", None)  # the same for torch, on any machine
+    opts = make_options(str(tiny_model_file), n_prompt="8", n_gen="3", repetitions="1",
+                        baselines=["vllm", "torch-compile"])
+    result = llama_bench.run_bench(opts, log=lambda m: None)
+    assert result["hf_dir"] and result["baselines"] == ["torch-compile", "vllm"]  # vllm last
+    assert result["read_bandwidth_gbs"] == 1000.0 and result["options"]["max_context"] == 9
+    by = {(r["engine"], r["test"]): r for r in result["rows"]}
+    assert by[("atomflow", "tg3")]["status"] == "ok"
+    assert by[("vllm", "tg3")]["status"] == "skipped" and "vllm is not importable" in by[("vllm", "tg3")]["reason"]
+    assert by[("torch-compile", "pp8")]["status"] == "skipped"
+    assert "torch is not installed" in by[("torch-compile", "pp8")]["reason"]
+    assert result["speedups"] == []
+    assert json.loads(render(result, "json"))["rows"] == result["rows"]
+    assert "skipped: vllm is not importable" in render(result, "md")
+
+
+def test_engine_side_never_imports_torch():
+    """torch lives in the baselines' runners only: the bench, the profiler and the CLI load without it."""
+    import subprocess
+    code = ("import sys; import atomflow.cli, atomflow.llama_bench, atomflow.kernel_profile, atomflow.bench_engine, "
+            "atomflow.baselines, atomflow.baselines.torch_runner, atomflow.baselines.vllm_runner; "
+            "from atomflow.engine import Engine; "
+            "print(sorted(m for m in ('torch', 'transformers', 'vllm', 'matplotlib') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", (r.stdout, r.stderr)
