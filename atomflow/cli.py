@@ -246,6 +246,9 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--plot", default=None, metavar="FILE.png", help="bar chart of the breakdown (matplotlib)")
     pr.add_argument("--json", action="store_true", help="machine-readable output")
     pr.set_defaults(fn=cmd_profile)
+
+    from .sandbox_cli import register as register_sandbox
+    register_sandbox(sub)
     return p
 
 
