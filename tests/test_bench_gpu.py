@@ -78,11 +78,16 @@ def test_bench_baselines_tiny(tiny_model_file, tiny_hf_dir):
     assert all(r["status"] == "ok" for r in vllm.values()) or all(r["reason"] for r in vllm.values())
 
 
+EVENT_GAP_US = 2.5  # what one CUDA event between two launches may add to a step
+
+
 @pytest.mark.parametrize("pdl", ["on", "off"])
 def test_profile_tiny(tiny_model_file, pdl):
     """Every label, the right launch counts, and the kernels' sum against the eager step timed
-    without events. With PDL off the events cost only their own gaps: within 25%. With PDL on
-    the events also remove the overlap PDL gives each launch, so only a looser bound holds."""
+    without events. With PDL off the events cost only their own gaps: at most EVENT_GAP_US per
+    launch group (on the tiny model, whose kernels take ~3 us, that gap is most of the
+    difference: measured 1.6 us per group on the H200). With PDL on the events also remove the
+    overlap PDL gives each launch, so only a looser bound holds."""
     env = {"ATOMFLOW_NO_PDL": "1"} if pdl == "off" else {}
     res = json.loads(atomflow("profile", tiny_model_file, "--steps", "8", "--context", "32", "--json",
                               env=env).stdout)
@@ -96,7 +101,11 @@ def test_profile_tiny(tiny_model_file, pdl):
     ratio = res["kernel_sum_us"] / res["eager_step_us"]
     print(f"PDL {pdl}: kernels {res['kernel_sum_us']:.1f} us, eager step {res['eager_step_us']:.1f} us, "
           f"graph step {res['graph_step_us']:.1f} us, TPOT {res['tpot_ms']:.3f} ms")
-    assert (0.75 <= ratio <= 1.25) if pdl == "off" else (0.75 <= ratio <= 2.0), ratio
+    groups = len(res["per_layer"])  # launch groups in one step (per_layer aggregates the steps)
+    if pdl == "off":
+        assert 0.75 <= ratio and res["kernel_sum_us"] - res["eager_step_us"] <= EVENT_GAP_US * groups, ratio
+    else:
+        assert 0.75 <= ratio <= 2.0, ratio
     assert res["graph_step_us"] > 0 and res["tpot_ms"] > 0
 
 
