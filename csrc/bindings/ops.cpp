@@ -14,7 +14,9 @@
 #include <string>
 #include <vector>
 
+#include "args.h"
 #include "atomflow/device_buffer.h"
+#include "atomflow/timing.h"
 #include "atomflow/kernels.h"
 
 namespace py = pybind11;
@@ -22,47 +24,14 @@ using atomflow::DeviceBuffer;
 using atomflow::bf16;
 using atomflow::f16;
 namespace k = atomflow::kernels;
+using atomflow::median_us;
 
 namespace {
 
-// ------------------------------------------------------------------ argument checks
+// ------------------------------------------------------------------ argument checks (args.h)
 
-template <class T>
-const char* dtype_name();
-template <>
-const char* dtype_name<float>() { return "float32"; }
-template <>
-const char* dtype_name<uint16_t>() { return "uint16 (bf16 bit patterns)"; }
-template <>
-const char* dtype_name<uint8_t>() { return "uint8 (fp8 e4m3 bytes)"; }
-template <>
-const char* dtype_name<int32_t>() { return "int32"; }
-template <>
-const char* dtype_name<uint64_t>() { return "uint64"; }
-
-std::string shape_str(const std::vector<py::ssize_t>& s) {
-  std::string out = "(";
-  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + (s[i] < 0 ? std::string("*") : std::to_string(s[i]));
-  return out + (s.size() == 1 ? ",)" : ")");
-}
-
-// The array itself (no copy, no cast): exact dtype, C-contiguous, the expected shape (-1 = any).
-template <class T>
-py::array_t<T> arg(const py::array& a, const char* name, const std::vector<py::ssize_t>& shape) {
-  if (!py::isinstance<py::array_t<T>>(a))
-    throw py::value_error(std::string(name) + " must have dtype " + dtype_name<T>() + ", got " +
-                          std::string(py::str(a.dtype())));
-  if (!(a.flags() & py::array::c_style)) throw py::value_error(std::string(name) + " must be C-contiguous");
-  std::vector<py::ssize_t> got(a.shape(), a.shape() + a.ndim());
-  bool ok = got.size() == shape.size();
-  for (size_t i = 0; ok && i < shape.size(); ++i) ok = shape[i] < 0 || shape[i] == got[i];
-  if (!ok) throw py::value_error(std::string(name) + " has shape " + shape_str(got) + ", expected " + shape_str(shape));
-  return py::reinterpret_borrow<py::array_t<T>>(a);
-}
-
-void require(bool cond, const std::string& msg) {
-  if (!cond) throw py::value_error(msg);
-}
+using atomflow::bindings::arg;
+using atomflow::bindings::require;
 
 k::Epilogue epilogue_arg(int ep) {
   require(ep >= 0 && ep <= 2, "epilogue must be 0 (Store), 1 (AddResidual) or 2 (SwiGLU), got " + std::to_string(ep));
@@ -103,31 +72,6 @@ py::array_t<T> to_host(const DeviceBuffer& d, const std::vector<py::ssize_t>& sh
 }
 
 // ------------------------------------------------------------------ timing
-
-// Median over iters samples of the mean time of kBatch back-to-back launches, after warmup
-// launches. Back-to-back launches hide the launch latency, as in a CUDA graph replay; launch(i)
-// gets a running index so callers can rotate through copies of their data.
-constexpr int kBatch = 10;
-double median_us(const std::function<void(int)>& launch, int iters, int warmup) {
-  require(iters >= 1, "iters must be >= 1");
-  cudaEvent_t start, stop;
-  AF_CUDA_CHECK(cudaEventCreate(&start));
-  AF_CUDA_CHECK(cudaEventCreate(&stop));
-  std::vector<float> ms(static_cast<size_t>(iters));
-  int n = 0;
-  for (; n < warmup; ++n) launch(n);
-  for (int i = 0; i < iters; ++i) {
-    AF_CUDA_CHECK(cudaEventRecord(start));
-    for (int b = 0; b < kBatch; ++b) launch(n++);
-    AF_CUDA_CHECK(cudaEventRecord(stop));
-    AF_CUDA_CHECK(cudaEventSynchronize(stop));
-    AF_CUDA_CHECK(cudaEventElapsedTime(&ms[static_cast<size_t>(i)], start, stop));
-  }
-  AF_CUDA_CHECK(cudaEventDestroy(start));
-  AF_CUDA_CHECK(cudaEventDestroy(stop));
-  std::nth_element(ms.begin(), ms.begin() + iters / 2, ms.end());
-  return 1000.0 * ms[static_cast<size_t>(iters / 2)] / kBatch;
-}
 
 // Copies of a working set, carved out of one allocation, so that consecutive launches never find
 // their data in L2 (60 MB on an H200): at least 256 MB in all and at least 2 copies.

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "args.h"
 #include "../sandbox/block_manager.h"
 #include "../sandbox/harness.h"
 #include "../sandbox/paged_model.h"
@@ -21,40 +22,10 @@ namespace sb = atomflow::sandbox;
 
 namespace {
 
-// ------------------------------------------------------------------ argument checks
+// ------------------------------------------------------------------ argument checks (args.h)
 
-template <class T>
-const char* dtype_name();
-template <>
-const char* dtype_name<float>() { return "float32"; }
-template <>
-const char* dtype_name<uint16_t>() { return "uint16 (bf16 bit patterns)"; }
-template <>
-const char* dtype_name<int32_t>() { return "int32"; }
-
-std::string shape_str(const std::vector<py::ssize_t>& s) {
-  std::string out = "(";
-  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + (s[i] < 0 ? std::string("*") : std::to_string(s[i]));
-  return out + (s.size() == 1 ? ",)" : ")");
-}
-
-// The array itself (no copy, no cast): exact dtype, C-contiguous, the expected shape (-1 = any).
-template <class T>
-py::array_t<T> arg(const py::array& a, const char* name, const std::vector<py::ssize_t>& shape) {
-  if (!py::isinstance<py::array_t<T>>(a))
-    throw py::value_error(std::string(name) + " must have dtype " + dtype_name<T>() + ", got " +
-                          std::string(py::str(a.dtype())));
-  if (!(a.flags() & py::array::c_style)) throw py::value_error(std::string(name) + " must be C-contiguous");
-  std::vector<py::ssize_t> got(a.shape(), a.shape() + a.ndim());
-  bool ok = got.size() == shape.size();
-  for (size_t i = 0; ok && i < shape.size(); ++i) ok = shape[i] < 0 || shape[i] == got[i];
-  if (!ok) throw py::value_error(std::string(name) + " has shape " + shape_str(got) + ", expected " + shape_str(shape));
-  return py::reinterpret_borrow<py::array_t<T>>(a);
-}
-
-void require(bool cond, const std::string& msg) {
-  if (!cond) throw py::value_error(msg);
-}
+using atomflow::bindings::arg;
+using atomflow::bindings::require;
 
 void require_gpu() {
   const auto [ok, why] = sb::cuda_available();

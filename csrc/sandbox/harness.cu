@@ -8,6 +8,7 @@
 #include <random>
 
 #include "atomflow/device_buffer.h"
+#include "atomflow/timing.h"
 #include "atomflow/kernels.h"
 #include "batch_kernels.h"
 
@@ -32,30 +33,6 @@ DeviceBuffer poisoned(size_t bytes) {
 void sync() {
   AF_CUDA_CHECK(cudaGetLastError());
   AF_CUDA_CHECK(cudaDeviceSynchronize());
-}
-
-constexpr int kBatch = 10;
-
-// Median over iters samples of the mean time of kBatch back-to-back launches (as ops.cpp does).
-double median_us(const std::function<void(int)>& launch, int iters, int warmup) {
-  AF_CHECK(iters >= 1, "iters must be >= 1");
-  cudaEvent_t start, stop;
-  AF_CUDA_CHECK(cudaEventCreate(&start));
-  AF_CUDA_CHECK(cudaEventCreate(&stop));
-  std::vector<float> ms(static_cast<size_t>(iters));
-  int n = 0;
-  for (; n < warmup; ++n) launch(n);
-  for (int i = 0; i < iters; ++i) {
-    AF_CUDA_CHECK(cudaEventRecord(start));
-    for (int b = 0; b < kBatch; ++b) launch(n++);
-    AF_CUDA_CHECK(cudaEventRecord(stop));
-    AF_CUDA_CHECK(cudaEventSynchronize(stop));
-    AF_CUDA_CHECK(cudaEventElapsedTime(&ms[static_cast<size_t>(i)], start, stop));
-  }
-  AF_CUDA_CHECK(cudaEventDestroy(start));
-  AF_CUDA_CHECK(cudaEventDestroy(stop));
-  std::nth_element(ms.begin(), ms.begin() + iters / 2, ms.end());
-  return 1000.0 * ms[static_cast<size_t>(iters / 2)] / kBatch;
 }
 
 // Copies of a working set so consecutive launches never find it in L2 (tens of MB on Hopper):
