@@ -106,6 +106,9 @@ else
   echo "${cmd[*]} (log: $WORKDIR/build.log, sm_${ATOMFLOW_CUDA_ARCH:-90})"
   "${cmd[@]}" > "$WORKDIR/build.log" 2>&1 || { tail -30 "$WORKDIR/build.log"; die "build failed (log: $WORKDIR/build.log)"; }
 fi
+# From here on Python runs outside the checkout: with a non-editable install (pip install .) the
+# compiled core is only in site-packages, and the checkout's atomflow/ would shadow it.
+cd "$WORKDIR"
 "$PYTHON" -c 'from atomflow import _core' 2> /dev/null ||
   die "the CUDA core (atomflow._core) is not installed: build with nvcc on the PATH (log: $WORKDIR/build.log)"
 
@@ -154,7 +157,7 @@ elif [ -n "$REPO" ]; then
     echo "using $HF_DIR as it is (--skip-fetch)"
   else
     atomflow download "$REPO" --dir "$HF_DIR" || die "download of $REPO failed (re-run to resume)"
-    "$PYTHON" tools/verify_download.py "$HF_DIR" "$REPO" || die "sha256 verification failed"
+    "$PYTHON" "$ROOT/tools/verify_download.py" "$HF_DIR" "$REPO" || die "sha256 verification failed"
     touch "$HF_DIR/.bootstrap-complete"
   fi
 else
@@ -163,7 +166,7 @@ else
   if [ -f "$HF_DIR/.bootstrap-complete" ]; then
     echo "reusing $HF_DIR"
   else
-    "$PYTHON" tools/make_tiny_model.py "$HF_DIR" --preset "$PRESET" || die "making the synthetic model failed"
+    "$PYTHON" "$ROOT/tools/make_tiny_model.py" "$HF_DIR" --preset "$PRESET" || die "making the synthetic model failed"
     touch "$HF_DIR/.bootstrap-complete"
   fi
 fi
@@ -188,7 +191,7 @@ else
   if [ -f "$GT/dequant.safetensors" ] && [ -f "$GT/original.safetensors" ]; then
     echo "reusing $GT"
   else
-    "$PYTHON" tools/gen_ground_truth.py "$HF_DIR" --model "$MODEL" -o "$GT" --steps 4 --prompt-tokens 16 ||
+    "$PYTHON" "$ROOT/tools/gen_ground_truth.py" "$HF_DIR" --model "$MODEL" -o "$GT" --steps 4 --prompt-tokens 16 ||
       die "ground truth generation failed"
   fi
   atomflow validate "$MODEL" --ground-truth "$GT" || die "validation FAILED (atomflow validate --all shows every probe)"
