@@ -3,6 +3,7 @@ once per session; GPU tests skipped cleanly where there is no CUDA core or no GP
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -55,3 +56,12 @@ def tiny_model_file(tmp_path_factory, tiny_hf_dir) -> Path:
     out = tmp_path_factory.mktemp("model") / "tiny.atomflow"
     quantize(tiny_hf_dir, out, progress=False, log=lambda s: None)
     return out
+
+
+@pytest.fixture
+def rng():
+    """A fresh generator per test, its seed printed (replay: ATOMFLOW_TEST_SEED=...)."""
+    import numpy as np
+    seed = int(os.environ.get("ATOMFLOW_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
+    print(f"rng seed {seed} (replay: ATOMFLOW_TEST_SEED={seed})")
+    return np.random.default_rng(seed)

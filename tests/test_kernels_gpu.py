@@ -9,13 +9,13 @@ output rounded once to bf16 is allowed ~4e-3 (its relative rounding error is <= 
 Skipped cleanly without the CUDA core or a GPU."""
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import pytest
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
-BF16, FP8 = ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn
+FP8 = ml_dtypes.float8_e4m3fn
+from numerics import bf16_bits, f16_bits, from_bf16, from_f16  # noqa: E402
 
 
 def _load_ops():
@@ -37,32 +37,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(ops is None, reason=f"gpu: {WH
 FP32_REL, BF16_REL, F16_REL = 1e-5, 4e-3, 5e-4
 
 
-@pytest.fixture
-def rng():
-    seed = int(os.environ.get("ATOMFLOW_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
-    print(f"rng seed {seed} (replay: ATOMFLOW_TEST_SEED={seed})")
-    return np.random.default_rng(seed)
-
 
 # ----------------------------------------------------------------------------- helpers
-
-def bf16_bits(a) -> np.ndarray:
-    """float -> bf16 (round to nearest even) as uint16 bit patterns."""
-    return np.ascontiguousarray(np.asarray(a, dtype=np.float32).astype(BF16).view(np.uint16))
-
-
-def from_bf16(bits: np.ndarray) -> np.ndarray:
-    return bits.view(BF16).astype(np.float64)
-
-
-def f16_bits(a) -> np.ndarray:
-    """float -> fp16 (round to nearest even) as uint16 bit patterns: the RMSNorm output's type."""
-    return np.ascontiguousarray(np.asarray(a, dtype=np.float32).astype(np.float16).view(np.uint16))
-
-
-def from_f16(bits: np.ndarray) -> np.ndarray:
-    return bits.view(np.float16).astype(np.float64)
-
 
 def rel_l2(got, want) -> float:
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)

@@ -9,13 +9,12 @@
     reproduces the core's logits bit for bit."""
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import pytest
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
-BF16 = ml_dtypes.bfloat16
+from numerics import bf16_bits, from_bf16  # noqa: E402
 
 
 def _load():
@@ -31,20 +30,6 @@ sb, WHY_NOT = _load()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(sb is None, reason=f"gpu: {WHY_NOT}")]
 NAN16 = 0x7FC0  # bf16 NaN
 
-
-@pytest.fixture
-def rng():
-    seed = int(os.environ.get("ATOMFLOW_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
-    print(f"rng seed {seed} (replay: ATOMFLOW_TEST_SEED={seed})")
-    return np.random.default_rng(seed)
-
-
-def bf16_bits(a) -> np.ndarray:
-    return np.ascontiguousarray(np.asarray(a, dtype=np.float32).astype(BF16).view(np.uint16))
-
-
-def from_bf16(bits) -> np.ndarray:
-    return bits.view(BF16).astype(np.float64)
 
 
 def reference_attention(q, k, v, n_keys, M, scale):
