@@ -1,11 +1,9 @@
-"""The `atomflow` command: quantize, info, run, validate, download, bench, profile."""
+"""The `atomflow` command: quantize, info, run, validate, download, bench, profile, sandbox."""
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-from pathlib import Path
 
 from . import __version__
 from .errors import AtomflowError
