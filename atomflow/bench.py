@@ -1,5 +1,6 @@
-"""Decode timing and efficiency: bytes a token must move / TPOT / the read bandwidth measured in
-the same process by a streaming-read kernel. The one ratio that means something on any GPU.
+"""What efficiency is measured against: the bytes a token must move, and the read bandwidth
+measured in the same process by a streaming-read kernel. Efficiency = bytes / TPOT / bandwidth,
+the one ratio that means something on any GPU (the timing loops are in bench_engine.py).
 
 The byte counts are the minimum traffic of each token, the same for every engine (ours and the
 baselines of `atomflow bench`), so efficiencies compare: weights at their stored precision
@@ -7,12 +8,8 @@ baselines of `atomflow bench`), so efficiencies compare: weights at their stored
 """
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
-from .engine import Engine
-from .sampling import SamplingParams
 from .spec import ModelSpec
 
 PREFILL_CHUNK = 256  # rows per prefill pass: the _core.Engine default, which CudaBackend keeps
@@ -33,11 +30,6 @@ def token_bytes(spec: ModelSpec, weight_bytes: float, context: float) -> float:
     """One decode token: weights read once (weight_bytes: everything but the embedding table)
     + one embedding row + KV read at `context` keys + the new token's K and V written."""
     return weight_bytes + spec.hidden_size * 2 + kv_row_bytes(spec) * (context + 1)
-
-
-def bytes_per_token(eng: Engine, context: float) -> float:
-    """token_bytes() for the engine's file."""
-    return token_bytes(eng.spec, eng.model.weight_bytes, context)
 
 
 def prompt_bytes_per_token(spec: ModelSpec, weight_bytes: float, head_bytes: float, n: int,
@@ -66,26 +58,3 @@ def dense_weight_bytes(spec: ModelSpec, weight_dtype: str) -> int:
     if weight_dtype == "int8":
         return params + rows * 2 + norms
     raise ValueError(f"weight_dtype must be bf16 or int8, got {weight_dtype!r}")
-
-
-def decode_benchmark(eng: Engine, prompt_len: int = 128, gen_tokens: int = 256, seed: int = 0,
-                     bandwidth_gbs: float | None = None) -> dict:
-    """Greedy decode of `gen_tokens` after a random `prompt_len`-token prompt (EOS ignored).
-    TPOT = intervals between consecutive tokens as the host receives them (steady state)."""
-    ids = np.random.default_rng(seed).integers(0, eng.spec.vocab_size, prompt_len).astype(np.int32)
-    params = SamplingParams(temperature=0.0, max_new_tokens=gen_tokens, ignore_eos=True)
-    list(eng.generate_tokens(ids, SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)))  # warm-up
-    stamps = []
-    t0 = time.perf_counter()
-    for _ in eng.generate_tokens(ids, params):
-        stamps.append(time.perf_counter())
-    gaps = np.diff(np.array(stamps)) * 1e3
-    tpot = float(np.median(gaps))
-    nbytes = bytes_per_token(eng, prompt_len + gen_tokens / 2)
-    out = dict(prompt_tokens=prompt_len, generated_tokens=len(stamps), ttft_ms=(stamps[0] - t0) * 1e3,
-               tpot_ms_p50=tpot, tpot_ms_p90=float(np.percentile(gaps, 90)),
-               tpot_ms_p99=float(np.percentile(gaps, 99)), tokens_per_s=1e3 / tpot,
-               bytes_per_token=nbytes, achieved_gbs=nbytes / tpot / 1e6)
-    if bandwidth_gbs:
-        out.update(read_bandwidth_gbs=bandwidth_gbs, efficiency=out["achieved_gbs"] / bandwidth_gbs)
-    return out

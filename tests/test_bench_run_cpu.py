@@ -67,3 +67,18 @@ def test_engine_side_never_imports_torch():
             "print(sorted(m for m in ('torch', 'transformers', 'vllm', 'matplotlib') if m in sys.modules))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "[]", (r.stdout, r.stderr)
+
+
+def test_gpu_check_decode_row_uses_the_bench_loop(tiny_model_file):
+    """scripts/gpu_check.sh times decode through tools/gpu_bench.py's decode_row, which is the
+    bench's own tg loop: on any backend it gives the gpu_check summary's fields."""
+    from conftest import load_tool
+    gpu_bench = load_tool("gpu_bench")
+    eng = Engine.load(tiny_model_file, backend="cpu", max_context=16)
+    r = gpu_bench.decode_row(eng, prompt=5, gen=4, bandwidth_gbs=100.0)
+    assert r["test"] == "tg4@d5" and len(r["samples"]["tpot_ms"][0]) == 3
+    assert r["tokens_per_s"] == pytest.approx(1e3 / r["tpot_ms_p50"])
+    assert r["bytes_per_token"] == pytest.approx(eng.model.weight_bytes + eng.spec.hidden_size * 2
+                                                 + eng.spec.kv_bytes_per_token() * (5 + 4 / 2 + 1))
+    assert r["efficiency"] == pytest.approx(r["achieved_gbs"] / 100.0)
+    assert eng.position == 0

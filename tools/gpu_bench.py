@@ -5,7 +5,7 @@
 
 Per preset: makes the random HF directory and quantizes it (both cached in --workdir), loads it
 on the CUDA backend, and measures TPOT p50/p99, tokens/s, bytes per token and efficiency
-against the read bandwidth measured in the same run. Writes one JSON summary, prints a table.
+against the read bandwidth measured in the same run (atomflow bench's timing loop). Writes one JSON summary, prints a table.
 """
 from __future__ import annotations
 
@@ -57,6 +57,19 @@ def model_file(preset: str, workdir: Path) -> Path:
     return out
 
 
+def decode_row(eng, prompt: int, gen: int, bandwidth_gbs: float) -> dict:
+    """`gen` greedy tokens after `prompt` tokens in the cache, timed by atomflow bench's own loop
+    (one repetition after a warm-up): the bench row (TPOT p50/p90/p99, bytes per token, GB/s,
+    efficiency) plus tokens_per_s = 1 / TPOT p50."""
+    from atomflow.bench_engine import run_engine_tests
+    from atomflow.bench_plan import BenchOptions, BenchTest
+    test = BenchTest("tg", 0, gen, depth=prompt)
+    opts = BenchOptions(model=str(eng.model.path), repetitions=1, tests=(test,))
+    (row,) = run_engine_tests(eng, opts, bandwidth_gbs, log=lambda m: None)
+    row["tokens_per_s"] = 1e3 / row["tpot_ms_p50"]
+    return row
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -69,7 +82,7 @@ def main() -> int:
 
     from atomflow import Engine
     from atomflow import _core
-    from atomflow.bench import decode_benchmark, read_bandwidth_gbs
+    from atomflow.bench import read_bandwidth_gbs
 
     workdir = Path(a.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -80,7 +93,7 @@ def main() -> int:
         path = model_file(preset, workdir)
         for mode in ("graph", "eager"):
             eng = Engine.load(path, backend="cuda", max_context=a.prompt + a.gen + 64, eager=(mode == "eager"))
-            r = decode_benchmark(eng, a.prompt, a.gen, bandwidth_gbs=bw)
+            r = decode_row(eng, a.prompt, a.gen, bw)
             r.update(load_s=eng.stats.load_s, core_load_s=eng.backend.load_seconds, plan=eng.backend.plan)
             summary["models"][f"{preset}/{mode}"] = r
             del eng
