@@ -29,6 +29,7 @@
 #include <cuda_fp8.h>
 
 #include "atomflow/kernels.h"
+#include "atomflow/loads.cuh"
 #include "atomflow/pdl.cuh"
 #include "atomflow/rmsnorm.cuh"
 
@@ -41,15 +42,6 @@ constexpr int kQuantGroup = 128;
 // Weight bytes each warp prefetches into L2 while the previous kernel finishes: the grid holds
 // ~2100 warps, so ~17 MB in flight, well inside the 50 MB L2 next to the weights being read.
 constexpr int kGemvPrefetchBytes = 8192;
-
-// Streaming weight load: read once, so keep it out of L1 (x and scales live there).
-static __device__ __forceinline__ uint4 ld_weights(const uint8_t* p) {
-  uint4 v;
-  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-      : "l"(p));
-  return v;
-}
 
 // x is stored as fp32 with a swizzle: chunk c (16 values = 4 float4) has its float4 i at
 // 4 c + (i ^ ((c >> 1) & 3)). Lanes read 64 B apart; without the swizzle every quarter-warp of a
@@ -181,8 +173,8 @@ static __global__ void __launch_bounds__(kGemvThreads, 2)
       for (int u = 0; u < kGemvUnroll; ++u) {
         const int c = c0 + 32 * u;
         if (c < C) {
-          wa[u] = ld_weights(w0 + 16 * c);
-          wb[u] = ld_weights(w1 + 16 * c);
+          wa[u] = ld_stream16(reinterpret_cast<const uint4*>(w0 + 16 * c));
+          wb[u] = ld_stream16(reinterpret_cast<const uint4*>(w1 + 16 * c));
           sa[u] = __ldg(s0 + c / 8);
           sb[u] = __ldg(s1 + c / 8);
         }

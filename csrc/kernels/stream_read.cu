@@ -1,19 +1,12 @@
 // The read-bandwidth ceiling: every byte read once with 16-byte streaming loads (the same load
 // the GEMV uses for weights), folded into a checksum so the reads cannot be elided.
 #include "atomflow/kernels.h"
+#include "atomflow/loads.cuh"
 
 namespace atomflow::kernels {
 
 constexpr int kStreamThreads = 256;
 constexpr int kStreamUnroll = 4;  // independent 16-byte loads in flight per thread
-
-static __device__ __forceinline__ uint4 ld_stream(const uint4* p) {
-  uint4 v;
-  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-      : "l"(p));
-  return v;
-}
 
 static __global__ void __launch_bounds__(kStreamThreads)
     stream_read_kernel(const uint4* __restrict__ data, size_t n16, uint32_t* __restrict__ sink) {
@@ -24,12 +17,12 @@ static __global__ void __launch_bounds__(kStreamThreads)
   for (; i + (kStreamUnroll - 1) * stride < n16; i += kStreamUnroll * stride) {
     uint4 v[kStreamUnroll];
 #pragma unroll
-    for (int u = 0; u < kStreamUnroll; ++u) v[u] = ld_stream(data + i + u * stride);
+    for (int u = 0; u < kStreamUnroll; ++u) v[u] = ld_stream16(data + i + u * stride);
 #pragma unroll
     for (int u = 0; u < kStreamUnroll; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
   }
   for (; i < n16; i += stride) {
-    const uint4 v = ld_stream(data + i);
+    const uint4 v = ld_stream16(data + i);
     acc ^= v.x ^ v.y ^ v.z ^ v.w;
   }
 #pragma unroll
