@@ -66,9 +66,6 @@ class _Source:
         self.dir, self.weight_map = hf_dir, weight_map
         self.dtypes: set[str] = set()
 
-    def has(self, name: str) -> bool:
-        return name in self.weight_map
-
     @contextlib.contextmanager
     def slice(self, name: str):
         """The tensor's lazy slice. The shard is opened for this tensor only: safetensors maps the

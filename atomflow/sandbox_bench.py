@@ -278,6 +278,13 @@ def plot_all(results: dict, out_dir) -> list[str]:
         return []
     out, written = Path(out_dir), []
     out.mkdir(parents=True, exist_ok=True)
+
+    def save(fig, name: str) -> None:
+        fig.tight_layout()
+        written.append(str(out / name))
+        fig.savefig(written[-1], dpi=120)
+        plt.close(fig)
+
     if "attention" in results:
         rows = results["attention"]["rows"]
         batches = sorted({r["batch"] for r in rows})
@@ -290,10 +297,7 @@ def plot_all(results: dict, out_dir) -> list[str]:
             ax.axhline(1.0, color="gray", lw=0.8)
             ax.set(xscale="log", title=f"batch {B}", xlabel="context", ylabel="paged / contiguous time")
             ax.legend(fontsize=7)
-        fig.tight_layout()
-        written.append(str(out / "attention_overhead.png"))
-        fig.savefig(written[-1], dpi=120)
-        plt.close(fig)
+        save(fig, "attention_overhead.png")
     if "decode" in results:
         rows = results["decode"]["rows"]
         fig, ax = plt.subplots(figsize=(5, 3.5))
@@ -302,10 +306,7 @@ def plot_all(results: dict, out_dir) -> list[str]:
             ax.axhline(results["decode"]["core"]["tokens_per_s"], color="red", ls="--", label="core, single stream")
         ax.set(xscale="log", yscale="log", xlabel="concurrent sequences", ylabel="tokens / s")
         ax.legend()
-        fig.tight_layout()
-        written.append(str(out / "decode_throughput.png"))
-        fig.savefig(written[-1], dpi=120)
-        plt.close(fig)
+        save(fig, "decode_throughput.png")
     if "memory" in results:
         rows = results["memory"]["rows"]
         fig, ax = plt.subplots(figsize=(5, 3.5))
@@ -315,8 +316,5 @@ def plot_all(results: dict, out_dir) -> list[str]:
                     label=f"paged, block {bs}")
         ax.set(xscale="log", yscale="log", xlabel="sequences", ylabel="KV GiB")
         ax.legend(fontsize=7)
-        fig.tight_layout()
-        written.append(str(out / "kv_memory.png"))
-        fig.savefig(written[-1], dpi=120)
-        plt.close(fig)
+        save(fig, "kv_memory.png")
     return written
