@@ -21,7 +21,7 @@ from .errors import BackendUnavailableError
 from .fileformat import AtomflowFile
 from .sampling import SamplingParams
 
-LABELS = ("embedding", "gemv_qkv+norm", "rope_kv_append", "attention", "gemv_o", "gemv_gate_up+norm", "gemv_down",
+LABELS = ("embedding", "gemv_qkv+norm+rope", "attention", "gemv_o", "gemv_gate_up+norm", "gemv_down",
           "lm_head", "sample", "finish")
 WARMUP_STEPS = 3
 GRAPH_TOKENS = 64  # tokens of the pipelined run that gives the graph TPOT
@@ -41,8 +41,8 @@ def kernel_bytes(model: AtomflowFile, context: float) -> dict[str, float]:
     norm_in = d * 2 + d * 4  # norm weights bf16 + the fp32 residual row, for the fused RMSNorm
     return {
         "embedding": d * 2 + d * 4,
-        "gemv_qkv+norm": w("layers.0.wqkv") + norm_in + s.qkv_dim * 4,
-        "rope_kv_append": s.qkv_dim * 4 + s.q_dim * 2 + 2 * kv_row,
+        # RMSNorm in, RoPE + KV append out: q (bf16) and this token's K / V rows.
+        "gemv_qkv+norm+rope": w("layers.0.wqkv") + norm_in + s.q_dim * 2 + 2 * kv_row,
         "attention": 2 * s.q_dim * 2 + 2 * kv_row * (context + 1),
         "gemv_o": w("layers.0.wo") + s.q_dim * 2 + 2 * d * 4,
         "gemv_gate_up+norm": w("layers.0.w13") + norm_in + f * 2,

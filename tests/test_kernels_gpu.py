@@ -294,6 +294,45 @@ def test_rope_kv_append(rng, M, pos, C, H, Hkv, D):
         "rope_kv_append wrote outside its rows"
 
 
+@pytest.mark.parametrize("H,Hkv,D,K", [(24, 8, 128, 3072), (32, 8, 128, 4096), (32, 8, 64, 2048), (3, 1, 64, 384)])
+@pytest.mark.parametrize("pos,C", [(0, 4), (4095, 4100), (70000, 70001), (126, 126)])  # last: past the cache
+def test_gemv_rmsnorm_rope_equals_the_three_kernels(rng, H, Hkv, D, K, pos, C):
+    """The decode QKV launch (RMSNorm prologue, RoPE + KV append epilogue)
+    writes exactly what rmsnorm -> gemv -> rope_kv_append write, bit for bit, and nothing else."""
+    N = (H + 2 * Hkv) * D
+    w, s = random_fp8(rng, (N, K)), random_scales(rng, N, K)
+    x = (rng.standard_normal(K) * rng.uniform(0.1, 10)).astype(np.float32)
+    nw = bf16_bits(1 + 0.1 * rng.standard_normal(K))
+    inv_freq = llama_inv_freq(D)
+    kc0 = bf16_bits(rng.standard_normal((C, Hkv, D)))
+    vc0 = bf16_bits(rng.standard_normal((C, Hkv, D)))
+    q, kc, vc = ops.gemv_rmsnorm_rope(w, s, x, nw, 1e-5, inv_freq, pos, H, Hkv, D, kc0.copy(), vc0.copy())
+    qkv = ops.gemv_rmsnorm(w, s, x, nw, 1e-5, 0)
+    q_ref, kc_ref, vc_ref = ops.rope_kv_append(qkv[None], inv_freq, pos, H, Hkv, D, kc0.copy(), vc0.copy())
+    np.testing.assert_array_equal(q, q_ref[0])
+    np.testing.assert_array_equal(kc, kc_ref)
+    np.testing.assert_array_equal(vc, vc_ref)
+    if pos >= C:
+        assert np.array_equal(kc, kc0) and np.array_equal(vc, vc0), "a position past the cache wrote into it"
+    # and against the fp32 reference: q = rope(W xn)
+    xn = from_f16(ops.rmsnorm(x[None], nw, 1e-5)[0])
+    ref = reference_linear(w, s, xn.reshape(1, K))[0].astype(np.float64).reshape(H + 2 * Hkv, D)
+    angle = (np.float32(pos) * inv_freq).astype(np.float64)
+    x1, x2 = ref[:H, :D // 2], ref[:H, D // 2:]
+    rot = np.concatenate([x1 * np.cos(angle) - x2 * np.sin(angle), x2 * np.cos(angle) + x1 * np.sin(angle)], axis=-1)
+    assert_close(from_bf16(q), rot, BF16_REL, "fused rope q")
+
+
+def test_gemv_rmsnorm_rope_rejects_bad_arguments(rng):
+    w, s = random_fp8(rng, (5 * 64, 256)), random_scales(rng, 5 * 64, 256)
+    x, nw = np.ones(256, np.float32), bf16_bits(np.ones(256))
+    kc = bf16_bits(np.zeros((8, 1, 64)))
+    with pytest.raises(ValueError):  # w's rows do not match (H + 2 Hkv) * D
+        ops.gemv_rmsnorm_rope(w, s, x, nw, 1e-5, llama_inv_freq(64), 0, 4, 1, 64, kc, kc.copy())
+    with pytest.raises(ValueError):  # odd head_dim
+        ops.gemv_rmsnorm_rope(w, s, x, nw, 1e-5, llama_inv_freq(64), 0, 3, 1, 63, kc, kc.copy())
+
+
 # ----------------------------------------------------------------------------- small ops
 
 @pytest.mark.parametrize("M,d", [(1, 1), (1, 3072), (3, 7), (17, 4096), (2, 8193)])

@@ -7,8 +7,8 @@ import pytest
 from atomflow.fileformat import AtomflowFile
 from atomflow.kernel_profile import LABELS, breakdown, format_table, kernel_bytes, per_layer, plot
 
-LAYER_US = {"gemv_qkv+norm": 4.0, "rope_kv_append": 2.0, "attention": 6.0, "gemv_o": 3.0,
-            "gemv_gate_up+norm": 8.0, "gemv_down": 5.0}
+LAYER_US = {"gemv_qkv+norm+rope": 4.0, "attention": 6.0, "gemv_o": 3.0, "gemv_gate_up+norm": 8.0,
+            "gemv_down": 5.0}
 OTHER_US = {"embedding": 1.0, "lm_head": 20.0, "sample": 4.0, "finish": 1.0}
 
 
@@ -40,7 +40,7 @@ def test_breakdown():
     assert by["sample"]["achieved_gbs"] is None  # no byte count given: no made-up rate
     assert [r["step_us"] for r in rows] == sorted((r["step_us"] for r in rows), reverse=True)
     layer_rows = per_layer(entries(steps, layers))
-    assert len(layer_rows) == 6 * layers + 4
+    assert len(layer_rows) == 5 * layers + 4
     assert {r["layer"] for r in layer_rows if r["label"] == "attention"} == set(range(layers))
 
 
@@ -50,7 +50,7 @@ def test_kernel_bytes_from_the_file(tiny_model_file):
     b = kernel_bytes(m, context=100)
     assert set(b) == set(LABELS)
     wqkv = t["layers.0.wqkv"].nbytes + t["layers.0.wqkv.scale"].nbytes
-    assert b["gemv_qkv+norm"] >= wqkv and b["gemv_qkv+norm"] - wqkv < 8 * (s.hidden_size + s.qkv_dim)
+    assert b["gemv_qkv+norm+rope"] >= wqkv and b["gemv_qkv+norm+rope"] - wqkv < 8 * (s.hidden_size + s.qkv_dim)
     assert b["gemv_gate_up+norm"] > t["layers.0.w13"].nbytes
     assert b["lm_head"] > t["lm_head"].nbytes
     kv = 2 * s.kv_dim * 2  # K and V rows of one layer

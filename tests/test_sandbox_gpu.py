@@ -3,6 +3,7 @@
     scattered into random blocks of a pool (the other blocks NaN) gives the SAME bits as the
     batched-contiguous and the core's attention(), and matches a float64 reference, for every
     block size, head_dim 64/128, GQA groups 1/4/8, batches of different lengths, outputs poisoned;
+  - attention calls of different shapes in a row on one scratch give the bits each gives alone;
   - rope_kv_append_slots equals the core's rope_kv_append bit for bit;
   - a batch of sequences through PagedModel + the scheduler gives each sequence the greedy tokens
     of single-stream decode with the core engine (atomflow.Engine, backend='cuda'), and B = 1
@@ -130,6 +131,34 @@ def test_paged_rejects_unsupported():
         sb.attention_paged(z(1, 1, 4, 96), z(4, 16, 2, 96), z(4, 16, 2, 96), t, n)
     with pytest.raises(ValueError, match="GQA"):
         sb.attention_paged(z(1, 1, 10, 64), z(4, 16, 2, 64), z(4, 16, 2, 64), t, n)
+
+
+def test_attention_calls_share_one_scratch(rng):
+    """Calls in a row on ONE scratch, as the engines make them (decode, prefill chunks, batches of
+    other sizes): the kernel's last block per group merges on a counter in the scratch, so every call
+    must leave the counters zero and never write partials over them. A counter left behind makes the
+    next call skip its merge (outputs stay poisoned); each call must give the bits it gives alone."""
+    Hkv, G, D = 2, 4, 128
+    H = Hkv * G
+    shapes = [([3000], 1), ([700, 5, 2048], 1), ([300], 17), ([3000], 1), ([64, 900], 64), ([1], 1), ([2500], 1)]
+    calls = []
+    for lens, M in shapes:
+        B, C = len(lens), max(lens)
+        kc = bf16_bits(rng.standard_normal((B, C, Hkv, D)))
+        vc = bf16_bits(rng.standard_normal((B, C, Hkv, D)))
+        q = bf16_bits(rng.standard_normal((B, M, H, D)) * 2.0)
+        calls.append((q, kc, vc, np.array(lens, np.int32)))
+    outs = sb.attention_batched_calls(calls)
+    for i, ((q, kc, vc, lens), got) in enumerate(zip(calls, outs)):
+        M = q.shape[1]
+        what = f"call {i}: lens={lens.tolist()} M={M}"
+        assert np.isfinite(from_bf16(got)).all(), f"{what}: non-finite output (merge skipped?)"
+        np.testing.assert_array_equal(got, sb.attention_batched(q, kc, vc, lens),
+                                      err_msg=f"{what}: shared scratch != a fresh one")
+        for b, n in enumerate(lens):
+            want = reference_attention(from_bf16(q[b]), from_bf16(kc[b]), from_bf16(vc[b]), int(n), M, 1 / np.sqrt(D))
+            err = np.linalg.norm(from_bf16(got[b * M:(b + 1) * M]) - want) / np.linalg.norm(want)
+            assert err < 6e-3, f"{what} sequence {b}: rel-L2 {err:.2e}"
 
 
 def test_rope_slots_equals_core_rope(rng):

@@ -204,6 +204,35 @@ py::tuple rope_kv_append(const py::array& qkv_, const py::array& inv_freq_, int 
                         to_host<uint16_t>(dv, {C, Hkv, D}));
 }
 
+// The decode QKV product with RMSNorm and RoPE + KV append fused: w u8 [(H + 2 Hkv) D, K], scales,
+// x f32 [K] (the residual stream), norm_w u16 [K], caches u16 [C, Hkv, D] (initial contents).
+py::tuple gemv_rmsnorm_rope(const py::array& w_, const py::array& s_, const py::array& x_, const py::array& nw_,
+                            float eps, const py::array& inv_freq_, int pos, int H, int Hkv, int D,
+                            const py::array& k_cache_, const py::array& v_cache_) {
+  require(H >= 1 && Hkv >= 1 && D >= 2 && D % 2 == 0, "need H, Hkv >= 1 and an even D");
+  const int N = (H + 2 * Hkv) * D;
+  auto w = arg<uint8_t>(w_, "w", {N, -1});
+  const int K = static_cast<int>(w.shape(1));
+  require(K % 128 == 0, "w: K = " + std::to_string(K) + " must be a multiple of 128");
+  auto s = arg<float>(s_, "scales", {N, K / 128});
+  auto x = arg<float>(x_, "x", {K});
+  auto nw = arg<uint16_t>(nw_, "norm_w", {K});
+  auto inv_freq = arg<float>(inv_freq_, "inv_freq", {D / 2});
+  auto kc = arg<uint16_t>(k_cache_, "k_cache", {-1, Hkv, D});
+  const int C = static_cast<int>(kc.shape(0));
+  auto vc = arg<uint16_t>(v_cache_, "v_cache", {C, Hkv, D});
+  require(pos >= 0, "need pos >= 0");
+  DeviceBuffer dw = to_device(w), ds = to_device(s), dx = to_device(x), dn = to_device(nw);
+  DeviceBuffer dfreq = to_device(inv_freq), dk = to_device(kc), dv = to_device(vc), dpos = device_int(pos);
+  DeviceBuffer q = poisoned(sizeof(bf16) * H * D);
+  const k::RopeKVArgs rope{dfreq.get<float>(), dpos.get<int32_t>(), H, Hkv, D, C, q.get<bf16>(), dk.get<bf16>(),
+                           dv.get<bf16>()};
+  k::gemv_w8a16_rmsnorm_rope(dw.get<uint8_t>(), ds.get<float>(), dx.get<float>(), dn.get<bf16>(), eps, K, rope, nullptr);
+  sync();
+  return py::make_tuple(to_host<uint16_t>(q, {H, D}), to_host<uint16_t>(dk, {C, Hkv, D}),
+                        to_host<uint16_t>(dv, {C, Hkv, D}));
+}
+
 py::array_t<uint16_t> attention(const py::array& q_, const py::array& k_cache_, const py::array& v_cache_, int pos,
                                 const py::object& scale_) {
   auto q = arg<uint16_t>(q_, "q", {-1, -1, -1});
@@ -214,7 +243,8 @@ py::array_t<uint16_t> attention(const py::array& q_, const py::array& k_cache_, 
   require(M >= 1 && pos >= 0 && pos + M <= C, "need M >= 1, pos >= 0 and pos + M <= cache rows");
   const float scale = scale_.is_none() ? 1.0f / std::sqrt(static_cast<float>(D)) : scale_.cast<float>();
   DeviceBuffer dq = to_device(q), dk = to_device(kc), dv = to_device(vc), dpos = device_int(pos);
-  DeviceBuffer scratch = poisoned(k::attention_scratch_bytes(M, H, D, C));
+  DeviceBuffer scratch = poisoned(k::attention_scratch_bytes(M, H, D, C));  // the partials stay poisoned
+  k::attention_scratch_clear(scratch.get(), scratch.bytes(), nullptr);
   DeviceBuffer out = poisoned(sizeof(bf16) * M * H * D);
   k::attention(dq.get<bf16>(), dk.get<bf16>(), dv.get<bf16>(), dpos.get<int32_t>(), M, H, Hkv, D, C, scale, scratch.get(),
                out.get<bf16>(), nullptr);
@@ -297,6 +327,7 @@ double time_attention(int context, int H, int Hkv, int D, int M, int iters) {
   kv.buf.fill(0);
   DeviceBuffer q(sizeof(bf16) * M * H * D), out(sizeof(bf16) * M * H * D), pos = device_int(context - M);
   DeviceBuffer scratch(k::attention_scratch_bytes(M, H, D, C));
+  k::attention_scratch_clear(scratch.get(), scratch.bytes(), nullptr);
   q.fill(0);
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   return median_us([&](int i) {
@@ -350,6 +381,10 @@ void register_ops(pybind11::module_& m) {
         py::arg("Hkv"), py::arg("D"), py::arg("k_cache"), py::arg("v_cache"),
         "qkv f32 [M, (H + 2 Hkv) D], inv_freq f32 [D/2], caches u16 [C, Hkv, D] (initial contents) -> "
         "(q u16 [M, H, D], k_cache, v_cache)");
+  m.def("gemv_rmsnorm_rope", &gemv_rmsnorm_rope, py::arg("w"), py::arg("scales"), py::arg("x"), py::arg("norm_w"),
+        py::arg("eps"), py::arg("inv_freq"), py::arg("pos"), py::arg("H"), py::arg("Hkv"), py::arg("D"),
+        py::arg("k_cache"), py::arg("v_cache"),
+        "RMSNorm -> QKV GEMV -> RoPE + KV append in one launch -> (q u16 [H, D], k_cache, v_cache)");
   m.def("attention", &attention, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("pos"),
         py::arg("scale") = py::none(), "q u16 [M, H, D], caches u16 [C, Hkv, D], pos -> u16 [M, H, D]");
   m.def("sample", &sample, py::arg("logits"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"),

@@ -240,6 +240,39 @@ py::array_t<uint16_t> attention_batched(const py::array& q_, const py::array& k_
   return out;
 }
 
+// Each call (q, k_cache, v_cache, lens) as attention_batched; all on one scratch, in order.
+py::list attention_batched_calls(const std::vector<py::tuple>& calls_, const py::object& scale_) {
+  require_gpu();
+  require(!calls_.empty(), "need at least one call");
+  std::vector<sb::BatchedAttentionCall> calls;  // pointers into the arrays calls_ holds (checked, not copied)
+  py::list outs;
+  int H = 0, Hkv = 0, D = 0;
+  for (const py::tuple& t : calls_) {
+    require(t.size() == 4, "each call is (q, k_cache, v_cache, lens)");
+    auto q = arg<uint16_t>(t[0].cast<py::array>(), "q", {-1, -1, -1, -1});
+    const int B = static_cast<int>(dim(q, 0)), M = static_cast<int>(dim(q, 1));
+    if (calls.empty()) {
+      H = static_cast<int>(dim(q, 2));
+      D = static_cast<int>(dim(q, 3));
+    }
+    require(dim(q, 2) == H && dim(q, 3) == D, "every call must have the same H and D");
+    auto kc = arg<uint16_t>(t[1].cast<py::array>(), "k_cache", {B, -1, -1, D});
+    const int C = static_cast<int>(dim(kc, 1));
+    if (calls.empty()) Hkv = static_cast<int>(dim(kc, 2));
+    require(dim(kc, 2) == Hkv, "every call must have the same Hkv");
+    auto vc = arg<uint16_t>(t[2].cast<py::array>(), "v_cache", {B, C, Hkv, D});
+    auto lens = arg<int32_t>(t[3].cast<py::array>(), "lens", {B});
+    require(B >= 1 && M >= 1 && C >= 1, "need B, M and capacity >= 1");
+    for (int b = 0; b < B; ++b) require(lens.at(b) >= M && lens.at(b) <= C, "lens[b] must be in [M, capacity]");
+    py::array_t<uint16_t> out({B * M, H, D});
+    calls.push_back({q.data(), kc.data(), vc.data(), lens.data(), B, M, C, out.mutable_data()});
+    outs.append(out);
+  }
+  const float scale = scale_.is_none() ? 1.0f / std::sqrt(static_cast<float>(D)) : scale_.cast<float>();
+  sb::run_attention_batched_calls(calls, H, Hkv, D, scale);
+  return outs;
+}
+
 py::array_t<uint16_t> attention_contiguous(const py::array& q_, const py::array& k_, const py::array& v_, int pos,
                                            const py::object& scale_) {
   require_gpu();
@@ -306,6 +339,8 @@ PYBIND11_MODULE(_sandbox, m) {
   m.def("attention_batched", &attention_batched, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
         py::arg("lens"), py::arg("scale") = py::none(),
         "q u16 [B, M, H, D], caches u16 [B, capacity, Hkv, D], lens i32 [B] -> u16 [B * M, H, D]");
+  m.def("attention_batched_calls", &attention_batched_calls, py::arg("calls"), py::arg("scale") = py::none(),
+        "[(q, k_cache, v_cache, lens), ...] as attention_batched, in order on ONE scratch -> [out, ...]");
   m.def("attention_contiguous", &attention_contiguous, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
         py::arg("pos"), py::arg("scale") = py::none(), "the core's attention(): q u16 [M, H, D], caches [C, Hkv, D]");
   m.def("rope_kv_append_slots", &rope_slots, py::arg("qkv"), py::arg("inv_freq"), py::arg("positions"),

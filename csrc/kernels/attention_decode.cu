@@ -1,8 +1,13 @@
 // Causal GQA attention over a KV cache, contiguous or paged (flash-decoding), for decode (M = 1)
-// and prefill chunks (M > 1), one sequence or a batch. Pass 1: each block = (split of the keys,
-// kv head, tile of QT query tokens of one sequence) streams its keys once for all G = H / Hkv
-// query heads of the group and writes an unnormalized partial (m, l, acc[D]) per query row.
-// Pass 2 merges the partials of the splits.
+// and prefill chunks (M > 1), one sequence or a batch, in ONE kernel launch (no separate merge
+// pass). Each block = (split of the keys, kv head, tile of QT query tokens of one sequence)
+// streams its keys once for all G = H / Hkv query heads of the group and writes an unnormalized
+// partial (m, l, acc[D]) per query row to the scratch. Then it takes a ticket from its group's
+// counter (one per query tile x kv head, in the scratch); the group's last block merges the
+// partials of all the active splits for its R = G * QT rows, writes the bf16 output and resets
+// the counter to 0, so every call leaves the counters as it found them (zero: the caller clears
+// them once, attention_scratch_clear). The merge sums the splits in an order fixed by the shapes
+// alone, so the result does not depend on which block came last.
 //
 // Split policy: the grid is fixed by (B, M, Hkv, capacity) so one captured graph serves every
 // position; blocks read the position and derive their key range. With n_keys = start + M (a
@@ -17,12 +22,12 @@
 // in the log2 domain, q prescaled by scale * log2 e) over KT keys per step (all K and V loads of
 // the step issued first). Streams are merged in-warp by shuffles, then across warps in shared memory.
 //
-// Addressing policies (STYLE.md habit 11: one kernel, several variants): the split and merge kernels
-// are templated on where sequence b's keys live. ContiguousKV is the core engine's cache (row p of a
+// Addressing policies (STYLE.md habit 11: one kernel, several variants): the kernel is templated
+// on where sequence b's keys live. ContiguousKV is the core engine's cache (row p of a
 // [capacity, Hkv, D] array per sequence); PagedKV is the sandbox's (key p in block table[p / bs],
 // slot p % bs, of a [num_blocks, bs, Hkv, D] pool). Batching = grid.z walks (sequence, query tile);
-// each sequence has its own length. With B = 1 and the core's position pointer the contiguous
-// variant does the original kernel's arithmetic in the original order (bit-identical results).
+// each sequence has its own length. For the same keys and split count every policy does the same
+// arithmetic in the same order (bit-identical results).
 #include "atomflow/kernels.h"
 #include "atomflow/pdl.cuh"
 
@@ -31,8 +36,17 @@ namespace atomflow::kernels {
 constexpr int kAttnThreads = 128;
 constexpr int kAttnWarps = kAttnThreads / 32;
 constexpr int kMinKeysPerSplit = 32;    // short contexts: many blocks, one K/V step each
-constexpr int kMaxSplits = 128;     // also the merge kernel's block size
+constexpr int kMaxSplits = 128;
 constexpr float kNegInit = -1e30f;  // finite "no key yet": exp2(kNegInit - kNegInit) = 1, never NaN
+
+// The merge counters, one int per (sequence, query tile, kv head), at the start of the scratch
+// with a size fixed by no call's shape: the engines share one scratch between calls of different
+// B and M (decode, then a prefill chunk), and a call's partials must never land where a later
+// call's counters are. Only calls with 2+ splits count, and those have B * M <= kMaxSplits / 2
+// query rows (max_splits), hence at most kMaxSplits / 2 * Hkv counters. A multiple of 16 bytes:
+// the float4 partials follow.
+constexpr int kMaxKvHeads = 256;
+constexpr size_t kCounterBytes = static_cast<size_t>(kMaxSplits / 2) * kMaxKvHeads * sizeof(int);
 
 // Splits planned for (grid.x and scratch): fixed by the query rows of the call (rows = B * M) and
 // the per-sequence key capacity only. A batch shares the 128 splits' worth of blocks among its rows.
@@ -118,17 +132,28 @@ static __device__ __forceinline__ void bf16x8_to_float(uint4 v, float (&f)[8]) {
 
 // Query rows are (sequence b, token m) -> row b * M + m of q [B * M, H, D] and of the output.
 // Partials: index ((row * H + head) * s_max + split); ml holds (max, sum) pairs, acc D floats.
+// The partials are written and read back by blocks of the same grid: plain stores, .cg loads, and
+// no __restrict__ on them (pdl.cuh: .nc must never see data written while the kernel runs).
 template <class KV, int D, int G, int QT>
 static __global__ void __launch_bounds__(kAttnThreads)
-    attention_split_kernel(const bf16* q, KV kv, int M, int H, int Hkv, int s_max, float q_scale,
-                           float* __restrict__ part_ml, float* __restrict__ part_acc) {
+    attention_kernel(const bf16* q, KV kv, int M, int H, int Hkv, int s_max, float q_scale, int* counters,
+                     float* part_acc, float* part_ml, bf16* __restrict__ out) {
   constexpr int LPR = D / 8;                // lanes per key row
   constexpr int GPW = 32 / LPR;             // key streams per warp
   constexpr int NS = kAttnWarps * GPW;      // key streams per block
   constexpr int R = G * QT;                 // query rows per block
   constexpr int KT = R <= 2 ? 8 : (R <= 4 ? 4 : 2);  // keys per stream per step (registers: R x KT scores)
+  constexpr int C4 = D / 4;                 // float4 columns of a partial's acc
+  constexpr int NO = R * C4;                // float4 outputs of the merge
+  constexpr int IPT = CEIL_DIV(NO, kAttnThreads);                // merge outputs per thread
+  constexpr int SPL = NO < kAttnThreads ? kAttnThreads / NO : 1;  // merge threads per output
   __shared__ float sm_m[kAttnWarps][R], sm_l[kAttnWarps][R];
   __shared__ float sm_acc[kAttnWarps][R][D];
+  __shared__ float sm_w[R][kMaxSplits], sm_ls[R][kMaxSplits];  // merge: 2^(m_s - Mx) and l_s per split
+  __shared__ float4 sm_part_o[SPL > 1 ? kAttnThreads : 1];   // merge: the SPL threads' sums
+  __shared__ float sm_part_l[SPL > 1 ? kAttnThreads : 1];
+  __shared__ int sm_n_active;
+  __shared__ bool sm_last;
 
   pdl_prologue();
   const int tiles = CEIL_DIV(M, QT);
@@ -136,8 +161,11 @@ static __global__ void __launch_bounds__(kAttnThreads)
   const int pos = kv.seq.start(b);
   const int n_keys = call_keys(kv, b, M);
   const int n_active = active_splits(n_keys, s_max);
-  if (split >= n_active) return;  // the merge reads only the active splits
+  if (split >= n_active) return;  // neither counted nor merged: the merge reads the active splits only
   const int chunk = CEIL_DIV(n_keys, n_active);
+  // The merge needs n_active after the key loop: held in a register through it, it spilled
+  // (PagedKV, G = 1); the barriers before the write-out publish it.
+  if (threadIdx.x == 0) sm_n_active = n_active;
   const int m_last = min(m0 + QT, M) - 1;
   const int kb = split * chunk;
   const int ke = min(min(kb + chunk, pos + m_last + 1), n_keys);
@@ -311,75 +339,149 @@ static __global__ void __launch_bounds__(kAttnThreads)
       part_ml[2 * p + 1] = l;
     }
   }
-}
 
-// One block per (head, query row): out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s.
-template <class KV, int D>
-static __global__ void __launch_bounds__(kMaxSplits)
-    attention_merge_kernel(const float* part_ml, const float* part_acc, KV kv, int M, int H, int s_max,
-                           bf16* __restrict__ out) {
-  __shared__ float weight[kMaxSplits];
-  __shared__ float red[kMaxSplits / 32];
-  __shared__ float row_max, inv_l;
-  pdl_prologue();
-  const int head = blockIdx.x, m = blockIdx.y, tid = threadIdx.x;  // m: the query row b * M + token
-  const int n_active = active_splits(call_keys(kv, m / M, M), s_max);
-  const size_t p0 = (static_cast<size_t>(m) * H + head) * s_max;
+  const int n_splits = sm_n_active;
 
-  const float ms = tid < n_active ? part_ml[2 * (p0 + tid)] : kNegInit;
-  float v = ms;
-#pragma unroll
-  for (int off = 16; off > 0; off /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
-  if (tid % 32 == 0) red[tid / 32] = v;
+  // The last of the group's n_splits blocks to finish merges them all (no second kernel). The
+  // cooperative-groups grid barrier's protocol: the block's partials are complete at the barrier,
+  // thread 0 publishes them (fences are cumulative) before it takes a ticket, and the block that
+  // draws n_splits - 1 fences again before its threads read the others' partials.
   __syncthreads();
-  if (tid == 0) {
-    float mx = red[0];
-    for (int w = 1; w < kMaxSplits / 32; ++w) mx = fmaxf(mx, red[w]);
-    row_max = mx;
+  if (n_splits > 1) {
+    if (threadIdx.x == 0) {
+      int* counter = counters + blockIdx.z * gridDim.y + blockIdx.y;  // in range: see kCounterBytes
+      __threadfence();
+      sm_last = atomicAdd(counter, 1) == n_splits - 1;
+      if (sm_last) {
+        __threadfence();
+        *counter = 0;  // every block of the group has counted: ready for the next call
+      }
+    }
+    __syncthreads();
+    if (!sm_last) return;
+  }
+
+  // Per row, the splits' weights 2^(m_s - Mx) (a warp per row, a lane per 32 splits) ...
+#pragma unroll
+  for (int r = warp; r < R; r += kAttnWarps) {
+    const int m = m0 + r / G;
+    if (m >= M) continue;
+    const size_t p0 = ((static_cast<size_t>(b) * M + m) * H + h * G + r % G) * s_max;
+    float2 ml[kMaxSplits / 32];
+    float mx = kNegInit;
+#pragma unroll
+    for (int i = 0; i < kMaxSplits / 32; ++i) {
+      const int s = i * 32 + lane;
+      ml[i] = s < n_splits ? __ldcg(reinterpret_cast<const float2*>(part_ml) + p0 + s) : make_float2(kNegInit, 0.f);
+      mx = fmaxf(mx, ml[i].x);
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+#pragma unroll
+    for (int i = 0; i < kMaxSplits / 32; ++i) {
+      const int s = i * 32 + lane;
+      if (s < n_splits) {
+        sm_w[r][s] = exp2f(ml[i].x - mx);
+        sm_ls[r][s] = ml[i].y;
+      }
+    }
   }
   __syncthreads();
-  const float wgt = tid < n_active ? exp2f(ms - row_max) : 0.f;
-  weight[tid] = wgt;
-  float l = tid < n_active ? wgt * part_ml[2 * (p0 + tid) + 1] : 0.f;
-#pragma unroll
-  for (int off = 16; off > 0; off /= 2) l += __shfl_xor_sync(0xffffffffu, l, off);
-  __syncthreads();  // red[] is reused
-  if (tid % 32 == 0) red[tid / 32] = l;
-  __syncthreads();
-  if (tid == 0) {
-    float sum = 0.f;
-    for (int w = 0; w < kMaxSplits / 32; ++w) sum += red[w];
-    inv_l = 1.f / sum;  // > 0: split 0 holds key 0, seen by every query
-  }
-  __syncthreads();
 
-  for (int d = tid; d < D; d += kMaxSplits) {
-    float o = 0.f;
+  // ... then out = sum_s w_s acc_s / sum_s w_s l_s over the NO float4 outputs of the group. One
+  // block has to read every partial, so its loads must overlap: with NO >= 128 a thread sums IPT
+  // outputs side by side; with fewer, SPL threads share an output, each summing a contiguous range
+  // of splits, and their sums are added in range order. Either way the order is fixed by (R, D,
+  // n_splits) alone: the bits do not depend on which block came last.
+  const int part = threadIdx.x / NO;  // >= SPL: an empty range of splits
+  const int per = CEIL_DIV(n_splits, SPL);
+  const int s0 = part * per, s1 = min(n_splits, s0 + per);
+  float4 o[IPT];
+  float l[IPT];
+  int r_of[IPT], c_of[IPT];
+  bool ok[IPT];
+  const float4* src[IPT];
+#pragma unroll
+  for (int i = 0; i < IPT; ++i) {
+    const int idx = threadIdx.x % NO + i * kAttnThreads;
+    ok[i] = idx < NO && m0 + idx / C4 / G < M;
+    // An output not to write still sums (no branch in the loop below) a valid row: token m0's.
+    r_of[i] = ok[i] ? idx / C4 : 0;
+    c_of[i] = idx % C4;
+    const size_t o_row = (static_cast<size_t>(b) * M + m0 + r_of[i] / G) * H + h * G + r_of[i] % G;
+    src[i] = reinterpret_cast<const float4*>(part_acc + o_row * s_max * D) + c_of[i];
+    o[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+    l[i] = 0.f;
+  }
 #pragma unroll 8
-    for (int s = 0; s < n_active; ++s) o = fmaf(weight[s], part_acc[(p0 + s) * D + d], o);
-    out[(static_cast<size_t>(m) * H + head) * D + d] = __float2bfloat16(o * inv_l);
+  for (int s = s0; s < s1; ++s)
+#pragma unroll
+    for (int i = 0; i < IPT; ++i) {
+      const float4 a = __ldcg(src[i] + static_cast<size_t>(s) * C4);
+      const float w = sm_w[r_of[i]][s];
+      o[i].x = fmaf(w, a.x, o[i].x);
+      o[i].y = fmaf(w, a.y, o[i].y);
+      o[i].z = fmaf(w, a.z, o[i].z);
+      o[i].w = fmaf(w, a.w, o[i].w);
+      l[i] = fmaf(w, sm_ls[r_of[i]][s], l[i]);
+    }
+  if constexpr (SPL > 1) {
+    sm_part_o[threadIdx.x] = o[0];
+    sm_part_l[threadIdx.x] = l[0];
+    __syncthreads();
+    if (part != 0) return;
+    for (int j = 1; j < SPL; ++j) {
+      const float4 t = sm_part_o[j * NO + threadIdx.x];
+      o[0].x += t.x;
+      o[0].y += t.y;
+      o[0].z += t.z;
+      o[0].w += t.w;
+      l[0] += sm_part_l[j * NO + threadIdx.x];
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < IPT; ++i) {
+    if (part != 0 || !ok[i]) continue;  // part > 0 here: past SPL * NO (NO = 96: threads 96..127)
+    const int r = r_of[i];
+    const size_t o_row = (static_cast<size_t>(b) * M + m0 + r / G) * H + h * G + r % G;
+    const float inv_l = 1.f / l[i];  // > 0: split 0 holds key 0, seen by every query
+    const __nv_bfloat162 lo = __floats2bfloat162_rn(o[i].x * inv_l, o[i].y * inv_l);
+    const __nv_bfloat162 hi = __floats2bfloat162_rn(o[i].z * inv_l, o[i].w * inv_l);
+    uint2 packed;
+    packed.x = *reinterpret_cast<const uint32_t*>(&lo);
+    packed.y = *reinterpret_cast<const uint32_t*>(&hi);
+    reinterpret_cast<uint2*>(out + o_row * D)[c_of[i]] = packed;
   }
 }
 
 // ---- launchers ----
 
+// Scratch: the counters (kCounterBytes), then acc [rows, H, s_max, D], then ml [rows, H, s_max, 2].
+static size_t scratch_bytes(int rows, int H, int D, int capacity) {
+  return kCounterBytes + static_cast<size_t>(rows) * H * max_splits(rows, capacity) * (D + 2) * sizeof(float);
+}
+
 size_t attention_scratch_bytes(int M, int H, int D, int max_context) {
   AF_CHECK(M >= 1 && H >= 1 && D >= 1 && max_context >= 1, "attention_scratch_bytes: arguments must be >= 1");
-  return static_cast<size_t>(M) * H * max_splits(M, max_context) * (D + 2) * sizeof(float);
+  return scratch_bytes(M, H, D, max_context);
+}
+
+void attention_scratch_clear(void* scratch, size_t scratch_bytes, cudaStream_t stream) {
+  AF_CHECK(scratch_bytes >= kCounterBytes, "attention_scratch_clear: smaller than any attention scratch");
+  AF_CUDA_CHECK(cudaMemsetAsync(scratch, 0, kCounterBytes, stream));
 }
 
 template <class KV, int D, int G, int QT>
 static void launch_attention(const bf16* q, const KV& kv, int B, int M, int H, int Hkv, float scale, void* scratch,
                              bf16* out, cudaStream_t stream) {
   const int s_max = max_splits(B * M, kv.capacity);
-  float* part_ml = static_cast<float*>(scratch);
-  float* part_acc = part_ml + static_cast<size_t>(B) * M * H * s_max * 2;
+  int* counters = static_cast<int*>(scratch);
+  float* part_acc = reinterpret_cast<float*>(static_cast<char*>(scratch) + kCounterBytes);
+  float* part_ml = part_acc + static_cast<size_t>(B) * M * H * s_max * D;
   const dim3 grid(s_max, Hkv, B * CEIL_DIV(M, QT));
   const float q_scale = scale * 1.4426950408889634f;  // scores in log2 units: exp2f in the softmax
-  af_launch(attention_split_kernel<KV, D, G, QT>, grid, dim3(kAttnThreads), 0, stream, q, kv, M, H, Hkv, s_max,
-            q_scale, part_ml, part_acc);
-  af_launch(attention_merge_kernel<KV, D>, dim3(H, B * M), dim3(kMaxSplits), 0, stream, part_ml, part_acc, kv, M, H,
-            s_max, out);
+  af_launch(attention_kernel<KV, D, G, QT>, grid, dim3(kAttnThreads), 0, stream, q, kv, M, H, Hkv, s_max, q_scale,
+            counters, part_acc, part_ml, out);
 }
 
 // Decode uses one query token per block; prefill chunks tile QT tokens so that G * QT <= 8 query
@@ -414,6 +516,7 @@ static void dispatch(const bf16* q, const KV& kv, int B, int M, int H, int Hkv, 
                      bf16* out, cudaStream_t stream) {
   AF_CHECK(B >= 1 && M >= 1 && H >= 1 && Hkv >= 1, "attention: B, M, H, Hkv must be >= 1");
   AF_CHECK(H % Hkv == 0, "attention: H must be a multiple of Hkv");
+  AF_CHECK(Hkv <= kMaxKvHeads, "attention: at most 256 kv heads (the scratch's counters)");
   switch (D) {
     case 64: dispatch_group<KV, 64>(q, kv, B, M, H, Hkv, scale, scratch, out, stream); break;
     case 128: dispatch_group<KV, 128>(q, kv, B, M, H, Hkv, scale, scratch, out, stream); break;
@@ -434,7 +537,7 @@ void attention(const bf16* q, const bf16* k_cache, const bf16* v_cache, const in
 
 size_t attention_batched_scratch_bytes(int B, int M, int H, int D, int capacity) {
   AF_CHECK(B >= 1 && M >= 1 && H >= 1 && D >= 1 && capacity >= 1, "attention_batched_scratch_bytes: arguments must be >= 1");
-  return static_cast<size_t>(B) * M * H * max_splits(B * M, capacity) * (D + 2) * sizeof(float);
+  return scratch_bytes(B * M, H, D, capacity);
 }
 
 void attention_batched(const bf16* q, const bf16* k_cache, const bf16* v_cache, const int32_t* lens, int B, int M,

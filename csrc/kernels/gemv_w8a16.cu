@@ -17,6 +17,9 @@
 //  - Fused RMSNorm (gemv_w8a16_rmsnorm): x is the fp32 residual stream; the block computes the
 //    norm with the rmsnorm kernel's exact arithmetic and reduction tree, so the result is
 //    bit-identical to rmsnorm() + gemv_w8a16(Act::F16), with one launch and one round trip fewer.
+//  - The QKV variant (gemv_w8a16_rmsnorm_rope) pairs rows (i, i + D/2) of each q / k head instead,
+//    so the warp that owns a rotation pair applies RoPE (rope.cuh, the rope kernel's arithmetic)
+//    and writes q and the KV-cache rows itself: the rope kernel's launch and round trip disappear.
 //  - A 16-byte chunk never straddles a 128-column scale group: the chunk's fp32 partial sum is
 //    multiplied by its scale once (1 FMA per 16 weights).
 //  - Per weight byte the SM array can afford only ~8 lane-instructions at HBM speed; per 16 bytes
@@ -32,6 +35,7 @@
 #include "atomflow/loads.cuh"
 #include "atomflow/pdl.cuh"
 #include "atomflow/rmsnorm.cuh"
+#include "atomflow/rope.cuh"
 
 namespace atomflow::kernels {
 
@@ -42,6 +46,7 @@ constexpr int kQuantGroup = 128;
 // Weight bytes each warp prefetches into L2 while the previous kernel finishes: the grid holds
 // ~2100 warps, so ~17 MB in flight, well inside the 50 MB L2 next to the weights being read.
 constexpr int kGemvPrefetchBytes = 8192;
+constexpr int kMaxRopeHalf = 128;  // RopeKV: head_dim <= 256
 
 // x is stored as fp32 with a swizzle: chunk c (16 values = 4 float4) has its float4 i at
 // 4 c + (i ^ ((c >> 1) & 3)). Lanes read 64 B apart; without the swizzle every quarter-warp of a
@@ -74,6 +79,9 @@ static __device__ __forceinline__ void dot16x2(uint4 wa, uint4 wb, const float4*
   da = sa;
   db = sb;
 }
+
+// The kernel's epilogues: the public three, and RoPE + KV append for the fused QKV product.
+enum class Ep { Store, AddResidual, SwiGLU, RopeKV };
 
 // What the GEMV reads: 16-bit x (bf16 or fp16), or the fp32 residual stream to normalize.
 enum class In { BF16, F16, NORM };
@@ -113,80 +121,140 @@ static __device__ void stage_x(const void* x, const bf16* __restrict__ norm_w, f
   }
 }
 
-template <Epilogue EP, In IN>
-static __global__ void __launch_bounds__(kGemvThreads, 2)
-    gemv_w8a16_kernel(const uint8_t* __restrict__ w, const float* __restrict__ scales, const void* x,
-                      const bf16* __restrict__ norm_w, float eps, int N, int K, void* __restrict__ out) {
-  extern __shared__ float4 xs[];  // K fp32 values, swizzled (x_slot)
-  const int C = K / 16;           // 16-byte chunks per row
-  const int G = K / kQuantGroup;  // scale groups per row
-  const int lane = threadIdx.x % 32;
-  const int n_pairs = EP == Epilogue::SwiGLU ? N / 2 : CEIL_DIV(N, 2);
-  const int warp_stride = gridDim.x * kGemvWarps;
-  const int first_pair = blockIdx.x * kGemvWarps + threadIdx.x / 32;
+// One matrix product of a launch: y = W x with W [N, K] (+ scales), x as IN says, into out.
+struct Phase {
+  const uint8_t* w;
+  const float* scales;
+  const void* x;
+  const bf16* norm_w;  // In::NORM
+  int N, K;
+  void* out;
+};
 
-  // Row pair p: SwiGLU pairs gate row p with up row F + p; otherwise rows 2p and 2p + 1 (for odd
-  // N the last pair reads its one row twice and stores once).
-  auto rows_of = [&](int p, int& r0, int& r1) {
-    if constexpr (EP == Epilogue::SwiGLU) {
+// Which rows row pair p covers. SwiGLU pairs gate row p with up row F + p; RopeKV pairs (i, i + D/2)
+// of a q or k head, then consecutive v rows; otherwise rows 2p and 2p + 1 (for odd N the last
+// pair reads its one row twice and stores once). A row's sum does not depend on its partner.
+template <Ep EP>
+struct RowPairs {
+  int N, half, qk_pairs;
+  __device__ RowPairs(int n, const RopeKVArgs& rope) : N(n), half(rope.D / 2), qk_pairs((rope.H + rope.Hkv) * half) {}
+  __device__ int count() const { return EP == Ep::SwiGLU || EP == Ep::RopeKV ? N / 2 : CEIL_DIV(N, 2); }
+  __device__ void rows(int p, int& r0, int& r1) const {
+    if constexpr (EP == Ep::SwiGLU) {
       r0 = p;
       r1 = p + N / 2;
+    } else if constexpr (EP == Ep::RopeKV) {
+      if (p < qk_pairs) {
+        r0 = (p / half) * 2 * half + p % half;
+        r1 = r0 + half;
+      } else {
+        r0 = 2 * p;  // = (H + Hkv) * D + 2 (p - qk_pairs)
+        r1 = r0 + 1;
+      }
     } else {
       r0 = 2 * p;
       r1 = min(2 * p + 1, N - 1);
     }
-  };
+  }
+};
 
-  // Weights never depend on an earlier kernel: start this warp's first rows on their way to L2
-  // (up to kGemvPrefetchBytes) before waiting for the previous kernel (PDL) and staging x.
-  {
-    const int max_pairs = max(1, kGemvPrefetchBytes / (2 * K));
-    for (int i = 0, p = first_pair; i < max_pairs && p < n_pairs; ++i, p += warp_stride) {
-      int r0, r1;
-      rows_of(p, r0, r1);
-      for (int c = lane; c < C; c += 32) {
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(w + static_cast<size_t>(r0) * K + 16 * c));
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(w + static_cast<size_t>(r1) * K + 16 * c));
-      }
+// One iteration of a warp on a row pair: kGemvUnroll 16-byte chunks of each row per lane, with
+// their scales. All loads are issued before any math.
+struct Iter {
+  uint4 wa[kGemvUnroll], wb[kGemvUnroll];
+  float sa[kGemvUnroll], sb[kGemvUnroll];
+};
+
+static __device__ __forceinline__ void load_iter(Iter& it, const Phase& P, int r0, int r1, int c0, uint64_t policy) {
+  const int C = P.K / 16, G = P.K / kQuantGroup;
+  const uint8_t* w0 = P.w + static_cast<size_t>(r0) * P.K;
+  const uint8_t* w1 = P.w + static_cast<size_t>(r1) * P.K;
+  const float* s0 = P.scales + static_cast<size_t>(r0) * G;
+  const float* s1 = P.scales + static_cast<size_t>(r1) * G;
+#pragma unroll
+  for (int u = 0; u < kGemvUnroll; ++u) {
+    const int c = c0 + 32 * u;
+    if (c < C) {
+      it.wa[u] = ld_stream16(reinterpret_cast<const uint4*>(w0 + 16 * c), policy);
+      it.wb[u] = ld_stream16(reinterpret_cast<const uint4*>(w1 + 16 * c), policy);
+      it.sa[u] = __ldg(s0 + c / 8);
+      it.sb[u] = __ldg(s1 + c / 8);
     }
   }
-  pdl_launch_dependents();
-  pdl_wait();  // x (and, for AddResidual, out) come from earlier kernels
+}
 
-  __shared__ float red[kGemvWarps];
-  stage_x<IN>(x, norm_w, eps, K, xs, red);
-  __syncthreads();
+// Stage x into shared memory (fp32, swizzled): a copy of 16-bit x, or the RMSNorm of the fp32
+// residual stream rounded to fp16 exactly as rmsnorm.cu does (same 256-thread reduction tree).
+// Activations are read through L2 only (__ldcg): an earlier kernel wrote them (pdl.cuh).
+template <In IN>
+static __device__ void stage_x(const Phase& P, float eps, float4* xs, float* red) {
+  const int K = P.K;
+  float* xsf = reinterpret_cast<float*>(xs);
+  if constexpr (IN == In::NORM) {
+    const float* xf = static_cast<const float*>(P.x);
+    const float r = block_inv_rms<kGemvThreads>(xf, K, eps, red);
+    for (int i = threadIdx.x; i < K; i += kGemvThreads) {
+      const float v = __half2float(rmsnorm_value(__ldcg(xf + i), r, P.norm_w[i]));
+      xsf[4 * x_slot(i / 16, (i % 16) / 4) + i % 4] = v;
+    }
+  } else {
+    // 8 values per 16-byte load -> two float4 of chunk v / 2.
+    const uint4* x8 = static_cast<const uint4*>(P.x);
+    for (int v = threadIdx.x; v < K / 8; v += kGemvThreads) {
+      const uint4 raw = __ldcg(x8 + v);
+      float2 f0, f1, f2, f3;
+      if constexpr (IN == In::BF16) {
+        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+        f0 = __bfloat1622float2(h[0]), f1 = __bfloat1622float2(h[1]);
+        f2 = __bfloat1622float2(h[2]), f3 = __bfloat1622float2(h[3]);
+      } else {
+        const __half2* h = reinterpret_cast<const __half2*>(&raw);
+        f0 = __half22float2(h[0]), f1 = __half22float2(h[1]);
+        f2 = __half22float2(h[2]), f3 = __half22float2(h[3]);
+      }
+      const int c = v / 2, i = 2 * (v % 2);
+      xs[x_slot(c, i)] = make_float4(f0.x, f0.y, f1.x, f1.y);
+      xs[x_slot(c, i + 1)] = make_float4(f2.x, f2.y, f3.x, f3.y);
+    }
+  }
+}
 
-  for (int p = first_pair; p < n_pairs; p += warp_stride) {
+// RopeKV: cos / sin of the token's position for every frequency, into shared memory.
+struct RopeShared {
+  float cs[2 * kMaxRopeHalf];  // cos [half], then sin at kMaxRopeHalf
+  int pos;
+};
+
+static __device__ void stage_rope(const RopeKVArgs& rope, RopeShared& rs) {
+  const int p = *rope.pos;  // plain (coherent) load: the previous step wrote it
+  for (int i = threadIdx.x; i < rope.D / 2; i += kGemvThreads)
+    rope_cos_sin(p, rope.inv_freq[i], rs.cs[i], rs.cs[kMaxRopeHalf + i]);
+  if (threadIdx.x == 0) rs.pos = p;
+}
+
+// Every row pair of this warp (warps stride over pairs across the grid), x staged in xs.
+template <Ep EP>
+static __device__ void run_pairs(const Phase& P, const RopeKVArgs& rope, const RopeShared& rs, const float4* xs,
+                                 uint64_t policy) {
+  const int C = P.K / 16;
+  const int lane = threadIdx.x % 32;
+  const RowPairs<EP> pairs(P.N, rope);
+  const int n_pairs = pairs.count();
+  for (int p = blockIdx.x * kGemvWarps + threadIdx.x / 32; p < n_pairs; p += gridDim.x * kGemvWarps) {
     int r0, r1;
-    rows_of(p, r0, r1);
-    const uint8_t* w0 = w + static_cast<size_t>(r0) * K;
-    const uint8_t* w1 = w + static_cast<size_t>(r1) * K;
-    const float* s0 = scales + static_cast<size_t>(r0) * G;
-    const float* s1 = scales + static_cast<size_t>(r1) * G;
+    pairs.rows(p, r0, r1);
     float acc0 = 0.f, acc1 = 0.f;
     for (int c0 = lane; c0 < C; c0 += 32 * kGemvUnroll) {
-      // All loads of the iteration first (16 x 16 B of weights + 16 scales per lane), then the math.
-      uint4 wa[kGemvUnroll], wb[kGemvUnroll];
-      float sa[kGemvUnroll], sb[kGemvUnroll];
-#pragma unroll
-      for (int u = 0; u < kGemvUnroll; ++u) {
-        const int c = c0 + 32 * u;
-        if (c < C) {
-          wa[u] = ld_stream16(reinterpret_cast<const uint4*>(w0 + 16 * c));
-          wb[u] = ld_stream16(reinterpret_cast<const uint4*>(w1 + 16 * c));
-          sa[u] = __ldg(s0 + c / 8);
-          sb[u] = __ldg(s1 + c / 8);
-        }
-      }
+      Iter it;
+      load_iter(it, P, r0, r1, c0, policy);
 #pragma unroll
       for (int u = 0; u < kGemvUnroll; ++u) {
         const int c = c0 + 32 * u;
         if (c < C) {
           float da, db;
-          dot16x2(wa[u], wb[u], xs, c, da, db);
-          acc0 = fmaf(da, sa[u], acc0);
-          acc1 = fmaf(db, sb[u], acc1);
+          dot16x2(it.wa[u], it.wb[u], xs, c, da, db);
+          acc0 = fmaf(da, it.sa[u], acc0);
+          acc1 = fmaf(db, it.sb[u], acc1);
         }
       }
     }
@@ -195,30 +263,83 @@ static __global__ void __launch_bounds__(kGemvThreads, 2)
       acc0 += __shfl_xor_sync(0xffffffffu, acc0, off);
       acc1 += __shfl_xor_sync(0xffffffffu, acc1, off);
     }
-    if (lane == 0) {
-      if constexpr (EP == Epilogue::SwiGLU) {
-        const float silu = acc0 / (1.f + expf(-acc0));
-        static_cast<bf16*>(out)[p] = __float2bfloat16(silu * acc1);
-      } else {
-        float* o = static_cast<float*>(out);
-        const bool second = 2 * p + 1 < N;
-        if constexpr (EP == Epilogue::Store) {
-          o[r0] = acc0;
-          if (second) o[r1] = acc1;
-        } else {
-          o[r0] += acc0;
-          if (second) o[r1] += acc1;
+    if (lane != 0) continue;
+    if constexpr (EP == Ep::SwiGLU) {
+      const float silu = acc0 / (1.f + expf(-acc0));
+      static_cast<bf16*>(P.out)[p] = __float2bfloat16(silu * acc1);
+    } else if constexpr (EP == Ep::RopeKV) {
+      const int half = pairs.half;
+      const bool in_cache = rs.pos < rope.max_context;
+      const size_t cache_row = static_cast<size_t>(in_cache ? rs.pos : 0) * rope.Hkv * rope.D;
+      if (p < pairs.qk_pairs) {
+        const int head = p / half, i = p % half;
+        float o1, o2;
+        rope_rotate(acc0, acc1, rs.cs[i], rs.cs[kMaxRopeHalf + i], o1, o2);
+        bf16* dst = nullptr;
+        if (head < rope.H)
+          dst = rope.q_out + static_cast<size_t>(head) * rope.D;
+        else if (in_cache)
+          dst = rope.k_cache + cache_row + static_cast<size_t>(head - rope.H) * rope.D;
+        if (dst != nullptr) {
+          dst[i] = __float2bfloat16(o1);
+          dst[i + half] = __float2bfloat16(o2);
         }
+      } else if (in_cache) {
+        const int j = 2 * (p - pairs.qk_pairs);  // index into the v row
+        rope.v_cache[cache_row + j] = __float2bfloat16(acc0);
+        rope.v_cache[cache_row + j + 1] = __float2bfloat16(acc1);
+      }
+    } else {
+      float* o = static_cast<float*>(P.out);
+      const bool second = 2 * p + 1 < P.N;
+      if constexpr (EP == Ep::Store) {
+        o[r0] = acc0;
+        if (second) o[r1] = acc1;
+      } else {
+        o[r0] = __ldcg(o + r0) + acc0;
+        if (second) o[r1] = __ldcg(o + r1) + acc1;
       }
     }
   }
 }
 
+template <Ep EP, In IN>
+static __global__ void __launch_bounds__(kGemvThreads, 2)
+    gemv_w8a16_kernel(const Phase P, float eps, const RopeKVArgs rope) {
+  extern __shared__ float4 xs[];  // K fp32 values, swizzled (x_slot)
+  __shared__ float red[kGemvWarps];
+  __shared__ RopeShared rs;
+
+  // Weights never depend on an earlier kernel: start this warp's first rows on their way to L2
+  // (up to kGemvPrefetchBytes) before waiting for the previous kernel (PDL) and staging x.
+  {
+    const RowPairs<EP> pairs(P.N, rope);
+    const int C = P.K / 16, lane = threadIdx.x % 32;
+    const int max_pairs = max(1, kGemvPrefetchBytes / (2 * P.K));
+    int p = blockIdx.x * kGemvWarps + threadIdx.x / 32;
+    for (int i = 0; i < max_pairs && p < pairs.count(); ++i, p += gridDim.x * kGemvWarps) {
+      int r0, r1;
+      pairs.rows(p, r0, r1);
+      for (int c = lane; c < C; c += 32) {
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(P.w + static_cast<size_t>(r0) * P.K + 16 * c));
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(P.w + static_cast<size_t>(r1) * P.K + 16 * c));
+      }
+    }
+  }
+  pdl_launch_dependents();
+  pdl_wait();  // x (and, for AddResidual, out; for RopeKV, *pos) come from earlier kernels
+
+  if constexpr (EP == Ep::RopeKV) stage_rope(rope, rs);
+  stage_x<IN>(P, eps, xs, red);
+  __syncthreads();
+  run_pairs<EP>(P, rope, rs, xs, stream_policy());
+}
+
 // ---- launcher ----
 
-template <Epilogue EP, In IN>
+template <Ep EP, In IN>
 static void launch_gemv(const uint8_t* w, const float* scales, const void* x, const bf16* norm_w, float eps, int N,
-                        int K, void* out, cudaStream_t stream) {
+                        int K, void* out, const RopeKVArgs& rope, cudaStream_t stream) {
   const size_t smem = static_cast<size_t>(K) * sizeof(float);
   int device = 0, sms = 0, smem_optin = 0;
   AF_CUDA_CHECK(cudaGetDevice(&device));
@@ -235,27 +356,34 @@ static void launch_gemv(const uint8_t* w, const float* scales, const void* x, co
   AF_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_w8a16_kernel<EP, IN>, kGemvThreads,
                                                               smem));
   AF_CHECK(per_sm >= 1, "gemv_w8a16: kernel does not fit on an SM");
-  const int n_pairs = EP == Epilogue::SwiGLU ? N / 2 : CEIL_DIV(N, 2);
+  const int n_pairs = EP == Ep::SwiGLU || EP == Ep::RopeKV ? N / 2 : CEIL_DIV(N, 2);
   const int blocks = min(CEIL_DIV(n_pairs, kGemvWarps), sms * min(per_sm, 2));
-  af_launch(gemv_w8a16_kernel<EP, IN>, dim3(blocks), dim3(kGemvThreads), smem, stream, w, scales, x, norm_w, eps,
-            N, K, out);
+  const Phase P{w, scales, x, norm_w, N, K, out};
+  af_launch(gemv_w8a16_kernel<EP, IN>, dim3(blocks), dim3(kGemvThreads), smem, stream, P, eps, rope);
+}
+
+static void check_args(const uint8_t* w, const void* x, int N, int K) {
+  AF_CHECK(N >= 1 && K >= kQuantGroup, "gemv_w8a16: N must be >= 1 and K >= 128");
+  AF_CHECK(K % kQuantGroup == 0, "gemv_w8a16: K must be a multiple of 128 (the scale group)");
+  AF_CHECK(reinterpret_cast<uintptr_t>(w) % 16 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0,
+           "gemv_w8a16: w and x must be 16-byte aligned");
 }
 
 template <In IN>
 static void dispatch_gemv(const uint8_t* w, const float* scales, const void* x, const bf16* norm_w, float eps, int N,
                           int K, Epilogue ep, void* out, cudaStream_t stream) {
-  AF_CHECK(N >= 1 && K >= kQuantGroup, "gemv_w8a16: N must be >= 1 and K >= 128");
-  AF_CHECK(K % kQuantGroup == 0, "gemv_w8a16: K must be a multiple of 128 (the scale group)");
-  AF_CHECK(reinterpret_cast<uintptr_t>(w) % 16 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0,
-           "gemv_w8a16: w and x must be 16-byte aligned");
+  check_args(w, x, N, K);
+  const RopeKVArgs none{};
   switch (ep) {
-    case Epilogue::Store: launch_gemv<Epilogue::Store, IN>(w, scales, x, norm_w, eps, N, K, out, stream); break;
+    case Epilogue::Store:
+      launch_gemv<Ep::Store, IN>(w, scales, x, norm_w, eps, N, K, out, none, stream);
+      break;
     case Epilogue::AddResidual:
-      launch_gemv<Epilogue::AddResidual, IN>(w, scales, x, norm_w, eps, N, K, out, stream);
+      launch_gemv<Ep::AddResidual, IN>(w, scales, x, norm_w, eps, N, K, out, none, stream);
       break;
     case Epilogue::SwiGLU:
       AF_CHECK(N % 2 == 0, "gemv_w8a16: SwiGLU needs N = 2F (gate rows, then up rows)");
-      launch_gemv<Epilogue::SwiGLU, IN>(w, scales, x, norm_w, eps, N, K, out, stream);
+      launch_gemv<Ep::SwiGLU, IN>(w, scales, x, norm_w, eps, N, K, out, none, stream);
       break;
     default: AF_CHECK(false, "gemv_w8a16: unknown epilogue");
   }
@@ -273,6 +401,19 @@ void gemv_w8a16_rmsnorm(const uint8_t* w, const float* scales, const float* x, c
                         int K, Epilogue ep, void* out, cudaStream_t stream) {
   AF_CHECK(norm_w != nullptr, "gemv_w8a16_rmsnorm: needs the norm weight");
   dispatch_gemv<In::NORM>(w, scales, x, norm_w, eps, N, K, ep, out, stream);
+}
+
+void gemv_w8a16_rmsnorm_rope(const uint8_t* w, const float* scales, const float* x, const bf16* norm_w, float eps,
+                             int K, const RopeKVArgs& rope, cudaStream_t stream) {
+  AF_CHECK(norm_w != nullptr, "gemv_w8a16_rmsnorm_rope: needs the norm weight");
+  AF_CHECK(rope.H >= 1 && rope.Hkv >= 1 && rope.max_context >= 1, "gemv_w8a16_rmsnorm_rope: H, Hkv, max_context must be >= 1");
+  AF_CHECK(rope.D >= 2 && rope.D % 2 == 0 && rope.D / 2 <= kMaxRopeHalf,
+           "gemv_w8a16_rmsnorm_rope: head_dim must be even and <= 256");
+  AF_CHECK(rope.inv_freq && rope.pos && rope.q_out && rope.k_cache && rope.v_cache,
+           "gemv_w8a16_rmsnorm_rope: null pointer argument");
+  const int N = (rope.H + 2 * rope.Hkv) * rope.D;
+  check_args(w, x, N, K);
+  launch_gemv<Ep::RopeKV, In::NORM>(w, scales, x, norm_w, eps, N, K, nullptr, rope, stream);
 }
 
 }  // namespace atomflow::kernels

@@ -5,6 +5,7 @@
 // sandbox's paged cache (position and destination row given per token by the host).
 #include "atomflow/kernels.h"
 #include "atomflow/pdl.cuh"
+#include "atomflow/rope.cuh"
 
 namespace atomflow::kernels {
 
@@ -44,9 +45,7 @@ static __global__ void __launch_bounds__(kRopeThreads)
   // rotated into q_out but never written outside the cache.
   const long long dest = rows.row(m, p);
   for (int i = threadIdx.x; i < half; i += kRopeThreads) {
-    // Accurate sincosf, not __sinf: angles reach ~1e5 rad at long context.
-    const float angle = static_cast<float>(p) * inv_freq[i];
-    sincosf(angle, &cs[half + i], &cs[i]);
+    rope_cos_sin(p, inv_freq[i], cs[i], cs[half + i]);
   }
   __syncthreads();
 
@@ -59,9 +58,8 @@ static __global__ void __launch_bounds__(kRopeThreads)
   for (int idx = threadIdx.x; idx < (H + Hkv) * half; idx += kRopeThreads) {
     const int head = idx / half, i = idx % half;
     const float x1 = row[head * D + i], x2 = row[head * D + i + half];
-    const float c = cs[i], s = cs[half + i];
-    const float o1 = x1 * c - x2 * s;
-    const float o2 = x2 * c + x1 * s;
+    float o1, o2;
+    rope_rotate(x1, x2, cs[i], cs[half + i], o1, o2);
     if (head < H) {
       bf16* q = q_out + (static_cast<size_t>(m) * H + head) * D;
       q[i] = __float2bfloat16(o1);

@@ -12,17 +12,18 @@ static __global__ void __launch_bounds__(kStreamThreads)
     stream_read_kernel(const uint4* __restrict__ data, size_t n16, uint32_t* __restrict__ sink) {
   __shared__ uint32_t warp_x[kStreamThreads / 32];
   const size_t stride = static_cast<size_t>(gridDim.x) * kStreamThreads;
+  const uint64_t policy = stream_policy();
   uint32_t acc = 0;
   size_t i = static_cast<size_t>(blockIdx.x) * kStreamThreads + threadIdx.x;
   for (; i + (kStreamUnroll - 1) * stride < n16; i += kStreamUnroll * stride) {
     uint4 v[kStreamUnroll];
 #pragma unroll
-    for (int u = 0; u < kStreamUnroll; ++u) v[u] = ld_stream16(data + i + u * stride);
+    for (int u = 0; u < kStreamUnroll; ++u) v[u] = ld_stream16(data + i + u * stride, policy);
 #pragma unroll
     for (int u = 0; u < kStreamUnroll; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
   }
   for (; i < n16; i += stride) {
-    const uint4 v = ld_stream16(data + i);
+    const uint4 v = ld_stream16(data + i, policy);
     acc ^= v.x ^ v.y ^ v.z ^ v.w;
   }
 #pragma unroll

@@ -30,6 +30,14 @@ DeviceBuffer poisoned(size_t bytes) {
   return d;
 }
 
+// Attention scratch as the kernels require it (kernels.h): merge counters zeroed, the partials
+// poisoned so a merge that read one it did not write could not pass.
+DeviceBuffer attention_scratch(size_t bytes) {
+  DeviceBuffer d = poisoned(bytes);
+  k::attention_scratch_clear(d.get(), bytes, nullptr);
+  return d;
+}
+
 void sync() {
   AF_CUDA_CHECK(cudaGetLastError());
   AF_CUDA_CHECK(cudaDeviceSynchronize());
@@ -53,7 +61,7 @@ void run_attention_paged(const uint16_t* q, const uint16_t* k_pool, const uint16
   const size_t qbytes = static_cast<size_t>(B) * M * H * D * sizeof(bf16);
   DeviceBuffer dq = to_device(q, qbytes), dk = to_device(k_pool, pool), dv = to_device(v_pool, pool);
   DeviceBuffer dt = to_device(tables, sizeof(int32_t) * B * max_blocks), dl = to_device(lens, sizeof(int32_t) * B);
-  DeviceBuffer scratch = poisoned(k::attention_paged_scratch_bytes(B, M, H, D, max_blocks, block_size));
+  DeviceBuffer scratch = attention_scratch(k::attention_paged_scratch_bytes(B, M, H, D, max_blocks, block_size));
   DeviceBuffer dout = poisoned(qbytes);
   k::attention_paged(dq.get<bf16>(), dk.get<bf16>(), dv.get<bf16>(), dt.get<int32_t>(), dl.get<int32_t>(), B, M, H, Hkv,
                      D, block_size, num_blocks, max_blocks, scale, scratch.get(), dout.get<bf16>(), nullptr);
@@ -67,12 +75,30 @@ void run_attention_batched(const uint16_t* q, const uint16_t* k_cache, const uin
   const size_t qbytes = static_cast<size_t>(B) * M * H * D * sizeof(bf16);
   DeviceBuffer dq = to_device(q, qbytes), dk = to_device(k_cache, cache), dv = to_device(v_cache, cache);
   DeviceBuffer dl = to_device(lens, sizeof(int32_t) * B);
-  DeviceBuffer scratch = poisoned(k::attention_batched_scratch_bytes(B, M, H, D, capacity));
+  DeviceBuffer scratch = attention_scratch(k::attention_batched_scratch_bytes(B, M, H, D, capacity));
   DeviceBuffer dout = poisoned(qbytes);
   k::attention_batched(dq.get<bf16>(), dk.get<bf16>(), dv.get<bf16>(), dl.get<int32_t>(), B, M, H, Hkv, D, capacity,
                        scale, scratch.get(), dout.get<bf16>(), nullptr);
   sync();
   dout.download(out, qbytes);
+}
+
+void run_attention_batched_calls(const std::vector<BatchedAttentionCall>& calls, int H, int Hkv, int D, float scale) {
+  size_t bytes = 0;
+  for (const BatchedAttentionCall& c : calls)
+    bytes = std::max(bytes, k::attention_batched_scratch_bytes(c.B, c.M, H, D, c.capacity));
+  DeviceBuffer scratch = attention_scratch(bytes);
+  for (const BatchedAttentionCall& c : calls) {
+    const size_t cache = static_cast<size_t>(c.B) * c.capacity * Hkv * D * sizeof(bf16);
+    const size_t qbytes = static_cast<size_t>(c.B) * c.M * H * D * sizeof(bf16);
+    DeviceBuffer dq = to_device(c.q, qbytes), dk = to_device(c.k_cache, cache), dv = to_device(c.v_cache, cache);
+    DeviceBuffer dl = to_device(c.lens, sizeof(int32_t) * c.B);
+    DeviceBuffer dout = poisoned(qbytes);
+    k::attention_batched(dq.get<bf16>(), dk.get<bf16>(), dv.get<bf16>(), dl.get<int32_t>(), c.B, c.M, H, Hkv, D,
+                         c.capacity, scale, scratch.get(), dout.get<bf16>(), nullptr);
+    sync();
+    dout.download(c.out, qbytes);
+  }
 }
 
 void run_attention_contiguous(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache, int pos, int M,
@@ -81,7 +107,7 @@ void run_attention_contiguous(const uint16_t* q, const uint16_t* k_cache, const 
   const size_t qbytes = static_cast<size_t>(M) * H * D * sizeof(bf16);
   DeviceBuffer dq = to_device(q, qbytes), dk = to_device(k_cache, cache), dv = to_device(v_cache, cache);
   DeviceBuffer dpos = to_device(&pos, sizeof(int32_t));
-  DeviceBuffer scratch = poisoned(k::attention_scratch_bytes(M, H, D, capacity));
+  DeviceBuffer scratch = attention_scratch(k::attention_scratch_bytes(M, H, D, capacity));
   DeviceBuffer dout = poisoned(qbytes);
   k::attention(dq.get<bf16>(), dk.get<bf16>(), dv.get<bf16>(), dpos.get<int32_t>(), M, H, Hkv, D, capacity, scale,
                scratch.get(), dout.get<bf16>(), nullptr);
@@ -137,13 +163,13 @@ double time_attention(const std::string& layout, const std::vector<int32_t>& len
     if (B == 1) {  // the core's own launcher, at position len - 1
       const int32_t pos = lens[0] - 1;
       DeviceBuffer dpos = to_device(&pos, sizeof(pos));
-      DeviceBuffer scratch(k::attention_scratch_bytes(1, H, D, max_len));
+      DeviceBuffer scratch = attention_scratch(k::attention_scratch_bytes(1, H, D, max_len));
       return median_us([&](int i) {
         k::attention(q.get<bf16>(), k_at(i), k_at(i) + per_copy / 2, dpos.get<int32_t>(), 1, H, Hkv, D, max_len, scale,
                      scratch.get(), out.get<bf16>(), nullptr);
       }, iters, warmup);
     }
-    DeviceBuffer scratch(k::attention_batched_scratch_bytes(B, 1, H, D, max_len));
+    DeviceBuffer scratch = attention_scratch(k::attention_batched_scratch_bytes(B, 1, H, D, max_len));
     return median_us([&](int i) {
       k::attention_batched(q.get<bf16>(), k_at(i), k_at(i) + per_copy / 2, dlens.get<int32_t>(), B, 1, H, Hkv, D,
                            max_len, scale, scratch.get(), out.get<bf16>(), nullptr);
@@ -171,7 +197,7 @@ double time_attention(const std::string& layout, const std::vector<int32_t>& len
   kv.fill(0x3C);
   const bf16* k_pool = kv.get<bf16>();
   const bf16* v_pool = k_pool + static_cast<size_t>(num_blocks) * block_elems;
-  DeviceBuffer scratch(k::attention_paged_scratch_bytes(B, 1, H, D, max_blocks, block_size));
+  DeviceBuffer scratch = attention_scratch(k::attention_paged_scratch_bytes(B, 1, H, D, max_blocks, block_size));
   return median_us([&](int i) {
     k::attention_paged(q.get<bf16>(), k_pool, v_pool, dtables.get<int32_t>() + static_cast<size_t>(i % copies) * B * max_blocks,
                        dlens.get<int32_t>(), B, 1, H, Hkv, D, block_size, num_blocks, max_blocks, scale, scratch.get(),

@@ -19,6 +19,17 @@ void run_attention_paged(const uint16_t* q, const uint16_t* k_pool, const uint16
 // attention_batched: caches [B, capacity, Hkv, D].
 void run_attention_batched(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache, const int32_t* lens,
                            int B, int M, int H, int Hkv, int D, int capacity, float scale, uint16_t* out);
+// attention_batched, several calls in a row on ONE scratch (sized for the largest, cleared once), as
+// the engines call it: each call as run_attention_batched; H, Hkv and D shared.
+struct BatchedAttentionCall {
+  const uint16_t* q;
+  const uint16_t* k_cache;
+  const uint16_t* v_cache;
+  const int32_t* lens;
+  int B, M, capacity;
+  uint16_t* out;
+};
+void run_attention_batched_calls(const std::vector<BatchedAttentionCall>& calls, int H, int Hkv, int D, float scale);
 // attention (the core's launcher): caches [capacity, Hkv, D], queries at pos .. pos + M - 1.
 void run_attention_contiguous(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache, int pos, int M,
                               int H, int Hkv, int D, int capacity, float scale, uint16_t* out);

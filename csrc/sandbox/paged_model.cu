@@ -76,6 +76,7 @@ PagedModel::PagedModel(const ModelDims& dims, const PoolConfig& pool) : dims_(di
   inputs_ = DeviceBuffer(sizeof(int32_t) * input_ints_);
   AF_CUDA_CHECK(cudaMallocHost(&host_inputs_, sizeof(int32_t) * input_ints_));
   AF_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  k::attention_scratch_clear(scratch_.get(), scratch_.bytes(), stream_);  // on stream_: before any step's attention
   AF_CUDA_CHECK(cudaEventCreate(&ev_start_));
   AF_CUDA_CHECK(cudaEventCreate(&ev_stop_));
 }

@@ -46,8 +46,8 @@ enum class Epilogue : int {
   SwiGLU = 2,       // N = 2F, out bf16 [M, F]: out = silu(y[:, :F]) * y[:, F:]   (fused gate/up)
 };
 
-// M = 1 decode. K % 128 == 0. Weights read exactly once, streamed by the bulk-copy engine; the
-// first tiles are requested before the kernel waits for its predecessor (PDL).
+// M = 1 decode. K % 128 == 0. Weights read exactly once with 16-byte register loads; each warp
+// prefetches its first rows into L2 before the kernel waits for its predecessor (PDL).
 void gemv_w8a16(const uint8_t* w, const float* scales, const void* x, Act x_type, int N, int K,
                 Epilogue ep, void* out, cudaStream_t stream);
 // The same with RMSNorm fused into the prologue: the GEMV's input is
@@ -55,7 +55,19 @@ void gemv_w8a16(const uint8_t* w, const float* scales, const void* x, Act x_type
 // rmsnorm() followed by gemv_w8a16(..., Act::F16, ...), one launch and one round trip fewer).
 void gemv_w8a16_rmsnorm(const uint8_t* w, const float* scales, const float* x, const bf16* norm_w,
                         float eps, int N, int K, Epilogue ep, void* out, cudaStream_t stream);
-
+// The decode QKV product with RMSNorm in the prologue and RoPE + KV append in the epilogue: w is
+// the fused [(H + 2 Hkv) * D, K] qkv matrix; the output is what gemv_w8a16_rmsnorm(Store) followed
+// by rope_kv_append(M = 1) writes (q_out, the cache rows at *pos), bit-identical, in one launch.
+struct RopeKVArgs {
+  const float* inv_freq;  // [D / 2]
+  const int32_t* pos;     // device: the token's position (the cache row it fills)
+  int H, Hkv, D, max_context;
+  bf16* q_out;            // [H, D]
+  bf16* k_cache;          // [max_context, Hkv, D]
+  bf16* v_cache;
+};
+void gemv_w8a16_rmsnorm_rope(const uint8_t* w, const float* scales, const float* x, const bf16* norm_w,
+                             float eps, int K, const RopeKVArgs& rope, cudaStream_t stream);
 // M > 1 prefill on tensor cores (FP8 converted exactly to the activation's 16-bit type in the
 // main loop). x [M, K] of x_type.
 void gemm_w8a16(const uint8_t* w, const float* scales, const void* x, Act x_type, int M, int N, int K,
@@ -75,17 +87,25 @@ void rope_kv_append(const float* qkv, const float* inv_freq, const int32_t* pos,
 // attention_decode.cu: causal GQA attention over the contiguous cache, for decode (M = 1) and
 // prefill chunks (M > 1). Query m (at position *pos + m) attends to cache rows [0, *pos + m].
 //   q bf16 [M, H, D], caches bf16 [max_context, Hkv, D], out bf16 [M, H, D], scale = 1/sqrt(D).
-// Flash-decoding: the context is split across blocks (the grid is fixed by max_context, the
-// work per block is derived from *pos on the device), each K/V row is loaded once for all
-// H / Hkv query heads of its group, partials are merged by a second pass. D in {64, 128}.
+// Flash-decoding in one launch: the context is split across blocks (the grid is fixed by
+// max_context, the work per block is derived from *pos on the device), each K/V row is loaded once
+// for all H / Hkv query heads of its group, and the last block of each group to finish merges the
+// groups' partials. D in {64, 128}, Hkv <= 256.
+// Scratch contract (every attention entry point): the scratch starts with merge counters that
+// must be ZERO before the first call; every call leaves them zero again (nothing to do between
+// calls or graph replays, and calls of any B, M and capacity may share one scratch sized for the
+// largest). A caller that allocates its own scratch clears it once with attention_scratch_clear
+// (zeroes the counters only, on `stream`; the rest needs no initial value).
 size_t attention_scratch_bytes(int M, int H, int D, int max_context);
+void attention_scratch_clear(void* scratch, size_t scratch_bytes, cudaStream_t stream);
 void attention(const bf16* q, const bf16* k_cache, const bf16* v_cache, const int32_t* pos, int M,
                int H, int Hkv, int D, int max_context, float scale, void* scratch, bf16* out,
                cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------
-// Paged and batched decode attention (the sandbox, docs/SANDBOX.md): the same split + merge
-// kernels as attention() with another KV addressing policy (STYLE.md habit 11). B sequences, M
+// Paged and batched decode attention (the sandbox, docs/SANDBOX.md): the same kernel as
+// attention() with another KV addressing policy (STYLE.md habit 11), the same scratch contract
+// (attention_scratch_clear once after allocating). B sequences, M
 // query tokens each (decode: M = 1): q bf16 [B * M, H, D] (row b * M + m), out bf16 [B * M, H, D].
 // lens int32 [B] (device): the keys sequence b holds INCLUDING this call's M tokens, so its query m
 // sits at position lens[b] - M + m and sees keys [0, lens[b] - M + m]. Requires M <= lens[b].
