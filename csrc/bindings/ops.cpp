@@ -47,12 +47,6 @@ DeviceBuffer to_device(const py::array_t<T>& a) {
   return d;
 }
 
-DeviceBuffer poisoned(size_t bytes) {
-  DeviceBuffer d(bytes);
-  d.fill(0xFF);
-  return d;
-}
-
 DeviceBuffer device_int(int32_t v) {
   DeviceBuffer d(sizeof(int32_t));
   d.upload(&v, sizeof(v));
@@ -98,7 +92,7 @@ py::array_t<float> embedding(const py::array& table_, const py::array& tokens_) 
   const int M = static_cast<int>(tokens.shape(0));
   require(M >= 1, "tokens must not be empty");
   DeviceBuffer dt = to_device(table), dtok = to_device(tokens);
-  DeviceBuffer out = poisoned(sizeof(float) * M * d);
+  DeviceBuffer out = DeviceBuffer::poisoned(sizeof(float) * M * d);
   k::embedding(dt.get<bf16>(), dtok.get<int32_t>(), M, d, vocab, out.get<float>(), nullptr);
   sync();
   return to_host<float>(out, {M, d});
@@ -109,7 +103,7 @@ py::array_t<uint16_t> rmsnorm(const py::array& x_, const py::array& w_, float ep
   const int M = static_cast<int>(x.shape(0)), d = static_cast<int>(x.shape(1));
   auto w = arg<uint16_t>(w_, "w", {d});
   DeviceBuffer dx = to_device(x), dw = to_device(w);
-  DeviceBuffer out = poisoned(sizeof(f16) * M * d);
+  DeviceBuffer out = DeviceBuffer::poisoned(sizeof(f16) * M * d);
   k::rmsnorm(dx.get<float>(), dw.get<bf16>(), M, d, eps, out.get<f16>(), nullptr);
   sync();
   return to_host<uint16_t>(out, {M, d});
@@ -150,7 +144,7 @@ py::array linear(const py::array& w_, const py::array& s_, const py::array& x_, 
   } else {
     const size_t elem = ep == k::Epilogue::SwiGLU ? sizeof(bf16) : sizeof(float);
     const size_t cols = ep == k::Epilogue::SwiGLU ? N / 2 : N;
-    out = poisoned(elem * M * cols);
+    out = DeviceBuffer::poisoned(elem * M * cols);
   }
   if (gemm)
     k::gemm_w8a16(dw.get<uint8_t>(), ds.get<float>(), dx.get(), xt, M, N, K, ep, out.get(), nullptr);
@@ -176,7 +170,8 @@ py::array gemv_rmsnorm(const py::array& w_, const py::array& s_, const py::array
   require(add == !out_init_.is_none(), "out_init is required with AddResidual and only with it");
   DeviceBuffer dw = to_device(w), ds = to_device(s), dx = to_device(x), dn = to_device(nw);
   DeviceBuffer out = add ? to_device(arg<float>(out_init_.cast<py::array>(), "out_init", {N}))
-                         : poisoned(ep == k::Epilogue::SwiGLU ? sizeof(bf16) * (N / 2) : sizeof(float) * N);
+                         : DeviceBuffer::poisoned(ep == k::Epilogue::SwiGLU ? sizeof(bf16) * (N / 2)
+                                                                           : sizeof(float) * N);
   k::gemv_w8a16_rmsnorm(dw.get<uint8_t>(), ds.get<float>(), dx.get<float>(), dn.get<bf16>(), eps, N, K, ep, out.get(),
                         nullptr);
   sync();
@@ -196,7 +191,7 @@ py::tuple rope_kv_append(const py::array& qkv_, const py::array& inv_freq_, int 
   require(M >= 1 && pos >= 0, "need at least one token and pos >= 0");
   DeviceBuffer dqkv = to_device(qkv), dfreq = to_device(inv_freq), dk = to_device(kc), dv = to_device(vc);
   DeviceBuffer dpos = device_int(pos);
-  DeviceBuffer q = poisoned(sizeof(bf16) * M * H * D);
+  DeviceBuffer q = DeviceBuffer::poisoned(sizeof(bf16) * M * H * D);
   k::rope_kv_append(dqkv.get<float>(), dfreq.get<float>(), dpos.get<int32_t>(), M, H, Hkv, D, C, q.get<bf16>(),
                     dk.get<bf16>(), dv.get<bf16>(), nullptr);
   sync();
@@ -224,10 +219,11 @@ py::tuple gemv_rmsnorm_rope(const py::array& w_, const py::array& s_, const py::
   require(pos >= 0, "need pos >= 0");
   DeviceBuffer dw = to_device(w), ds = to_device(s), dx = to_device(x), dn = to_device(nw);
   DeviceBuffer dfreq = to_device(inv_freq), dk = to_device(kc), dv = to_device(vc), dpos = device_int(pos);
-  DeviceBuffer q = poisoned(sizeof(bf16) * H * D);
+  DeviceBuffer q = DeviceBuffer::poisoned(sizeof(bf16) * H * D);
   const k::RopeKVArgs rope{dfreq.get<float>(), dpos.get<int32_t>(), H, Hkv, D, C, q.get<bf16>(), dk.get<bf16>(),
                            dv.get<bf16>()};
-  k::gemv_w8a16_rmsnorm_rope(dw.get<uint8_t>(), ds.get<float>(), dx.get<float>(), dn.get<bf16>(), eps, K, rope, nullptr);
+  k::gemv_w8a16_rmsnorm_rope(dw.get<uint8_t>(), ds.get<float>(), dx.get<float>(), dn.get<bf16>(), eps, K, rope,
+                             nullptr);
   sync();
   return py::make_tuple(to_host<uint16_t>(q, {H, D}), to_host<uint16_t>(dk, {C, Hkv, D}),
                         to_host<uint16_t>(dv, {C, Hkv, D}));
@@ -243,9 +239,9 @@ py::array_t<uint16_t> attention(const py::array& q_, const py::array& k_cache_, 
   require(M >= 1 && pos >= 0 && pos + M <= C, "need M >= 1, pos >= 0 and pos + M <= cache rows");
   const float scale = scale_.is_none() ? 1.0f / std::sqrt(static_cast<float>(D)) : scale_.cast<float>();
   DeviceBuffer dq = to_device(q), dk = to_device(kc), dv = to_device(vc), dpos = device_int(pos);
-  DeviceBuffer scratch = poisoned(k::attention_scratch_bytes(M, H, D, C));  // the partials stay poisoned
+  DeviceBuffer scratch = DeviceBuffer::poisoned(k::attention_scratch_bytes(M, H, D, C));  // the partials stay poisoned
   k::attention_scratch_clear(scratch.get(), scratch.bytes(), nullptr);
-  DeviceBuffer out = poisoned(sizeof(bf16) * M * H * D);
+  DeviceBuffer out = DeviceBuffer::poisoned(sizeof(bf16) * M * H * D);
   k::attention(dq.get<bf16>(), dk.get<bf16>(), dv.get<bf16>(), dpos.get<int32_t>(), M, H, Hkv, D, C, scale, scratch.get(),
                out.get<bf16>(), nullptr);
   sync();
@@ -265,7 +261,7 @@ py::array_t<int32_t> sample_seeds(const py::array& logits_, float temperature, i
   DeviceBuffer dcfg(sizeof(k::SamplingConfig) * n);
   dcfg.upload(cfg.data(), dcfg.bytes());
   DeviceBuffer scratch(k::sampling_scratch_bytes(vocab));
-  DeviceBuffer out = poisoned(sizeof(int32_t) * n);
+  DeviceBuffer out = DeviceBuffer::poisoned(sizeof(int32_t) * n);
   for (int i = 0; i < n; ++i)
     k::sample(dl.get<float>(), vocab, dcfg.get<k::SamplingConfig>() + i, dpos.get<int32_t>(), scratch.get(),
               out.get<int32_t>() + i, nullptr);

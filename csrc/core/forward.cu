@@ -39,15 +39,23 @@ void Engine::enqueue_layers(int rows) {
     NvtxRange layer_range(layer_names_[i].c_str());
     {
       NvtxRange r("attention_block");
-      normed_linear(L.attn_norm, "attn_norm", li, L.wqkv, L.wqkv_scale, rows, s.qkv_dim(), Epilogue::Store,
-                    buf_.qkv);
-      mark("gemv_qkv+norm", li);
-      kernels::rope_kv_append(buf_.qkv, buf_.inv_freq, buf_.pos, rows, H, Hkv, D, C, buf_.q, L.k_cache, L.v_cache,
-                              stream_);
-      mark("rope_kv_append", li);
+      if (rows == 1 && !probe_) {
+        // RMSNorm -> QKV -> RoPE + KV append in one launch (bit-identical to the three kernels).
+        const kernels::RopeKVArgs rope{buf_.inv_freq, buf_.pos, H, Hkv, D, C, buf_.q, L.k_cache, L.v_cache};
+        kernels::gemv_w8a16_rmsnorm_rope(L.wqkv, L.wqkv_scale, buf_.x, L.attn_norm, s.rms_norm_eps, d, rope,
+                                         stream_);
+        mark("gemv_qkv+norm+rope", li);
+      } else {
+        normed_linear(L.attn_norm, "attn_norm", li, L.wqkv, L.wqkv_scale, rows, s.qkv_dim(), Epilogue::Store,
+                      buf_.qkv);
+        mark("gemv_qkv+norm", li);
+        kernels::rope_kv_append(buf_.qkv, buf_.inv_freq, buf_.pos, rows, H, Hkv, D, C, buf_.q, L.k_cache,
+                                L.v_cache, stream_);
+        mark("rope_kv_append", li);
+      }
       kernels::attention(buf_.q, L.k_cache, L.v_cache, buf_.pos, rows, H, Hkv, D, C, scale, buf_.attn_scratch,
                          buf_.attn_out, stream_);
-      mark("attention", li);  // split + merge kernels: one entry
+      mark("attention", li);
       if (probe_) probe_snapshot(rows);
       linear(L.wo, L.wo_scale, buf_.attn_out, kernels::Act::BF16, rows, d, s.q_dim(), Epilogue::AddResidual, buf_.x,
              stream_);
@@ -69,34 +77,6 @@ void Engine::enqueue_layers(int rows) {
       probe_point("mlp_out", li, ProbeSrc::X_DELTA, rows);
       probe_point("layer_out", li, ProbeSrc::X, rows);
     }
-  }
-}
-
-// One token through every layer: enqueue_layers(1)'s arithmetic with RoPE + KV append fused into
-// the QKV GEMV's epilogue (one launch and one round trip fewer per layer).
-void Engine::enqueue_decode_layers() {
-  const ModelSpec& s = spec_;
-  const int d = s.hidden_size, f = s.intermediate_size;
-  const int H = s.num_heads, Hkv = s.num_kv_heads, D = s.head_dim, C = opt_.max_context;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  for (size_t i = 0; i < buf_.layers.size(); ++i) {
-    const LayerPtrs& L = buf_.layers[i];
-    const int li = static_cast<int>(i);
-    NvtxRange layer_range(layer_names_[i].c_str());
-    const kernels::RopeKVArgs rope{buf_.inv_freq, buf_.pos, H, Hkv, D, C, buf_.q, L.k_cache, L.v_cache};
-    kernels::gemv_w8a16_rmsnorm_rope(L.wqkv, L.wqkv_scale, buf_.x, L.attn_norm, s.rms_norm_eps, d, rope, stream_);
-    mark("gemv_qkv+norm+rope", li);
-    kernels::attention(buf_.q, L.k_cache, L.v_cache, buf_.pos, 1, H, Hkv, D, C, scale, buf_.attn_scratch,
-                       buf_.attn_out, stream_);
-    mark("attention", li);
-    kernels::gemv_w8a16(L.wo, L.wo_scale, buf_.attn_out, kernels::Act::BF16, d, s.q_dim(), Epilogue::AddResidual,
-                        buf_.x, stream_);
-    mark("gemv_o", li);
-    kernels::gemv_w8a16_rmsnorm(L.w13, L.w13_scale, buf_.x, L.mlp_norm, s.rms_norm_eps, 2 * f, d, Epilogue::SwiGLU,
-                                buf_.ffn, stream_);
-    mark("gemv_gate_up+norm", li);
-    kernels::gemv_w8a16(L.w2, L.w2_scale, buf_.ffn, kernels::Act::BF16, d, f, Epilogue::AddResidual, buf_.x, stream_);
-    mark("gemv_down", li);
   }
 }
 
@@ -141,10 +121,7 @@ void Engine::enqueue_decode_step() {
   const int d = spec_.hidden_size, vocab = spec_.vocab_size;
   kernels::embedding(buf_.embed, buf_.token, 1, d, vocab, buf_.x, stream_);
   mark("embedding", -1);
-  if (probe_)
-    enqueue_layers(1);  // probes see every intermediate, one kernel per op
-  else
-    enqueue_decode_layers();
+  enqueue_layers(1);
   enqueue_head(0);
   mark("lm_head", -1);  // the final RMSNorm is fused into it (or its own launch with a bf16 head)
   // The embedding above has read *token, so the sample may overwrite it with the next input.

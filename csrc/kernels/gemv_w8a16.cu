@@ -86,43 +86,8 @@ enum class Ep { Store, AddResidual, SwiGLU, RopeKV };
 // What the GEMV reads: 16-bit x (bf16 or fp16), or the fp32 residual stream to normalize.
 enum class In { BF16, F16, NORM };
 
-// Stage x into shared memory (fp32, swizzled): a copy of 16-bit x, or the RMSNorm of the fp32
-// residual stream rounded to fp16 exactly as rmsnorm.cu does (same 256-thread reduction tree).
-template <In IN>
-static __device__ void stage_x(const void* x, const bf16* __restrict__ norm_w, float eps, int K, float4* xs,
-                               float* red) {
-  float* xsf = reinterpret_cast<float*>(xs);
-  if constexpr (IN == In::NORM) {
-    const float* xf = static_cast<const float*>(x);
-    const float r = block_inv_rms<kGemvThreads>(xf, K, eps, red);
-    for (int i = threadIdx.x; i < K; i += kGemvThreads) {
-      const float v = __half2float(rmsnorm_value(xf[i], r, norm_w[i]));
-      xsf[4 * x_slot(i / 16, (i % 16) / 4) + i % 4] = v;
-    }
-  } else {
-    // 8 values per 16-byte load -> two float4 of chunk v / 2.
-    const uint4* x8 = static_cast<const uint4*>(x);
-    for (int v = threadIdx.x; v < K / 8; v += kGemvThreads) {
-      const uint4 raw = __ldcg(x8 + v);  // x comes from the previous kernel: coherent load (pdl.cuh)
-      float2 f0, f1, f2, f3;
-      if constexpr (IN == In::BF16) {
-        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
-        f0 = __bfloat1622float2(h[0]), f1 = __bfloat1622float2(h[1]);
-        f2 = __bfloat1622float2(h[2]), f3 = __bfloat1622float2(h[3]);
-      } else {
-        const __half2* h = reinterpret_cast<const __half2*>(&raw);
-        f0 = __half22float2(h[0]), f1 = __half22float2(h[1]);
-        f2 = __half22float2(h[2]), f3 = __half22float2(h[3]);
-      }
-      const int c = v / 2, i = 2 * (v % 2);
-      xs[x_slot(c, i)] = make_float4(f0.x, f0.y, f1.x, f1.y);
-      xs[x_slot(c, i + 1)] = make_float4(f2.x, f2.y, f3.x, f3.y);
-    }
-  }
-}
-
-// One matrix product of a launch: y = W x with W [N, K] (+ scales), x as IN says, into out.
-struct Phase {
+// One matrix product: y = W x with W [N, K] (+ scales), x as IN says, into out.
+struct Product {
   const uint8_t* w;
   const float* scales;
   const void* x;
@@ -165,7 +130,7 @@ struct Iter {
   float sa[kGemvUnroll], sb[kGemvUnroll];
 };
 
-static __device__ __forceinline__ void load_iter(Iter& it, const Phase& P, int r0, int r1, int c0, uint64_t policy) {
+static __device__ __forceinline__ void load_iter(Iter& it, const Product& P, int r0, int r1, int c0, uint64_t policy) {
   const int C = P.K / 16, G = P.K / kQuantGroup;
   const uint8_t* w0 = P.w + static_cast<size_t>(r0) * P.K;
   const uint8_t* w1 = P.w + static_cast<size_t>(r1) * P.K;
@@ -185,23 +150,22 @@ static __device__ __forceinline__ void load_iter(Iter& it, const Phase& P, int r
 
 // Stage x into shared memory (fp32, swizzled): a copy of 16-bit x, or the RMSNorm of the fp32
 // residual stream rounded to fp16 exactly as rmsnorm.cu does (same 256-thread reduction tree).
-// Activations are read through L2 only (__ldcg): an earlier kernel wrote them (pdl.cuh).
 template <In IN>
-static __device__ void stage_x(const Phase& P, float eps, float4* xs, float* red) {
+static __device__ void stage_x(const Product& P, float eps, float4* xs, float* red) {
   const int K = P.K;
   float* xsf = reinterpret_cast<float*>(xs);
   if constexpr (IN == In::NORM) {
     const float* xf = static_cast<const float*>(P.x);
     const float r = block_inv_rms<kGemvThreads>(xf, K, eps, red);
     for (int i = threadIdx.x; i < K; i += kGemvThreads) {
-      const float v = __half2float(rmsnorm_value(__ldcg(xf + i), r, P.norm_w[i]));
+      const float v = __half2float(rmsnorm_value(xf[i], r, P.norm_w[i]));
       xsf[4 * x_slot(i / 16, (i % 16) / 4) + i % 4] = v;
     }
   } else {
     // 8 values per 16-byte load -> two float4 of chunk v / 2.
     const uint4* x8 = static_cast<const uint4*>(P.x);
     for (int v = threadIdx.x; v < K / 8; v += kGemvThreads) {
-      const uint4 raw = __ldcg(x8 + v);
+      const uint4 raw = __ldcg(x8 + v);  // x comes from the previous kernel: coherent load (pdl.cuh)
       float2 f0, f1, f2, f3;
       if constexpr (IN == In::BF16) {
         const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
@@ -234,7 +198,7 @@ static __device__ void stage_rope(const RopeKVArgs& rope, RopeShared& rs) {
 
 // Every row pair of this warp (warps stride over pairs across the grid), x staged in xs.
 template <Ep EP>
-static __device__ void run_pairs(const Phase& P, const RopeKVArgs& rope, const RopeShared& rs, const float4* xs,
+static __device__ void run_pairs(const Product& P, const RopeKVArgs& rope, const RopeShared& rs, const float4* xs,
                                  uint64_t policy) {
   const int C = P.K / 16;
   const int lane = threadIdx.x % 32;
@@ -296,8 +260,8 @@ static __device__ void run_pairs(const Phase& P, const RopeKVArgs& rope, const R
         o[r0] = acc0;
         if (second) o[r1] = acc1;
       } else {
-        o[r0] = __ldcg(o + r0) + acc0;
-        if (second) o[r1] = __ldcg(o + r1) + acc1;
+        o[r0] += acc0;
+        if (second) o[r1] += acc1;
       }
     }
   }
@@ -305,7 +269,7 @@ static __device__ void run_pairs(const Phase& P, const RopeKVArgs& rope, const R
 
 template <Ep EP, In IN>
 static __global__ void __launch_bounds__(kGemvThreads, 2)
-    gemv_w8a16_kernel(const Phase P, float eps, const RopeKVArgs rope) {
+    gemv_w8a16_kernel(const Product P, float eps, const RopeKVArgs rope) {
   extern __shared__ float4 xs[];  // K fp32 values, swizzled (x_slot)
   __shared__ float red[kGemvWarps];
   __shared__ RopeShared rs;
@@ -358,7 +322,7 @@ static void launch_gemv(const uint8_t* w, const float* scales, const void* x, co
   AF_CHECK(per_sm >= 1, "gemv_w8a16: kernel does not fit on an SM");
   const int n_pairs = EP == Ep::SwiGLU || EP == Ep::RopeKV ? N / 2 : CEIL_DIV(N, 2);
   const int blocks = min(CEIL_DIV(n_pairs, kGemvWarps), sms * min(per_sm, 2));
-  const Phase P{w, scales, x, norm_w, N, K, out};
+  const Product P{w, scales, x, norm_w, N, K, out};
   af_launch(gemv_w8a16_kernel<EP, IN>, dim3(blocks), dim3(kGemvThreads), smem, stream, P, eps, rope);
 }
 
@@ -406,7 +370,8 @@ void gemv_w8a16_rmsnorm(const uint8_t* w, const float* scales, const float* x, c
 void gemv_w8a16_rmsnorm_rope(const uint8_t* w, const float* scales, const float* x, const bf16* norm_w, float eps,
                              int K, const RopeKVArgs& rope, cudaStream_t stream) {
   AF_CHECK(norm_w != nullptr, "gemv_w8a16_rmsnorm_rope: needs the norm weight");
-  AF_CHECK(rope.H >= 1 && rope.Hkv >= 1 && rope.max_context >= 1, "gemv_w8a16_rmsnorm_rope: H, Hkv, max_context must be >= 1");
+  AF_CHECK(rope.H >= 1 && rope.Hkv >= 1 && rope.max_context >= 1,
+           "gemv_w8a16_rmsnorm_rope: H, Hkv, max_context must be >= 1");
   AF_CHECK(rope.D >= 2 && rope.D % 2 == 0 && rope.D / 2 <= kMaxRopeHalf,
            "gemv_w8a16_rmsnorm_rope: head_dim must be even and <= 256");
   AF_CHECK(rope.inv_freq && rope.pos && rope.q_out && rope.k_cache && rope.v_cache,

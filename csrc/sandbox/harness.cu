@@ -24,16 +24,10 @@ DeviceBuffer to_device(const void* src, size_t bytes) {
   return d;
 }
 
-DeviceBuffer poisoned(size_t bytes) {
-  DeviceBuffer d(bytes);
-  d.fill(0xFF);
-  return d;
-}
-
 // Attention scratch as the kernels require it (kernels.h): merge counters zeroed, the partials
 // poisoned so a merge that read one it did not write could not pass.
 DeviceBuffer attention_scratch(size_t bytes) {
-  DeviceBuffer d = poisoned(bytes);
+  DeviceBuffer d = DeviceBuffer::poisoned(bytes);
   k::attention_scratch_clear(d.get(), bytes, nullptr);
   return d;
 }
@@ -62,23 +56,9 @@ void run_attention_paged(const uint16_t* q, const uint16_t* k_pool, const uint16
   DeviceBuffer dq = to_device(q, qbytes), dk = to_device(k_pool, pool), dv = to_device(v_pool, pool);
   DeviceBuffer dt = to_device(tables, sizeof(int32_t) * B * max_blocks), dl = to_device(lens, sizeof(int32_t) * B);
   DeviceBuffer scratch = attention_scratch(k::attention_paged_scratch_bytes(B, M, H, D, max_blocks, block_size));
-  DeviceBuffer dout = poisoned(qbytes);
+  DeviceBuffer dout = DeviceBuffer::poisoned(qbytes);
   k::attention_paged(dq.get<bf16>(), dk.get<bf16>(), dv.get<bf16>(), dt.get<int32_t>(), dl.get<int32_t>(), B, M, H, Hkv,
                      D, block_size, num_blocks, max_blocks, scale, scratch.get(), dout.get<bf16>(), nullptr);
-  sync();
-  dout.download(out, qbytes);
-}
-
-void run_attention_batched(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache, const int32_t* lens,
-                           int B, int M, int H, int Hkv, int D, int capacity, float scale, uint16_t* out) {
-  const size_t cache = static_cast<size_t>(B) * capacity * Hkv * D * sizeof(bf16);
-  const size_t qbytes = static_cast<size_t>(B) * M * H * D * sizeof(bf16);
-  DeviceBuffer dq = to_device(q, qbytes), dk = to_device(k_cache, cache), dv = to_device(v_cache, cache);
-  DeviceBuffer dl = to_device(lens, sizeof(int32_t) * B);
-  DeviceBuffer scratch = attention_scratch(k::attention_batched_scratch_bytes(B, M, H, D, capacity));
-  DeviceBuffer dout = poisoned(qbytes);
-  k::attention_batched(dq.get<bf16>(), dk.get<bf16>(), dv.get<bf16>(), dl.get<int32_t>(), B, M, H, Hkv, D, capacity,
-                       scale, scratch.get(), dout.get<bf16>(), nullptr);
   sync();
   dout.download(out, qbytes);
 }
@@ -93,12 +73,17 @@ void run_attention_batched_calls(const std::vector<BatchedAttentionCall>& calls,
     const size_t qbytes = static_cast<size_t>(c.B) * c.M * H * D * sizeof(bf16);
     DeviceBuffer dq = to_device(c.q, qbytes), dk = to_device(c.k_cache, cache), dv = to_device(c.v_cache, cache);
     DeviceBuffer dl = to_device(c.lens, sizeof(int32_t) * c.B);
-    DeviceBuffer dout = poisoned(qbytes);
+    DeviceBuffer dout = DeviceBuffer::poisoned(qbytes);
     k::attention_batched(dq.get<bf16>(), dk.get<bf16>(), dv.get<bf16>(), dl.get<int32_t>(), c.B, c.M, H, Hkv, D,
                          c.capacity, scale, scratch.get(), dout.get<bf16>(), nullptr);
     sync();
     dout.download(c.out, qbytes);
   }
+}
+
+void run_attention_batched(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache, const int32_t* lens,
+                           int B, int M, int H, int Hkv, int D, int capacity, float scale, uint16_t* out) {
+  run_attention_batched_calls({BatchedAttentionCall{q, k_cache, v_cache, lens, B, M, capacity, out}}, H, Hkv, D, scale);
 }
 
 void run_attention_contiguous(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache, int pos, int M,
@@ -108,7 +93,7 @@ void run_attention_contiguous(const uint16_t* q, const uint16_t* k_cache, const 
   DeviceBuffer dq = to_device(q, qbytes), dk = to_device(k_cache, cache), dv = to_device(v_cache, cache);
   DeviceBuffer dpos = to_device(&pos, sizeof(int32_t));
   DeviceBuffer scratch = attention_scratch(k::attention_scratch_bytes(M, H, D, capacity));
-  DeviceBuffer dout = poisoned(qbytes);
+  DeviceBuffer dout = DeviceBuffer::poisoned(qbytes);
   k::attention(dq.get<bf16>(), dk.get<bf16>(), dv.get<bf16>(), dpos.get<int32_t>(), M, H, Hkv, D, capacity, scale,
                scratch.get(), dout.get<bf16>(), nullptr);
   sync();
@@ -122,7 +107,7 @@ void run_rope_slots(const float* qkv, const float* inv_freq, const int32_t* posi
   DeviceBuffer df = to_device(inv_freq, sizeof(float) * D / 2);
   DeviceBuffer dp = to_device(positions, sizeof(int32_t) * M), ds = to_device(slots, sizeof(int32_t) * M);
   DeviceBuffer dk = to_device(k_pool, pool), dv = to_device(v_pool, pool);
-  DeviceBuffer dq = poisoned(sizeof(bf16) * M * H * D);
+  DeviceBuffer dq = DeviceBuffer::poisoned(sizeof(bf16) * M * H * D);
   k::rope_kv_append_slots(dqkv.get<float>(), df.get<float>(), dp.get<int32_t>(), ds.get<int32_t>(), M, H, Hkv, D,
                           num_slots, dq.get<bf16>(), dk.get<bf16>(), dv.get<bf16>(), nullptr);
   sync();
@@ -133,7 +118,7 @@ void run_rope_slots(const float* qkv, const float* inv_freq, const int32_t* posi
 
 void run_argmax_rows(const float* logits, int L, int vocab, int32_t* tokens) {
   DeviceBuffer dl = to_device(logits, sizeof(float) * L * vocab);
-  DeviceBuffer dt = poisoned(sizeof(int32_t) * L);
+  DeviceBuffer dt = DeviceBuffer::poisoned(sizeof(int32_t) * L);
   argmax_rows(dl.get<float>(), L, vocab, dt.get<int32_t>(), nullptr);
   sync();
   dt.download(tokens, sizeof(int32_t) * L);

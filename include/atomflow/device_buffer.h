@@ -42,6 +42,12 @@ class DeviceBuffer {
   void fill(unsigned char value) {
     if (bytes_) AF_CUDA_CHECK(cudaMemset(ptr_, value, bytes_));
   }
+  // A test output: every byte 0xFF (NaN as floats), so anything a kernel fails to write shows.
+  static DeviceBuffer poisoned(size_t bytes) {
+    DeviceBuffer d(bytes);
+    d.fill(0xFF);
+    return d;
+  }
 
  private:
   void* ptr_ = nullptr;

@@ -11,10 +11,7 @@ template <int THREADS>
 __device__ __forceinline__ float block_inv_rms(const float* x, int d, float eps, float* red) {
   static_assert(THREADS % 32 == 0 && THREADS <= 1024, "whole warps, one block");
   float ss = 0.f;
-  for (int i = threadIdx.x; i < d; i += THREADS) {
-    const float v = __ldcg(x + i);  // through L2: another kernel, or another SM, wrote x
-    ss = fmaf(v, v, ss);
-  }
+  for (int i = threadIdx.x; i < d; i += THREADS) ss = fmaf(x[i], x[i], ss);
 #pragma unroll
   for (int off = 16; off > 0; off /= 2) ss += __shfl_xor_sync(0xffffffffu, ss, off);
   if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = ss;
