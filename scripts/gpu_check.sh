@@ -16,6 +16,8 @@ if ! python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.lo
   tail -40 "$OUT/build.log"; echo "gpu_check: build failed (log: $OUT/build.log)"; exit 1
 fi
 grep -E "registers|spill|bytes stack" "$OUT/build.log" > "$OUT/ptxas.txt" 2>/dev/null
+echo "== GEMV machine code"
+python3 tools/sass_check.py 2>&1 | tail -3
 
 rc=0
 if [ "${SKIP_TESTS:-0}" != "1" ]; then

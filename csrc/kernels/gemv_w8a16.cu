@@ -11,9 +11,9 @@
 //    rows 2p and 2p + 1; the x values each lane reads from shared memory serve both rows.
 //  - Blocks are persistent-style: the grid is min(work, what fits on the SMs) and warps stride over
 //    row pairs, so x (16-bit [K] -> fp32 in shared memory) is staged once per block, not per pair.
-//  - Weights depend on no earlier kernel: each warp prefetches its first rows into L2 BEFORE it
-//    waits for the previous kernel (PDL, pdl.cuh), so the first DRAM round trip overlaps the
-//    previous kernel's tail and the x staging.
+//  - Weights depend on no earlier kernel: each warp loads the first iteration of its first row
+//    pair into registers BEFORE it waits for the previous kernel (PDL, pdl.cuh), so that DRAM
+//    round trip overlaps the previous kernel's tail and the x staging (-1 to -2.5 us per GEMV).
 //  - Fused RMSNorm (gemv_w8a16_rmsnorm): x is the fp32 residual stream; the block computes the
 //    norm with the rmsnorm kernel's exact arithmetic and reduction tree, so the result is
 //    bit-identical to rmsnorm() + gemv_w8a16(Act::F16), with one launch and one round trip fewer.
@@ -25,9 +25,18 @@
 //  - Per weight byte the SM array can afford only ~8 lane-instructions at HBM speed; per 16 bytes
 //    and row we spend 8 cvt (packed e4m3x2 -> f16x2), 16 f16 -> f32, 16 FMA, 2 shared loads (shared
 //    with the other row) and ~3 for the scale and addressing: ~3 instructions per byte.
-//  (Tried and measured slower, docs/PERF.md 2026-11-20: weights through a cp.async.bulk ring into
-//  shared memory, 1 block per SM (34% of the stream ceiling); the first iteration's loads into
-//  registers before the PDL wait (64% on lm_head against 95% here).)
+//  (Tried and measured slower, docs/PERF.md 2026-11-20/21: weights through a cp.async.bulk ring
+//  into shared memory, 1 block per SM (34% of the stream ceiling); an L2 prefetch of the first
+//  rows before the PDL wait (slightly slower than none); a two-slot rolling register pipeline.)
+//
+// The compiler and the weight loads: every weight load of the kernel shares ONE scoreboard, and
+// an instruction that waits for any of them waits for all. Two consequences, both seen in the
+// SASS and measured (lm_head at 62% of the ceiling instead of 95%): math must never wait for an
+// iteration while the next one's loads are already issued (so no rolling pipeline within a warp:
+// other warps hide the round trip), and a loop must not consume registers loaded by an earlier
+// trip or by a conditional load outside it (the compiler then waits for the scoreboard between
+// the loads of one burst, serializing them). Hence the first iteration loaded before the PDL wait
+// is consumed by a peeled copy of the loop, not by the loop.
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
@@ -43,9 +52,6 @@ constexpr int kGemvThreads = 256;
 constexpr int kGemvWarps = kGemvThreads / 32;
 constexpr int kGemvUnroll = 8;  // 16-byte chunks per row per lane per iteration
 constexpr int kQuantGroup = 128;
-// Weight bytes each warp prefetches into L2 while the previous kernel finishes: the grid holds
-// ~2100 warps, so ~17 MB in flight, well inside the 50 MB L2 next to the weights being read.
-constexpr int kGemvPrefetchBytes = 8192;
 constexpr int kMaxRopeHalf = 128;  // RopeKV: head_dim <= 256
 
 // x is stored as fp32 with a swizzle: chunk c (16 values = 4 float4) has its float4 i at
@@ -123,8 +129,9 @@ struct RowPairs {
   }
 };
 
-// One iteration of a warp on a row pair: kGemvUnroll 16-byte chunks of each row per lane, with
-// their scales. All loads are issued before any math.
+// One iteration of a warp on a row pair: kGemvUnroll 16-byte chunks of each row per lane (chunks
+// c0 + 32 u), with their scales. All loads are issued before any math, and they are the only
+// weight loads in flight when the math waits for them (see the top of the file).
 struct Iter {
   uint4 wa[kGemvUnroll], wb[kGemvUnroll];
   float sa[kGemvUnroll], sb[kGemvUnroll];
@@ -148,17 +155,67 @@ static __device__ __forceinline__ void load_iter(Iter& it, const Product& P, int
   }
 }
 
-// Stage x into shared memory (fp32, swizzled): a copy of 16-bit x, or the RMSNorm of the fp32
-// residual stream rounded to fp16 exactly as rmsnorm.cu does (same 256-thread reduction tree).
+static __device__ __forceinline__ void dot_iter(const Iter& it, const float4* xs, int c0, int C, float& acc0,
+                                                float& acc1) {
+#pragma unroll
+  for (int u = 0; u < kGemvUnroll; ++u) {
+    const int c = c0 + 32 * u;
+    if (c < C) {
+      float da, db;
+      dot16x2(it.wa[u], it.wb[u], xs, c, da, db);
+      acc0 = fmaf(da, it.sa[u], acc0);
+      acc1 = fmaf(db, it.sb[u], acc1);
+    }
+  }
+}
+
+// 16 bytes global -> shared without registers (cp.async, through L2: coherent for data of earlier
+// kernels). Its completion is tracked apart from the weight loads' scoreboard, so staging x never
+// waits for the weights in flight (top of the file).
+static __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(gmem) : "memory");
+}
+static __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
+// Shared memory of a block: x as the products read it (K fp32, swizzled), and for In::NORM the raw
+// residual row (K fp32) and the norm weight (K bf16) it is computed from.
+struct Staging {
+  float4* xs;
+  float* raw;
+  bf16* norm_w;
+  __device__ Staging(float4* smem, int K)
+      : xs(smem), raw(reinterpret_cast<float*>(smem) + K), norm_w(reinterpret_cast<bf16*>(raw + K)) {}
+};
 template <In IN>
-static __device__ void stage_x(const Product& P, float eps, float4* xs, float* red) {
+static size_t staging_bytes(int K) {
+  return static_cast<size_t>(K) * (IN == In::NORM ? 2 * sizeof(float) + sizeof(bf16) : sizeof(float));
+}
+
+// In::NORM, before the PDL wait: the norm weight (immutable) on its way into shared memory.
+template <In IN>
+static __device__ void stage_weights(const Product& P, const Staging& st) {
+  if constexpr (IN == In::NORM) {
+    for (int v = threadIdx.x; v < P.K / 8; v += kGemvThreads) cp_async16(st.norm_w + 8 * v, P.norm_w + 8 * v);
+  }
+}
+
+// Stage x into shared memory (fp32, swizzled): a copy of 16-bit x, or the RMSNorm of the fp32
+// residual stream rounded to fp16 exactly as rmsnorm.cu does (same 256-thread reduction tree, on
+// a copy of the row in shared memory).
+template <In IN>
+static __device__ void stage_x(const Product& P, float eps, const Staging& st, float* red) {
   const int K = P.K;
+  float4* xs = st.xs;
   float* xsf = reinterpret_cast<float*>(xs);
   if constexpr (IN == In::NORM) {
     const float* xf = static_cast<const float*>(P.x);
-    const float r = block_inv_rms<kGemvThreads>(xf, K, eps, red);
+    for (int v = threadIdx.x; v < K / 4; v += kGemvThreads) cp_async16(st.raw + 4 * v, xf + 4 * v);
+    cp_async_wait_all();  // this thread's copies (and its norm weight copies) have landed
+    __syncthreads();
+    const float r = block_inv_rms<kGemvThreads>(st.raw, K, eps, red);
     for (int i = threadIdx.x; i < K; i += kGemvThreads) {
-      const float v = __half2float(rmsnorm_value(xf[i], r, P.norm_w[i]));
+      const float v = __half2float(rmsnorm_value(st.raw[i], r, st.norm_w[i]));
       xsf[4 * x_slot(i / 16, (i % 16) / 4) + i % 4] = v;
     }
   } else {
@@ -183,120 +240,122 @@ static __device__ void stage_x(const Product& P, float eps, float4* xs, float* r
   }
 }
 
-// RopeKV: cos / sin of the token's position for every frequency, into shared memory.
-struct RopeShared {
-  float cs[2 * kMaxRopeHalf];  // cos [half], then sin at kMaxRopeHalf
-  int pos;
-};
-
-static __device__ void stage_rope(const RopeKVArgs& rope, RopeShared& rs) {
-  const int p = *rope.pos;  // plain (coherent) load: the previous step wrote it
-  for (int i = threadIdx.x; i < rope.D / 2; i += kGemvThreads)
-    rope_cos_sin(p, rope.inv_freq[i], rs.cs[i], rs.cs[kMaxRopeHalf + i]);
-  if (threadIdx.x == 0) rs.pos = p;
-}
-
-// Every row pair of this warp (warps stride over pairs across the grid), x staged in xs.
+// Row pair p's two complete sums (lane 0 of the warp stores them): apply the epilogue.
 template <Ep EP>
-static __device__ void run_pairs(const Product& P, const RopeKVArgs& rope, const RopeShared& rs, const float4* xs,
-                                 uint64_t policy) {
-  const int C = P.K / 16;
-  const int lane = threadIdx.x % 32;
-  const RowPairs<EP> pairs(P.N, rope);
-  const int n_pairs = pairs.count();
-  for (int p = blockIdx.x * kGemvWarps + threadIdx.x / 32; p < n_pairs; p += gridDim.x * kGemvWarps) {
-    int r0, r1;
-    pairs.rows(p, r0, r1);
-    float acc0 = 0.f, acc1 = 0.f;
-    for (int c0 = lane; c0 < C; c0 += 32 * kGemvUnroll) {
-      Iter it;
-      load_iter(it, P, r0, r1, c0, policy);
-#pragma unroll
-      for (int u = 0; u < kGemvUnroll; ++u) {
-        const int c = c0 + 32 * u;
-        if (c < C) {
-          float da, db;
-          dot16x2(it.wa[u], it.wb[u], xs, c, da, db);
-          acc0 = fmaf(da, it.sa[u], acc0);
-          acc1 = fmaf(db, it.sb[u], acc1);
-        }
+static __device__ __forceinline__ void store_pair(const Product& P, const RowPairs<EP>& pairs, const RopeKVArgs& rope,
+                                                  int p, float acc0, float acc1) {
+  int r0, r1;
+  pairs.rows(p, r0, r1);
+  if constexpr (EP == Ep::SwiGLU) {
+    const float silu = acc0 / (1.f + expf(-acc0));
+    static_cast<bf16*>(P.out)[p] = __float2bfloat16(silu * acc1);
+  } else if constexpr (EP == Ep::RopeKV) {
+    const int half = pairs.half;
+    const int pos = *rope.pos;  // plain (coherent) load: the previous step wrote it
+    const bool in_cache = pos < rope.max_context;
+    const size_t cache_row = static_cast<size_t>(in_cache ? pos : 0) * rope.Hkv * rope.D;
+    if (p < pairs.qk_pairs) {
+      // cos / sin of this pair's frequency, computed by the one lane that needs them (staging them
+      // for the block before the products put a position load on the critical path).
+      const int head = p / half, i = p % half;
+      float c, sn, o1, o2;
+      rope_cos_sin(pos, rope.inv_freq[i], c, sn);
+      rope_rotate(acc0, acc1, c, sn, o1, o2);
+      bf16* dst = nullptr;
+      if (head < rope.H)
+        dst = rope.q_out + static_cast<size_t>(head) * rope.D;
+      else if (in_cache)
+        dst = rope.k_cache + cache_row + static_cast<size_t>(head - rope.H) * rope.D;
+      if (dst != nullptr) {
+        dst[i] = __float2bfloat16(o1);
+        dst[i + half] = __float2bfloat16(o2);
       }
+    } else if (in_cache) {
+      const int j = 2 * (p - pairs.qk_pairs);  // index into the v row
+      rope.v_cache[cache_row + j] = __float2bfloat16(acc0);
+      rope.v_cache[cache_row + j + 1] = __float2bfloat16(acc1);
     }
-#pragma unroll
-    for (int off = 16; off > 0; off /= 2) {
-      acc0 += __shfl_xor_sync(0xffffffffu, acc0, off);
-      acc1 += __shfl_xor_sync(0xffffffffu, acc1, off);
-    }
-    if (lane != 0) continue;
-    if constexpr (EP == Ep::SwiGLU) {
-      const float silu = acc0 / (1.f + expf(-acc0));
-      static_cast<bf16*>(P.out)[p] = __float2bfloat16(silu * acc1);
-    } else if constexpr (EP == Ep::RopeKV) {
-      const int half = pairs.half;
-      const bool in_cache = rs.pos < rope.max_context;
-      const size_t cache_row = static_cast<size_t>(in_cache ? rs.pos : 0) * rope.Hkv * rope.D;
-      if (p < pairs.qk_pairs) {
-        const int head = p / half, i = p % half;
-        float o1, o2;
-        rope_rotate(acc0, acc1, rs.cs[i], rs.cs[kMaxRopeHalf + i], o1, o2);
-        bf16* dst = nullptr;
-        if (head < rope.H)
-          dst = rope.q_out + static_cast<size_t>(head) * rope.D;
-        else if (in_cache)
-          dst = rope.k_cache + cache_row + static_cast<size_t>(head - rope.H) * rope.D;
-        if (dst != nullptr) {
-          dst[i] = __float2bfloat16(o1);
-          dst[i + half] = __float2bfloat16(o2);
-        }
-      } else if (in_cache) {
-        const int j = 2 * (p - pairs.qk_pairs);  // index into the v row
-        rope.v_cache[cache_row + j] = __float2bfloat16(acc0);
-        rope.v_cache[cache_row + j + 1] = __float2bfloat16(acc1);
-      }
+  } else {
+    float* o = static_cast<float*>(P.out);
+    const bool second = 2 * p + 1 < P.N;
+    if constexpr (EP == Ep::Store) {
+      o[r0] = acc0;
+      if (second) o[r1] = acc1;
     } else {
-      float* o = static_cast<float*>(P.out);
-      const bool second = 2 * p + 1 < P.N;
-      if constexpr (EP == Ep::Store) {
-        o[r0] = acc0;
-        if (second) o[r1] = acc1;
-      } else {
-        o[r0] += acc0;
-        if (second) o[r1] += acc1;
-      }
+      o[r0] += acc0;
+      if (second) o[r1] += acc1;
     }
   }
+}
+
+// A row pair's partial sums are spread over the warp's lanes: reduce them, lane 0 stores, and the
+// warp reconverges before its next loads (a lane left behind would replay the whole next row
+// pair's loads and math on its own).
+template <Ep EP>
+static __device__ __forceinline__ void finish_pair(const Product& P, const RowPairs<EP>& pairs, const RopeKVArgs& rope,
+                                                   int p, float acc0, float acc1) {
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) {
+    acc0 += __shfl_xor_sync(0xffffffffu, acc0, off);
+    acc1 += __shfl_xor_sync(0xffffffffu, acc1, off);
+  }
+  if (threadIdx.x % 32 == 0) store_pair<EP>(P, pairs, rope, p, acc0, acc1);
+  __syncwarp();
+}
+
+// Row pair p from chunk c0 on (acc0 / acc1 hold the sums of the chunks before c0), then its epilogue.
+template <Ep EP>
+static __device__ __forceinline__ void finish_rows(const Product& P, const RowPairs<EP>& pairs, const RopeKVArgs& rope,
+                                                   const float4* xs, int p, int c0, float acc0,
+                                                   float acc1, uint64_t policy) {
+  const int C = P.K / 16;
+  int r0, r1;
+  pairs.rows(p, r0, r1);
+  for (; c0 < C; c0 += 32 * kGemvUnroll) {
+    Iter it;
+    load_iter(it, P, r0, r1, c0, policy);
+    dot_iter(it, xs, c0, C, acc0, acc1);
+  }
+  finish_pair<EP>(P, pairs, rope, p, acc0, acc1);
 }
 
 template <Ep EP, In IN>
 static __global__ void __launch_bounds__(kGemvThreads, 2)
     gemv_w8a16_kernel(const Product P, float eps, const RopeKVArgs rope) {
-  extern __shared__ float4 xs[];  // K fp32 values, swizzled (x_slot)
+  extern __shared__ float4 smem[];  // Staging
   __shared__ float red[kGemvWarps];
-  __shared__ RopeShared rs;
+  const Staging st(smem, P.K);
 
-  // Weights never depend on an earlier kernel: start this warp's first rows on their way to L2
-  // (up to kGemvPrefetchBytes) before waiting for the previous kernel (PDL) and staging x.
-  {
-    const RowPairs<EP> pairs(P.N, rope);
-    const int C = P.K / 16, lane = threadIdx.x % 32;
-    const int max_pairs = max(1, kGemvPrefetchBytes / (2 * P.K));
-    int p = blockIdx.x * kGemvWarps + threadIdx.x / 32;
-    for (int i = 0; i < max_pairs && p < pairs.count(); ++i, p += gridDim.x * kGemvWarps) {
-      int r0, r1;
-      pairs.rows(p, r0, r1);
-      for (int c = lane; c < C; c += 32) {
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(P.w + static_cast<size_t>(r0) * P.K + 16 * c));
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(P.w + static_cast<size_t>(r1) * P.K + 16 * c));
-      }
-    }
+  const RowPairs<EP> pairs(P.N, rope);
+  const int n_pairs = pairs.count();
+  const int lane = threadIdx.x % 32, stride = gridDim.x * kGemvWarps;
+  const uint64_t policy = stream_policy();
+  const int p0 = blockIdx.x * kGemvWarps + threadIdx.x / 32;  // the warp's first row pair
+
+  // Weights never depend on an earlier kernel: the first iteration of the warp's first row pair
+  // goes out to DRAM before the wait for the previous kernel (PDL), so that round trip overlaps
+  // the previous kernel's tail and the staging of x.
+  Iter first;
+  if (p0 < n_pairs) {
+    int r0, r1;
+    pairs.rows(p0, r0, r1);
+    load_iter(first, P, r0, r1, lane, policy);
   }
+  stage_weights<IN>(P, st);
   pdl_launch_dependents();
   pdl_wait();  // x (and, for AddResidual, out; for RopeKV, *pos) come from earlier kernels
 
-  if constexpr (EP == Ep::RopeKV) stage_rope(rope, rs);
-  stage_x<IN>(P, eps, xs, red);
+  stage_x<IN>(P, eps, st, red);
   __syncthreads();
-  run_pairs<EP>(P, rope, rs, xs, stream_policy());
+
+  // The first row pair starts from the registers loaded above (a peeled copy: see the top of the
+  // file), the others run the plain load-then-math loop.
+  if (p0 < n_pairs) {
+    float acc0 = 0.f, acc1 = 0.f;
+    dot_iter(first, st.xs, lane, P.K / 16, acc0, acc1);
+    finish_rows<EP>(P, pairs, rope, st.xs, p0, lane + 32 * kGemvUnroll, acc0, acc1, policy);
+  }
+  for (int p = p0 + stride; p < n_pairs; p += stride) finish_rows<EP>(P, pairs, rope, st.xs, p, lane, 0.f, 0.f, policy);
 }
 
 // ---- launcher ----
@@ -304,7 +363,7 @@ static __global__ void __launch_bounds__(kGemvThreads, 2)
 template <Ep EP, In IN>
 static void launch_gemv(const uint8_t* w, const float* scales, const void* x, const bf16* norm_w, float eps, int N,
                         int K, void* out, const RopeKVArgs& rope, cudaStream_t stream) {
-  const size_t smem = static_cast<size_t>(K) * sizeof(float);
+  const size_t smem = staging_bytes<IN>(K);
   int device = 0, sms = 0, smem_optin = 0;
   AF_CUDA_CHECK(cudaGetDevice(&device));
   AF_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
