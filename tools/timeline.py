@@ -9,7 +9,7 @@ so the charges of one step add up to the step's span exactly, whatever overlaps.
 kernel's own duration (start to end, PDL wait included) and the gap from the previous kernel's end
 to its start (negative: it started early under PDL).
 
-    python tools/timeline.py MODEL [--steps 16] [--context 128] [--json out.json]
+    python tools/timeline.py MODEL [--steps 16] [--context 128] [--max-context N] [--json out.json]
 """
 from __future__ import annotations
 
@@ -55,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("model")
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--context", type=int, default=128)
+    ap.add_argument("--max-context", type=int, default=None,
+                    help="KV cache length (default: just what the steps need; `atomflow run` uses 8192)")
     ap.add_argument("--json", help="also write the per-label table here")
     a = ap.parse_args(argv)
     if a.steps < 1 or a.context < 0:
@@ -71,7 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     torch.cuda.init()
 
     from atomflow import Engine
-    eng = Engine.load(a.model, backend="cuda", max_context=a.context + a.steps + 8)
+    need = a.context + a.steps + 8
+    if a.max_context is not None and a.max_context < need:
+        ap.error(f"--max-context must be >= {need} (context + steps + 8)")
+    eng = Engine.load(a.model, backend="cuda", max_context=a.max_context or need)
     ids = np.random.default_rng(0).integers(0, eng.spec.vocab_size, a.context + 1).astype(np.int32)
     eng.reset()
     if a.context:
@@ -121,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
                           duration_each_us=statistics.median(p["duration"]) / n,
                           gap_each_us=statistics.median(p["gap"]) / n))
     table.sort(key=lambda r: -r["charged_us"])
-    print(f"timeline: {len(steps)} graph decode steps at context {a.context}, step span p50 {span:.1f} us")
+    print(f"timeline: {len(steps)} graph decode steps at context {a.context} (max_context {eng.max_context}), "
+          f"step span p50 {span:.1f} us")
     print(f"{'kernel':<24}{'per step':>9}{'charged us':>12}{'share':>8}{'each us':>9}{'own us':>8}{'gap us':>8}")
     for r in table:
         print(f"{r['label']:<24}{r['per_step']:>9.0f}{r['charged_us']:>12.1f}{100 * r['charged_us'] / span:>7.1f}%"
