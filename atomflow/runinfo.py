@@ -13,7 +13,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def commit() -> str:
-    """git rev-parse of the source tree (+ "-dirty"), else $ATOMFLOW_COMMIT, else "unknown"."""
+    """$ATOMFLOW_COMMIT when set (a copy of the tree whose .git is absent or not the tree's own says
+    what it is), else git rev-parse of the source tree (+ "-dirty"), else "unknown"."""
+    if os.environ.get("ATOMFLOW_COMMIT"):
+        return os.environ["ATOMFLOW_COMMIT"]
     try:
         sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                              check=True, timeout=10).stdout.strip()
@@ -23,7 +26,7 @@ def commit() -> str:
             return sha + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         pass
-    return os.environ.get("ATOMFLOW_COMMIT") or "unknown"
+    return "unknown"
 
 
 def versions(with_torch: bool = False) -> dict:

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import time
 import xml.etree.ElementTree as ET
@@ -20,17 +18,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
-
-
-def commit() -> str:
-    try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                             check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True).stdout.strip()
-        return sha + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("ATOMFLOW_COMMIT", "unknown")
 
 
 def test_counts(xml_path: str | None) -> dict:
@@ -80,14 +67,14 @@ def main() -> int:
     ap.add_argument("--tests-xml", default=None)
     a = ap.parse_args()
 
-    from atomflow import Engine
+    from atomflow import Engine, runinfo
     from atomflow import _core
     from atomflow.bench import read_bandwidth_gbs
 
     workdir = Path(a.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     bw = read_bandwidth_gbs()
-    summary = dict(commit=commit(), date=time.strftime("%Y-%m-%d %H:%M:%S"), device=_core.device_info(),
+    summary = dict(commit=runinfo.commit(), date=time.strftime("%Y-%m-%d %H:%M:%S"), device=_core.device_info(),
                    build=_core.build_info(), read_bandwidth_gbs=bw, tests=test_counts(a.tests_xml), models={})
     for preset in [p for p in a.presets.split(",") if p]:
         path = model_file(preset, workdir)
