@@ -4,7 +4,9 @@
 // kernel launched this way:
 //   - pdl_wait() before reading anything an earlier kernel wrote, and before writing anything
 //     an earlier kernel reads (it returns once the previous grid has completed and flushed);
-//   - pdl_launch_dependents() as early as possible, to let the next kernel's blocks start;
+//   - pdl_launch_dependents() early, to let the next kernel's blocks start: as early as possible,
+//     unless what they do before their wait (a GEMV's weight loads) would slow this kernel's
+//     critical path (attention_decode.cu launches them after its key loop);
 //   - never read data an earlier kernel wrote through the non-coherent path (ld.global.nc,
 //     __ldg, or a `const T* __restrict__` parameter, which lets the compiler pick it): .nc
 //     promises the data is read-only for the kernel's lifetime, and under PDL that lifetime
