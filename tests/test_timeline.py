@@ -1,0 +1,33 @@
+"""tools/timeline.py's bookkeeping, on made-up kernel intervals (the CUPTI part needs a GPU)."""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+import timeline  # noqa: E402
+
+QKV = "void atomflow::kernels::gemv_w8a16_kernel<(atomflow::kernels::Ep)3, (atomflow::kernels::In)2>(...)"
+ADD = "void atomflow::kernels::gemv_w8a16_kernel<(atomflow::kernels::Ep)1, (atomflow::kernels::In)1>(...)"
+HEAD = "void atomflow::kernels::gemv_w8a16_kernel<(atomflow::kernels::Ep)0, (atomflow::kernels::In)2>(...)"
+ATTN = "void atomflow::kernels::attention_kernel<atomflow::kernels::ContiguousKV, 128, 3, 1>(...)"
+
+
+def test_charges_add_up_to_the_step_span_whatever_overlaps():
+    # qkv 0-10; attention starts early (PDL) at 8, ends 14; o starts at 12, ends 15; down 15-20.
+    step = [(0.0, 10.0, QKV), (8.0, 14.0, ATTN), (12.0, 15.0, ADD), (15.0, 20.0, ADD)]
+    rows = timeline.charge(step)
+    assert [r["label"] for r in rows] == ["gemv qkv+norm+rope", "attention_kernel", "gemv o", "gemv down"]
+    assert [r["charged"] for r in rows] == [10.0, 4.0, 1.0, 5.0]
+    assert sum(r["charged"] for r in rows) == 20.0
+    assert [r["gap"] for r in rows] == [0.0, -2.0, -2.0, 0.0]
+    assert [r["duration"] for r in rows] == [10.0, 6.0, 3.0, 5.0]
+
+
+def test_a_kernel_inside_anothers_shadow_is_charged_nothing():
+    rows = timeline.charge([(0.0, 10.0, QKV), (2.0, 5.0, ATTN)])
+    assert [r["charged"] for r in rows] == [10.0, 0.0]
+
+
+def test_labels():
+    assert timeline.label(HEAD, 0) == "lm_head"
+    assert timeline.label(ADD, 0) == "gemv o" and timeline.label(ADD, 1) == "gemv down"
+    assert timeline.label("void atomflow::kernels::sample_kernel<(int)1>(float const*)", 0) == "sample_kernel"
