@@ -32,7 +32,9 @@
 //    with the other row) and ~3 for the scale and addressing: ~3 instructions per byte.
 //  (Tried and measured slower, docs/PERF.md 2026-11-20/21: weights through a cp.async.bulk ring
 //  into shared memory, 1 block per SM (34% of the stream ceiling); an L2 prefetch of the first
-//  rows before the PDL wait (slightly slower than none); a two-slot rolling register pipeline.)
+//  rows before the PDL wait (slightly slower than none); a two-slot rolling register pipeline;
+//  128-thread blocks, 3 or 4 per SM (lm_head 85%); a multi-iteration row pair's K slices spread
+//  over the block's warps (that GEMV faster, the next one slower: no SM frees early for it).)
 //
 // The compiler and the weight loads: every weight load of the kernel shares ONE scoreboard, and
 // an instruction that waits for any of them waits for all. Two consequences, both seen in the
