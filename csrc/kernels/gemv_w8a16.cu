@@ -59,7 +59,7 @@ constexpr int kGemvThreads = 256;
 constexpr int kGemvWarps = kGemvThreads / 32;
 constexpr int kGemvUnroll = 8;  // 16-byte chunks per row per lane per iteration
 constexpr int kQuantGroup = 128;
-constexpr int kMaxRopeHalf = 128;  // RopeKV: head_dim <= 256
+constexpr int kMaxRopeHalf = 128;  // RopeKV accepts head_dim <= 256 (a checked range, no longer a table size)
 
 // x is stored as fp32 with a swizzle: chunk c (16 values = 4 float4) has its float4 i at
 // 4 c + (i ^ ((c >> 1) & 3)). Lanes read 64 B apart; without the swizzle every quarter-warp of a
