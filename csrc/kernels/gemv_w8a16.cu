@@ -376,7 +376,9 @@ static void launch_gemv(const uint8_t* w, const float* scales, const void* x, co
   AF_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   AF_CUDA_CHECK(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   AF_CHECK(smem <= static_cast<size_t>(smem_optin), "gemv_w8a16: K too large to stage x in shared memory");
-  static size_t configured = 48 << 10;  // raise the dynamic limit only when needed (host-side, capture-safe)
+  // Raise the dynamic limit once, to what this launch needs (host-side, capture-safe). Not only above
+  // 48 KB: the default limit counts the static `red` too, so K = 12288 (exactly 48 KB of x) failed.
+  static size_t configured = 0;
   if (smem > configured) {
     AF_CUDA_CHECK(cudaFuncSetAttribute(gemv_w8a16_kernel<EP, IN>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        static_cast<int>(smem)));
