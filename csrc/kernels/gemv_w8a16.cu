@@ -116,7 +116,8 @@ template <Ep EP>
 struct RowPairs {
   int N, half, qk_pairs;
   __device__ RowPairs(int n, const RopeKVArgs& rope) : N(n), half(rope.D / 2), qk_pairs((rope.H + rope.Hkv) * half) {}
-  __device__ int count() const { return EP == Ep::SwiGLU || EP == Ep::RopeKV ? N / 2 : CEIL_DIV(N, 2); }
+  __host__ __device__ static int count(int n) { return EP == Ep::SwiGLU || EP == Ep::RopeKV ? n / 2 : CEIL_DIV(n, 2); }
+  __device__ int count() const { return count(N); }
   __device__ void rows(int p, int& r0, int& r1) const {
     if constexpr (EP == Ep::SwiGLU) {
       r0 = p;
@@ -388,8 +389,7 @@ static void launch_gemv(const uint8_t* w, const float* scales, const void* x, co
   AF_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_w8a16_kernel<EP, IN>, kGemvThreads,
                                                               smem));
   AF_CHECK(per_sm >= 1, "gemv_w8a16: kernel does not fit on an SM");
-  const int n_pairs = EP == Ep::SwiGLU || EP == Ep::RopeKV ? N / 2 : CEIL_DIV(N, 2);
-  const int blocks = min(n_pairs, sms * min(per_sm, 2));  // every block gets a row pair (kernel comment)
+  const int blocks = min(RowPairs<EP>::count(N), sms * min(per_sm, 2));  // every block gets a row pair (kernel comment)
   const Product P{w, scales, x, norm_w, N, K, out};
   af_launch(gemv_w8a16_kernel<EP, IN>, dim3(blocks), dim3(kGemvThreads), smem, stream, P, eps, rope);
 }

@@ -47,7 +47,8 @@ enum class Epilogue : int {
 };
 
 // M = 1 decode. K % 128 == 0. Weights read exactly once with 16-byte register loads; each warp
-// prefetches its first rows into L2 before the kernel waits for its predecessor (PDL).
+// loads its first iteration of weights into registers before the kernel waits for its predecessor
+// (PDL).
 void gemv_w8a16(const uint8_t* w, const float* scales, const void* x, Act x_type, int N, int K,
                 Epilogue ep, void* out, cudaStream_t stream);
 // The same with RMSNorm fused into the prologue: the GEMV's input is
