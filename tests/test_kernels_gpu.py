@@ -155,6 +155,19 @@ def test_gemv_odd_shapes(rng, N, K):
     check_linear(rng, N, K, None)
 
 
+@pytest.mark.parametrize("mag", ["1e6", "1e-20", "wide"])
+def test_gemv_bf16_beyond_fp16_range(rng, mag):
+    """bf16 activations far outside fp16's range: the GEMV's tensor-core products take fp16, so bf16
+    x is scaled by a power of two first; the result must still be the fp32 one (no overflow to
+    inf, no flush of small values)."""
+    N, K = 258, 3072
+    w, s = random_fp8(rng, (N, K)), random_scales(rng, N, K)
+    scale = 10.0 ** rng.uniform(-20, 20, K) if mag == "wide" else float(mag)
+    x = bf16_bits(rng.standard_normal(K) * scale)
+    y = reference_linear(w, s, from_bf16(x)[None])[0]
+    assert_close(ops.gemv(w, s, x, 0, None, "bf16"), y, FP32_REL, f"gemv bf16 x ~ {mag}")
+
+
 @pytest.mark.parametrize("N,K", [(5120, 3072), (16384, 3072), (129, 1024), (7, 384)])
 @pytest.mark.parametrize("M", [None, 37])
 def test_linear_f16_input(rng, N, K, M):

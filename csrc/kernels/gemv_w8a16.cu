@@ -44,6 +44,8 @@
 // trip or by a conditional load outside it (the compiler then waits for the scoreboard between
 // the loads of one burst, serializing them). Hence the first iteration loaded before the PDL wait
 // is consumed by a peeled copy of the loop, not by the loop.
+#include <cfloat>
+
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
@@ -61,36 +63,58 @@ constexpr int kGemvUnroll = 8;  // 16-byte chunks per row per lane per iteration
 constexpr int kQuantGroup = 128;
 constexpr int kMaxRopeHalf = 128;  // RopeKV accepts head_dim <= 256 (a checked range, no longer a table size)
 
-// x is stored as fp32 with a swizzle: chunk c (16 values = 4 float4) has its float4 i at
-// 4 c + (i ^ ((c >> 1) & 3)). Lanes read 64 B apart; without the swizzle every quarter-warp of a
-// 128-bit shared load would hit the same 4 banks twice (a 2-way conflict on every x load).
-static __device__ __forceinline__ int x_slot(int c, int i) { return 4 * c + (i ^ ((c >> 1) & 3)); }
+// x is stored as fp16 (16 values = 32 B per chunk) with a swizzle: the two 16-byte halves of chunk c
+// sit in order when (c >> 2) & 1 is 0 and swapped when it is 1. Lanes read 32 B apart; without the
+// swizzle every quarter-warp of a 128-bit shared load would hit the same banks twice.
+static __device__ __forceinline__ int x_slot(int c, int h) { return 2 * c + (h ^ ((c >> 2) & 1)); }  // in uint4
 
-// The two 16-weight dot products of one chunk (row a and row b share the x loads).
-static __device__ __forceinline__ void dot16x2(uint4 wa, uint4 wb, const float4* __restrict__ xs, int c, float& da,
-                                               float& db) {
+// D = A B + C on the tensor cores: m16n8k16, fp16 inputs, fp32 accumulation (products of fp16 values
+// are exact in fp32).
+static __device__ __forceinline__ void mma16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                                uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Two packed e4m3 -> f16x2 (exact).
+static __device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t two) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two), __NV_E4M3);
+  return static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
+}
+
+// The two 16-weight dot products of one chunk per lane, for the whole warp, as four tensor-core
+// products. Lane l = 4 g + q holds 16 weights of row a and of row b at its chunk and the 16 x values
+// of that chunk. In the m16n8k16 product, A row g is row a's weights of lane group g (lanes 4g..4g+3,
+// 64 contiguous bytes), A row g + 8 is row b's at the same columns, and B column g is x at those
+// columns: the k order inside a product is free as long as A and B agree, and each lane supplies
+// exactly its own weights and x. D[g][g] and D[g + 8][g] are then group g's partial sums of row a and
+// row b; lane 4 g + g / 2 holds them (in d[g & 1] and d[2 + (g & 1)]). The other 112 entries of D are
+// cross terms and are not used. Per 32 weights a lane spends 16 conversions, 8 shifts, 4 products
+// and 2 shared loads, against ~110 instructions with fp32 FMAs.
+static __device__ __forceinline__ uint2 ld_shared8(uint32_t addr) {
+  uint2 v;
+  asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(addr));
+  return v;
+}
+
+// x_lo / x_hi: shared addresses of the chunk's two 8-value halves.
+static __device__ __forceinline__ void dot_chunk(uint4 wa, uint4 wb, uint32_t x_lo, uint32_t x_hi, float (&d)[4]) {
   const uint32_t a[4] = {wa.x, wa.y, wa.z, wa.w};
   const uint32_t b[4] = {wb.x, wb.y, wb.z, wb.w};
-  float sa = 0.f, sb = 0.f;
+  d[0] = d[1] = d[2] = d[3] = 0.f;
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float4 xv = xs[x_slot(c, i)];
-    // Bytes k, k+1 -> (lo.x, lo.y); k+2, k+3 -> (hi.x, hi.y). e4m3 -> f16 is exact.
-    const float2 a01 = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(a[i] & 0xFFFFu, __NV_E4M3)));
-    const float2 a23 = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(a[i] >> 16, __NV_E4M3)));
-    const float2 b01 = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(b[i] & 0xFFFFu, __NV_E4M3)));
-    const float2 b23 = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(b[i] >> 16, __NV_E4M3)));
-    sa = fmaf(a01.x, xv.x, sa);
-    sa = fmaf(a01.y, xv.y, sa);
-    sa = fmaf(a23.x, xv.z, sa);
-    sa = fmaf(a23.y, xv.w, sa);
-    sb = fmaf(b01.x, xv.x, sb);
-    sb = fmaf(b01.y, xv.y, sb);
-    sb = fmaf(b23.x, xv.z, sb);
-    sb = fmaf(b23.y, xv.w, sb);
+  for (int j = 0; j < 4; ++j) {  // bytes 4j, 4j+1 pair with x values 4j, 4j+1; bytes 4j+2, 4j+3 with 4j+2, 4j+3
+    const uint2 x = ld_shared8((j < 2 ? x_lo : x_hi) + 8 * (j % 2));
+    mma16816(d, e4m3x2_to_f16x2(a[j]), e4m3x2_to_f16x2(b[j]), e4m3x2_to_f16x2(a[j] >> 16),
+             e4m3x2_to_f16x2(b[j] >> 16), x.x, x.y);
   }
-  da = sa;
-  db = sb;
+}
+
+static __device__ __forceinline__ uint4 ld_shared16(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+  return v;
 }
 
 // The kernel's epilogues: the public three, and RoPE + KV append for the fused QKV product.
@@ -140,9 +164,11 @@ struct RowPairs {
 // One iteration of a warp on a row pair: kGemvUnroll 16-byte chunks of each row per lane (chunks
 // c0 + 32 u), with their scales. All loads are issued before any math, and they are the only
 // weight loads in flight when the math waits for them (see the top of the file).
+// The scales: an iteration spans 32 scale groups of each row, so lane l loads group l's scale of each
+// (coalesced) and the lane that accumulates chunk c fetches group c / 8's by a shuffle.
 struct Iter {
   uint4 wa[kGemvUnroll], wb[kGemvUnroll];
-  float sa[kGemvUnroll], sb[kGemvUnroll];
+  float sa, sb;
 };
 
 static __device__ __forceinline__ void load_iter(Iter& it, const Product& P, int r0, int r1, int c0, uint64_t policy) {
@@ -151,28 +177,46 @@ static __device__ __forceinline__ void load_iter(Iter& it, const Product& P, int
   const uint8_t* w1 = P.w + static_cast<size_t>(r1) * P.K;
   const float* s0 = P.scales + static_cast<size_t>(r0) * G;
   const float* s1 = P.scales + static_cast<size_t>(r1) * G;
+  static_assert(32 * kGemvUnroll / 8 == 32, "one scale group per lane per iteration");
+  const int lane = threadIdx.x % 32, g = (c0 - lane) / 8 + lane;
 #pragma unroll
   for (int u = 0; u < kGemvUnroll; ++u) {
     const int c = c0 + 32 * u;
-    if (c < C) {
-      it.wa[u] = ld_stream16(reinterpret_cast<const uint4*>(w0 + 16 * c), policy);
-      it.wb[u] = ld_stream16(reinterpret_cast<const uint4*>(w1 + 16 * c), policy);
-      it.sa[u] = __ldg(s0 + c / 8);
-      it.sb[u] = __ldg(s1 + c / 8);
+    if (c - lane < C) {  // warp-uniform, as in dot_iter; a lane past the end reads the row's last chunk
+      it.wa[u] = ld_stream16(reinterpret_cast<const uint4*>(w0 + 16 * min(c, C - 1)), policy);
+      it.wb[u] = ld_stream16(reinterpret_cast<const uint4*>(w1 + 16 * min(c, C - 1)), policy);
     }
+  }
+  if (g < G) {
+    it.sa = __ldg(s0 + g);
+    it.sb = __ldg(s1 + g);
   }
 }
 
-static __device__ __forceinline__ void dot_iter(const Iter& it, const float4* xs, int c0, int C, float& acc0,
+// One iteration's math. Chunks past the row's end (K not a multiple of 512) belong to whole lane
+// groups (C is a multiple of 8), so they only touch their own groups' diagonal entries, which are not
+// accumulated (their x reads land in the staging's padding); the products are warp-wide and run
+// whenever any lane's chunk is in range. (c >> 2) & 1 is the same for c0 + 32 u as for c0, so the
+// swizzle is fixed per iteration and each x load is a base register plus a constant.
+static __device__ __forceinline__ void dot_iter(const Iter& it, const uint4* xs, int c0, int C, float& acc0,
                                                 float& acc1) {
+  const int lane = threadIdx.x % 32;
+  const bool odd = (lane >> 2) & 1;  // which column of D holds this lane's diagonal entries
+  const int sw = (c0 >> 2) & 1;
+  const uint32_t x_lo = static_cast<uint32_t>(__cvta_generic_to_shared(xs + 2 * c0 + sw));
+  const uint32_t x_hi = static_cast<uint32_t>(__cvta_generic_to_shared(xs + 2 * c0 + 1 - sw));
 #pragma unroll
   for (int u = 0; u < kGemvUnroll; ++u) {
     const int c = c0 + 32 * u;
-    if (c < C) {
-      float da, db;
-      dot16x2(it.wa[u], it.wb[u], xs, c, da, db);
-      acc0 = fmaf(da, it.sa[u], acc0);
-      acc1 = fmaf(db, it.sb[u], acc1);
+    if (c - lane < C) {  // warp-uniform
+      float d[4];
+      dot_chunk(it.wa[u], it.wb[u], x_lo + 1024 * u, x_hi + 1024 * u, d);
+      const float sa = __shfl_sync(0xffffffffu, it.sa, (lane >> 3) + 4 * u);  // group c / 8
+      const float sb = __shfl_sync(0xffffffffu, it.sb, (lane >> 3) + 4 * u);
+      if (c < C) {
+        acc0 = fmaf(odd ? d[1] : d[0], sa, acc0);
+        acc1 = fmaf(odd ? d[3] : d[2], sb, acc1);
+      }
     }
   }
 }
@@ -186,18 +230,20 @@ static __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) 
 }
 static __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
-// Shared memory of a block: x as the products read it (K fp32, swizzled), and for In::NORM the raw
+// Shared memory of a block: x as the products read it (K fp16, swizzled, padded), and for In::NORM the raw
 // residual row (K fp32) and the norm weight (K bf16) it is computed from.
 struct Staging {
-  float4* xs;
+  uint4* xs;
   float* raw;
   bf16* norm_w;
-  __device__ Staging(float4* smem, int K)
-      : xs(smem), raw(reinterpret_cast<float*>(smem) + K), norm_w(reinterpret_cast<bf16*>(raw + K)) {}
+  __device__ Staging(uint4* smem, int K)
+      : xs(smem), raw(reinterpret_cast<float*>(smem + x_padded(K) / 8)), norm_w(reinterpret_cast<bf16*>(raw + K)) {}
+  // x's slots run to a multiple of 512 values: a whole iteration's loads stay inside the buffer.
+  __host__ __device__ static int x_padded(int K) { return CEIL_DIV(K, 512) * 512; }
 };
 template <In IN>
 static size_t staging_bytes(int K) {
-  return static_cast<size_t>(K) * (IN == In::NORM ? 2 * sizeof(float) + sizeof(bf16) : sizeof(float));
+  return Staging::x_padded(K) * sizeof(f16) + (IN == In::NORM ? static_cast<size_t>(K) * (sizeof(float) + sizeof(bf16)) : 0);
 }
 
 // In::NORM, before the PDL wait: the norm weight (immutable) on its way into shared memory.
@@ -208,42 +254,70 @@ static __device__ void stage_weights(const Product& P, const Staging& st) {
   }
 }
 
-// Stage x into shared memory (fp32, swizzled): a copy of 16-bit x, or the RMSNorm of the fp32
-// residual stream rounded to fp16 exactly as rmsnorm.cu does (same 256-thread reduction tree, on
-// a copy of the row in shared memory).
+// Stage x into shared memory as fp16 (swizzled) and return the factor the products' sums are
+// multiplied by: fp16 x is copied as is; the RMSNorm of the fp32 residual stream is rounded to fp16
+// exactly as rmsnorm.cu does (same 256-thread reduction tree, on a copy of the row in shared memory);
+// bf16 x is multiplied by a power of two 2^s that puts its largest magnitude in [2^14, 2^15), so
+// every value within 2^-28 of the largest converts to fp16 exactly and none overflows, and the sums
+// are multiplied back by 2^-s (exact).
 template <In IN>
-static __device__ void stage_x(const Product& P, float eps, const Staging& st, float* red) {
+static __device__ float stage_x(const Product& P, float eps, const Staging& st, float* red) {
   const int K = P.K;
-  float4* xs = st.xs;
-  float* xsf = reinterpret_cast<float*>(xs);
+  uint4* xs = st.xs;
   if constexpr (IN == In::NORM) {
     const float* xf = static_cast<const float*>(P.x);
     for (int v = threadIdx.x; v < K / 4; v += kGemvThreads) cp_async16(st.raw + 4 * v, xf + 4 * v);
     cp_async_wait_all();  // this thread's copies (and its norm weight copies) have landed
     __syncthreads();
     const float r = block_inv_rms<kGemvThreads>(st.raw, K, eps, red);
-    for (int i = threadIdx.x; i < K; i += kGemvThreads) {
-      const float v = __half2float(rmsnorm_value(st.raw[i], r, st.norm_w[i]));
-      xsf[4 * x_slot(i / 16, (i % 16) / 4) + i % 4] = v;
-    }
+    f16* xh = reinterpret_cast<f16*>(xs);
+    for (int i = threadIdx.x; i < K; i += kGemvThreads)
+      xh[8 * x_slot(i / 16, (i % 16) / 8) + i % 8] = rmsnorm_value(st.raw[i], r, st.norm_w[i]);
+    return 1.f;
   } else {
-    // 8 values per 16-byte load -> two float4 of chunk v / 2.
+    // 8 values per 16-byte load = half v % 2 of chunk v / 2.
     const uint4* x8 = static_cast<const uint4*>(P.x);
+    float amax = 0.f;
     for (int v = threadIdx.x; v < K / 8; v += kGemvThreads) {
       const uint4 raw = __ldcg(x8 + v);  // x comes from the previous kernel: coherent load (pdl.cuh)
-      float2 f0, f1, f2, f3;
+      xs[x_slot(v / 2, v % 2)] = raw;
       if constexpr (IN == In::BF16) {
         const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
-        f0 = __bfloat1622float2(h[0]), f1 = __bfloat1622float2(h[1]);
-        f2 = __bfloat1622float2(h[2]), f3 = __bfloat1622float2(h[3]);
-      } else {
-        const __half2* h = reinterpret_cast<const __half2*>(&raw);
-        f0 = __half22float2(h[0]), f1 = __half22float2(h[1]);
-        f2 = __half22float2(h[2]), f3 = __half22float2(h[3]);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float2 f = __bfloat1622float2(h[i]);
+          amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
+        }
       }
-      const int c = v / 2, i = 2 * (v % 2);
-      xs[x_slot(c, i)] = make_float4(f0.x, f0.y, f1.x, f1.y);
-      xs[x_slot(c, i + 1)] = make_float4(f2.x, f2.y, f3.x, f3.y);
+    }
+    if constexpr (IN == In::F16) {
+      return 1.f;
+    } else {
+#pragma unroll
+      for (int off = 16; off > 0; off /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+      if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = amax;
+      __syncthreads();
+      amax = 0.f;
+#pragma unroll
+      for (int w = 0; w < kGemvWarps; ++w) amax = fmaxf(amax, red[w]);
+      int s = 0;  // 0, inf and NaN: no scaling
+      if (amax > 0.f && amax <= FLT_MAX) {
+        int e;
+        frexpf(amax, &e);  // amax < 2^e <= 2 amax
+        s = max(-120, min(100, 15 - e));
+      }
+      const float up = ldexpf(1.f, s);
+      for (int v = threadIdx.x; v < K / 8; v += kGemvThreads) {  // the same slots this thread wrote
+        uint4& slot = xs[x_slot(v / 2, v % 2)];
+        uint32_t* w = reinterpret_cast<uint32_t*>(&slot);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[i]));
+          const __half2 h = __floats2half2_rn(f.x * up, f.y * up);
+          w[i] = *reinterpret_cast<const uint32_t*>(&h);
+        }
+      }
+      return ldexpf(1.f, -s);
     }
   }
 }
@@ -296,26 +370,28 @@ static __device__ __forceinline__ void store_pair(const Product& P, const RowPai
   }
 }
 
-// A row pair's partial sums are spread over the warp's lanes: reduce them, lane 0 stores, and the
-// warp reconverges before its next loads (a lane left behind would replay the whole next row
-// pair's loads and math on its own).
+// A row pair's partial sums sit in the 8 lanes that hold D's diagonal (dot_chunk): reduce them,
+// undo x's scaling, lane 0 stores, and the warp reconverges before its next loads (a lane left
+// behind would replay the whole next row pair's loads and math on its own).
 template <Ep EP>
 static __device__ __forceinline__ void finish_pair(const Product& P, const RowPairs<EP>& pairs, const RopeKVArgs& rope,
-                                                   int p, float acc0, float acc1) {
+                                                   int p, float acc0, float acc1, float x_scale) {
+  const int lane = threadIdx.x % 32;
+  if ((lane & 3) != (lane >> 3)) acc0 = acc1 = 0.f;  // lane 4 g + q holds group g's sums iff q = g / 2
 #pragma unroll
   for (int off = 16; off > 0; off /= 2) {
     acc0 += __shfl_xor_sync(0xffffffffu, acc0, off);
     acc1 += __shfl_xor_sync(0xffffffffu, acc1, off);
   }
-  if (threadIdx.x % 32 == 0) store_pair<EP>(P, pairs, rope, p, acc0, acc1);
+  if (lane == 0) store_pair<EP>(P, pairs, rope, p, acc0 * x_scale, acc1 * x_scale);
   __syncwarp();
 }
 
 // Row pair p from chunk c0 on (acc0 / acc1 hold the sums of the chunks before c0), then its epilogue.
 template <Ep EP>
 static __device__ __forceinline__ void finish_rows(const Product& P, const RowPairs<EP>& pairs, const RopeKVArgs& rope,
-                                                   const float4* xs, int p, int c0, float acc0,
-                                                   float acc1, uint64_t policy) {
+                                                   const uint4* xs, float x_scale, int p, int c0,
+                                                   float acc0, float acc1, uint64_t policy) {
   const int C = P.K / 16;
   int r0, r1;
   pairs.rows(p, r0, r1);
@@ -324,13 +400,13 @@ static __device__ __forceinline__ void finish_rows(const Product& P, const RowPa
     load_iter(it, P, r0, r1, c0, policy);
     dot_iter(it, xs, c0, C, acc0, acc1);
   }
-  finish_pair<EP>(P, pairs, rope, p, acc0, acc1);
+  finish_pair<EP>(P, pairs, rope, p, acc0, acc1, x_scale);
 }
 
 template <Ep EP, In IN>
 static __global__ void __launch_bounds__(kGemvThreads, 2)
     gemv_w8a16_kernel(const Product P, float eps, const RopeKVArgs rope) {
-  extern __shared__ float4 smem[];  // Staging
+  extern __shared__ uint4 smem[];  // Staging
   __shared__ float red[kGemvWarps];
   const Staging st(smem, P.K);
 
@@ -353,7 +429,7 @@ static __global__ void __launch_bounds__(kGemvThreads, 2)
   pdl_launch_dependents();
   pdl_wait();  // x (and, for AddResidual, out; for RopeKV, *pos) come from earlier kernels
 
-  stage_x<IN>(P, eps, st, red);
+  const float x_scale = stage_x<IN>(P, eps, st, red);
   __syncthreads();
 
   // The first row pair starts from the registers loaded above (a peeled copy: see the top of the
@@ -361,9 +437,10 @@ static __global__ void __launch_bounds__(kGemvThreads, 2)
   if (p0 < n_pairs) {
     float acc0 = 0.f, acc1 = 0.f;
     dot_iter(first, st.xs, lane, P.K / 16, acc0, acc1);
-    finish_rows<EP>(P, pairs, rope, st.xs, p0, lane + 32 * kGemvUnroll, acc0, acc1, policy);
+    finish_rows<EP>(P, pairs, rope, st.xs, x_scale, p0, lane + 32 * kGemvUnroll, acc0, acc1, policy);
   }
-  for (int p = p0 + stride; p < n_pairs; p += stride) finish_rows<EP>(P, pairs, rope, st.xs, p, lane, 0.f, 0.f, policy);
+  for (int p = p0 + stride; p < n_pairs; p += stride)
+    finish_rows<EP>(P, pairs, rope, st.xs, x_scale, p, lane, 0.f, 0.f, policy);
 }
 
 // ---- launcher ----
