@@ -10,7 +10,7 @@
 //    SwiGLU pairs row i with row F + i (gate and up of the same output), the other epilogues pair
 //    rows 2p and 2p + 1; the x values each lane reads from shared memory serve both rows.
 //  - Blocks are persistent-style: the grid is what fits on the SMs (2 per SM, fewer only when there
-//    are fewer row pairs than that) and warps stride over row pairs, so x (16-bit [K] -> fp32 in
+//    are fewer row pairs than that) and warps stride over row pairs, so x (16-bit [K] -> fp16 in
 //    shared memory) is staged once per block, not per pair. Row pair p goes to block p mod grid
 //    (warp p / grid of it, then + 8 x grid per round): every block, hence every SM, gets the same
 //    number of pairs +-1, and the rows left over for a second round are spread over all SMs
@@ -25,11 +25,15 @@
 //  - The QKV variant (gemv_w8a16_rmsnorm_rope) pairs rows (i, i + D/2) of each q / k head instead,
 //    so the warp that owns a rotation pair applies RoPE (rope.cuh, the rope kernel's arithmetic)
 //    and writes q and the KV-cache rows itself: the rope kernel's launch and round trip disappear.
-//  - A 16-byte chunk never straddles a 128-column scale group: the chunk's fp32 partial sum is
-//    multiplied by its scale once (1 FMA per 16 weights).
-//  - Per weight byte the SM array can afford only ~8 lane-instructions at HBM speed; per 16 bytes
-//    and row we spend 8 cvt (packed e4m3x2 -> f16x2), 16 f16 -> f32, 16 FMA, 2 shared loads (shared
-//    with the other row) and ~3 for the scale and addressing: ~3 instructions per byte.
+//  - The dot products run on the tensor cores (dot_chunk): per 16-byte chunk of both rows a lane
+//    converts its 32 weights to fp16 (exact) and the warp issues four m16n8k16 products whose
+//    diagonal holds the lane groups' partial sums, fp32-accumulated; ~43 instructions per 32 weights
+//    against ~110 with fp32 FMAs. That is what a warp's burst costs between its data's arrival and
+//    its next loads, and what the tail of every GEMV costs: 3B 1.53 -> 1.46 ms, 8B 2.73 -> 2.62 ms.
+//    x enters the products as fp16: the RMSNorm output already is (kernels.h); bf16 x is scaled by
+//    a power of two into fp16's range first and the sums scaled back (stage_x), exact in practice.
+//  - A 16-byte chunk never straddles a 128-column scale group: each 64-byte group of four lanes
+//    sits in one scale group, so a partial sum is multiplied by its scale once.
 //  (Tried and measured slower, docs/PERF.md 2026-11-20/21: weights through a cp.async.bulk ring
 //  into shared memory, 1 block per SM (34% of the stream ceiling); an L2 prefetch of the first
 //  rows before the PDL wait (slightly slower than none); a two-slot rolling register pipeline;
