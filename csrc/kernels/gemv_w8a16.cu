@@ -186,7 +186,9 @@ static __device__ __forceinline__ void load_iter(Iter& it, const Product& P, int
 #pragma unroll
   for (int u = 0; u < kGemvUnroll; ++u) {
     const int c = c0 + 32 * u;
-    if (c - lane < C) {  // warp-uniform, as in dot_iter; a lane past the end reads the row's last chunk
+    // Warp-uniform, as in dot_iter; a lane past the row's end re-reads its last chunk. (With the
+    // per-lane condition instead, ptxas moved some of a burst's loads behind the math: sass_check.)
+    if (c - lane < C) {
       it.wa[u] = ld_stream16(reinterpret_cast<const uint4*>(w0 + 16 * min(c, C - 1)), policy);
       it.wb[u] = ld_stream16(reinterpret_cast<const uint4*>(w1 + 16 * min(c, C - 1)), policy);
     }
