@@ -96,29 +96,23 @@ static __device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t two) {
 // row b; lane 4 g + g / 2 holds them (in d[g & 1] and d[2 + (g & 1)]). The other 112 entries of D are
 // cross terms and are not used. Per 32 weights a lane spends 16 conversions, 8 shifts, 4 products
 // and 2 shared loads, against ~110 instructions with fp32 FMAs.
-static __device__ __forceinline__ uint2 ld_shared8(uint32_t addr) {
-  uint2 v;
-  asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(addr));
+static __device__ __forceinline__ uint4 ld_shared16(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
   return v;
 }
 
 // x_lo / x_hi: shared addresses of the chunk's two 8-value halves.
 static __device__ __forceinline__ void dot_chunk(uint4 wa, uint4 wb, uint32_t x_lo, uint32_t x_hi, float (&d)[4]) {
+  const uint4 x0 = ld_shared16(x_lo), x1 = ld_shared16(x_hi);
   const uint32_t a[4] = {wa.x, wa.y, wa.z, wa.w};
   const uint32_t b[4] = {wb.x, wb.y, wb.z, wb.w};
+  const uint32_t xv[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
   d[0] = d[1] = d[2] = d[3] = 0.f;
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {  // bytes 4j, 4j+1 pair with x values 4j, 4j+1; bytes 4j+2, 4j+3 with 4j+2, 4j+3
-    const uint2 x = ld_shared8((j < 2 ? x_lo : x_hi) + 8 * (j % 2));
+  for (int j = 0; j < 4; ++j)  // bytes 4j, 4j+1 pair with x values 4j, 4j+1; bytes 4j+2, 4j+3 with 4j+2, 4j+3
     mma16816(d, e4m3x2_to_f16x2(a[j]), e4m3x2_to_f16x2(b[j]), e4m3x2_to_f16x2(a[j] >> 16),
-             e4m3x2_to_f16x2(b[j] >> 16), x.x, x.y);
-  }
-}
-
-static __device__ __forceinline__ uint4 ld_shared16(uint32_t addr) {
-  uint4 v;
-  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
-  return v;
+             e4m3x2_to_f16x2(b[j] >> 16), xv[2 * j], xv[2 * j + 1]);
 }
 
 // The kernel's epilogues: the public three, and RoPE + KV append for the fused QKV product.
