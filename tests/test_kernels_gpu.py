@@ -355,6 +355,14 @@ def test_gemv_rmsnorm_rope_rejects_bad_arguments(rng):
         ops.gemv_rmsnorm_rope(w, s, x, nw, 1e-5, llama_inv_freq(64), 0, 4, 1, 64, kc, kc.copy())
     with pytest.raises(ValueError):  # odd head_dim
         ops.gemv_rmsnorm_rope(w, s, x, nw, 1e-5, llama_inv_freq(64), 0, 3, 1, 63, kc, kc.copy())
+    # One head_dim range for both RoPE paths: 1026 is refused by the fused one and by the rope kernel.
+    D = 1026
+    wd, sd = random_fp8(rng, (3 * D, 256)), random_scales(rng, 3 * D, 256)
+    kd = bf16_bits(np.zeros((8, 1, D)))
+    with pytest.raises(ValueError, match="head_dim must be even and <= 1024"):
+        ops.gemv_rmsnorm_rope(wd, sd, x, nw, 1e-5, llama_inv_freq(D), 0, 1, 1, D, kd, kd.copy())
+    with pytest.raises(ValueError, match="head_dim must be even and <= 1024"):
+        ops.rope_kv_append(np.zeros((1, 3 * D), np.float32), llama_inv_freq(D), 0, 1, 1, D, kd.copy(), kd.copy())
 
 
 # ----------------------------------------------------------------------------- small ops

@@ -65,7 +65,6 @@ constexpr int kGemvThreads = 256;
 constexpr int kGemvWarps = kGemvThreads / 32;
 constexpr int kGemvUnroll = 8;  // 16-byte chunks per row per lane per iteration
 constexpr int kQuantGroup = 128;
-constexpr int kMaxRopeHalf = 128;  // RopeKV accepts head_dim <= 256 (a checked range, no longer a table size)
 
 // x is stored as fp16 (16 values = 32 B per chunk) with a swizzle: the two 16-byte halves of chunk c
 // sit in order when (c >> 2) & 1 is 0 and swapped when it is 1. Lanes read 32 B apart; without the
@@ -517,8 +516,8 @@ void gemv_w8a16_rmsnorm_rope(const uint8_t* w, const float* scales, const float*
   AF_CHECK(norm_w != nullptr, "gemv_w8a16_rmsnorm_rope: needs the norm weight");
   AF_CHECK(rope.H >= 1 && rope.Hkv >= 1 && rope.max_context >= 1,
            "gemv_w8a16_rmsnorm_rope: H, Hkv, max_context must be >= 1");
-  AF_CHECK(rope.D >= 2 && rope.D % 2 == 0 && rope.D / 2 <= kMaxRopeHalf,
-           "gemv_w8a16_rmsnorm_rope: head_dim must be even and <= 256");
+  AF_CHECK(rope.D >= 2 && rope.D % 2 == 0 && rope.D <= kMaxRopeHeadDim,
+           "gemv_w8a16_rmsnorm_rope: head_dim must be even and <= 1024");
   AF_CHECK(rope.inv_freq && rope.pos && rope.q_out && rope.k_cache && rope.v_cache,
            "gemv_w8a16_rmsnorm_rope: null pointer argument");
   const int N = (rope.H + 2 * rope.Hkv) * rope.D;

@@ -4,6 +4,10 @@
 
 namespace atomflow {
 
+// The head_dim range both RoPE paths accept (even, <= this). Neither holds a table of that size: the
+// rope kernel stages one row of D floats, the fused epilogue computes each pair's cos / sin itself.
+constexpr int kMaxRopeHeadDim = 1024;
+
 // cos and sin of position p's angle for frequency inv_freq. Accurate sincosf, not __sinf: the
 // angles reach ~1e5 rad at long context.
 __device__ __forceinline__ void rope_cos_sin(int p, float inv_freq, float& c, float& s) {
