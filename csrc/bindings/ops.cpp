@@ -15,12 +15,14 @@
 #include <vector>
 
 #include "args.h"
+#include "atomflow/attention_scratch.h"
 #include "atomflow/device_buffer.h"
 #include "atomflow/timing.h"
 #include "atomflow/kernels.h"
 
 namespace py = pybind11;
 using atomflow::DeviceBuffer;
+using atomflow::attention_scratch;
 using atomflow::bf16;
 using atomflow::f16;
 namespace k = atomflow::kernels;
@@ -239,8 +241,7 @@ py::array_t<uint16_t> attention(const py::array& q_, const py::array& k_cache_, 
   require(M >= 1 && pos >= 0 && pos + M <= C, "need M >= 1, pos >= 0 and pos + M <= cache rows");
   const float scale = scale_.is_none() ? 1.0f / std::sqrt(static_cast<float>(D)) : scale_.cast<float>();
   DeviceBuffer dq = to_device(q), dk = to_device(kc), dv = to_device(vc), dpos = device_int(pos);
-  DeviceBuffer scratch = DeviceBuffer::poisoned(k::attention_scratch_bytes(M, H, D, C));  // the partials stay poisoned
-  k::attention_scratch_clear(scratch.get(), scratch.bytes(), nullptr);
+  DeviceBuffer scratch = attention_scratch(k::attention_scratch_bytes(M, H, D, C));
   DeviceBuffer out = DeviceBuffer::poisoned(sizeof(bf16) * M * H * D);
   k::attention(dq.get<bf16>(), dk.get<bf16>(), dv.get<bf16>(), dpos.get<int32_t>(), M, H, Hkv, D, C, scale, scratch.get(),
                out.get<bf16>(), nullptr);
@@ -322,8 +323,7 @@ double time_attention(int context, int H, int Hkv, int D, int M, int iters) {
   Rotating kv(2 * cache);  // K then V of one copy
   kv.buf.fill(0);
   DeviceBuffer q(sizeof(bf16) * M * H * D), out(sizeof(bf16) * M * H * D), pos = device_int(context - M);
-  DeviceBuffer scratch(k::attention_scratch_bytes(M, H, D, C));
-  k::attention_scratch_clear(scratch.get(), scratch.bytes(), nullptr);
+  DeviceBuffer scratch = attention_scratch(k::attention_scratch_bytes(M, H, D, C));
   q.fill(0);
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   return median_us([&](int i) {

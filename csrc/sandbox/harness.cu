@@ -7,6 +7,7 @@
 #include <numeric>
 #include <random>
 
+#include "atomflow/attention_scratch.h"
 #include "atomflow/device_buffer.h"
 #include "atomflow/timing.h"
 #include "atomflow/kernels.h"
@@ -21,14 +22,6 @@ namespace {
 DeviceBuffer to_device(const void* src, size_t bytes) {
   DeviceBuffer d(bytes);
   d.upload(src, bytes);
-  return d;
-}
-
-// Attention scratch as the kernels require it (kernels.h): merge counters zeroed, the partials
-// poisoned so a merge that read one it did not write could not pass.
-DeviceBuffer attention_scratch(size_t bytes) {
-  DeviceBuffer d = DeviceBuffer::poisoned(bytes);
-  k::attention_scratch_clear(d.get(), bytes, nullptr);
   return d;
 }
 
