@@ -14,7 +14,7 @@
 //    shared memory) is staged once per block, not per pair. Row pair p goes to block p mod grid
 //    (warp p / grid of it, then + 8 x grid per round): every block, hence every SM, gets the same
 //    number of pairs +-1, and the rows left over for a second round are spread over all SMs
-//    instead of filling the first blocks' warps (3B: 1.610 -> 1.524 ms; an SM serves only so many
+//    instead of filling the first blocks' warps (docs/PERF.md, b322060: an SM serves only so many
 //    loads at once, so per-SM balance matters even when the grid's total is the same).
 //  - Weights depend on no earlier kernel: each warp loads the first iteration of its first row
 //    pair into registers BEFORE it waits for the previous kernel (PDL, pdl.cuh), so that DRAM
@@ -29,7 +29,7 @@
 //    converts its 32 weights to fp16 (exact) and the warp issues four m16n8k16 products whose
 //    diagonal holds the lane groups' partial sums, fp32-accumulated; ~43 instructions per 32 weights
 //    against ~110 with fp32 FMAs. That is what a warp's burst costs between its data's arrival and
-//    its next loads, and what the tail of every GEMV costs: 3B 1.53 -> 1.46 ms, 8B 2.73 -> 2.62 ms.
+//    its next loads, and what the tail of every GEMV costs (docs/PERF.md, 25db0f9).
 //    x enters the products as fp16: the RMSNorm output already is (kernels.h); bf16 x is scaled by
 //    a power of two into fp16's range first and the sums scaled back (stage_x), exact in practice.
 //  - A 16-byte chunk never straddles a 128-column scale group: each 64-byte group of four lanes
@@ -38,7 +38,10 @@
 //  into shared memory, 1 block per SM (34% of the stream ceiling); an L2 prefetch of the first
 //  rows before the PDL wait (slightly slower than none); a two-slot rolling register pipeline;
 //  128-thread blocks, 3 or 4 per SM (lm_head 85%); a multi-iteration row pair's K slices spread
-//  over the block's warps (that GEMV faster, the next one slower: no SM frees early for it).)
+//  over the block's warps (that GEMV faster, the next one slower: no SM frees early for it); with
+//  the tensor-core loop: 6-chunk iterations with 3 blocks per SM, a second iteration per warp in
+//  flight through shared memory (down faster, its neighbours slower), and o -> gate_up -> down ->
+//  qkv as one persistent launch with grid barriers (14% slower).)
 //
 // The compiler and the weight loads: every weight load of the kernel shares ONE scoreboard, and
 // an instruction that waits for any of them waits for all. Two consequences, both seen in the
@@ -86,6 +89,12 @@ static __device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t two) {
   return static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
 }
 
+static __device__ __forceinline__ uint4 ld_shared16(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+  return v;
+}
+
 // The two 16-weight dot products of one chunk per lane, for the whole warp, as four tensor-core
 // products. Lane l = 4 g + q holds 16 weights of row a and of row b at its chunk and the 16 x values
 // of that chunk. In the m16n8k16 product, A row g is row a's weights of lane group g (lanes 4g..4g+3,
@@ -94,14 +103,8 @@ static __device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t two) {
 // exactly its own weights and x. D[g][g] and D[g + 8][g] are then group g's partial sums of row a and
 // row b; lane 4 g + g / 2 holds them (in d[g & 1] and d[2 + (g & 1)]). The other 112 entries of D are
 // cross terms and are not used. Per 32 weights a lane spends 16 conversions, 8 shifts, 4 products
-// and 2 shared loads, against ~110 instructions with fp32 FMAs.
-static __device__ __forceinline__ uint4 ld_shared16(uint32_t addr) {
-  uint4 v;
-  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
-  return v;
-}
-
-// x_lo / x_hi: shared addresses of the chunk's two 8-value halves.
+// and 2 shared loads, against ~110 instructions with fp32 FMAs. x_lo / x_hi: shared addresses of the
+// chunk's two 8-value halves.
 static __device__ __forceinline__ void dot_chunk(uint4 wa, uint4 wb, uint32_t x_lo, uint32_t x_hi, float (&d)[4]) {
   const uint4 x0 = ld_shared16(x_lo), x1 = ld_shared16(x_hi);
   const uint32_t a[4] = {wa.x, wa.y, wa.z, wa.w};
@@ -201,9 +204,8 @@ static __device__ __forceinline__ void dot_iter(const Iter& it, const uint4* xs,
                                                 float& acc1) {
   const int lane = threadIdx.x % 32;
   const bool odd = (lane >> 2) & 1;  // which column of D holds this lane's diagonal entries
-  const int sw = (c0 >> 2) & 1;
-  const uint32_t x_lo = static_cast<uint32_t>(__cvta_generic_to_shared(xs + 2 * c0 + sw));
-  const uint32_t x_hi = static_cast<uint32_t>(__cvta_generic_to_shared(xs + 2 * c0 + 1 - sw));
+  const uint32_t x_lo = static_cast<uint32_t>(__cvta_generic_to_shared(xs + x_slot(c0, 0)));
+  const uint32_t x_hi = static_cast<uint32_t>(__cvta_generic_to_shared(xs + x_slot(c0, 1)));
 #pragma unroll
   for (int u = 0; u < kGemvUnroll; ++u) {
     const int c = c0 + 32 * u;
@@ -237,7 +239,8 @@ struct Staging {
   bf16* norm_w;
   __device__ Staging(uint4* smem, int K)
       : xs(smem), raw(reinterpret_cast<float*>(smem + x_padded(K) / 8)), norm_w(reinterpret_cast<bf16*>(raw + K)) {}
-  // x's slots run to a multiple of 512 values: a whole iteration's loads stay inside the buffer.
+  // x's slots run to a multiple of 512 values (32 chunks): a 32-chunk step that dot_iter runs for
+  // some lanes reads inside the buffer for all of them.
   __host__ __device__ static int x_padded(int K) { return CEIL_DIV(K, 512) * 512; }
 };
 template <In IN>
