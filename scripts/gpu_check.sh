@@ -16,10 +16,12 @@ if ! python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.lo
   tail -40 "$OUT/build.log"; echo "gpu_check: build failed (log: $OUT/build.log)"; exit 1
 fi
 grep -E "registers|spill|bytes stack" "$OUT/build.log" > "$OUT/ptxas.txt" 2>/dev/null
-echo "== GEMV machine code"
-python3 tools/sass_check.py 2>&1 | tail -3
-
 rc=0
+echo "== GEMV machine code (the built modules)"
+python3 tools/sass_check.py --built > "$OUT/sass_check.log" 2>&1
+sass_rc=$?
+tail -3 "$OUT/sass_check.log"
+[ $sass_rc -eq 0 ] || { echo "gpu_check: sass_check failed (exit $sass_rc)"; rc=1; }
 if [ "${SKIP_TESTS:-0}" != "1" ]; then
   echo "== pytest -m gpu"
   python3 -m pytest -m "${PYTEST_MARK:-gpu}" -q -rfE ${PYTEST_ARGS:-} --junitxml="$OUT/gpu_tests.xml" > "$OUT/gpu_tests.log" 2>&1 || rc=$?

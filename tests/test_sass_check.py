@@ -52,3 +52,13 @@ def test_main_fails_on_a_serialized_kernel(tmp_path, capsys):
 @pytest.mark.skipif(not (shutil.which("nvcc") and shutil.which("cuobjdump")), reason="needs nvcc and cuobjdump")
 def test_the_gemv_kernels_load_their_weights_without_serializing():
     assert sass_check.main([]) == 0
+
+
+@pytest.mark.skipif(not shutil.which("cuobjdump"), reason="needs cuobjdump")
+def test_the_built_extension_modules_pass(capsys):
+    """What CMake built (its flags, every GEMV instance of the core and the sandbox) passes too."""
+    if not sass_check.built_modules():
+        pytest.skip("the CUDA extension modules are not built")
+    assert sass_check.main(["--built"]) == 0
+    checked = int(capsys.readouterr().out.split("sass_check: ")[1].split()[0])
+    assert checked >= 20  # two modules, ten GEMV kernels each

@@ -6,9 +6,11 @@ instruction between two of those loads waits on it, each load of the burst waits
 one's data: the round trips are serialized (seen: lm_head at 62% of the read ceiling instead of
 95%, csrc/kernels/gemv_w8a16.cu). This script compiles the kernel file for sm_90, disassembles it
 with cuobjdump, decodes each instruction's wait mask from its control bits, and fails if any
-GEMV kernel has such a wait.
+GEMV kernel has such a wait. With --built it disassembles the installed extension modules instead
+(atomflow._core and atomflow._sandbox: the machine code CMake built, with its flags and
+architectures, which is what runs); scripts/gpu_check.sh checks those.
 
-    python tools/sass_check.py [--source csrc/kernels/gemv_w8a16.cu] [--sass FILE]
+    python tools/sass_check.py [--source csrc/kernels/gemv_w8a16.cu | --built | --sass FILE]
 
 Needs nvcc and cuobjdump (CUDA toolkit). Exit 0: clean; 1: waits found; 2: tools missing.
 """
@@ -59,13 +61,36 @@ def burst_waits(rows: list[tuple[int, str, int, int]]) -> list[tuple[int, str]]:
     return bad
 
 
+def built_modules() -> list[Path]:
+    """Files of the installed atomflow._core and atomflow._sandbox (those that import)."""
+    import importlib
+    found = []
+    for name in ("atomflow._core", "atomflow._sandbox"):
+        try:
+            found.append(Path(importlib.import_module(name).__file__))
+        except ImportError:
+            pass
+    return found
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--source", default=str(ROOT / "csrc/kernels/gemv_w8a16.cu"))
     ap.add_argument("--sass", help="check this cuobjdump -sass output instead of compiling")
+    ap.add_argument("--built", action="store_true", help="check the installed extension modules instead of compiling")
     a = ap.parse_args(argv)
     if a.sass:
         text = Path(a.sass).read_text()
+    elif a.built:
+        if not shutil.which("cuobjdump"):
+            print("sass_check: needs cuobjdump on PATH", file=sys.stderr)
+            return 2
+        binaries = built_modules()
+        if not binaries:
+            print("sass_check: atomflow's CUDA extension modules are not installed", file=sys.stderr)
+            return 2
+        text = "".join(subprocess.run(["cuobjdump", "-sass", str(b)], check=True, capture_output=True,
+                                      text=True).stdout for b in binaries)
     else:
         if not shutil.which("nvcc") or not shutil.which("cuobjdump"):
             print("sass_check: needs nvcc and cuobjdump on PATH", file=sys.stderr)

@@ -51,7 +51,10 @@
 // trip or by a conditional load outside it (the compiler then waits for the scoreboard between
 // the loads of one burst, serializing them). Hence the first iteration loaded before the PDL wait
 // is consumed by a peeled copy of the loop, not by the loop.
+#include <algorithm>
 #include <cfloat>
+#include <mutex>
+#include <vector>
 
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -447,28 +450,51 @@ static __global__ void __launch_bounds__(kGemvThreads, 2)
 
 // ---- launcher ----
 
+// How many blocks of gemv_w8a16_kernel<EP, IN> with `smem` bytes of dynamic shared memory are resident at
+// once on the current device: 2 per SM, fewer only if fewer fit. The first launch of a (device, smem)
+// queries it and raises the kernel's dynamic limit to what it needs (not only above 48 KB: the
+// default limit counts the static `red` too, so K = 12288, exactly 48 KB of x, failed); later launches
+// take it from the cache, so eager mode does not pay the queries on every GEMV (a captured graph pays
+// them once either way). Host-side, capture-safe.
 template <Ep EP, In IN>
-static void launch_gemv(const uint8_t* w, const float* scales, const void* x, const bf16* norm_w, float eps, int N,
-                        int K, void* out, const RopeKVArgs& rope, cudaStream_t stream) {
-  const size_t smem = staging_bytes<IN>(K);
-  int device = 0, sms = 0, smem_optin = 0;
+static int resident_blocks(size_t smem) {
+  struct Seen {
+    int device;
+    size_t smem;
+    int blocks;
+  };
+  static std::mutex mu;
+  static std::vector<Seen> seen;  // one entry per (device, K) in use: a handful
+  int device = 0;
   AF_CUDA_CHECK(cudaGetDevice(&device));
+  const std::lock_guard<std::mutex> lock(mu);
+  size_t raised = 0;  // the largest limit set on this device so far
+  for (const Seen& e : seen) {
+    if (e.device != device) continue;
+    if (e.smem == smem) return e.blocks;
+    raised = std::max(raised, e.smem);
+  }
+  int sms = 0, smem_optin = 0;
   AF_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   AF_CUDA_CHECK(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   AF_CHECK(smem <= static_cast<size_t>(smem_optin), "gemv_w8a16: K too large to stage x in shared memory");
-  // Raise the dynamic limit once, to what this launch needs (host-side, capture-safe). Not only above
-  // 48 KB: the default limit counts the static `red` too, so K = 12288 (exactly 48 KB of x) failed.
-  static size_t configured = 0;
-  if (smem > configured) {
+  if (smem > raised)
     AF_CUDA_CHECK(cudaFuncSetAttribute(gemv_w8a16_kernel<EP, IN>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        static_cast<int>(smem)));
-    configured = smem;
-  }
   int per_sm = 0;
   AF_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_w8a16_kernel<EP, IN>, kGemvThreads,
                                                               smem));
   AF_CHECK(per_sm >= 1, "gemv_w8a16: kernel does not fit on an SM");
-  const int blocks = min(RowPairs<EP>::count(N), sms * min(per_sm, 2));  // every block gets a row pair (kernel comment)
+  seen.push_back({device, smem, sms * std::min(per_sm, 2)});
+  return seen.back().blocks;
+}
+
+template <Ep EP, In IN>
+static void launch_gemv(const uint8_t* w, const float* scales, const void* x, const bf16* norm_w, float eps, int N,
+                        int K, void* out, const RopeKVArgs& rope, cudaStream_t stream) {
+  const size_t smem = staging_bytes<IN>(K);
+  // Every block gets a row pair (kernel comment).
+  const int blocks = std::min(RowPairs<EP>::count(N), resident_blocks<EP, IN>(smem));
   const Product P{w, scales, x, norm_w, N, K, out};
   af_launch(gemv_w8a16_kernel<EP, IN>, dim3(blocks), dim3(kGemvThreads), smem, stream, P, eps, rope);
 }
