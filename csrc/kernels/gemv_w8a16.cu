@@ -36,8 +36,8 @@
 //    sits in one scale group, so a partial sum is multiplied by its scale once.
 //  (Tried and measured slower, docs/PERF.md 2026-11-20/21: weights through a cp.async.bulk ring
 //  into shared memory, 1 block per SM, 16-row tiles of 1 KB copies shared by the block (34% of the
-//  stream ceiling; per-warp rings of 4 KB copies do stream at the ceiling); an L2 prefetch of the first
-//  rows before the PDL wait (slightly slower than none); a two-slot rolling register pipeline;
+//  stream ceiling; per-warp rings of copies of up to 4 KB do stream at it); an L2 prefetch of the
+//  first rows before the PDL wait (slightly slower than none); a two-slot rolling register pipeline;
 //  128-thread blocks, 3 or 4 per SM (lm_head 85%); a multi-iteration row pair's K slices spread
 //  over the block's warps (that GEMV faster, the next one slower: no SM frees early for it); with
 //  the tensor-core loop: 6-chunk iterations with 3 blocks per SM, a second iteration per warp in
