@@ -139,8 +139,10 @@ def model_shapes():
 
 
 # (6, 12288): x staged in exactly 48 KB of shared memory, the default limit (static memory on top).
+# (9000, 256) and (9000, 4224): several row pairs per warp, with a row's chunks ending inside a warp's
+# first 32 (all lanes must still take the same trips through the warp-wide products).
 ODD_SHAPES = [(1, 128), (2, 128), (7, 384), (14, 256), (129, 1024), (258, 640), (1001, 4096), (3, 14336),
-              (6, 12288)]
+              (6, 12288), (9000, 256), (9000, 4224)]
 
 
 # ----------------------------------------------------------------------------- gemv / gemm

@@ -402,10 +402,14 @@ static __device__ __forceinline__ void finish_rows(const Product& P, const RowPa
   const int C = P.K / 16;
   int r0, r1;
   pairs.rows(p, r0, r1);
-  for (; c0 < C; c0 += 32 * kGemvUnroll) {
+  // The loop runs on the warp's first chunk (c0 - lane), so every lane makes the same trips: with a
+  // per-lane bound, a K whose chunks end within a warp's first 32 (K = 256, or 4096 + 256) sent only
+  // some lanes into the warp-wide products and shuffles (a hang, seen with K = 256 and several row
+  // pairs per warp).
+  for (int base = c0 - threadIdx.x % 32; base < C; base += 32 * kGemvUnroll) {
     Iter it;
-    load_iter(it, P, r0, r1, c0, policy);
-    dot_iter(it, xs, c0, C, acc0, acc1);
+    load_iter(it, P, r0, r1, base + threadIdx.x % 32, policy);
+    dot_iter(it, xs, base + threadIdx.x % 32, C, acc0, acc1);
   }
   finish_pair<EP>(P, pairs, rope, p, acc0, acc1, x_scale);
 }
