@@ -43,7 +43,9 @@
 //  the tensor-core loop: 6-chunk iterations with 3 blocks per SM, a second iteration per warp in
 //  flight through shared memory (down faster, its neighbours slower), and o -> gate_up -> down ->
 //  qkv as one persistent launch with grid barriers (14% slower; with its weights in per-warp
-//  bulk-copy rings, 19% slower: 8 warps per SM cannot hide the math's latency).)
+//  bulk-copy rings, 19% slower: 8 warps per SM cannot hide the math's latency); the MLP as one launch
+//  with down split along F over the blocks and one barrier at the end (23% slower: the barrier and the
+//  cross-slice sum cost ~6 us per layer, and gate/up in contiguous 1-block-per-SM slices ran slower).)
 //
 // The compiler and the weight loads: every weight load of the kernel shares ONE scoreboard, and
 // an instruction that waits for any of them waits for all. Two consequences, both seen in the
