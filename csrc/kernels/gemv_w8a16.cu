@@ -396,22 +396,22 @@ static __device__ __forceinline__ void finish_pair(const Product& P, const RowPa
   __syncwarp();
 }
 
-// Row pair p from chunk c0 on (acc0 / acc1 hold the sums of the chunks before c0), then its epilogue.
+// Row pair p from the warp's chunk `base` on (lane l starts at base + l; acc0 / acc1 hold the sums of
+// the chunks before), then its epilogue. The loop counts on the warp's chunk, not the lane's, so every
+// lane makes the same trips: with a per-lane bound, a K whose chunks end within a warp's first 32
+// (K = 256, or 4096 + 256) sent only some lanes into the warp-wide products and shuffles (a hang,
+// seen with K = 256 and several row pairs per warp).
 template <Ep EP>
 static __device__ __forceinline__ void finish_rows(const Product& P, const RowPairs<EP>& pairs, const RopeKVArgs& rope,
-                                                   const uint4* xs, float x_scale, int p, int c0,
+                                                   const uint4* xs, float x_scale, int p, int base,
                                                    float acc0, float acc1, uint64_t policy) {
-  const int C = P.K / 16;
+  const int C = P.K / 16, lane = threadIdx.x % 32;
   int r0, r1;
   pairs.rows(p, r0, r1);
-  // The loop runs on the warp's first chunk (c0 - lane), so every lane makes the same trips: with a
-  // per-lane bound, a K whose chunks end within a warp's first 32 (K = 256, or 4096 + 256) sent only
-  // some lanes into the warp-wide products and shuffles (a hang, seen with K = 256 and several row
-  // pairs per warp).
-  for (int base = c0 - threadIdx.x % 32; base < C; base += 32 * kGemvUnroll) {
+  for (; base < C; base += 32 * kGemvUnroll) {
     Iter it;
-    load_iter(it, P, r0, r1, base + threadIdx.x % 32, policy);
-    dot_iter(it, xs, base + threadIdx.x % 32, C, acc0, acc1);
+    load_iter(it, P, r0, r1, base + lane, policy);
+    dot_iter(it, xs, base + lane, C, acc0, acc1);
   }
   finish_pair<EP>(P, pairs, rope, p, acc0, acc1, x_scale);
 }
@@ -450,10 +450,10 @@ static __global__ void __launch_bounds__(kGemvThreads, 2)
   if (p0 < n_pairs) {
     float acc0 = 0.f, acc1 = 0.f;
     dot_iter(first, st.xs, lane, P.K / 16, acc0, acc1);
-    finish_rows<EP>(P, pairs, rope, st.xs, x_scale, p0, lane + 32 * kGemvUnroll, acc0, acc1, policy);
+    finish_rows<EP>(P, pairs, rope, st.xs, x_scale, p0, 32 * kGemvUnroll, acc0, acc1, policy);
   }
   for (int p = p0 + stride; p < n_pairs; p += stride)
-    finish_rows<EP>(P, pairs, rope, st.xs, x_scale, p, lane, 0.f, 0.f, policy);
+    finish_rows<EP>(P, pairs, rope, st.xs, x_scale, p, 0, 0.f, 0.f, policy);
 }
 
 // ---- launcher ----
