@@ -160,7 +160,7 @@ static __global__ void __launch_bounds__(kAttnThreads)
   // (docs/PERF.md 2026-11-21: 8B 2.74 -> 2.69 ms, 3B 1.533 -> 1.524 ms).
   pdl_wait();
   const int tiles = CEIL_DIV(M, QT);
-  const int split = blockIdx.x, h = blockIdx.y, b = blockIdx.z / tiles, m0 = (blockIdx.z % tiles) * QT;
+  const int h = blockIdx.x, split = blockIdx.y, b = blockIdx.z / tiles, m0 = (blockIdx.z % tiles) * QT;
   const int pos = kv.seq.start(b);
   const int n_keys = call_keys(kv, b, M);
   const int n_active = active_splits(n_keys, s_max);
@@ -353,7 +353,7 @@ static __global__ void __launch_bounds__(kAttnThreads)
   __syncthreads();
   if (n_splits > 1) {
     if (threadIdx.x == 0) {
-      int* counter = counters + blockIdx.z * gridDim.y + blockIdx.y;  // in range: see kCounterBytes
+      int* counter = counters + blockIdx.z * gridDim.x + blockIdx.x;  // in range: see kCounterBytes
       __threadfence();
       sm_last = atomicAdd(counter, 1) == n_splits - 1;
       if (sm_last) {
@@ -482,7 +482,10 @@ static void launch_attention(const bf16* q, const KV& kv, int B, int M, int H, i
   int* counters = static_cast<int*>(scratch);
   float* part_acc = reinterpret_cast<float*>(static_cast<char*>(scratch) + kCounterBytes);
   float* part_ml = part_acc + static_cast<size_t>(B) * M * H * s_max * D;
-  const dim3 grid(s_max, Hkv, B * CEIL_DIV(M, QT));
+  // Kv heads along x, splits along y: blocks start in index order, so the active splits of every head
+  // (split < n_active) come before the ones past it, which only wait for the previous kernel and exit
+  // (with the capacity of a default context, 8192 keys, 7 in 8 blocks at a short context).
+  const dim3 grid(Hkv, s_max, B * CEIL_DIV(M, QT));
   const float q_scale = scale * 1.4426950408889634f;  // scores in log2 units: exp2f in the softmax
   af_launch(attention_kernel<KV, D, G, QT>, grid, dim3(kAttnThreads), 0, stream, q, kv, M, H, Hkv, s_max, q_scale,
             counters, part_acc, part_ml, out);
