@@ -331,10 +331,38 @@ static __device__ float stage_x(const Product& P, float eps, const Staging& st, 
   }
 }
 
+// What an epilogue reads from earlier kernels, loaded by lane 0 right after the PDL wait, while x is
+// staged, instead of after the math: the position (RopeKV), and for AddResidual the residual values
+// of the warp's first row pair (`has_rows`; later pairs load theirs in the epilogue).
+struct Prior {
+  float r0, r1;
+  bool has_rows;
+  int pos;
+};
+
+template <Ep EP>
+static __device__ __forceinline__ Prior load_prior(const Product& P, const RowPairs<EP>& pairs, const RopeKVArgs& rope,
+                                                   int p0) {
+  Prior pr{0.f, 0.f, false, 0};
+  if (threadIdx.x % 32 != 0) return pr;
+  if constexpr (EP == Ep::RopeKV) pr.pos = *rope.pos;  // plain (coherent) load: the previous step wrote it
+  if constexpr (EP == Ep::AddResidual) {
+    if (p0 < pairs.count()) {
+      int r0, r1;
+      pairs.rows(p0, r0, r1);
+      const float* o = static_cast<const float*>(P.out);
+      pr.r0 = __ldcg(o + r0);
+      pr.r1 = __ldcg(o + r1);
+      pr.has_rows = true;
+    }
+  }
+  return pr;
+}
+
 // Row pair p's two complete sums (lane 0 of the warp stores them): apply the epilogue.
 template <Ep EP>
 static __device__ __forceinline__ void store_pair(const Product& P, const RowPairs<EP>& pairs, const RopeKVArgs& rope,
-                                                  int p, float acc0, float acc1) {
+                                                  const Prior& pr, int p, float acc0, float acc1) {
   int r0, r1;
   pairs.rows(p, r0, r1);
   if constexpr (EP == Ep::SwiGLU) {
@@ -342,7 +370,7 @@ static __device__ __forceinline__ void store_pair(const Product& P, const RowPai
     static_cast<bf16*>(P.out)[p] = __float2bfloat16(silu * acc1);
   } else if constexpr (EP == Ep::RopeKV) {
     const int half = pairs.half;
-    const int pos = *rope.pos;  // plain (coherent) load: the previous step wrote it
+    const int pos = pr.pos;
     const bool in_cache = pos < rope.max_context;
     const size_t cache_row = static_cast<size_t>(in_cache ? pos : 0) * rope.Hkv * rope.D;
     if (p < pairs.qk_pairs) {
@@ -372,6 +400,9 @@ static __device__ __forceinline__ void store_pair(const Product& P, const RowPai
     if constexpr (EP == Ep::Store) {
       o[r0] = acc0;
       if (second) o[r1] = acc1;
+    } else if (pr.has_rows) {
+      o[r0] = pr.r0 + acc0;
+      if (second) o[r1] = pr.r1 + acc1;
     } else {
       o[r0] += acc0;
       if (second) o[r1] += acc1;
@@ -384,7 +415,7 @@ static __device__ __forceinline__ void store_pair(const Product& P, const RowPai
 // behind would replay the whole next row pair's loads and math on its own).
 template <Ep EP>
 static __device__ __forceinline__ void finish_pair(const Product& P, const RowPairs<EP>& pairs, const RopeKVArgs& rope,
-                                                   int p, float acc0, float acc1, float x_scale) {
+                                                   const Prior& pr, int p, float acc0, float acc1, float x_scale) {
   const int lane = threadIdx.x % 32;
   if ((lane & 3) != (lane >> 3)) acc0 = acc1 = 0.f;  // lane 4 g + q holds group g's sums iff q = g / 2
 #pragma unroll
@@ -392,7 +423,7 @@ static __device__ __forceinline__ void finish_pair(const Product& P, const RowPa
     acc0 += __shfl_xor_sync(0xffffffffu, acc0, off);
     acc1 += __shfl_xor_sync(0xffffffffu, acc1, off);
   }
-  if (lane == 0) store_pair<EP>(P, pairs, rope, p, acc0 * x_scale, acc1 * x_scale);
+  if (lane == 0) store_pair<EP>(P, pairs, rope, pr, p, acc0 * x_scale, acc1 * x_scale);
   __syncwarp();
 }
 
@@ -403,7 +434,7 @@ static __device__ __forceinline__ void finish_pair(const Product& P, const RowPa
 // seen with K = 256 and several row pairs per warp).
 template <Ep EP>
 static __device__ __forceinline__ void finish_rows(const Product& P, const RowPairs<EP>& pairs, const RopeKVArgs& rope,
-                                                   const uint4* xs, float x_scale, int p, int base,
+                                                   const Prior& pr, const uint4* xs, float x_scale, int p, int base,
                                                    float acc0, float acc1, uint64_t policy) {
   const int C = P.K / 16, lane = threadIdx.x % 32;
   int r0, r1;
@@ -413,7 +444,7 @@ static __device__ __forceinline__ void finish_rows(const Product& P, const RowPa
     load_iter(it, P, r0, r1, base + lane, policy);
     dot_iter(it, xs, base + lane, C, acc0, acc1);
   }
-  finish_pair<EP>(P, pairs, rope, p, acc0, acc1, x_scale);
+  finish_pair<EP>(P, pairs, rope, pr, p, acc0, acc1, x_scale);
 }
 
 template <Ep EP, In IN>
@@ -442,6 +473,7 @@ static __global__ void __launch_bounds__(kGemvThreads, 2)
   pdl_launch_dependents();
   pdl_wait();  // x (and, for AddResidual, out; for RopeKV, *pos) come from earlier kernels
 
+  Prior pr = load_prior<EP>(P, pairs, rope, p0);
   const float x_scale = stage_x<IN>(P, eps, st, red);
   __syncthreads();
 
@@ -450,10 +482,11 @@ static __global__ void __launch_bounds__(kGemvThreads, 2)
   if (p0 < n_pairs) {
     float acc0 = 0.f, acc1 = 0.f;
     dot_iter(first, st.xs, lane, P.K / 16, acc0, acc1);
-    finish_rows<EP>(P, pairs, rope, st.xs, x_scale, p0, 32 * kGemvUnroll, acc0, acc1, policy);
+    finish_rows<EP>(P, pairs, rope, pr, st.xs, x_scale, p0, 32 * kGemvUnroll, acc0, acc1, policy);
   }
+  pr.has_rows = false;
   for (int p = p0 + stride; p < n_pairs; p += stride)
-    finish_rows<EP>(P, pairs, rope, st.xs, x_scale, p, 0, 0.f, 0.f, policy);
+    finish_rows<EP>(P, pairs, rope, pr, st.xs, x_scale, p, 0, 0.f, 0.f, policy);
 }
 
 // ---- launcher ----
