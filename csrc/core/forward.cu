@@ -53,8 +53,10 @@ void Engine::enqueue_layers(int rows) {
                                 L.v_cache, stream_);
         mark("rope_kv_append", li);
       }
+      // After the fused QKV GEMV (which launches it only after its own wait) attention may read the
+      // cache rows of earlier steps early.
       kernels::attention(buf_.q, L.k_cache, L.v_cache, buf_.pos, rows, H, Hkv, D, C, scale, buf_.attn_scratch,
-                         buf_.attn_out, stream_);
+                         buf_.attn_out, stream_, /*early=*/rows == 1 && !probe_);
       mark("attention", li);
       if (probe_) probe_snapshot(rows);
       linear(L.wo, L.wo_scale, buf_.attn_out, kernels::Act::BF16, rows, d, s.q_dim(), Epilogue::AddResidual, buf_.x,

@@ -134,10 +134,17 @@ static __device__ __forceinline__ void bf16x8_to_float(uint4 v, float (&f)[8]) {
 // Partials: index ((row * H + head) * s_max + split); ml holds (max, sum) pairs, acc D floats.
 // The partials are written and read back by blocks of the same grid: plain stores, .cg loads, and
 // no __restrict__ on them (pdl.cuh: .nc must never see data written while the kernel runs).
+//
+// `early` (the core's decode, ContiguousKV only): the caller guarantees that every kernel before the
+// previous one has completed when this one starts (the previous kernel, the QKV GEMV, lets it launch
+// only after its own PDL wait, and every kernel waits before it completes). Then the position and the
+// cache rows below it, written by earlier steps, are read BEFORE the wait: inactive splits leave at
+// once, and the first step's cached keys are in flight while the QKV product finishes; only q and the
+// new key (row pos, written by the QKV GEMV) are read after it.
 template <class KV, int D, int G, int QT>
 static __global__ void __launch_bounds__(kAttnThreads)
     attention_kernel(const bf16* q, KV kv, int M, int H, int Hkv, int s_max, float q_scale, int* counters,
-                     float* part_acc, float* part_ml, bf16* __restrict__ out) {
+                     float* part_acc, float* part_ml, bf16* __restrict__ out, bool early) {
   constexpr int LPR = D / 8;                // lanes per key row
   constexpr int GPW = 32 / LPR;             // key streams per warp
   constexpr int NS = kAttnWarps * GPW;      // key streams per block
@@ -158,7 +165,7 @@ static __global__ void __launch_bounds__(kAttnThreads)
   // The next kernel (the o GEMV) may launch only once this block's keys are in: launched at the
   // start, its early weight loads compete with the K/V loads on this kernel's critical path
   // (docs/PERF.md 2026-11-21: 8B 2.74 -> 2.69 ms, 3B 1.533 -> 1.524 ms).
-  pdl_wait();
+  if (!early) pdl_wait();
   const int tiles = CEIL_DIV(M, QT);
   const int h = blockIdx.x, split = blockIdx.y, b = blockIdx.z / tiles, m0 = (blockIdx.z % tiles) * QT;
   const int pos = kv.seq.start(b);
@@ -176,6 +183,46 @@ static __global__ void __launch_bounds__(kAttnThreads)
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int grp = lane / LPR, li = lane % LPR;
   const int stream = warp * GPW + grp;
+  const size_t key_stride = static_cast<size_t>(Hkv) * D;
+  const bf16* k_base = kv.k + static_cast<size_t>(h) * D + li * 8;
+  const bf16* v_base = kv.v + static_cast<size_t>(h) * D + li * 8;
+
+  // The row handles of the first step's keys (nothing for contiguous), then its K / V rows: with
+  // `early`, the rows below pos before the wait and the rest after it; otherwise all after it.
+  int ent[KT];
+#pragma unroll
+  for (int j = 0; j < KT; ++j) {
+    const int key = kb + j * NS + stream;
+    ent[j] = key < ke ? kv.entry(b, key) : 0;
+  }
+  uint4 kr[KT], vr[KT];
+  const int cached = early ? pos : kb;  // keys below this are loaded before the wait
+#pragma unroll
+  for (int j = 0; j < KT; ++j) {
+    const int key = kb + j * NS + stream;
+    if (key < ke && key < cached) {
+      const size_t row = kv.row(b, ent[j], key);
+      kr[j] = ld_kv(k_base + row * key_stride);
+      vr[j] = ld_kv(v_base + row * key_stride);
+    } else {
+      kr[j] = vr[j] = make_uint4(0, 0, 0, 0);
+    }
+  }
+  if (early) pdl_wait();
+#pragma unroll
+  for (int j = 0; j < KT; ++j) {
+    const int key = kb + j * NS + stream;
+    if (key < ke && key >= cached) {
+      const size_t row = kv.row(b, ent[j], key);
+      kr[j] = ld_kv(k_base + row * key_stride);
+      vr[j] = ld_kv(v_base + row * key_stride);
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < KT; ++j) {
+    const int key = kb + NS * KT + j * NS + stream;
+    if (key < ke) ent[j] = kv.entry(b, key);
+  }
 
   // Row r = (query token m0 + r / G, head h * G + r % G): this lane's 8 q values, prescaled.
   float qf[R][8];
@@ -206,35 +253,26 @@ static __global__ void __launch_bounds__(kAttnThreads)
     for (int e = 0; e < 8; ++e) acc[r][e] = 0.f;
   }
 
-  const size_t key_stride = static_cast<size_t>(Hkv) * D;
-  const bf16* k_base = kv.k + static_cast<size_t>(h) * D + li * 8;
-  const bf16* v_base = kv.v + static_cast<size_t>(h) * D + li * 8;
-
-  // The row handles of this step's keys, loaded one step ahead (nothing for contiguous).
-  int ent[KT];
-#pragma unroll
-  for (int j = 0; j < KT; ++j) {
-    const int key = kb + j * NS + stream;
-    ent[j] = key < ke ? kv.entry(b, key) : 0;
-  }
-
+  // The first step's rows are in kr / vr (above); each later step loads its own, the row handles one
+  // step ahead.
   for (int base = kb; base < ke; base += NS * KT) {
-    uint4 kr[KT], vr[KT];
+    if (base != kb) {
 #pragma unroll
-    for (int j = 0; j < KT; ++j) {
-      const int key = base + j * NS + stream;
-      if (key < ke) {
-        const size_t row = kv.row(b, ent[j], key);
-        kr[j] = ld_kv(k_base + row * key_stride);
-        vr[j] = ld_kv(v_base + row * key_stride);
-      } else {
-        kr[j] = vr[j] = make_uint4(0, 0, 0, 0);
+      for (int j = 0; j < KT; ++j) {
+        const int key = base + j * NS + stream;
+        if (key < ke) {
+          const size_t row = kv.row(b, ent[j], key);
+          kr[j] = ld_kv(k_base + row * key_stride);
+          vr[j] = ld_kv(v_base + row * key_stride);
+        } else {
+          kr[j] = vr[j] = make_uint4(0, 0, 0, 0);
+        }
       }
-    }
 #pragma unroll
-    for (int j = 0; j < KT; ++j) {
-      const int key = base + NS * KT + j * NS + stream;
-      if (key < ke) ent[j] = kv.entry(b, key);
+      for (int j = 0; j < KT; ++j) {
+        const int key = base + NS * KT + j * NS + stream;
+        if (key < ke) ent[j] = kv.entry(b, key);
+      }
     }
     float s[KT][R];
 #pragma unroll
@@ -365,7 +403,42 @@ static __global__ void __launch_bounds__(kAttnThreads)
     if (!sm_last) return;
   }
 
-  // Per row, the splits' weights 2^(m_s - Mx) (a warp per row, a lane per 32 splits) ...
+  // The merge: out = sum_s w_s acc_s / sum_s w_s l_s over the NO float4 outputs of the group. One
+  // block has to read every partial, so its loads must overlap: with NO >= 128 a thread sums IPT
+  // outputs side by side; with fewer, SPL threads share an output, each summing a contiguous range
+  // of splits, and their sums are added in range order. Either way the order is fixed by (R, D,
+  // n_splits) alone: the bits do not depend on which block came last.
+  const int part = threadIdx.x / NO;  // >= SPL: an empty range of splits
+  const int per = CEIL_DIV(n_splits, SPL);
+  const int s0 = part * per, s1 = min(n_splits, s0 + per);
+  float4 o[IPT];
+  float l[IPT];
+  int r_of[IPT], c_of[IPT];
+  bool ok[IPT];
+  const float4* src[IPT];
+#pragma unroll
+  for (int i = 0; i < IPT; ++i) {
+    const int idx = threadIdx.x % NO + i * kAttnThreads;
+    ok[i] = idx < NO && m0 + idx / C4 / G < M;
+    // An output not to write still sums (no branch in the loop below) a valid row: token m0's.
+    r_of[i] = ok[i] ? idx / C4 : 0;
+    c_of[i] = idx % C4;
+    const size_t o_row = (static_cast<size_t>(b) * M + m0 + r_of[i] / G) * H + h * G + r_of[i] % G;
+    src[i] = reinterpret_cast<const float4*>(part_acc + o_row * s_max * D) + c_of[i];
+    o[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+    l[i] = 0.f;
+  }
+  // The first PF splits' partials are read now, with the (m, l) pairs below, so the merge waits for
+  // one round trip instead of two when a group has at most PF splits (short contexts).
+  constexpr int PF = R <= 3 ? 8 : (IPT >= 4 ? 1 : 4 / IPT);  // registers: G = 4 and 8 at 8 kept them at 160+
+  float4 pre[PF][IPT];
+#pragma unroll
+  for (int k = 0; k < PF; ++k)
+#pragma unroll
+    for (int i = 0; i < IPT; ++i)
+      pre[k][i] = s0 + k < s1 ? __ldcg(src[i] + static_cast<size_t>(s0 + k) * C4) : make_float4(0.f, 0.f, 0.f, 0.f);
+
+  // Per row, the splits' weights w_s = 2^(m_s - Mx) (a warp per row, a lane per 32 splits).
 #pragma unroll
   for (int r = warp; r < R; r += kAttnWarps) {
     const int m = m0 + r / G;
@@ -392,33 +465,24 @@ static __global__ void __launch_bounds__(kAttnThreads)
   }
   __syncthreads();
 
-  // ... then out = sum_s w_s acc_s / sum_s w_s l_s over the NO float4 outputs of the group. One
-  // block has to read every partial, so its loads must overlap: with NO >= 128 a thread sums IPT
-  // outputs side by side; with fewer, SPL threads share an output, each summing a contiguous range
-  // of splits, and their sums are added in range order. Either way the order is fixed by (R, D,
-  // n_splits) alone: the bits do not depend on which block came last.
-  const int part = threadIdx.x / NO;  // >= SPL: an empty range of splits
-  const int per = CEIL_DIV(n_splits, SPL);
-  const int s0 = part * per, s1 = min(n_splits, s0 + per);
-  float4 o[IPT];
-  float l[IPT];
-  int r_of[IPT], c_of[IPT];
-  bool ok[IPT];
-  const float4* src[IPT];
 #pragma unroll
-  for (int i = 0; i < IPT; ++i) {
-    const int idx = threadIdx.x % NO + i * kAttnThreads;
-    ok[i] = idx < NO && m0 + idx / C4 / G < M;
-    // An output not to write still sums (no branch in the loop below) a valid row: token m0's.
-    r_of[i] = ok[i] ? idx / C4 : 0;
-    c_of[i] = idx % C4;
-    const size_t o_row = (static_cast<size_t>(b) * M + m0 + r_of[i] / G) * H + h * G + r_of[i] % G;
-    src[i] = reinterpret_cast<const float4*>(part_acc + o_row * s_max * D) + c_of[i];
-    o[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-    l[i] = 0.f;
+  for (int k = 0; k < PF; ++k) {
+    const int s = s0 + k;
+    if (s < s1) {
+#pragma unroll
+      for (int i = 0; i < IPT; ++i) {
+        const float4 a = pre[k][i];
+        const float w = sm_w[r_of[i]][s];
+        o[i].x = fmaf(w, a.x, o[i].x);
+        o[i].y = fmaf(w, a.y, o[i].y);
+        o[i].z = fmaf(w, a.z, o[i].z);
+        o[i].w = fmaf(w, a.w, o[i].w);
+        l[i] = fmaf(w, sm_ls[r_of[i]][s], l[i]);
+      }
+    }
   }
 #pragma unroll 8
-  for (int s = s0; s < s1; ++s)
+  for (int s = s0 + PF; s < s1; ++s)
 #pragma unroll
     for (int i = 0; i < IPT; ++i) {
       const float4 a = __ldcg(src[i] + static_cast<size_t>(s) * C4);
@@ -477,7 +541,7 @@ void attention_scratch_clear(void* scratch, size_t scratch_bytes, cudaStream_t s
 
 template <class KV, int D, int G, int QT>
 static void launch_attention(const bf16* q, const KV& kv, int B, int M, int H, int Hkv, float scale, void* scratch,
-                             bf16* out, cudaStream_t stream) {
+                             bf16* out, cudaStream_t stream, bool early) {
   const int s_max = max_splits(B * M, kv.capacity);
   int* counters = static_cast<int*>(scratch);
   float* part_acc = reinterpret_cast<float*>(static_cast<char*>(scratch) + kCounterBytes);
@@ -488,56 +552,56 @@ static void launch_attention(const bf16* q, const KV& kv, int B, int M, int H, i
   const dim3 grid(Hkv, s_max, B * CEIL_DIV(M, QT));
   const float q_scale = scale * 1.4426950408889634f;  // scores in log2 units: exp2f in the softmax
   af_launch(attention_kernel<KV, D, G, QT>, grid, dim3(kAttnThreads), 0, stream, q, kv, M, H, Hkv, s_max, q_scale,
-            counters, part_acc, part_ml, out);
+            counters, part_acc, part_ml, out, early);
 }
 
 // Decode uses one query token per block; prefill chunks tile QT tokens so that G * QT <= 8 query
 // rows share each K/V load.
 template <class KV, int D, int G>
 static void dispatch_tokens(const bf16* q, const KV& kv, int B, int M, int H, int Hkv, float scale, void* scratch,
-                            bf16* out, cudaStream_t stream) {
+                            bf16* out, cudaStream_t stream, bool early) {
   constexpr int QT = 8 / G > 1 ? 8 / G : 1;
   AF_CHECK(static_cast<long long>(B) * M <= 65535, "attention: B * M too large for the grid");
   if (M == 1)
-    launch_attention<KV, D, G, 1>(q, kv, B, M, H, Hkv, scale, scratch, out, stream);
+    launch_attention<KV, D, G, 1>(q, kv, B, M, H, Hkv, scale, scratch, out, stream, early);
   else
-    launch_attention<KV, D, G, QT>(q, kv, B, M, H, Hkv, scale, scratch, out, stream);
+    launch_attention<KV, D, G, QT>(q, kv, B, M, H, Hkv, scale, scratch, out, stream, early);
 }
 
 template <class KV, int D>
 static void dispatch_group(const bf16* q, const KV& kv, int B, int M, int H, int Hkv, float scale, void* scratch,
-                           bf16* out, cudaStream_t stream) {
+                           bf16* out, cudaStream_t stream, bool early) {
   switch (H / Hkv) {
-    case 1: dispatch_tokens<KV, D, 1>(q, kv, B, M, H, Hkv, scale, scratch, out, stream); break;
-    case 2: dispatch_tokens<KV, D, 2>(q, kv, B, M, H, Hkv, scale, scratch, out, stream); break;
-    case 3: dispatch_tokens<KV, D, 3>(q, kv, B, M, H, Hkv, scale, scratch, out, stream); break;
-    case 4: dispatch_tokens<KV, D, 4>(q, kv, B, M, H, Hkv, scale, scratch, out, stream); break;
-    case 6: dispatch_tokens<KV, D, 6>(q, kv, B, M, H, Hkv, scale, scratch, out, stream); break;
-    case 8: dispatch_tokens<KV, D, 8>(q, kv, B, M, H, Hkv, scale, scratch, out, stream); break;
+    case 1: dispatch_tokens<KV, D, 1>(q, kv, B, M, H, Hkv, scale, scratch, out, stream, early); break;
+    case 2: dispatch_tokens<KV, D, 2>(q, kv, B, M, H, Hkv, scale, scratch, out, stream, early); break;
+    case 3: dispatch_tokens<KV, D, 3>(q, kv, B, M, H, Hkv, scale, scratch, out, stream, early); break;
+    case 4: dispatch_tokens<KV, D, 4>(q, kv, B, M, H, Hkv, scale, scratch, out, stream, early); break;
+    case 6: dispatch_tokens<KV, D, 6>(q, kv, B, M, H, Hkv, scale, scratch, out, stream, early); break;
+    case 8: dispatch_tokens<KV, D, 8>(q, kv, B, M, H, Hkv, scale, scratch, out, stream, early); break;
     default: AF_CHECK(false, "attention: GQA group size H / Hkv must be one of 1, 2, 3, 4, 6, 8");
   }
 }
 
 template <class KV>
 static void dispatch(const bf16* q, const KV& kv, int B, int M, int H, int Hkv, int D, float scale, void* scratch,
-                     bf16* out, cudaStream_t stream) {
+                     bf16* out, cudaStream_t stream, bool early = false) {
   AF_CHECK(B >= 1 && M >= 1 && H >= 1 && Hkv >= 1, "attention: B, M, H, Hkv must be >= 1");
   AF_CHECK(H % Hkv == 0, "attention: H must be a multiple of Hkv");
   AF_CHECK(Hkv <= kMaxKvHeads, "attention: at most 256 kv heads (the scratch's counters)");
   switch (D) {
-    case 64: dispatch_group<KV, 64>(q, kv, B, M, H, Hkv, scale, scratch, out, stream); break;
-    case 128: dispatch_group<KV, 128>(q, kv, B, M, H, Hkv, scale, scratch, out, stream); break;
+    case 64: dispatch_group<KV, 64>(q, kv, B, M, H, Hkv, scale, scratch, out, stream, early); break;
+    case 128: dispatch_group<KV, 128>(q, kv, B, M, H, Hkv, scale, scratch, out, stream, early); break;
     default: AF_CHECK(false, "attention: head_dim must be 64 or 128");
   }
 }
 
 void attention(const bf16* q, const bf16* k_cache, const bf16* v_cache, const int32_t* pos, int M, int H, int Hkv,
-               int D, int max_context, float scale, void* scratch, bf16* out, cudaStream_t stream) {
+               int D, int max_context, float scale, void* scratch, bf16* out, cudaStream_t stream, bool early) {
   AF_CHECK(M >= 1 && H >= 1 && Hkv >= 1 && max_context >= 1, "attention: M, H, Hkv, max_context must be >= 1");
   AF_CHECK(M <= 65535, "attention: M too large for the grid");
   AF_CHECK(static_cast<size_t>(max_context) * Hkv * D < (size_t{1} << 31), "attention: cache too large for int offsets");
   const ContiguousKV kv{k_cache, v_cache, SeqStart{pos, 0}, max_context};
-  dispatch(q, kv, 1, M, H, Hkv, D, scale, scratch, out, stream);
+  dispatch(q, kv, 1, M, H, Hkv, D, scale, scratch, out, stream, early);
 }
 
 // ---- batched launchers (the sandbox): sequence b's M queries sit at lens[b] - M .. lens[b] - 1 ----

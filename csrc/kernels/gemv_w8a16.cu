@@ -470,8 +470,12 @@ static __global__ void __launch_bounds__(kGemvThreads, 2)
     load_iter(first, P, r0, r1, lane, policy);
   }
   stage_weights<IN>(P, st);
-  pdl_launch_dependents();
+  // The decode QKV product lets the attention after it launch only once the kernel before it has
+  // completed (its own wait), so attention may read the KV cache of earlier steps before its wait
+  // (attention_decode.cu, `early`). Its blocks need the SMs this grid holds anyway.
+  if constexpr (EP != Ep::RopeKV) pdl_launch_dependents();
   pdl_wait();  // x (and, for AddResidual, out; for RopeKV, *pos) come from earlier kernels
+  if constexpr (EP == Ep::RopeKV) pdl_launch_dependents();
 
   Prior pr = load_prior<EP>(P, pairs, rope, p0);
   const float x_scale = stage_x<IN>(P, eps, st, red);

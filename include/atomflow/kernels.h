@@ -99,9 +99,11 @@ void rope_kv_append(const float* qkv, const float* inv_freq, const int32_t* pos,
 // (zeroes the counters only, on `stream`; the rest needs no initial value).
 size_t attention_scratch_bytes(int M, int H, int D, int max_context);
 void attention_scratch_clear(void* scratch, size_t scratch_bytes, cudaStream_t stream);
+// early: the previous kernel lets this one launch only after its own PDL wait (the decode QKV GEMV
+// does), so *pos and the cache rows below it may be read before this kernel's wait (see the kernel).
 void attention(const bf16* q, const bf16* k_cache, const bf16* v_cache, const int32_t* pos, int M,
                int H, int Hkv, int D, int max_context, float scale, void* scratch, bf16* out,
-               cudaStream_t stream);
+               cudaStream_t stream, bool early = false);
 
 // ---------------------------------------------------------------------------------------
 // Paged and batched decode attention (the sandbox, docs/SANDBOX.md): the same kernel as
