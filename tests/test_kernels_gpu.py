@@ -235,9 +235,10 @@ def reference_attention(q, kc, vc, pos, scale):
     return out
 
 
-def check_attention(rng, M, context, Hkv, G, D):
+def check_attention(rng, M, context, Hkv, G, D, early=False):
     """M queries, the last one seeing `context` keys; cache rows past the context hold NaN, so a
-    kernel reading outside the causal range fails."""
+    kernel reading outside the causal range fails. early: the decode engine's mode (cached rows read
+    before the kernel's PDL wait, the newest after it)."""
     H, pos = Hkv * G, context - M
     C = context + 3
     kc = bf16_bits(rng.standard_normal((C, Hkv, D)))
@@ -245,7 +246,7 @@ def check_attention(rng, M, context, Hkv, G, D):
     kc[context:] = vc[context:] = 0x7FC0  # bf16 NaN
     q = bf16_bits(rng.standard_normal((M, H, D)) * 2.0)
     scale = 1.0 / np.sqrt(D)
-    got = from_bf16(ops.attention(q, kc, vc, pos, scale))
+    got = from_bf16(ops.attention(q, kc, vc, pos, scale, early=early))
     want = reference_attention(q, kc, vc, pos, scale)
     for m in range(M):
         assert_close(got[m], want[m], 6e-3, f"attention M={M} context={context} Hkv={Hkv} G={G} D={D} query {m}")
@@ -254,14 +255,16 @@ def check_attention(rng, M, context, Hkv, G, D):
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("G", [1, 3, 4, 8])
 @pytest.mark.parametrize("context", [1, 2, 17, 300, 4097])
-def test_attention_decode(rng, context, G, D):
-    check_attention(rng, 1, context, 2, G, D)
+@pytest.mark.parametrize("early", [False, True])
+def test_attention_decode(rng, context, G, D, early):
+    check_attention(rng, 1, context, 2, G, D, early)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("D,G", [(64, 4), (128, 3), (128, 4)])
 def test_attention_decode_long_context(rng, D, G):
     check_attention(rng, 1, 33000, 8, G, D)  # every split in use
+    check_attention(rng, 1, 33000, 8, G, D, early=True)
 
 
 @pytest.mark.parametrize("D", [64, 128])

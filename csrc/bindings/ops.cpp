@@ -232,7 +232,7 @@ py::tuple gemv_rmsnorm_rope(const py::array& w_, const py::array& s_, const py::
 }
 
 py::array_t<uint16_t> attention(const py::array& q_, const py::array& k_cache_, const py::array& v_cache_, int pos,
-                                const py::object& scale_) {
+                                const py::object& scale_, bool early) {
   auto q = arg<uint16_t>(q_, "q", {-1, -1, -1});
   const int M = static_cast<int>(q.shape(0)), H = static_cast<int>(q.shape(1)), D = static_cast<int>(q.shape(2));
   auto kc = arg<uint16_t>(k_cache_, "k_cache", {-1, -1, D});
@@ -244,7 +244,7 @@ py::array_t<uint16_t> attention(const py::array& q_, const py::array& k_cache_, 
   DeviceBuffer scratch = attention_scratch(k::attention_scratch_bytes(M, H, D, C));
   DeviceBuffer out = DeviceBuffer::poisoned(sizeof(bf16) * M * H * D);
   k::attention(dq.get<bf16>(), dk.get<bf16>(), dv.get<bf16>(), dpos.get<int32_t>(), M, H, Hkv, D, C, scale, scratch.get(),
-               out.get<bf16>(), nullptr);
+               out.get<bf16>(), nullptr, early);
   sync();
   return to_host<uint16_t>(out, {M, H, D});
 }
@@ -382,7 +382,9 @@ void register_ops(pybind11::module_& m) {
         py::arg("k_cache"), py::arg("v_cache"),
         "RMSNorm -> QKV GEMV -> RoPE + KV append in one launch -> (q u16 [H, D], k_cache, v_cache)");
   m.def("attention", &attention, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("pos"),
-        py::arg("scale") = py::none(), "q u16 [M, H, D], caches u16 [C, Hkv, D], pos -> u16 [M, H, D]");
+        py::arg("scale") = py::none(), py::arg("early") = false,
+        "q u16 [M, H, D], caches u16 [C, Hkv, D], pos -> u16 [M, H, D]; early: the cached rows read before the "
+        "PDL wait (the decode path's mode)");
   m.def("sample", &sample, py::arg("logits"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"),
         py::arg("seed"), py::arg("pos"), "one token from f32 logits [vocab]");
   m.def("sample_seeds", &sample_seeds, py::arg("logits"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"),
