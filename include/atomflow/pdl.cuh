@@ -7,6 +7,10 @@
 //   - pdl_launch_dependents() early, to let the next kernel's blocks start: as early as possible,
 //     unless what they do before their wait (a GEMV's weight loads) would slow this kernel's
 //     critical path (attention_decode.cu launches them after its key loop);
+//   - the one exception to the first rule: when the previous kernel triggers only after its own
+//     wait, every kernel before it has completed when this one starts (each waits before it
+//     completes), so their data may be read before this kernel's wait. The decode QKV GEMV does so,
+//     and attention reads the position and the cached K/V of earlier steps early (`early`);
 //   - never read data an earlier kernel wrote through the non-coherent path (ld.global.nc,
 //     __ldg, or a `const T* __restrict__` parameter, which lets the compiler pick it): .nc
 //     promises the data is read-only for the kernel's lifetime, and under PDL that lifetime
