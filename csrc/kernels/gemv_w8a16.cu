@@ -19,6 +19,9 @@
 //  - Weights depend on no earlier kernel: each warp loads the first iteration of its first row
 //    pair into registers BEFORE it waits for the previous kernel (PDL, pdl.cuh), so that DRAM
 //    round trip overlaps the previous kernel's tail and the x staging (-1 to -2.5 us per GEMV).
+//  - What an epilogue reads from earlier kernels (AddResidual's residual of the warp's first pair,
+//    RopeKV's position) is loaded right after the wait, next to x's staging, not after the math:
+//    a round trip fewer at the end of o and down (docs/PERF.md, 9eb48ab).
 //  - Fused RMSNorm (gemv_w8a16_rmsnorm): x is the fp32 residual stream; the block computes the
 //    norm with the rmsnorm kernel's exact arithmetic and reduction tree, so the result is
 //    bit-identical to rmsnorm() + gemv_w8a16(Act::F16), with one launch and one round trip fewer.
@@ -37,15 +40,18 @@
 //  (Tried and measured slower, docs/PERF.md 2026-11-20/21: weights through a cp.async.bulk ring
 //  into shared memory, 1 block per SM, 16-row tiles of 1 KB copies shared by the block (34% of the
 //  stream ceiling; per-warp rings of copies of up to 4 KB do stream at it); an L2 prefetch of the
-//  first rows before the PDL wait (slightly slower than none); a two-slot rolling register pipeline;
-//  128-thread blocks, 3 or 4 per SM (lm_head 85%); a multi-iteration row pair's K slices spread
-//  over the block's warps (that GEMV faster, the next one slower: no SM frees early for it); with
-//  the tensor-core loop: 6-chunk iterations with 3 blocks per SM, a second iteration per warp in
-//  flight through shared memory (down faster, its neighbours slower), and o -> gate_up -> down ->
-//  qkv as one persistent launch with grid barriers (14% slower; with its weights in per-warp
-//  bulk-copy rings, 19% slower: 8 warps per SM cannot hide the math's latency); the MLP as one launch
-//  with down split along F over the blocks and one barrier at the end (23% slower: the barrier and the
-//  cross-slice sum cost ~6 us per layer, and gate/up in contiguous 1-block-per-SM slices ran slower).)
+//  first rows before the PDL wait (slightly slower than none: L2 prefetch instructions leave
+//  nothing in L2 that a later read hits, tools/l2_probe.cu); idle warps of o warming gate_up's
+//  later rows in L2 with real reads during attention (gate_up faster, attention slower by more); a
+//  two-slot rolling register pipeline; 128-thread blocks, 3 or 4 per SM (lm_head 85%); a
+//  multi-iteration row pair's K slices spread over the block's warps (that GEMV faster, the next
+//  one slower: no SM frees early for it); with the tensor-core loop: 6-chunk iterations with 3
+//  blocks per SM, a second iteration per warp in flight through shared memory (down faster, its
+//  neighbours slower), and o -> gate_up -> down -> qkv as one persistent launch with grid barriers
+//  (14% slower; with its weights in per-warp bulk-copy rings, 19% slower: 8 warps per SM cannot
+//  hide the math's latency); the MLP as one launch with down split along F over the blocks and one
+//  barrier at the end (23% slower: the barrier and the cross-slice sum cost ~6 us per layer, and
+//  gate/up in contiguous 1-block-per-SM slices ran slower).)
 //
 // The compiler and the weight loads: every weight load of the kernel shares ONE scoreboard, and
 // an instruction that waits for any of them waits for all. Two consequences, both seen in the
