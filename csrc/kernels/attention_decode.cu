@@ -469,34 +469,26 @@ static __global__ void __launch_bounds__(kAttnThreads)
   }
   __syncthreads();
 
+  // Split s's share of output i, in split order: the prefetched splits first, then the rest.
+  auto add = [&](int i, int s, const float4 a) {
+    const float w = sm_w[r_of[i]][s];
+    o[i].x = fmaf(w, a.x, o[i].x);
+    o[i].y = fmaf(w, a.y, o[i].y);
+    o[i].z = fmaf(w, a.z, o[i].z);
+    o[i].w = fmaf(w, a.w, o[i].w);
+    l[i] = fmaf(w, sm_ls[r_of[i]][s], l[i]);
+  };
 #pragma unroll
   for (int k = 0; k < PF; ++k) {
-    const int s = s0 + k;
-    if (s < s1) {
+    if (s0 + k < s1) {
 #pragma unroll
-      for (int i = 0; i < IPT; ++i) {
-        const float4 a = pre[k][i];
-        const float w = sm_w[r_of[i]][s];
-        o[i].x = fmaf(w, a.x, o[i].x);
-        o[i].y = fmaf(w, a.y, o[i].y);
-        o[i].z = fmaf(w, a.z, o[i].z);
-        o[i].w = fmaf(w, a.w, o[i].w);
-        l[i] = fmaf(w, sm_ls[r_of[i]][s], l[i]);
-      }
+      for (int i = 0; i < IPT; ++i) add(i, s0 + k, pre[k][i]);
     }
   }
 #pragma unroll 8
   for (int s = s0 + PF; s < s1; ++s)
 #pragma unroll
-    for (int i = 0; i < IPT; ++i) {
-      const float4 a = __ldcg(src[i] + static_cast<size_t>(s) * C4);
-      const float w = sm_w[r_of[i]][s];
-      o[i].x = fmaf(w, a.x, o[i].x);
-      o[i].y = fmaf(w, a.y, o[i].y);
-      o[i].z = fmaf(w, a.z, o[i].z);
-      o[i].w = fmaf(w, a.w, o[i].w);
-      l[i] = fmaf(w, sm_ls[r_of[i]][s], l[i]);
-    }
+    for (int i = 0; i < IPT; ++i) add(i, s, __ldcg(src[i] + static_cast<size_t>(s) * C4));
   if constexpr (SPL > 1) {
     sm_part_o[threadIdx.x] = o[0];
     sm_part_l[threadIdx.x] = l[0];
