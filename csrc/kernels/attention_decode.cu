@@ -389,19 +389,18 @@ static __global__ void __launch_bounds__(kAttnThreads)
   const int n_splits = sm_n_active;
 
   // The last of the group's n_splits blocks to finish merges them all (no second kernel). The
-  // cooperative-groups grid barrier's protocol: the block's partials are complete at the barrier,
-  // thread 0 publishes them (fences are cumulative) before it takes a ticket, and the block that
-  // draws n_splits - 1 fences again before its threads read the others' partials.
+  // block's partials are complete at the barrier; thread 0 takes a ticket with an acquire-release
+  // add (release: the partials the barrier ordered before it, cumulatively; acquire: the partials
+  // of the blocks that counted before, for its threads after the next barrier). One fence instead of
+  // the two sequentially consistent ones of __threadfence (docs/PERF.md).
   __syncthreads();
   if (n_splits > 1) {
     if (threadIdx.x == 0) {
       int* counter = counters + blockIdx.z * gridDim.x + blockIdx.x;  // in range: see kCounterBytes
-      __threadfence();
-      sm_last = atomicAdd(counter, 1) == n_splits - 1;
-      if (sm_last) {
-        __threadfence();
-        *counter = 0;  // every block of the group has counted: ready for the next call
-      }
+      int before;
+      asm volatile("atom.add.acq_rel.gpu.global.s32 %0, [%1], 1;" : "=r"(before) : "l"(counter) : "memory");
+      sm_last = before == n_splits - 1;
+      if (sm_last) *counter = 0;  // every block of the group has counted: ready for the next call
     }
     __syncthreads();
     if (!sm_last) return;
