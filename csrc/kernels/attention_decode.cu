@@ -28,6 +28,8 @@
 // slot p % bs, of a [num_blocks, bs, Hkv, D] pool). Batching = grid.z walks (sequence, query tile);
 // each sequence has its own length. For the same keys and split count every policy does the same
 // arithmetic in the same order (bit-identical results).
+#include <type_traits>
+
 #include "atomflow/kernels.h"
 #include "atomflow/pdl.cuh"
 
@@ -546,6 +548,7 @@ static void launch_attention(const bf16* q, const KV& kv, int B, int M, int H, i
   // (with the capacity of a default context, 8192 keys, 7 in 8 blocks at a short context).
   const dim3 grid(Hkv, s_max, B * CEIL_DIV(M, QT));
   const float q_scale = scale * 1.4426950408889634f;  // scores in log2 units: exp2f in the softmax
+  early = early && std::is_same_v<KV, ContiguousKV>;   // a paged table is read with the rows: after the wait
   af_launch(attention_kernel<KV, D, G, QT>, grid, dim3(kAttnThreads), 0, stream, q, kv, M, H, Hkv, s_max, q_scale,
             counters, part_acc, part_ml, out, early);
 }
