@@ -33,13 +33,16 @@ void Engine::enqueue_layers(int rows) {
   const int d = s.hidden_size, f = s.intermediate_size;
   const int H = s.num_heads, Hkv = s.num_kv_heads, D = s.head_dim, C = opt_.max_context;
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  // Decode outside the probes runs the fused QKV GEMV, which lets attention launch only after its own
+  // wait, so attention may read the cache rows of earlier steps early (kernels.h).
+  const bool fused_qkv = rows == 1 && !probe_;
   for (size_t i = 0; i < buf_.layers.size(); ++i) {
     const LayerPtrs& L = buf_.layers[i];
     const int li = static_cast<int>(i);
     NvtxRange layer_range(layer_names_[i].c_str());
     {
       NvtxRange r("attention_block");
-      if (rows == 1 && !probe_) {
+      if (fused_qkv) {
         // RMSNorm -> QKV -> RoPE + KV append in one launch (bit-identical to the three kernels).
         const kernels::RopeKVArgs rope{buf_.inv_freq, buf_.pos, H, Hkv, D, C, buf_.q, L.k_cache, L.v_cache};
         kernels::gemv_w8a16_rmsnorm_rope(L.wqkv, L.wqkv_scale, buf_.x, L.attn_norm, s.rms_norm_eps, d, rope,
@@ -53,10 +56,8 @@ void Engine::enqueue_layers(int rows) {
                                 L.v_cache, stream_);
         mark("rope_kv_append", li);
       }
-      // After the fused QKV GEMV (which launches it only after its own wait) attention may read the
-      // cache rows of earlier steps early.
       kernels::attention(buf_.q, L.k_cache, L.v_cache, buf_.pos, rows, H, Hkv, D, C, scale, buf_.attn_scratch,
-                         buf_.attn_out, stream_, /*early=*/rows == 1 && !probe_);
+                         buf_.attn_out, stream_, /*early=*/fused_qkv);
       mark("attention", li);
       if (probe_) probe_snapshot(rows);
       linear(L.wo, L.wo_scale, buf_.attn_out, kernels::Act::BF16, rows, d, s.q_dim(), Epilogue::AddResidual, buf_.x,
