@@ -9,13 +9,17 @@
 //    K <= 4096 arrives in one DRAM round trip, K = 14336 in four. 2 blocks x 8 warps per SM.
 //    SwiGLU pairs row i with row F + i (gate and up of the same output), the other epilogues pair
 //    rows 2p and 2p + 1; the x values each lane reads from shared memory serve both rows.
-//  - Blocks are persistent-style: the grid is what fits on the SMs (2 per SM, fewer only when there
-//    are fewer row pairs than that) and warps stride over row pairs, so x (16-bit [K] -> fp16 in
-//    shared memory) is staged once per block, not per pair. Row pair p goes to block p mod grid
-//    (warp p / grid of it, then + 8 x grid per round): every block, hence every SM, gets the same
-//    number of pairs +-1, and the rows left over for a second round are spread over all SMs
-//    instead of filling the first blocks' warps (docs/PERF.md, b322060: an SM serves only so many
-//    loads at once, so per-SM balance matters even when the grid's total is the same).
+//  - Blocks are persistent-style: the grid is what fits on the SMs (2 per SM) and warps stride over
+//    row pairs, so x (16-bit [K] -> fp16 in shared memory) is staged once per block, not per pair.
+//    Row pair p goes to block p mod grid (warp p / grid of it, then + 8 x grid per round): every
+//    block, hence every SM, gets the same number of pairs +-1, and the rows left over for a second
+//    round are spread over all SMs instead of filling the first blocks' warps (docs/PERF.md,
+//    b322060: an SM serves only so many loads at once, so per-SM balance matters even when the
+//    grid's total is the same).
+//  - A product with fewer row pairs than the resident warps (3B o and down: 1536 pairs on 2112)
+//    runs on just enough blocks for one pair per warp, not on every slot with idle warps: the
+//    block slots left free take the NEXT kernel's blocks at once, and their weight loads (before
+//    their PDL wait) go out while this product runs (docs/PERF.md: 3B 1.372 -> 1.339 ms).
 //  - Weights depend on no earlier kernel: each warp loads the first iteration of its first row
 //    pair into registers BEFORE it waits for the previous kernel (PDL, pdl.cuh), so that DRAM
 //    round trip overlaps the previous kernel's tail and the x staging (-1 to -2.5 us per GEMV).
@@ -544,8 +548,8 @@ template <Ep EP, In IN>
 static void launch_gemv(const uint8_t* w, const float* scales, const void* x, const bf16* norm_w, float eps, int N,
                         int K, void* out, const RopeKVArgs& rope, cudaStream_t stream) {
   const size_t smem = staging_bytes<IN>(K);
-  // Every block gets a row pair (kernel comment).
-  const int blocks = std::min(RowPairs<EP>::count(N), resident_blocks<EP, IN>(smem));
+  // Every warp has a row pair when there are fewer pairs than resident warps (kernel comment).
+  const int blocks = std::min(CEIL_DIV(RowPairs<EP>::count(N), kGemvWarps), resident_blocks<EP, IN>(smem));
   const Product P{w, scales, x, norm_w, N, K, out};
   af_launch(gemv_w8a16_kernel<EP, IN>, dim3(blocks), dim3(kGemvThreads), smem, stream, P, eps, rope);
 }
