@@ -85,6 +85,13 @@ constexpr int kGemvThreads = 256;
 constexpr int kGemvWarps = kGemvThreads / 32;
 constexpr int kGemvUnroll = 8;  // 16-byte chunks per row per lane per iteration
 constexpr int kQuantGroup = 128;
+// The fused QKV product (more row pairs than resident warps on the 3B and 8B shapes) runs on 24
+// blocks fewer than fit, so the attention after it, which reads its cached keys before its wait
+// (attention_decode.cu, `early`), finds block slots while QKV still runs; otherwise every QKV block
+// holds its slot to the end of the second round. Measured (docs/PERF.md): 3B -0.3 to -1.2%, 8B
+// -0.4 to -0.5% on three machines (72 spare: 3B slower; whole blocks for the second round
+// instead: mixed). A GPU with few SMs keeps at least half its slots for the product.
+constexpr int kQkvSpareSlots = 24;
 
 // x is stored as fp16 (16 values = 32 B per chunk) with a swizzle: the two 16-byte halves of chunk c
 // sit in order when (c >> 2) & 1 is 0 and swapped when it is 1. Lanes read 32 B apart; without the
@@ -544,12 +551,15 @@ static int resident_blocks(size_t smem) {
   return seen.back().blocks;
 }
 
+// `spare`: block slots left to the next kernel even when this product has more row pairs than the
+// resident warps (see kQkvSpareSlots).
 template <Ep EP, In IN>
 static void launch_gemv(const uint8_t* w, const float* scales, const void* x, const bf16* norm_w, float eps, int N,
-                        int K, void* out, const RopeKVArgs& rope, cudaStream_t stream) {
+                        int K, void* out, const RopeKVArgs& rope, cudaStream_t stream, int spare = 0) {
   const size_t smem = staging_bytes<IN>(K);
   // Every warp has a row pair when there are fewer pairs than resident warps (kernel comment).
-  const int blocks = std::min(CEIL_DIV(RowPairs<EP>::count(N), kGemvWarps), resident_blocks<EP, IN>(smem));
+  const int resident = resident_blocks<EP, IN>(smem);
+  const int blocks = std::min(CEIL_DIV(RowPairs<EP>::count(N), kGemvWarps), std::max(resident - spare, resident / 2));
   const Product P{w, scales, x, norm_w, N, K, out};
   af_launch(gemv_w8a16_kernel<EP, IN>, dim3(blocks), dim3(kGemvThreads), smem, stream, P, eps, rope);
 }
@@ -606,7 +616,7 @@ void gemv_w8a16_rmsnorm_rope(const uint8_t* w, const float* scales, const float*
            "gemv_w8a16_rmsnorm_rope: null pointer argument");
   const int N = (rope.H + 2 * rope.Hkv) * rope.D;
   check_args(w, x, N, K);
-  launch_gemv<Ep::RopeKV, In::NORM>(w, scales, x, norm_w, eps, N, K, nullptr, rope, stream);
+  launch_gemv<Ep::RopeKV, In::NORM>(w, scales, x, norm_w, eps, N, K, nullptr, rope, stream, kQkvSpareSlots);
 }
 
 }  // namespace atomflow::kernels
