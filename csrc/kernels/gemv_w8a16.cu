@@ -55,7 +55,11 @@
 //  (14% slower; with its weights in per-warp bulk-copy rings, 19% slower: 8 warps per SM cannot
 //  hide the math's latency); the MLP as one launch with down split along F over the blocks and one
 //  barrier at the end (23% slower: the barrier and the cross-slice sum cost ~6 us per layer, and
-//  gate/up in contiguous 1-block-per-SM slices ran slower).)
+//  gate/up in contiguous 1-block-per-SM slices ran slower); 80 registers so that a block of the next
+//  kernel fits beside the grid's two (steady state 20% slower); and with the packed grid below:
+//  fewer blocks for a product of several rounds, its last round on whole blocks, and down's second
+//  iteration landed in shared memory before the wait (3% slower: those requests queue ahead of
+//  gate_up's last ones).)
 //
 // The compiler and the weight loads: every weight load of the kernel shares ONE scoreboard, and
 // an instruction that waits for any of them waits for all. Two consequences, both seen in the
