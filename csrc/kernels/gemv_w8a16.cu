@@ -563,7 +563,8 @@ static void launch_gemv(const uint8_t* w, const float* scales, const void* x, co
   const size_t smem = staging_bytes<IN>(K);
   // Every warp has a row pair when there are fewer pairs than resident warps (kernel comment).
   const int resident = resident_blocks<EP, IN>(smem);
-  const int blocks = std::min(CEIL_DIV(RowPairs<EP>::count(N), kGemvWarps), std::max(resident - spare, resident / 2));
+  const int blocks =
+      std::min(CEIL_DIV(RowPairs<EP>::count(N), kGemvWarps), std::max({resident - spare, resident / 2, 1}));
   const Product P{w, scales, x, norm_w, N, K, out};
   af_launch(gemv_w8a16_kernel<EP, IN>, dim3(blocks), dim3(kGemvThreads), smem, stream, P, eps, rope);
 }
