@@ -93,7 +93,7 @@ constexpr int kQuantGroup = 128;
 // blocks fewer than fit, so the attention after it, which reads its cached keys before its wait
 // (attention_decode.cu, `early`), finds block slots while QKV still runs; otherwise every QKV block
 // holds its slot to the end of the second round. Measured (docs/PERF.md): 3B -0.3 to -1.2%, 8B
-// -0.4 to -0.5% on three machines (72 spare: 3B slower; whole blocks for the second round
+// -0.4 to -0.5% on two machines (72 spare: 3B slower; whole blocks for the second round
 // instead: mixed). A GPU with few SMs keeps at least half its slots for the product.
 constexpr int kQkvSpareSlots = 24;
 
