@@ -73,6 +73,10 @@ def built_modules() -> list[Path]:
     return found
 
 
+def disassemble(binary: Path) -> str:
+    return subprocess.run(["cuobjdump", "-sass", str(binary)], check=True, capture_output=True, text=True).stdout
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--source", default=str(ROOT / "csrc/kernels/gemv_w8a16.cu"))
@@ -89,8 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         if not binaries:
             print("sass_check: atomflow's CUDA extension modules are not installed", file=sys.stderr)
             return 2
-        text = "".join(subprocess.run(["cuobjdump", "-sass", str(b)], check=True, capture_output=True,
-                                      text=True).stdout for b in binaries)
+        text = "".join(disassemble(b) for b in binaries)
     else:
         if not shutil.which("nvcc") or not shutil.which("cuobjdump"):
             print("sass_check: needs nvcc and cuobjdump on PATH", file=sys.stderr)
@@ -99,8 +102,7 @@ def main(argv: list[str] | None = None) -> int:
             cubin = Path(tmp) / "k.cubin"
             subprocess.run(["nvcc", "-arch=sm_90", "-std=c++17", f"-I{ROOT / 'include'}", "-cubin", "-o", str(cubin),
                             a.source], check=True)
-            text = subprocess.run(["cuobjdump", "-sass", str(cubin)], check=True, capture_output=True,
-                                  text=True).stdout
+            text = disassemble(cubin)
     failed, checked = 0, 0
     for fn in re.split(r"\n\s*Function : ", text)[1:]:
         name = fn.split("\n", 1)[0].strip()
