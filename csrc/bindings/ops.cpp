@@ -316,7 +316,7 @@ double time_gemm(int M, int N, int K, int iters, int ep_) {
 }
 
 // Attention of M query tokens whose last one sees `context` keys (pos = context - M).
-double time_attention(int context, int H, int Hkv, int D, int M, int iters) {
+double time_attention(int context, int H, int Hkv, int D, int M, int iters, bool early) {
   require(context >= M && M >= 1, "need context >= M >= 1");
   const int C = context;
   const size_t cache = static_cast<size_t>(C) * Hkv * D * sizeof(bf16);
@@ -328,7 +328,7 @@ double time_attention(int context, int H, int Hkv, int D, int M, int iters) {
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   return median_us([&](int i) {
     k::attention(q.get<bf16>(), kv.at<bf16>(i), kv.at<bf16>(i, cache), pos.get<int32_t>(), M, H, Hkv, D, C, scale,
-                 scratch.get(), out.get<bf16>(), nullptr);
+                 scratch.get(), out.get<bf16>(), nullptr, early);
   }, iters, std::min(kv.copies, 32));
 }
 
@@ -396,8 +396,9 @@ void register_ops(pybind11::module_& m) {
   m.def("time_gemm", &time_gemm, py::arg("M"), py::arg("N"), py::arg("K"), py::arg("iters") = 20,
         py::arg("epilogue") = 0, "us per gemm_w8a16 launch (median of iters batches)");
   m.def("time_attention", &time_attention, py::arg("context"), py::arg("H"), py::arg("Hkv"), py::arg("D"),
-        py::arg("M") = 1, py::arg("iters") = 50,
-        "us per attention call (split + merge) for M queries, the last seeing `context` keys; caches rotated past L2");
+        py::arg("M") = 1, py::arg("iters") = 50, py::arg("early") = false,
+        "us per attention call (split + merge) for M queries, the last seeing `context` keys; caches rotated past L2; "
+        "early: the decode step's mode (cached rows read before the PDL wait)");
   m.def("time_sample", &time_sample, py::arg("vocab"), py::arg("temperature") = 0.0f, py::arg("top_k") = 0,
         py::arg("top_p") = 1.0f, py::arg("iters") = 50, "us per sample launch (median of iters batches)");
 }

@@ -11,11 +11,16 @@
 //
 // Split policy: the grid is fixed by (B, M, Hkv, capacity) so one captured graph serves every
 // position; blocks read the position and derive their key range. With n_keys = start + M (a
-// sequence's keys after this call), it uses n_active = min(s_max, ceil(n_keys / 32)) splits of
-// ceil(n_keys / n_active) keys, where s_max = min(max(128 / (B * M), 1), ceil(capacity / 32))
-// (capacity = max_context for the core, B = 1): short contexts spread over splits of >= 32
-// keys (about one K/V load step per block, so latency stays low), long ones use all s_max splits
-// (M = 1: 128 x Hkv blocks, enough to fill 132 SMs several times); blocks past n_active exit.
+// sequence's keys after this call), it first takes n = min(s_max, ceil(n_keys / 32)) splits, where
+// s_max = min(64, max(128 / (B * M), 1), ceil(capacity / 32)) (capacity = max_context for the
+// core, B = 1), then rounds their length up to whole K/V steps of the block (32 keys for the Llama
+// 3 shapes): chunk = ceil(ceil(n_keys / n) / step) * step, n_active = ceil(n_keys / chunk). Short
+// contexts spread over splits of one step each (latency stays low); long ones use up to 64 splits
+// (M = 1: 64 x Hkv blocks, a wave on 132 SMs) of several steps each. More splits lose at depth:
+// the group's last block reads every split's partial, and at 128 splits that merge cost more than
+// the longer key loops (docs/PERF.md 2026-11-21: 3B at 8192 keys 22.0 -> 16.3 us); a split with a
+// step of one key (2049 keys in 64 splits of 33) costs a round trip for nothing. Blocks past
+// n_active exit.
 //
 // Inside a block: D / 8 lanes hold one key row (16 B each), so a warp covers 32 / (D / 8) keys per
 // load; each such lane group is an independent "key stream" with its own online softmax (scores
@@ -38,22 +43,24 @@ namespace atomflow::kernels {
 constexpr int kAttnThreads = 128;
 constexpr int kAttnWarps = kAttnThreads / 32;
 constexpr int kMinKeysPerSplit = 32;    // short contexts: many blocks, one K/V step each
-constexpr int kMaxSplits = 128;
+constexpr int kMaxSplits = 64;         // splits of one query row's keys
+constexpr int kMaxSplitBlocks = 128;   // splits x query rows of one call (prefill chunks, batches)
 constexpr float kNegInit = -1e30f;  // finite "no key yet": exp2(kNegInit - kNegInit) = 1, never NaN
 
 // The merge counters, one int per (sequence, query tile, kv head), at the start of the scratch
 // with a size fixed by no call's shape: the engines share one scratch between calls of different
 // B and M (decode, then a prefill chunk), and a call's partials must never land where a later
-// call's counters are. Only calls with 2+ splits count, and those have B * M <= kMaxSplits / 2
-// query rows (max_splits), hence at most kMaxSplits / 2 * Hkv counters. A multiple of 16 bytes:
-// the float4 partials follow.
+// call's counters are. Only calls with 2+ splits count, and those have B * M <= kMaxSplitBlocks / 2
+// query rows (max_splits), hence at most kMaxSplitBlocks / 2 * Hkv counters. A multiple of 16
+// bytes: the float4 partials follow.
 constexpr int kMaxKvHeads = 256;
-constexpr size_t kCounterBytes = static_cast<size_t>(kMaxSplits / 2) * kMaxKvHeads * sizeof(int);
+constexpr size_t kCounterBytes = static_cast<size_t>(kMaxSplitBlocks / 2) * kMaxKvHeads * sizeof(int);
 
-// Splits planned for (grid.x and scratch): fixed by the query rows of the call (rows = B * M) and
+// Splits planned for (grid.y and scratch): fixed by the query rows of the call (rows = B * M) and
 // the per-sequence key capacity only. A batch shares the 128 splits' worth of blocks among its rows.
 static int max_splits(int rows, int capacity) {
-  const int by_rows = kMaxSplits / rows > 1 ? kMaxSplits / rows : 1;
+  const int shared = kMaxSplitBlocks / rows > 1 ? kMaxSplitBlocks / rows : 1;
+  const int by_rows = shared < kMaxSplits ? shared : kMaxSplits;
   const int by_keys = CEIL_DIV(capacity, kMinKeysPerSplit);
   return by_rows < by_keys ? by_rows : by_keys;
 }
@@ -110,8 +117,16 @@ template <class KV>
 static __device__ __forceinline__ int call_keys(const KV& kv, int b, int M) {
   return min(max(kv.seq.start(b) + M, 1), kv.capacity);
 }
-static __device__ __forceinline__ int active_splits(int n_keys, int s_max) {
-  return min(s_max, CEIL_DIV(n_keys, kMinKeysPerSplit));
+// How a call's n_keys are split (the policy above): n_active splits of `chunk` keys, a multiple of
+// the block's keys per step. Rounding never adds a step to a split, and never raises n_active.
+struct SplitPlan {
+  int n_active, chunk;
+};
+template <int STEP>
+static __device__ __forceinline__ SplitPlan plan_splits(int n_keys, int s_max) {
+  const int n = min(s_max, CEIL_DIV(n_keys, kMinKeysPerSplit));
+  const int chunk = CEIL_DIV(CEIL_DIV(n_keys, n), STEP) * STEP;
+  return {CEIL_DIV(n_keys, chunk), chunk};
 }
 
 static __device__ __forceinline__ uint4 ld_kv(const bf16* p) {
@@ -172,9 +187,8 @@ static __global__ void __launch_bounds__(kAttnThreads)
   const int h = blockIdx.x, split = blockIdx.y, b = blockIdx.z / tiles, m0 = (blockIdx.z % tiles) * QT;
   const int pos = kv.seq.start(b);
   const int n_keys = call_keys(kv, b, M);
-  const int n_active = active_splits(n_keys, s_max);
+  const auto [n_active, chunk] = plan_splits<NS * KT>(n_keys, s_max);
   if (split >= n_active) return;  // neither counted nor merged: the merge reads the active splits only
-  const int chunk = CEIL_DIV(n_keys, n_active);
   // The merge needs n_active after the key loop: held in a register through it, it spilled
   // (PagedKV, G = 1); the barriers before the write-out publish it.
   if (threadIdx.x == 0) sm_n_active = n_active;
