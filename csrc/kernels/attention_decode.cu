@@ -16,11 +16,11 @@
 // core, B = 1), then rounds their length up to whole K/V steps of the block (32 keys for the Llama
 // 3 shapes): chunk = ceil(ceil(n_keys / n) / step) * step, n_active = ceil(n_keys / chunk). Short
 // contexts spread over splits of one step each (latency stays low); long ones use up to 64 splits
-// (M = 1: 64 x Hkv blocks, a wave on 132 SMs) of several steps each. More splits lose at depth:
-// the group's last block reads every split's partial, and at 128 splits that merge cost more than
-// the longer key loops (docs/PERF.md 2026-11-21: 3B at 8192 keys 22.0 -> 16.3 us); a split with a
-// step of one key (2049 keys in 64 splits of 33) costs a round trip for nothing. Blocks past
-// n_active exit.
+// of several steps each (M = 1, Hkv = 8: 512 blocks, one wave at 4 per SM on 132 SMs). More
+// splits lose at depth: the group's last block reads every split's partial, and at 128 splits that
+// merge cost more than the longer key loops (docs/PERF.md 2026-11-21: 3B at 8192 keys 22.0 ->
+// 16.3 us); a split with a step of one key (2049 keys in 64 splits of 33) costs a round trip for
+// nothing. Blocks past n_active exit.
 //
 // Inside a block: D / 8 lanes hold one key row (16 B each), so a warp covers 32 / (D / 8) keys per
 // load; each such lane group is an independent "key stream" with its own online softmax (scores
@@ -203,42 +203,40 @@ static __global__ void __launch_bounds__(kAttnThreads)
   const bf16* k_base = kv.k + static_cast<size_t>(h) * D + li * 8;
   const bf16* v_base = kv.v + static_cast<size_t>(h) * D + li * 8;
 
-  // The row handles of the first step's keys (nothing for contiguous), then its K / V rows: with
-  // `early`, the rows below pos before the wait and the rest after it; otherwise all after it.
-  int ent[KT];
+  // This stream's keys of a step are base + j * NS + stream (j < KT). `entries` reads their row
+  // handles (nothing for contiguous; a paged table is read one step ahead of its rows), `load_rows`
+  // the K / V rows of those in [lo, hi), leaving the others as they are.
+  int ent[KT] = {};
+  auto entries = [&](int base) {
 #pragma unroll
-  for (int j = 0; j < KT; ++j) {
-    const int key = kb + j * NS + stream;
-    ent[j] = key < ke ? kv.entry(b, key) : 0;
-  }
+    for (int j = 0; j < KT; ++j) {
+      const int key = base + j * NS + stream;
+      if (key < ke) ent[j] = kv.entry(b, key);
+    }
+  };
+  auto load_rows = [&](int base, int lo, int hi, uint4 (&kd)[KT], uint4 (&vd)[KT]) {
+#pragma unroll
+    for (int j = 0; j < KT; ++j) {
+      const int key = base + j * NS + stream;
+      if (key >= lo && key < hi) {
+        const size_t row = kv.row(b, ent[j], key);
+        kd[j] = ld_kv(k_base + row * key_stride);
+        vd[j] = ld_kv(v_base + row * key_stride);
+      }
+    }
+  };
+
+  // The first step's rows: with `early`, those below pos before the wait and the rest after it;
+  // otherwise all after it.
+  entries(kb);
   uint4 kr[KT], vr[KT];
+#pragma unroll
+  for (int j = 0; j < KT; ++j) kr[j] = vr[j] = make_uint4(0, 0, 0, 0);
   const int cached = early ? pos : kb;  // keys below this are loaded before the wait
-#pragma unroll
-  for (int j = 0; j < KT; ++j) {
-    const int key = kb + j * NS + stream;
-    if (key < ke && key < cached) {
-      const size_t row = kv.row(b, ent[j], key);
-      kr[j] = ld_kv(k_base + row * key_stride);
-      vr[j] = ld_kv(v_base + row * key_stride);
-    } else {
-      kr[j] = vr[j] = make_uint4(0, 0, 0, 0);
-    }
-  }
+  load_rows(kb, kb, min(ke, cached), kr, vr);
   if (early) pdl_wait();
-#pragma unroll
-  for (int j = 0; j < KT; ++j) {
-    const int key = kb + j * NS + stream;
-    if (key < ke && key >= cached) {
-      const size_t row = kv.row(b, ent[j], key);
-      kr[j] = ld_kv(k_base + row * key_stride);
-      vr[j] = ld_kv(v_base + row * key_stride);
-    }
-  }
-#pragma unroll
-  for (int j = 0; j < KT; ++j) {
-    const int key = kb + NS * KT + j * NS + stream;
-    if (key < ke) ent[j] = kv.entry(b, key);
-  }
+  load_rows(kb, cached, ke, kr, vr);
+  entries(kb + NS * KT);
 
   // Row r = (query token m0 + r / G, head h * G + r % G): this lane's 8 q values, prescaled.
   float qf[R][8];
@@ -330,21 +328,9 @@ static __global__ void __launch_bounds__(kAttnThreads)
   for (int base = kb + NS * KT; base < ke; base += NS * KT) {
     uint4 kn[KT], vn[KT];
 #pragma unroll
-    for (int j = 0; j < KT; ++j) {
-      const int key = base + j * NS + stream;
-      if (key < ke) {
-        const size_t row = kv.row(b, ent[j], key);
-        kn[j] = ld_kv(k_base + row * key_stride);
-        vn[j] = ld_kv(v_base + row * key_stride);
-      } else {
-        kn[j] = vn[j] = make_uint4(0, 0, 0, 0);
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < KT; ++j) {
-      const int key = base + NS * KT + j * NS + stream;
-      if (key < ke) ent[j] = kv.entry(b, key);
-    }
+    for (int j = 0; j < KT; ++j) kn[j] = vn[j] = make_uint4(0, 0, 0, 0);
+    load_rows(base, base, ke, kn, vn);
+    entries(base + NS * KT);
     step(kn, vn, base);
   }
 
@@ -559,7 +545,7 @@ static void launch_attention(const bf16* q, const KV& kv, int B, int M, int H, i
   float* part_ml = part_acc + static_cast<size_t>(B) * M * H * s_max * D;
   // Kv heads along x, splits along y: blocks start in index order, so the active splits of every head
   // (split < n_active) come before the ones past it, which only wait for the previous kernel and exit
-  // (with the capacity of a default context, 8192 keys, 7 in 8 blocks at a short context).
+  // (with the capacity of a default context, 8192 keys, 64 splits: 7 in 8 blocks at 256 keys).
   const dim3 grid(Hkv, s_max, B * CEIL_DIV(M, QT));
   const float q_scale = scale * 1.4426950408889634f;  // scores in log2 units: exp2f in the softmax
   early = early && std::is_same_v<KV, ContiguousKV>;   // a paged table is read with the rows: after the wait
