@@ -354,17 +354,17 @@ static __device__ float stage_x(const Product& P, float eps, const Staging& st, 
 
 // What an epilogue reads from earlier kernels, loaded by lane 0 right after the PDL wait, while x is
 // staged, instead of after the math: the position (RopeKV), and for AddResidual the residual values
-// of the warp's first row pair (`has_rows`; later pairs load theirs in the epilogue).
+// of the warp's first row pair p0 (later pairs load theirs in the epilogue).
 struct Prior {
   float r0, r1;
-  bool has_rows;
+  int p0;
   int pos;
 };
 
 template <Ep EP>
 static __device__ __forceinline__ Prior load_prior(const Product& P, const RowPairs<EP>& pairs, const RopeKVArgs& rope,
                                                    int p0) {
-  Prior pr{0.f, 0.f, false, 0};
+  Prior pr{0.f, 0.f, p0, 0};
   if (threadIdx.x % 32 != 0) return pr;
   if constexpr (EP == Ep::RopeKV) pr.pos = *rope.pos;  // plain (coherent) load: the previous step wrote it
   if constexpr (EP == Ep::AddResidual) {
@@ -374,7 +374,6 @@ static __device__ __forceinline__ Prior load_prior(const Product& P, const RowPa
       const float* o = static_cast<const float*>(P.out);
       pr.r0 = __ldcg(o + r0);
       pr.r1 = __ldcg(o + r1);
-      pr.has_rows = true;
     }
   }
   return pr;
@@ -421,7 +420,7 @@ static __device__ __forceinline__ void store_pair(const Product& P, const RowPai
     if constexpr (EP == Ep::Store) {
       o[r0] = acc0;
       if (second) o[r1] = acc1;
-    } else if (pr.has_rows) {
+    } else if (p == pr.p0) {
       o[r0] = pr.r0 + acc0;
       if (second) o[r1] = pr.r1 + acc1;
     } else {
@@ -498,7 +497,7 @@ static __global__ void __launch_bounds__(kGemvThreads, 2)
   pdl_wait();  // x (and, for AddResidual, out; for RopeKV, *pos) come from earlier kernels
   if constexpr (EP == Ep::RopeKV) pdl_launch_dependents();
 
-  Prior pr = load_prior<EP>(P, pairs, rope, p0);
+  const Prior pr = load_prior<EP>(P, pairs, rope, p0);
   const float x_scale = stage_x<IN>(P, eps, st, red);
   __syncthreads();
 
@@ -509,7 +508,6 @@ static __global__ void __launch_bounds__(kGemvThreads, 2)
     dot_iter(first, st.xs, lane, P.K / 16, acc0, acc1);
     finish_rows<EP>(P, pairs, rope, pr, st.xs, x_scale, p0, 32 * kGemvUnroll, acc0, acc1, policy);
   }
-  pr.has_rows = false;
   for (int p = p0 + stride; p < n_pairs; p += stride)
     finish_rows<EP>(P, pairs, rope, pr, st.xs, x_scale, p, 0, 0.f, 0.f, policy);
 }
