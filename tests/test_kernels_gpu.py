@@ -504,3 +504,33 @@ def test_top_p_stays_in_nucleus(rng, vocab, top_p, top_k):
     outside = [t for t in set(got.tolist()) if not allowed[t]]
     assert not outside, f"tokens outside the nucleus ({int(allowed.sum())} tokens): {outside[:10]}"
     assert len(set(got.tolist())) > 1 or allowed.sum() == 1
+
+
+# ----------------------------------------------------------------------------- the in-kernel trace
+
+def test_trace_only_in_a_trace_build(rng):
+    """A normal build records nothing and refuses to arm; a trace build (ATOMFLOW_TRACE=ON) records one
+    160-byte record per GEMV warp, with its stamps in order, and stops once disarmed."""
+    if not ops.trace_built():
+        with pytest.raises(RuntimeError, match="ATOMFLOW_TRACE"):
+            ops.trace_arm(16)
+        return
+    N, K = 96, 512
+    w = rng.integers(0, 256, (N, K), dtype=np.uint8) & 0x77  # finite e4m3
+    s = np.ones((N, K // 128), np.float32)
+    x = bf16_bits(rng.standard_normal(K))
+    ops.trace_arm(64)
+    try:
+        ops.trace_reset()
+        ops.gemv(w, s, x)
+        raw, dropped = ops.trace_read()
+    finally:
+        ops.trace_arm(0)
+    assert dropped == 0
+    recs = np.frombuffer(raw, dtype=[("id", "<u8"), ("kind", "<u4"), ("block", "<u4"), ("warp", "<u4"),
+                                     ("smid", "<u4"), ("K", "<u4"), ("n", "<u4"), ("t", "<u8", (16,))])
+    assert len(recs) == 48  # 48 row pairs on 6 blocks of 8 warps: one record per warp
+    assert (recs["K"] == K).all() and (recs["n"] == 1).all() and (recs["kind"] == 0 | 1 << 4).all()
+    t = recs["t"].astype(np.int64)
+    for a, b in [(0, 2), (2, 3), (3, 4), (4, 15)]:  # entry <= waited <= staged <= iteration <= exit
+        assert (t[:, a] <= t[:, b]).all() and (t[:, a] > 0).all()

@@ -348,6 +348,63 @@ double time_sample(int vocab, float temperature, int top_k, float top_p, int ite
   }, iters, 3);
 }
 
+// ------------------------------------------------------------------ in-kernel trace (trace.cuh)
+
+struct TraceState {
+  DeviceBuffer recs, counts;
+  unsigned per_sm = 0;
+};
+TraceState& trace_state() {
+  static TraceState t;
+  return t;
+}
+constexpr size_t kTraceRecBytes = 160;  // trace::Rec
+
+// Allocates per_sm records per SM region and points the recording kernels at them (0: off).
+void trace_arm(unsigned per_sm) {
+  TraceState& t = trace_state();
+  if (per_sm == 0) {
+    k::trace_arm(nullptr, nullptr, 0);
+    t = TraceState{};
+    return;
+  }
+  const size_t sms = k::trace_max_sms();
+  t.recs = DeviceBuffer(kTraceRecBytes * sms * per_sm);
+  t.counts = DeviceBuffer(sizeof(unsigned) * sms);
+  t.per_sm = per_sm;
+  AF_CUDA_CHECK(cudaMemset(t.counts.get(), 0, t.counts.bytes()));
+  k::trace_arm(t.recs.get(), t.counts.get<unsigned>(), per_sm);
+  sync();
+}
+
+void trace_reset() {
+  TraceState& t = trace_state();
+  require(t.per_sm > 0, "trace: not armed (ops.trace_arm first)");
+  sync();
+  AF_CUDA_CHECK(cudaMemset(t.counts.get(), 0, t.counts.bytes()));
+  sync();
+}
+
+// The records written since the last reset, as raw bytes (160 per record), and how many were dropped.
+py::tuple trace_read() {
+  TraceState& t = trace_state();
+  require(t.per_sm > 0, "trace: not armed (ops.trace_arm first)");
+  sync();
+  const size_t sms = k::trace_max_sms();
+  std::vector<unsigned> counts(sms);
+  t.counts.download(counts.data(), sizeof(unsigned) * sms);
+  std::vector<uint8_t> all(kTraceRecBytes * sms * t.per_sm);
+  t.recs.download(all.data(), all.size());
+  std::string out;
+  size_t dropped = 0;
+  for (size_t s = 0; s < sms; ++s) {
+    const size_t n = std::min<size_t>(counts[s], t.per_sm);
+    dropped += counts[s] - n;
+    out.append(reinterpret_cast<const char*>(all.data() + kTraceRecBytes * s * t.per_sm), kTraceRecBytes * n);
+  }
+  return py::make_tuple(py::bytes(out), dropped);
+}
+
 }  // namespace
 
 void register_ops(pybind11::module_& m) {
@@ -399,6 +456,11 @@ void register_ops(pybind11::module_& m) {
         py::arg("M") = 1, py::arg("iters") = 50, py::arg("early") = false,
         "us per attention call (split + merge) for M queries, the last seeing `context` keys; caches rotated past L2; "
         "early: the decode step's mode (cached rows read before the PDL wait)");
+  m.def("trace_built", &k::trace_built, "whether this build records the in-kernel trace (ATOMFLOW_TRACE)");
+  m.def("trace_arm", &trace_arm, py::arg("per_sm"), "point the decode kernels at a trace buffer of per_sm records "
+        "per SM (0: off)");
+  m.def("trace_reset", &trace_reset, "forget the records written so far");
+  m.def("trace_read", &trace_read, "(bytes of 160-byte records since the last reset, records dropped)");
   m.def("time_sample", &time_sample, py::arg("vocab"), py::arg("temperature") = 0.0f, py::arg("top_k") = 0,
         py::arg("top_p") = 1.0f, py::arg("iters") = 50, "us per sample launch (median of iters batches)");
 }

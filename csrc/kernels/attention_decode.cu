@@ -37,8 +37,17 @@
 
 #include "atomflow/kernels.h"
 #include "atomflow/pdl.cuh"
+#include "atomflow/trace.cuh"
 
 namespace atomflow::kernels {
+
+#ifdef ATOMFLOW_TRACE
+static __device__ trace::Buf g_trace;  // set by attention_trace_arm (trace.cuh)
+void attention_trace_arm(const trace::Buf& b) { AF_CUDA_CHECK(cudaMemcpyToSymbol(g_trace, &b, sizeof(b))); }
+#endif
+// Attention's trace stamps (thread 0 of each active block): entry, cached rows issued, wait passed,
+// key loop done, partial written, ticket taken, merge written.
+enum AttnStamp { kAEntry, kAIssued, kAWaited, kALoop, kAPartial, kATicket, kAMerged };
 
 constexpr int kAttnThreads = 128;
 constexpr int kAttnWarps = kAttnThreads / 32;
@@ -178,6 +187,26 @@ static __global__ void __launch_bounds__(kAttnThreads)
   __shared__ float sm_part_l[SPL > 1 ? kAttnThreads : 1];
   __shared__ int sm_n_active;
   __shared__ bool sm_last;
+#ifdef ATOMFLOW_TRACE
+  __shared__ uint64_t tr_t[trace::kStamps];
+  const uint64_t t_entry = trace::now();
+  auto stamp = [&](int slot) {
+    if (threadIdx.x == 0) tr_t[slot] = trace::now();
+  };
+  auto flush = [&](bool merged) {
+    if (threadIdx.x != 0) return;
+    trace::Rec r{};
+    r.id = reinterpret_cast<uint64_t>(kv.k);
+    r.kind = 0x100u | (merged ? 0x10u : 0u);
+    r.block = blockIdx.x | blockIdx.y << 16;
+    r.warp = sm_n_active;
+    r.K = call_keys(kv, 0, M);
+    trace::write(g_trace, r, tr_t);
+  };
+#else
+  auto stamp = [](int) {};
+  auto flush = [](bool) {};
+#endif
 
   // The next kernel (the o GEMV) may launch only once this block's keys are in: launched at the
   // start, its early weight loads compete with the K/V loads on this kernel's critical path
@@ -192,6 +221,11 @@ static __global__ void __launch_bounds__(kAttnThreads)
   // The merge needs n_active after the key loop: held in a register through it, it spilled
   // (PagedKV, G = 1); the barriers before the write-out publish it.
   if (threadIdx.x == 0) sm_n_active = n_active;
+#ifdef ATOMFLOW_TRACE
+  if (threadIdx.x < trace::kStamps) tr_t[threadIdx.x] = 0;
+  __syncthreads();
+  if (threadIdx.x == 0) tr_t[kAEntry] = t_entry;
+#endif
   const int m_last = min(m0 + QT, M) - 1;
   const int kb = split * chunk;
   const int ke = min(min(kb + chunk, pos + m_last + 1), n_keys);
@@ -234,7 +268,9 @@ static __global__ void __launch_bounds__(kAttnThreads)
   for (int j = 0; j < KT; ++j) kr[j] = vr[j] = make_uint4(0, 0, 0, 0);
   const int cached = early ? pos : kb;  // keys below this are loaded before the wait
   load_rows(kb, kb, min(ke, cached), kr, vr);
+  stamp(kAIssued);
   if (early) pdl_wait();
+  stamp(kAWaited);
   load_rows(kb, cached, ke, kr, vr);
   entries(kb + NS * KT);
 
@@ -335,6 +371,7 @@ static __global__ void __launch_bounds__(kAttnThreads)
   }
 
   pdl_launch_dependents();  // see the pdl_wait() above; blocks that returned count as launched
+  stamp(kALoop);
   // Merge the warp's key streams (lanes LPR apart hold the same d-slice of different streams).
 #pragma unroll
   for (int off = LPR; off < 32; off *= 2)
@@ -396,6 +433,7 @@ static __global__ void __launch_bounds__(kAttnThreads)
   // of the blocks that counted before, for its threads after the next barrier). One fence instead of
   // the two sequentially consistent ones of __threadfence (docs/PERF.md).
   __syncthreads();
+  stamp(kAPartial);
   if (n_splits > 1) {
     if (threadIdx.x == 0) {
       int* counter = counters + blockIdx.z * gridDim.x + blockIdx.x;  // in range: see kCounterBytes
@@ -405,7 +443,11 @@ static __global__ void __launch_bounds__(kAttnThreads)
       if (sm_last) *counter = 0;  // every block of the group has counted: ready for the next call
     }
     __syncthreads();
-    if (!sm_last) return;
+    stamp(kATicket);
+    if (!sm_last) {
+      flush(false);
+      return;
+    }
   }
 
   // The merge: out = sum_s w_s acc_s / sum_s w_s l_s over the NO float4 outputs of the group. One
@@ -517,6 +559,8 @@ static __global__ void __launch_bounds__(kAttnThreads)
     packed.y = *reinterpret_cast<const uint32_t*>(&hi);
     reinterpret_cast<uint2*>(out + o_row * D)[c_of[i]] = packed;
   }
+  stamp(kAMerged);
+  flush(true);
 }
 
 // ---- launchers ----

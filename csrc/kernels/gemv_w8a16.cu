@@ -20,9 +20,15 @@
 //    runs on just enough blocks for one pair per warp, not on every slot with idle warps: the
 //    block slots left free take the NEXT kernel's blocks at once, and their weight loads (before
 //    their PDL wait) go out while this product runs (docs/PERF.md: 3B 1.372 -> 1.339 ms).
-//  - Weights depend on no earlier kernel: each warp loads the first iteration of its first row
-//    pair into registers BEFORE it waits for the previous kernel (PDL, pdl.cuh), so that DRAM
-//    round trip overlaps the previous kernel's tail and the x staging (-1 to -2.5 us per GEMV).
+//  - Weights depend on no earlier kernel: half the warps of a block (kGemvPreWarps) load the first
+//    iteration of their first row pair into registers BEFORE they wait for the previous kernel
+//    (PDL, pdl.cuh), so that DRAM round trip overlaps the previous kernel's tail and the x staging
+//    (-1 to -2.5 us per GEMV); the other half load theirs once x is staged. Only half: requests
+//    queue in issue order, and the in-kernel trace (trace.cuh, tools/trace_step.py) shows every
+//    step after the wait paying for what is queued ahead of it. With all 8 warps (17 MB for the
+//    whole grid), the wait of gate_up and down released 2-3 us after the previous kernel's last
+//    warp had exited, and the staging of x took 2-3.6 us, for reads that hit L2; with 4,
+//    3B 1.33 -> 1.30 ms, 8B 2.51 -> 2.46 (docs/PERF.md 2026-11-21; 3 of 8 measured the same).
 //  - What an epilogue reads from earlier kernels (AddResidual's residual of the warp's first pair,
 //    RopeKV's position) is loaded right after the wait, next to x's staging, not after the math:
 //    a round trip fewer at the end of o and down (docs/PERF.md, 9eb48ab).
@@ -82,12 +88,20 @@
 #include "atomflow/pdl.cuh"
 #include "atomflow/rmsnorm.cuh"
 #include "atomflow/rope.cuh"
+#include "atomflow/trace.cuh"
 
 namespace atomflow::kernels {
+
+#ifdef ATOMFLOW_TRACE
+static __device__ trace::Buf g_trace;  // set by gemv_trace_arm (trace.cuh)
+#endif
 
 constexpr int kGemvThreads = 256;
 constexpr int kGemvWarps = kGemvThreads / 32;
 constexpr int kGemvUnroll = 8;  // 16-byte chunks per row per lane per iteration
+// Warps 0 .. kGemvPreWarps - 1 of a block send their first iteration's loads before the PDL wait,
+// the others once x is staged (kernel comment: the early loads queue ahead of the wait's release).
+constexpr int kGemvPreWarps = kGemvWarps / 2;
 constexpr int kQuantGroup = 128;
 // The fused QKV product (more row pairs than resident warps on the 3B and 8B shapes) runs on 24
 // blocks fewer than fit, so the attention after it, which reads its cached keys before its wait
@@ -185,6 +199,23 @@ struct RowPairs {
     } else {
       r0 = 2 * p;
       r1 = min(2 * p + 1, N - 1);
+    }
+  }
+};
+
+// This warp's trace stamps (trace.cuh), in shared memory until the warp exits; without
+// ATOMFLOW_TRACE every member is empty and compiles to nothing.
+struct WarpTrace {
+  uint64_t* t;  // kStamps of this warp, or nullptr
+  int i;        // iterations summed so far
+  __device__ __forceinline__ void stamp(int slot) const {
+    if constexpr (trace::kOn)
+      if (threadIdx.x % 32 == 0) t[slot] = trace::now();
+  }
+  __device__ __forceinline__ void iter() {
+    if constexpr (trace::kOn) {
+      stamp(min(trace::kIter0 + i, static_cast<int>(trace::kIterLast)));
+      ++i;
     }
   }
 };
@@ -291,13 +322,14 @@ static __device__ void stage_weights(const Product& P, const Staging& st) {
 // every value within 2^-28 of the largest converts to fp16 exactly and none overflows, and the sums
 // are multiplied back by 2^-s (exact).
 template <In IN>
-static __device__ float stage_x(const Product& P, float eps, const Staging& st, float* red) {
+static __device__ float stage_x(const Product& P, float eps, const Staging& st, float* red, const WarpTrace& tr) {
   const int K = P.K;
   uint4* xs = st.xs;
   if constexpr (IN == In::NORM) {
     const float* xf = static_cast<const float*>(P.x);
     for (int v = threadIdx.x; v < K / 4; v += kGemvThreads) cp_async16(st.raw + 4 * v, xf + 4 * v);
     cp_async_wait_all();  // this thread's copies (and its norm weight copies) have landed
+    tr.stamp(trace::kLanded);
     __syncthreads();
     const float r = block_inv_rms<kGemvThreads>(st.raw, K, eps, red);
     f16* xh = reinterpret_cast<f16*>(xs);
@@ -320,6 +352,7 @@ static __device__ float stage_x(const Product& P, float eps, const Staging& st, 
         }
       }
     }
+    tr.stamp(trace::kLanded);
     if constexpr (IN == In::F16) {
       return 1.f;
     } else {
@@ -455,7 +488,7 @@ static __device__ __forceinline__ void finish_pair(const Product& P, const RowPa
 template <Ep EP>
 static __device__ __forceinline__ void finish_rows(const Product& P, const RowPairs<EP>& pairs, const RopeKVArgs& rope,
                                                    const Prior& pr, const uint4* xs, float x_scale, int p, int base,
-                                                   float acc0, float acc1, uint64_t policy) {
+                                                   float acc0, float acc1, uint64_t policy, WarpTrace& tr) {
   const int C = P.K / 16, lane = threadIdx.x % 32;
   int r0, r1;
   pairs.rows(p, r0, r1);
@@ -463,6 +496,7 @@ static __device__ __forceinline__ void finish_rows(const Product& P, const RowPa
     Iter it;
     load_iter(it, P, r0, r1, base + lane, policy);
     dot_iter(it, xs, base + lane, C, acc0, acc1);
+    tr.iter();
   }
   finish_pair<EP>(P, pairs, rope, pr, p, acc0, acc1, x_scale);
 }
@@ -473,6 +507,15 @@ static __global__ void __launch_bounds__(kGemvThreads, 2)
   extern __shared__ uint4 smem[];  // Staging
   __shared__ float red[kGemvWarps];
   const Staging st(smem, P.K);
+#ifdef ATOMFLOW_TRACE
+  __shared__ uint64_t tr_t[kGemvWarps][trace::kStamps];
+  WarpTrace tr{tr_t[threadIdx.x / 32], 0};
+  if (threadIdx.x % 32 < trace::kStamps) tr.t[threadIdx.x % 32] = 0;
+  __syncwarp();
+#else
+  WarpTrace tr{nullptr, 0};
+#endif
+  tr.stamp(trace::kEntry);
 
   const RowPairs<EP> pairs(P.N, rope);
   const int n_pairs = pairs.count();
@@ -480,11 +523,12 @@ static __global__ void __launch_bounds__(kGemvThreads, 2)
   const uint64_t policy = stream_policy();
   const int p0 = blockIdx.x + gridDim.x * (threadIdx.x / 32);  // the warp's first row pair
 
-  // Weights never depend on an earlier kernel: the first iteration of the warp's first row pair
-  // goes out to DRAM before the wait for the previous kernel (PDL), so that round trip overlaps
-  // the previous kernel's tail and the staging of x.
+  // Weights never depend on an earlier kernel: in half the warps the first iteration of the first
+  // row pair goes out to DRAM before the wait for the previous kernel (PDL), so that round trip
+  // overlaps the previous kernel's tail and the staging of x (top of the file: why half).
+  const bool pre = threadIdx.x / 32 < kGemvPreWarps;
   Iter first;
-  if (p0 < n_pairs) {
+  if (pre && p0 < n_pairs) {
     int r0, r1;
     pairs.rows(p0, r0, r1);
     load_iter(first, P, r0, r1, lane, policy);
@@ -496,21 +540,43 @@ static __global__ void __launch_bounds__(kGemvThreads, 2)
   if constexpr (EP != Ep::RopeKV) pdl_launch_dependents();
   pdl_wait();  // x (and, for AddResidual, out; for RopeKV, *pos) come from earlier kernels
   if constexpr (EP == Ep::RopeKV) pdl_launch_dependents();
+  tr.stamp(trace::kWaited);
 
   const Prior pr = load_prior<EP>(P, pairs, rope, p0);
-  const float x_scale = stage_x<IN>(P, eps, st, red);
+  const float x_scale = stage_x<IN>(P, eps, st, red, tr);
   __syncthreads();
+  tr.stamp(trace::kStaged);
 
-  // The first row pair starts from the registers loaded above (a peeled copy: see the top of the
-  // file), the others run the plain load-then-math loop.
-  if (p0 < n_pairs) {
+  // A warp that loaded early starts its first row pair from those registers (a peeled copy: see
+  // the top of the file); every other row pair runs the plain load-then-math loop.
+  int p = p0;
+  if (pre && p < n_pairs) {
     float acc0 = 0.f, acc1 = 0.f;
     dot_iter(first, st.xs, lane, P.K / 16, acc0, acc1);
-    finish_rows<EP>(P, pairs, rope, pr, st.xs, x_scale, p0, 32 * kGemvUnroll, acc0, acc1, policy);
+    tr.iter();
+    finish_rows<EP>(P, pairs, rope, pr, st.xs, x_scale, p, 32 * kGemvUnroll, acc0, acc1, policy, tr);
+    p += stride;
   }
-  for (int p = p0 + stride; p < n_pairs; p += stride)
-    finish_rows<EP>(P, pairs, rope, pr, st.xs, x_scale, p, 0, 0.f, 0.f, policy);
+  for (; p < n_pairs; p += stride)
+    finish_rows<EP>(P, pairs, rope, pr, st.xs, x_scale, p, 0, 0.f, 0.f, policy, tr);
+#ifdef ATOMFLOW_TRACE
+  tr.stamp(trace::kExit);
+  if (lane == 0) {
+    trace::Rec r{};
+    r.id = reinterpret_cast<uint64_t>(P.w);
+    r.kind = static_cast<uint32_t>(EP) | static_cast<uint32_t>(IN) << 4;
+    r.block = blockIdx.x;
+    r.warp = threadIdx.x / 32;
+    r.K = P.K;
+    r.n = tr.i;
+    trace::write(g_trace, r, tr.t);
+  }
+#endif
 }
+
+#ifdef ATOMFLOW_TRACE
+void gemv_trace_arm(const trace::Buf& b) { AF_CUDA_CHECK(cudaMemcpyToSymbol(g_trace, &b, sizeof(b))); }
+#endif
 
 // ---- launcher ----
 
