@@ -9,7 +9,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import trace_step  # noqa: E402
 
-QKV, GATE_UP, ADD, HEAD = 3 | 2 << 4, 2 | 2 << 4, 1 | 1 << 4, 0 | 2 << 4
+QKV, GATE_UP, ADD, HEAD = 3 | 2 << 4, 2 | 2 << 4, 1 | 0 << 4, 0 | 2 << 4  # Ep | In << 4 (In: 0 bf16, 2 norm)
 ATTN = 0x100
 
 
@@ -29,7 +29,7 @@ def gemv(kind, ident, t0, K=3072, n=1, warps=4):
     for w in range(warps):
         s = {0: t0 + w, 2: t0 + 1000, 1: t0 + 1200, 3: t0 + 1500}
         for i in range(n):
-            s[min(4 + i, 14)] = t0 + 2000 + 500 * i
+            s[4 + i if i < 6 else 13] = t0 + 2000 + 500 * i
         s[15] = t0 + 2000 + 500 * (n - 1) + 200 + w
         out.append(rec(kind, ident, s, K=K, n=n))
     return out
@@ -69,7 +69,7 @@ def test_weight_bytes_per_iteration():
     assert list(b) == [8192] * 8 and sorted(set(t.tolist())) == [11000, 11500]
     t, b = by["o"]  # K = 3072: one iteration of 2 x 3072 bytes
     assert list(b) == [6144] * 4
-    t, b = by["lm_head"]  # 30 iterations: the 21 past slot 13 are spread up to the last stamp
+    t, b = by["lm_head"]  # 30 iterations: the 24 past the 6 own slots are spread up to the last stamp
     assert b.sum() == 4 * 30 * 6144 and t.max() == 12000 + 2000 + 500 * 29
 
 

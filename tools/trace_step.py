@@ -6,6 +6,8 @@ kernels stamp %globaltimer at entry, once their early loads are issued, past the
 input is staged, after each weight iteration is summed, and at exit. A weight iteration is 8 KB
 (two rows x 4096 columns, less at a row's end); its stamp comes after its math, so the rate below
 is the rate at which the warps finished summing bytes, a few hundred ns behind their arrival.
+The staging of x is split further (input landed in the block, reduction done, x converted): see
+trace.cuh.
 
     python tools/trace_step.py MODEL [--context 128] [--steps 4] [--save trace.npz]
     python tools/trace_step.py --load trace.npz [--layer 13] [--bin 0.25]
@@ -21,7 +23,8 @@ from numpy.lib import recfunctions as rfn
 REC = np.dtype([("id", "<u8"), ("kind", "<u4"), ("block", "<u4"), ("warp", "<u4"), ("smid", "<u4"),
                 ("K", "<u4"), ("n", "<u4"), ("t", "<u8", (16,))])
 assert REC.itemsize == 160
-ENTRY, LANDED, WAITED, STAGED, ITER0, ITERLAST, EXIT = 0, 1, 2, 3, 4, 14, 15
+ENTRY, LANDED, WAITED, STAGED, ITER0, BARRIER, REDUCED, CONVERTED, ITERLAST, EXIT = 0, 1, 2, 3, 4, 10, 11, 12, 13, 15
+ITER_SLOTS = BARRIER - ITER0  # iterations with a slot of their own; the later ones share ITERLAST
 A_ENTRY, A_ISSUED, A_WAITED, A_LOOP, A_PARTIAL, A_TICKET, A_MERGED = range(7)
 GEMV_NAMES = {(3, 2): "qkv", (1, 1): "o|down", (2, 2): "gate_up", (1, 0): "o|down", (0, 2): "lm_head"}
 
@@ -87,13 +90,14 @@ def weight_events(l: dict) -> tuple[np.ndarray, np.ndarray]:
         for i in range(n):
             j = i % per_pair
             b = 2 * min(4096, K - 4096 * j)
-            if i < ITERLAST - ITER0:
+            if i < ITER_SLOTS:
                 times.append(t[ITER0 + i])
                 sizes.append(b)
-            elif i == n - 1:  # the later ones share slot 14 (the last): spread between 13 and 14
-                k = n - (ITERLAST - ITER0)
+            elif i == n - 1:  # the later ones share ITERLAST (the last): spread from the last own slot
+                k = n - ITER_SLOTS
+                last_own = t[ITER0 + ITER_SLOTS - 1]
                 for q in range(k):
-                    times.append(t[ITERLAST - 1] + (t[ITERLAST] - t[ITERLAST - 1]) * (q + 1) // k)
+                    times.append(last_own + (t[ITERLAST] - last_own) * (q + 1) // k)
                     sizes.append(b)
     return np.asarray(times, dtype=np.int64), np.asarray(sizes, dtype=np.int64)
 

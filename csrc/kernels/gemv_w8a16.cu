@@ -214,7 +214,7 @@ struct WarpTrace {
   }
   __device__ __forceinline__ void iter() {
     if constexpr (trace::kOn) {
-      stamp(min(trace::kIter0 + i, static_cast<int>(trace::kIterLast)));
+      stamp(i < trace::kIterSlots ? trace::kIter0 + i : trace::kIterLast);
       ++i;
     }
   }
@@ -331,10 +331,13 @@ static __device__ float stage_x(const Product& P, float eps, const Staging& st, 
     cp_async_wait_all();  // this thread's copies (and its norm weight copies) have landed
     tr.stamp(trace::kLanded);
     __syncthreads();
+    tr.stamp(trace::kBarrier);
     const float r = block_inv_rms<kGemvThreads>(st.raw, K, eps, red);
+    tr.stamp(trace::kReduced);
     f16* xh = reinterpret_cast<f16*>(xs);
     for (int i = threadIdx.x; i < K; i += kGemvThreads)
       xh[8 * x_slot(i / 16, (i % 16) / 8) + i % 8] = rmsnorm_value(st.raw[i], r, st.norm_w[i]);
+    tr.stamp(trace::kConverted);
     return 1.f;
   } else {
     // 8 values per 16-byte load = half v % 2 of chunk v / 2.
@@ -360,6 +363,7 @@ static __device__ float stage_x(const Product& P, float eps, const Staging& st, 
       for (int off = 16; off > 0; off /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
       if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = amax;
       __syncthreads();
+      tr.stamp(trace::kBarrier);
       amax = 0.f;
 #pragma unroll
       for (int w = 0; w < kGemvWarps; ++w) amax = fmaxf(amax, red[w]);
@@ -380,6 +384,7 @@ static __device__ float stage_x(const Product& P, float eps, const Staging& st, 
           w[i] = *reinterpret_cast<const uint32_t*>(&h);
         }
       }
+      tr.stamp(trace::kConverted);
       return ldexpf(1.f, -s);
     }
   }

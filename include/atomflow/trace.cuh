@@ -43,8 +43,14 @@ struct Buf {
 };
 
 // GEMV stamp slots (attention's are named in attention_decode.cu). kLanded: this warp's share of
-// the input has arrived (before the block's reduction and barrier).
-enum GemvStamp { kEntry = 0, kLanded = 1, kWaited = 2, kStaged = 3, kIter0 = 4, kIterLast = 14, kExit = 15 };
+// the input has arrived; kBarrier: the block's has (past the barrier after it); kReduced: the norm's
+// (or bf16 x's scale's) reduction is done; kConverted: this warp has written its share of x. The
+// first kIterSlots iterations summed get a slot each from kIter0 on, the later ones share kIterLast.
+enum GemvStamp {
+  kEntry = 0, kLanded = 1, kWaited = 2, kStaged = 3, kIter0 = 4, kBarrier = 10, kReduced = 11, kConverted = 12,
+  kIterLast = 13, kExit = 15
+};
+constexpr int kIterSlots = kBarrier - kIter0;
 
 __device__ __forceinline__ uint64_t now() {
   uint64_t t = 0;
