@@ -512,7 +512,7 @@ def test_trace_only_in_a_trace_build(rng):
     """A normal build records nothing and refuses to arm; a trace build (ATOMFLOW_TRACE=ON) records one
     160-byte record per GEMV warp, with its stamps in order, and stops once disarmed."""
     if not ops.trace_built():
-        with pytest.raises(RuntimeError, match="ATOMFLOW_TRACE"):
+        with pytest.raises(ValueError, match="ATOMFLOW_TRACE"):
             ops.trace_arm(16)
         return
     N, K = 96, 512
