@@ -24,10 +24,10 @@
 //    iteration of their first row pair into registers BEFORE they wait for the previous kernel
 //    (PDL, pdl.cuh), so that DRAM round trip overlaps the previous kernel's tail and the x staging
 //    (-1 to -2.5 us per GEMV); the other half load theirs once x is staged. Only half: requests
-//    queue in issue order, and the in-kernel trace (trace.cuh, tools/trace_step.py) shows every
-//    step after the wait paying for what is queued ahead of it. With all 8 warps (17 MB for the
-//    whole grid), the wait of gate_up and down released 2-3 us after the previous kernel's last
-//    warp had exited, and the staging of x took 2-3.6 us, for reads that hit L2; with 4,
+//    queue in issue order, and the in-kernel trace (trace.cuh, tools/trace_step.py) shows the
+//    wait's release and x's loads paying for what is queued ahead of them. With all 8 warps (17 MB
+//    for the whole grid), the wait of gate_up and down released 2-3 us after the previous kernel's
+//    last warp had exited, and staging x took 2-3.6 us, for reads that hit L2; with 4,
 //    3B 1.33 -> 1.30 ms, 8B 2.51 -> 2.46 (docs/PERF.md 2026-11-21; 3 of 8 measured the same).
 //  - What an epilogue reads from earlier kernels (AddResidual's residual of the warp's first pair,
 //    RopeKV's position) is loaded right after the wait, next to x's staging, not after the math:
