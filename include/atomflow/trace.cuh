@@ -31,7 +31,7 @@ struct Rec {
   uint32_t warp;    // GEMV: warp in the block; attention: n_active
   uint32_t smid;
   uint32_t K;       // GEMV: K; attention: keys of the call
-  uint32_t n;       // GEMV: iterations summed (slot 4 + i for i < 10, slot 14 for the later ones)
+  uint32_t n;       // GEMV: iterations summed (their stamps: GemvStamp below)
   uint64_t t[kStamps];
 };
 static_assert(sizeof(Rec) == 160, "Rec layout is read by tools/trace_step.py");
