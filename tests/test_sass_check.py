@@ -42,11 +42,31 @@ def test_waits_on_other_scoreboards_or_after_the_burst_are_not():
     assert sass_check.burst_waits(sass_check.decode(after)) == []
 
 
+def staged(wait_in_staging: tuple[str, int, int]) -> str:
+    """Early weight loads, the PDL wait, one staging instruction, the barrier, then the products."""
+    return fake_sass([(LDG, 5, 0), ("ACQBULK", NONE, 0), wait_in_staging, ("BAR.SYNC.DEFER_BLOCKING 0x0", NONE, 0),
+                      ("SHF.R.U32.HI R78, RZ, 0x10, R12", NONE, 1 << 5), ("HMMA.16816.F32 R80, R80, R76, RZ", NONE, 0)])
+
+
+def test_a_wait_on_the_weight_loads_while_x_is_staged_is_flagged():
+    rows = sass_check.decode(staged(("PRMT R79, R72, 0x7632, R79", NONE, 1 << 5)))
+    got = [(addr, ins.strip()) for addr, ins in sass_check.staging_waits(rows)]
+    assert got == [(0x20, "PRMT R79, R72, 0x7632, R79")]
+
+
+def test_staging_waits_on_other_scoreboards_calls_and_the_products_are_not():
+    for ins in (("LDS.128 R12, [R11]", NONE, 1 << 2), ("CALL.REL.NOINC 0x9420", NONE, 0x3F)):
+        assert sass_check.staging_waits(sass_check.decode(staged(ins))) == []  # the product's wait is after
+
+
 def test_main_fails_on_a_serialized_kernel(tmp_path, capsys):
     p = tmp_path / "k.sass"
     p.write_text(fake_sass([(LDG, 5, 0), ("SHF.L.U32 R21, R94, 0x4, RZ", NONE, 1 << 5), (LDG, 5, 0)]))
     assert sass_check.main(["--sass", str(p)]) == 1
-    assert "1 with serialized weight loads" in capsys.readouterr().out
+    assert "1 with serialized weight loads or staging" in capsys.readouterr().out
+    p.write_text(staged(("PRMT R79, R72, 0x7632, R79", NONE, 1 << 5)))
+    assert sass_check.main(["--sass", str(p)]) == 1
+    assert "while x is staged" in capsys.readouterr().out
 
 
 @pytest.mark.skipif(not (shutil.which("nvcc") and shutil.which("cuobjdump")), reason="needs nvcc and cuobjdump")

@@ -1,12 +1,21 @@
-"""Checks the GEMV's machine code for the one compiler behaviour that silently costs it a third of
-its bandwidth: a wait on the weight loads' scoreboard in the middle of a burst of weight loads.
+"""Checks the GEMV's machine code for two compiler behaviours that silently cost it bandwidth: a
+wait on the weight loads' scoreboard in the middle of a burst of weight loads, or in the staging of x.
 
 The compiler tracks all of a kernel's weight loads (LDG.E.NA.128) with one scoreboard. If an
 instruction between two of those loads waits on it, each load of the burst waits for the previous
 one's data: the round trips are serialized (seen: lm_head at 62% of the read ceiling instead of
 95%, csrc/kernels/gemv_w8a16.cu). This script compiles the kernel file for sm_90, disassembles it
 with cuobjdump, decodes each instruction's wait mask from its control bits, and fails if any
-GEMV kernel has such a wait. With --built it disassembles the installed extension modules instead
+GEMV kernel has such a wait.
+
+The second rule: between the PDL wait (ACQBULK) and the staging's last barrier before the first
+tensor-core product, no instruction may wait on the weight loads' scoreboard. Half the warps load
+their first weights before the PDL wait; a wait there holds the staging of x, and with it the whole
+block, until those loads arrive from DRAM (seen: x loaded into registers with ld.global shared
+their scoreboard; it is copied with cp.async since). A CALL is exempt: it waits on every scoreboard
+and only leads to a slow path (the division's, for denormal inputs).
+
+With --built it disassembles the installed extension modules instead
 (atomflow._core and atomflow._sandbox: the machine code CMake built, with its flags and
 architectures, which is what runs); scripts/gpu_check.sh checks those.
 
@@ -61,6 +70,21 @@ def burst_waits(rows: list[tuple[int, str, int, int]]) -> list[tuple[int, str]]:
     return bad
 
 
+def staging_waits(rows: list[tuple[int, str, int, int]]) -> list[tuple[int, str]]:
+    """Instructions waiting on a weight-load scoreboard while x is staged: after the PDL wait, up to
+    the last barrier before the first tensor-core product (CALLs exempt: module docstring)."""
+    boards = {wb for _, ins, wb, _ in rows if WEIGHT_LOAD in ins}
+    start = next((n for n, r in enumerate(rows) if r[1].startswith("ACQBULK")), None)
+    first_mma = next((n for n, r in enumerate(rows) if r[1].startswith("HMMA")), None)
+    if start is None or first_mma is None:
+        return []
+    bars = [n for n in range(start, first_mma) if rows[n][1].startswith("BAR.SYNC")]
+    if not bars:
+        return []
+    return [(addr, ins) for addr, ins, _, mask in rows[start:bars[-1]]
+            if not ins.startswith("CALL") and any(mask >> sb & 1 for sb in boards)]
+
+
 def built_modules() -> list[Path]:
     """Files of the installed atomflow._core and atomflow._sandbox (those that import)."""
     import importlib
@@ -109,15 +133,19 @@ def main(argv: list[str] | None = None) -> int:
         if "gemv_w8a16_kernel" not in name:
             continue
         checked += 1
-        bad = burst_waits(decode(fn))
+        rows = decode(fn)
+        bad, staging = burst_waits(rows), staging_waits(rows)
         if bad:
-            failed += 1
             print(f"sass_check: {name}: {len(bad)} scoreboard wait(s) inside weight-load bursts, first at "
                   f"0x{bad[0][0]:x} ({bad[0][1]})")
+        if staging:
+            print(f"sass_check: {name}: {len(staging)} wait(s) on the weight loads while x is staged, first at "
+                  f"0x{staging[0][0]:x} ({staging[0][1]})")
+        failed += bool(bad or staging)
     if not checked:
         print("sass_check: no gemv_w8a16_kernel in the disassembly", file=sys.stderr)
         return 2
-    print(f"sass_check: {checked} GEMV kernels, {failed} with serialized weight loads")
+    print(f"sass_check: {checked} GEMV kernels, {failed} with serialized weight loads or staging")
     return 1 if failed else 0
 
 

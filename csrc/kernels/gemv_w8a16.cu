@@ -325,33 +325,77 @@ template <In IN>
 static __device__ float stage_x(const Product& P, float eps, const Staging& st, float* red, const WarpTrace& tr) {
   const int K = P.K;
   uint4* xs = st.xs;
+  // Each loop below handles kStageBatch of a thread's 16-byte pieces at a time, all their loads
+  // before any store: a store to shared memory may alias the next piece's load, so one piece at a
+  // time is one shared-memory (or L2) round trip per piece (docs/PERF.md 2026-11-21).
+  constexpr int kStageBatch = 4;
   if constexpr (IN == In::NORM) {
+    // No barrier between the copies and the norm: block_inv_rms reads float4 v in thread v mod 256,
+    // the thread that copied it (its own copies have landed once cp.async.wait_all returns).
+    static_assert(kGemvThreads == 256, "the copies' mapping is block_inv_rms's");
     const float* xf = static_cast<const float*>(P.x);
     for (int v = threadIdx.x; v < K / 4; v += kGemvThreads) cp_async16(st.raw + 4 * v, xf + 4 * v);
     cp_async_wait_all();  // this thread's copies (and its norm weight copies) have landed
     tr.stamp(trace::kLanded);
-    __syncthreads();
     tr.stamp(trace::kBarrier);
-    const float r = block_inv_rms<kGemvThreads>(st.raw, K, eps, red);
+    const float r = block_inv_rms<kGemvThreads>(st.raw, K, eps, red);  // its barrier publishes every copy
     tr.stamp(trace::kReduced);
-    f16* xh = reinterpret_cast<f16*>(xs);
-    for (int i = threadIdx.x; i < K; i += kGemvThreads)
-      xh[8 * x_slot(i / 16, (i % 16) / 8) + i % 8] = rmsnorm_value(st.raw[i], r, st.norm_w[i]);
+    // 4 values per piece: a float4 of the row, 4 norm weights, 4 fp16 into half of an x slot.
+    const float4* raw4 = reinterpret_cast<const float4*>(st.raw);
+    const uint2* nw4 = reinterpret_cast<const uint2*>(st.norm_w);
+    uint2* xh4 = reinterpret_cast<uint2*>(xs);
+    for (int v0 = threadIdx.x; v0 < K / 4; v0 += kStageBatch * kGemvThreads) {
+      float4 a[kStageBatch];
+      uint2 w[kStageBatch];
+#pragma unroll
+      for (int j = 0; j < kStageBatch; ++j) {
+        const int v = v0 + j * kGemvThreads;
+        if (v < K / 4) {
+          a[j] = raw4[v];
+          w[j] = nw4[v];
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kStageBatch; ++j) {
+        const int v = v0 + j * kGemvThreads;
+        if (v < K / 4) {
+          const bf16* wv = reinterpret_cast<const bf16*>(&w[j]);
+          const __half2 lo = __halves2half2(rmsnorm_value(a[j].x, r, wv[0]), rmsnorm_value(a[j].y, r, wv[1]));
+          const __half2 hi = __halves2half2(rmsnorm_value(a[j].z, r, wv[2]), rmsnorm_value(a[j].w, r, wv[3]));
+          uint2 out;
+          out.x = *reinterpret_cast<const uint32_t*>(&lo);
+          out.y = *reinterpret_cast<const uint32_t*>(&hi);
+          xh4[2 * x_slot(v / 4, (v / 2) % 2) + v % 2] = out;  // values 4v .. 4v + 3 of chunk v / 4
+        }
+      }
+    }
     tr.stamp(trace::kConverted);
     return 1.f;
   } else {
-    // 8 values per 16-byte load = half v % 2 of chunk v / 2.
+    // 8 values per 16-byte piece = half v % 2 of chunk v / 2, copied with cp.async, not loaded into
+    // registers: a register load shares the weight loads' scoreboard, so the first use of x would
+    // wait for the early weight loads of this warp too (top of the file).
     const uint4* x8 = static_cast<const uint4*>(P.x);
+    for (int v = threadIdx.x; v < K / 8; v += kGemvThreads) cp_async16(xs + x_slot(v / 2, v % 2), x8 + v);
+    cp_async_wait_all();  // this thread's copies have landed; it reads only those below
     float amax = 0.f;
-    for (int v = threadIdx.x; v < K / 8; v += kGemvThreads) {
-      const uint4 raw = __ldcg(x8 + v);  // x comes from the previous kernel: coherent load (pdl.cuh)
-      xs[x_slot(v / 2, v % 2)] = raw;
-      if constexpr (IN == In::BF16) {
-        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+    if constexpr (IN == In::BF16) {
+      for (int v0 = threadIdx.x; v0 < K / 8; v0 += kStageBatch * kGemvThreads) {
+        uint4 q[kStageBatch];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const float2 f = __bfloat1622float2(h[i]);
-          amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
+        for (int j = 0; j < kStageBatch; ++j) {
+          const int v = v0 + j * kGemvThreads;
+          if (v < K / 8) q[j] = xs[x_slot(v / 2, v % 2)];
+        }
+#pragma unroll
+        for (int j = 0; j < kStageBatch; ++j) {
+          if (v0 + j * kGemvThreads >= K / 8) continue;
+          const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&q[j]);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const float2 f = __bfloat1622float2(h[i]);
+            amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
+          }
         }
       }
     }
@@ -374,14 +418,25 @@ static __device__ float stage_x(const Product& P, float eps, const Staging& st, 
         s = max(-120, min(100, 15 - e));
       }
       const float up = ldexpf(1.f, s);
-      for (int v = threadIdx.x; v < K / 8; v += kGemvThreads) {  // the same slots this thread wrote
-        uint4& slot = xs[x_slot(v / 2, v % 2)];
-        uint32_t* w = reinterpret_cast<uint32_t*>(&slot);
+      for (int v0 = threadIdx.x; v0 < K / 8; v0 += kStageBatch * kGemvThreads) {  // the slots this thread wrote
+        uint4 q[kStageBatch];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[i]));
-          const __half2 h = __floats2half2_rn(f.x * up, f.y * up);
-          w[i] = *reinterpret_cast<const uint32_t*>(&h);
+        for (int j = 0; j < kStageBatch; ++j) {
+          const int v = v0 + j * kGemvThreads;
+          if (v < K / 8) q[j] = xs[x_slot(v / 2, v % 2)];
+        }
+#pragma unroll
+        for (int j = 0; j < kStageBatch; ++j) {
+          const int v = v0 + j * kGemvThreads;
+          if (v >= K / 8) continue;
+          uint32_t* w = reinterpret_cast<uint32_t*>(&q[j]);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[i]));
+            const __half2 h = __floats2half2_rn(f.x * up, f.y * up);
+            w[i] = *reinterpret_cast<const uint32_t*>(&h);
+          }
+          xs[x_slot(v / 2, v % 2)] = q[j];
         }
       }
       tr.stamp(trace::kConverted);
