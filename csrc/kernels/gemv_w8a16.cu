@@ -378,15 +378,19 @@ static __device__ float stage_x(const Product& P, float eps, const Staging& st, 
     const uint4* x8 = static_cast<const uint4*>(P.x);
     for (int v = threadIdx.x; v < K / 8; v += kGemvThreads) cp_async16(xs + x_slot(v / 2, v % 2), x8 + v);
     cp_async_wait_all();  // this thread's copies have landed; it reads only those below
+    // This thread's pieces v0, v0 + 256, ... (up to kStageBatch of them) from their slots.
+    auto own_pieces = [&](int v0, uint4 (&q)[kStageBatch]) {
+#pragma unroll
+      for (int j = 0; j < kStageBatch; ++j) {
+        const int v = v0 + j * kGemvThreads;
+        if (v < K / 8) q[j] = xs[x_slot(v / 2, v % 2)];
+      }
+    };
     float amax = 0.f;
     if constexpr (IN == In::BF16) {
       for (int v0 = threadIdx.x; v0 < K / 8; v0 += kStageBatch * kGemvThreads) {
         uint4 q[kStageBatch];
-#pragma unroll
-        for (int j = 0; j < kStageBatch; ++j) {
-          const int v = v0 + j * kGemvThreads;
-          if (v < K / 8) q[j] = xs[x_slot(v / 2, v % 2)];
-        }
+        own_pieces(v0, q);
 #pragma unroll
         for (int j = 0; j < kStageBatch; ++j) {
           if (v0 + j * kGemvThreads >= K / 8) continue;
@@ -420,11 +424,7 @@ static __device__ float stage_x(const Product& P, float eps, const Staging& st, 
       const float up = ldexpf(1.f, s);
       for (int v0 = threadIdx.x; v0 < K / 8; v0 += kStageBatch * kGemvThreads) {  // the slots this thread wrote
         uint4 q[kStageBatch];
-#pragma unroll
-        for (int j = 0; j < kStageBatch; ++j) {
-          const int v = v0 + j * kGemvThreads;
-          if (v < K / 8) q[j] = xs[x_slot(v / 2, v % 2)];
-        }
+        own_pieces(v0, q);
 #pragma unroll
         for (int j = 0; j < kStageBatch; ++j) {
           const int v = v0 + j * kGemvThreads;
