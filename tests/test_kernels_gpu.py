@@ -9,6 +9,8 @@ output rounded once to bf16 is allowed ~4e-3 (its relative rounding error is <= 
 Skipped cleanly without the CUDA core or a GPU."""
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -515,6 +517,8 @@ def test_trace_only_in_a_trace_build(rng):
         with pytest.raises(ValueError, match="ATOMFLOW_TRACE"):
             ops.trace_arm(16)
         return
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    import trace_step  # the record layout (trace.cuh's Rec)
     N, K = 96, 512
     w = rng.integers(0, 256, (N, K), dtype=np.uint8) & 0x77  # finite e4m3
     s = np.ones((N, K // 128), np.float32)
@@ -527,8 +531,7 @@ def test_trace_only_in_a_trace_build(rng):
     finally:
         ops.trace_arm(0)
     assert dropped == 0
-    recs = np.frombuffer(raw, dtype=[("id", "<u8"), ("kind", "<u4"), ("block", "<u4"), ("warp", "<u4"),
-                                     ("smid", "<u4"), ("K", "<u4"), ("n", "<u4"), ("t", "<u8", (16,))])
+    recs = np.frombuffer(raw, dtype=trace_step.REC)
     assert len(recs) == 48  # 48 row pairs on 6 blocks of 8 warps: one record per warp
     assert (recs["K"] == K).all() and (recs["n"] == 1).all() and (recs["kind"] == 0).all()  # Store, bf16 x
     t = recs["t"].astype(np.int64)

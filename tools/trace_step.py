@@ -2,8 +2,9 @@
 events, and how fast weight bytes arrived, from the in-kernel trace (include/atomflow/trace.cuh).
 
 Needs a trace build (`ATOMFLOW_TRACE=ON pip install --no-build-isolation --no-deps -e .`): the
-kernels stamp %globaltimer at entry, once their early loads are issued, past the PDL wait, once the
-input is staged, after each weight iteration is summed, and at exit. A weight iteration is 8 KB
+kernels stamp %globaltimer at entry, past the PDL wait, once the input is staged, after each weight
+iteration is summed (GEMV) or the key loop is done (attention, which also stamps when its cached rows
+are issued, its partial written, its ticket taken and its merge written), and at exit. A weight iteration is 8 KB
 (two rows x 4096 columns, less at a row's end); its stamp comes after its math, so the rate below
 is the rate at which the warps finished summing bytes, a few hundred ns behind their arrival.
 The staging of x is split further (input landed in the block, reduction done, x converted): see

@@ -358,7 +358,6 @@ TraceState& trace_state() {
   static TraceState t;
   return t;
 }
-constexpr size_t kTraceRecBytes = 160;  // trace::Rec
 
 // Allocates per_sm records per SM region and points the recording kernels at them (0: off).
 void trace_arm(unsigned per_sm) {
@@ -369,7 +368,7 @@ void trace_arm(unsigned per_sm) {
     return;
   }
   const size_t sms = k::trace_max_sms();
-  t.recs = DeviceBuffer(kTraceRecBytes * sms * per_sm);
+  t.recs = DeviceBuffer(k::trace_record_bytes() * sms * per_sm);
   t.counts = DeviceBuffer(sizeof(unsigned) * sms);
   t.per_sm = per_sm;
   AF_CUDA_CHECK(cudaMemset(t.counts.get(), 0, t.counts.bytes()));
@@ -385,7 +384,7 @@ void trace_reset() {
   sync();
 }
 
-// The records written since the last reset, as raw bytes (160 per record), and how many were dropped.
+// The records written since the last reset, as raw bytes (trace::Rec, 160 each), and how many were dropped.
 py::tuple trace_read() {
   TraceState& t = trace_state();
   require(t.per_sm > 0, "trace: not armed (ops.trace_arm first)");
@@ -393,14 +392,15 @@ py::tuple trace_read() {
   const size_t sms = k::trace_max_sms();
   std::vector<unsigned> counts(sms);
   t.counts.download(counts.data(), sizeof(unsigned) * sms);
-  std::vector<uint8_t> all(kTraceRecBytes * sms * t.per_sm);
+  const size_t rec = k::trace_record_bytes();
+  std::vector<uint8_t> all(rec * sms * t.per_sm);
   t.recs.download(all.data(), all.size());
   std::string out;
   size_t dropped = 0;
   for (size_t s = 0; s < sms; ++s) {
     const size_t n = std::min<size_t>(counts[s], t.per_sm);
     dropped += counts[s] - n;
-    out.append(reinterpret_cast<const char*>(all.data() + kTraceRecBytes * s * t.per_sm), kTraceRecBytes * n);
+    out.append(reinterpret_cast<const char*>(all.data() + rec * s * t.per_sm), rec * n);
   }
   return py::make_tuple(py::bytes(out), dropped);
 }

@@ -337,7 +337,6 @@ static __device__ float stage_x(const Product& P, float eps, const Staging& st, 
     for (int v = threadIdx.x; v < K / 4; v += kGemvThreads) cp_async16(st.raw + 4 * v, xf + 4 * v);
     cp_async_wait_all();  // this thread's copies (and its norm weight copies) have landed
     tr.stamp(trace::kLanded);
-    tr.stamp(trace::kBarrier);
     const float r = block_inv_rms<kGemvThreads>(st.raw, K, eps, red);  // its barrier publishes every copy
     tr.stamp(trace::kReduced);
     // 4 values per piece: a float4 of the row, 4 norm weights, 4 fp16 into half of an x slot.

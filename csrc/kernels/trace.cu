@@ -14,6 +14,8 @@ bool trace_built() { return trace::kOn; }
 
 unsigned trace_max_sms() { return trace::kMaxSms; }
 
+size_t trace_record_bytes() { return sizeof(trace::Rec); }
+
 void trace_arm(void* recs, unsigned* counts, unsigned per_sm) {
   AF_CHECK(trace::kOn, "trace: this build has no trace (build with -C cmake.define.ATOMFLOW_TRACE=ON)");
 #ifdef ATOMFLOW_TRACE

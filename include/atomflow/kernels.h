@@ -156,11 +156,12 @@ void sample(const float* logits, int vocab, const SamplingConfig* cfg, const int
 // loads and writes a tiny checksum to sink[0] so the reads cannot be elided.
 void stream_read(const void* data, size_t n_bytes, uint32_t* sink, cudaStream_t stream);
 
-// The in-kernel trace (trace.cuh): whether this build records it, its per-SM regions, and pointing
-// the GEMV and attention kernels at a buffer of trace_max_sms() regions of per_sm 160-byte records
-// (recs = nullptr: recording off). Only a build with ATOMFLOW_TRACE can be armed.
+// The in-kernel trace (trace.cuh): whether this build records it, its per-SM regions, the size of
+// a record, and pointing the GEMV and attention kernels at a buffer of trace_max_sms() regions of
+// per_sm records (recs = nullptr: recording off). Only a build with ATOMFLOW_TRACE can be armed.
 bool trace_built();
 unsigned trace_max_sms();
+size_t trace_record_bytes();
 void trace_arm(void* recs, unsigned* counts, unsigned per_sm);
 
 }  // namespace atomflow::kernels

@@ -43,8 +43,9 @@ struct Buf {
 };
 
 // GEMV stamp slots (attention's are named in attention_decode.cu). kLanded: this warp's share of
-// the input has arrived; kBarrier: the block's has (past the barrier after it); kReduced: the norm's
-// (or bf16 x's scale's) reduction is done; kConverted: this warp has written its share of x. The
+// the input has arrived (bf16 x: and its largest magnitude is found); kBarrier: bf16 x only, the
+// block's scale is known (past its barrier; the norm path has no barrier there, its reduction's own
+// comes next); kReduced: the norm's reduction is done; kConverted: this warp has written its share of x. The
 // first kIterSlots iterations summed get a slot each from kIter0 on, the later ones share kIterLast.
 enum GemvStamp {
   kEntry = 0, kLanded = 1, kWaited = 2, kStaged = 3, kIter0 = 4, kBarrier = 10, kReduced = 11, kConverted = 12,
