@@ -5,9 +5,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import timeline  # noqa: E402
 
-QKV = "void atomflow::kernels::gemv_w8a16_kernel<(atomflow::kernels::Ep)3, (atomflow::kernels::In)2>(...)"
-ADD = "void atomflow::kernels::gemv_w8a16_kernel<(atomflow::kernels::Ep)1, (atomflow::kernels::In)1>(...)"
-HEAD = "void atomflow::kernels::gemv_w8a16_kernel<(atomflow::kernels::Ep)0, (atomflow::kernels::In)2>(...)"
+QKV = "void atomflow::kernels::gemv_w8a16_kernel<(atomflow::kernels::Ep)3, (atomflow::kernels::In)2, true>(...)"
+ADD = "void atomflow::kernels::gemv_w8a16_kernel<(atomflow::kernels::Ep)1, (atomflow::kernels::In)1, true>(...)"
+HEAD = "void atomflow::kernels::gemv_w8a16_kernel<(atomflow::kernels::Ep)0, (atomflow::kernels::In)2, false>(...)"
 ATTN = "void atomflow::kernels::attention_kernel<atomflow::kernels::ContiguousKV, 128, 3, 1>(...)"
 
 

@@ -235,6 +235,7 @@ struct Iter {
   float sa, sb;
 };
 
+template <bool WHOLE>
 static __device__ __forceinline__ void load_iter(Iter& it, const Product& P, int r0, int r1, int c0, uint64_t policy) {
   const int C = P.K / 16, G = P.K / kQuantGroup;
   const uint8_t* w0 = P.w + static_cast<size_t>(r0) * P.K;
@@ -243,14 +244,29 @@ static __device__ __forceinline__ void load_iter(Iter& it, const Product& P, int
   const float* s1 = P.scales + static_cast<size_t>(r1) * G;
   static_assert(32 * kGemvUnroll / 8 == 32, "one scale group per lane per iteration");
   const int lane = threadIdx.x % 32, g = (c0 - lane) / 8 + lane;
+  // The step condition is warp-uniform, as in dot_iter. (With a per-lane condition instead, ptxas
+  // moved some of a burst's loads behind the math: sass_check.)
+  if constexpr (WHOLE) {
+    // Every lane of an active step is inside the row: each load is one base address plus a
+    // constant, with no address arithmetic per chunk.
+    const uint4* a = reinterpret_cast<const uint4*>(w0) + c0;
+    const uint4* b = reinterpret_cast<const uint4*>(w1) + c0;
 #pragma unroll
-  for (int u = 0; u < kGemvUnroll; ++u) {
-    const int c = c0 + 32 * u;
-    // Warp-uniform, as in dot_iter; a lane past the row's end re-reads its last chunk. (With the
-    // per-lane condition instead, ptxas moved some of a burst's loads behind the math: sass_check.)
-    if (c - lane < C) {
-      it.wa[u] = ld_stream16(reinterpret_cast<const uint4*>(w0 + 16 * min(c, C - 1)), policy);
-      it.wb[u] = ld_stream16(reinterpret_cast<const uint4*>(w1 + 16 * min(c, C - 1)), policy);
+    for (int u = 0; u < kGemvUnroll; ++u) {
+      if (c0 - lane + 32 * u < C) {
+        it.wa[u] = ld_stream16(a + 32 * u, policy);
+        it.wb[u] = ld_stream16(b + 32 * u, policy);
+      }
+    }
+  } else {
+    // A lane past the row's end re-reads the row's last chunk.
+#pragma unroll
+    for (int u = 0; u < kGemvUnroll; ++u) {
+      const int c = c0 + 32 * u;
+      if (c - lane < C) {
+        it.wa[u] = ld_stream16(reinterpret_cast<const uint4*>(w0 + 16 * min(c, C - 1)), policy);
+        it.wb[u] = ld_stream16(reinterpret_cast<const uint4*>(w1 + 16 * min(c, C - 1)), policy);
+      }
     }
   }
   if (g < G) {
@@ -549,7 +565,7 @@ static __device__ __forceinline__ void finish_pair(const Product& P, const RowPa
 // lane makes the same trips: with a per-lane bound, a K whose chunks end within a warp's first 32
 // (K = 256, or 4096 + 256) sent only some lanes into the warp-wide products and shuffles (a hang,
 // seen with K = 256 and several row pairs per warp).
-template <Ep EP>
+template <Ep EP, bool WHOLE>
 static __device__ __forceinline__ void finish_rows(const Product& P, const RowPairs<EP>& pairs, const RopeKVArgs& rope,
                                                    const Prior& pr, const uint4* xs, float x_scale, int p, int base,
                                                    float acc0, float acc1, uint64_t policy, WarpTrace& tr) {
@@ -558,14 +574,14 @@ static __device__ __forceinline__ void finish_rows(const Product& P, const RowPa
   pairs.rows(p, r0, r1);
   for (; base < C; base += 32 * kGemvUnroll) {
     Iter it;
-    load_iter(it, P, r0, r1, base + lane, policy);
+    load_iter<WHOLE>(it, P, r0, r1, base + lane, policy);
     dot_iter(it, xs, base + lane, C, acc0, acc1);
     tr.iter();
   }
   finish_pair<EP>(P, pairs, rope, pr, p, acc0, acc1, x_scale);
 }
 
-template <Ep EP, In IN>
+template <Ep EP, In IN, bool WHOLE>
 static __global__ void __launch_bounds__(kGemvThreads, 2)
     gemv_w8a16_kernel(const Product P, float eps, const RopeKVArgs rope) {
   extern __shared__ uint4 smem[];  // Staging
@@ -595,7 +611,7 @@ static __global__ void __launch_bounds__(kGemvThreads, 2)
   if (pre && p0 < n_pairs) {
     int r0, r1;
     pairs.rows(p0, r0, r1);
-    load_iter(first, P, r0, r1, lane, policy);
+    load_iter<WHOLE>(first, P, r0, r1, lane, policy);
   }
   stage_weights<IN>(P, st);
   // The decode QKV product lets the attention after it launch only once the kernel before it has
@@ -618,11 +634,11 @@ static __global__ void __launch_bounds__(kGemvThreads, 2)
     float acc0 = 0.f, acc1 = 0.f;
     dot_iter(first, st.xs, lane, P.K / 16, acc0, acc1);
     tr.iter();
-    finish_rows<EP>(P, pairs, rope, pr, st.xs, x_scale, p, 32 * kGemvUnroll, acc0, acc1, policy, tr);
+    finish_rows<EP, WHOLE>(P, pairs, rope, pr, st.xs, x_scale, p, 32 * kGemvUnroll, acc0, acc1, policy, tr);
     p += stride;
   }
   for (; p < n_pairs; p += stride)
-    finish_rows<EP>(P, pairs, rope, pr, st.xs, x_scale, p, 0, 0.f, 0.f, policy, tr);
+    finish_rows<EP, WHOLE>(P, pairs, rope, pr, st.xs, x_scale, p, 0, 0.f, 0.f, policy, tr);
 #ifdef ATOMFLOW_TRACE
   tr.stamp(trace::kExit);
   if (lane == 0) {
@@ -644,13 +660,13 @@ void gemv_trace_arm(const trace::Buf& b) { AF_CUDA_CHECK(cudaMemcpyToSymbol(g_tr
 
 // ---- launcher ----
 
-// How many blocks of gemv_w8a16_kernel<EP, IN> with `smem` bytes of dynamic shared memory are resident at
+// How many blocks of gemv_w8a16_kernel<EP, IN, WHOLE> with `smem` bytes of dynamic shared memory are resident at
 // once on the current device: 2 per SM, fewer only if fewer fit. The first launch of a (device, smem)
 // queries it and raises the kernel's dynamic limit to what it needs (not only above 48 KB: the
 // default limit counts the static `red` too, so K = 12288, exactly 48 KB of x, failed); later launches
 // take it from the cache, so eager mode does not pay the queries on every GEMV (a captured graph pays
 // them once either way). Host-side, capture-safe.
-template <Ep EP, In IN>
+template <Ep EP, In IN, bool WHOLE>
 static int resident_blocks(size_t smem) {
   struct Seen {
     int device;
@@ -673,10 +689,10 @@ static int resident_blocks(size_t smem) {
   AF_CUDA_CHECK(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   AF_CHECK(smem <= static_cast<size_t>(smem_optin), "gemv_w8a16: K too large to stage x in shared memory");
   if (smem > raised)
-    AF_CUDA_CHECK(cudaFuncSetAttribute(gemv_w8a16_kernel<EP, IN>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    AF_CUDA_CHECK(cudaFuncSetAttribute(gemv_w8a16_kernel<EP, IN, WHOLE>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        static_cast<int>(smem)));
   int per_sm = 0;
-  AF_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_w8a16_kernel<EP, IN>, kGemvThreads,
+  AF_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_w8a16_kernel<EP, IN, WHOLE>, kGemvThreads,
                                                               smem));
   AF_CHECK(per_sm >= 1, "gemv_w8a16: kernel does not fit on an SM");
   seen.push_back({device, smem, sms * std::min(per_sm, 2)});
@@ -685,16 +701,26 @@ static int resident_blocks(size_t smem) {
 
 // `spare`: block slots left to the next kernel even when this product has more row pairs than the
 // resident warps (see kQkvSpareSlots).
+template <Ep EP, In IN, bool WHOLE>
+static void launch_gemv_as(const Product& P, float eps, const RopeKVArgs& rope, cudaStream_t stream, int spare) {
+  const size_t smem = staging_bytes<IN>(P.K);
+  // Every warp has a row pair when there are fewer pairs than resident warps (kernel comment).
+  const int resident = resident_blocks<EP, IN, WHOLE>(smem);
+  const int blocks =
+      std::min(CEIL_DIV(RowPairs<EP>::count(P.N), kGemvWarps), std::max({resident - spare, resident / 2, 1}));
+  af_launch(gemv_w8a16_kernel<EP, IN, WHOLE>, dim3(blocks), dim3(kGemvThreads), smem, stream, P, eps, rope);
+}
+
 template <Ep EP, In IN>
 static void launch_gemv(const uint8_t* w, const float* scales, const void* x, const bf16* norm_w, float eps, int N,
                         int K, void* out, const RopeKVArgs& rope, cudaStream_t stream, int spare = 0) {
-  const size_t smem = staging_bytes<IN>(K);
-  // Every warp has a row pair when there are fewer pairs than resident warps (kernel comment).
-  const int resident = resident_blocks<EP, IN>(smem);
-  const int blocks =
-      std::min(CEIL_DIV(RowPairs<EP>::count(N), kGemvWarps), std::max({resident - spare, resident / 2, 1}));
   const Product P{w, scales, x, norm_w, N, K, out};
-  af_launch(gemv_w8a16_kernel<EP, IN>, dim3(blocks), dim3(kGemvThreads), smem, stream, P, eps, rope);
+  // Rows of whole 32-chunk steps (K a multiple of 512: every Llama shape) take the variant whose loads
+  // need no clamp at the row's end (load_iter).
+  if (K % (32 * 16) == 0)
+    launch_gemv_as<EP, IN, true>(P, eps, rope, stream, spare);
+  else
+    launch_gemv_as<EP, IN, false>(P, eps, rope, stream, spare);
 }
 
 static void check_args(const uint8_t* w, const void* x, int N, int K) {
