@@ -251,9 +251,10 @@ static __device__ __forceinline__ void load_iter(Iter& it, const Product& P, int
     // constant, with no address arithmetic per chunk.
     const uint4* a = reinterpret_cast<const uint4*>(w0) + c0;
     const uint4* b = reinterpret_cast<const uint4*>(w1) + c0;
+    const int steps = (C - (c0 - lane)) / 32;
 #pragma unroll
     for (int u = 0; u < kGemvUnroll; ++u) {
-      if (c0 - lane + 32 * u < C) {
+      if (u < steps) {
         it.wa[u] = ld_stream16(a + 32 * u, policy);
         it.wb[u] = ld_stream16(b + 32 * u, policy);
       }
@@ -280,21 +281,23 @@ static __device__ __forceinline__ void load_iter(Iter& it, const Product& P, int
 // accumulated (their x reads land in the staging's padding); the products are warp-wide and run
 // whenever any lane's chunk is in range. (c >> 2) & 1 is the same for c0 + 32 u as for c0, so the
 // swizzle is fixed per iteration and each x load is a base register plus a constant.
+template <bool WHOLE>
 static __device__ __forceinline__ void dot_iter(const Iter& it, const uint4* xs, int c0, int C, float& acc0,
                                                 float& acc1) {
   const int lane = threadIdx.x % 32;
+  const int steps = (C - (c0 - lane)) / 32;  // WHOLE: the active steps are u < steps, every lane in the row
   const bool odd = (lane >> 2) & 1;  // which column of D holds this lane's diagonal entries
   const uint32_t x_lo = static_cast<uint32_t>(__cvta_generic_to_shared(xs + x_slot(c0, 0)));
   const uint32_t x_hi = static_cast<uint32_t>(__cvta_generic_to_shared(xs + x_slot(c0, 1)));
 #pragma unroll
   for (int u = 0; u < kGemvUnroll; ++u) {
     const int c = c0 + 32 * u;
-    if (c - lane < C) {  // warp-uniform
+    if (WHOLE ? u < steps : c - lane < C) {  // warp-uniform
       float d[4];
       dot_chunk(it.wa[u], it.wb[u], x_lo + 1024 * u, x_hi + 1024 * u, d);
       const float sa = __shfl_sync(0xffffffffu, it.sa, (lane >> 3) + 4 * u);  // group c / 8
       const float sb = __shfl_sync(0xffffffffu, it.sb, (lane >> 3) + 4 * u);
-      if (c < C) {
+      if (WHOLE || c < C) {
         acc0 = fmaf(odd ? d[1] : d[0], sa, acc0);
         acc1 = fmaf(odd ? d[3] : d[2], sb, acc1);
       }
@@ -575,7 +578,7 @@ static __device__ __forceinline__ void finish_rows(const Product& P, const RowPa
   for (; base < C; base += 32 * kGemvUnroll) {
     Iter it;
     load_iter<WHOLE>(it, P, r0, r1, base + lane, policy);
-    dot_iter(it, xs, base + lane, C, acc0, acc1);
+    dot_iter<WHOLE>(it, xs, base + lane, C, acc0, acc1);
     tr.iter();
   }
   finish_pair<EP>(P, pairs, rope, pr, p, acc0, acc1, x_scale);
@@ -632,7 +635,7 @@ static __global__ void __launch_bounds__(kGemvThreads, 2)
   int p = p0;
   if (pre && p < n_pairs) {
     float acc0 = 0.f, acc1 = 0.f;
-    dot_iter(first, st.xs, lane, P.K / 16, acc0, acc1);
+    dot_iter<WHOLE>(first, st.xs, lane, P.K / 16, acc0, acc1);
     tr.iter();
     finish_rows<EP, WHOLE>(P, pairs, rope, pr, st.xs, x_scale, p, 32 * kGemvUnroll, acc0, acc1, policy, tr);
     p += stride;
