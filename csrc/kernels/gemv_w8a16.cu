@@ -28,7 +28,9 @@
 //    wait's release and x's loads paying for what is queued ahead of them. With all 8 warps (17 MB
 //    for the whole grid), the wait of gate_up and down released 2-3 us after the previous kernel's
 //    last warp had exited, and staging x took 2-3.6 us, for reads that hit L2; with 4,
-//    3B 1.33 -> 1.30 ms, 8B 2.51 -> 2.46 (docs/PERF.md 2026-11-21; 3 of 8 measured the same).
+//    3B 1.33 -> 1.30 ms, 8B 2.51 -> 2.46 (docs/PERF.md 2026-11-21; 3 of 8 measured the same). The
+//    other half's loads sent right after x's copies instead, in flight during the staging, were
+//    slower still (3B +5%): they delay the copies of the warps that issue theirs later.
 //  - What an epilogue reads from earlier kernels (AddResidual's residual of the warp's first pair,
 //    RopeKV's position) is loaded right after the wait, next to x's staging, not after the math:
 //    a round trip fewer at the end of o and down (docs/PERF.md, 9eb48ab).
@@ -40,7 +42,7 @@
 //    and writes q and the KV-cache rows itself: the rope kernel's launch and round trip disappear.
 //  - The dot products run on the tensor cores (dot_chunk): per 16-byte chunk of both rows a lane
 //    converts its 32 weights to fp16 (exact) and the warp issues four m16n8k16 products whose
-//    diagonal holds the lane groups' partial sums, fp32-accumulated; ~35 instructions per 32 weights
+//    diagonal holds the lane groups' partial sums, fp32-accumulated; ~31-35 instructions per 32 weights
 //    against ~110 with fp32 FMAs. That is what a warp's burst costs between its data's arrival and
 //    its next loads, and what the tail of every GEMV costs (docs/PERF.md, 25db0f9).
 //    x enters the products as fp16: the RMSNorm output already is (kernels.h); bf16 x is scaled by
