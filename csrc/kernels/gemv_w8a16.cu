@@ -149,8 +149,8 @@ static __device__ __forceinline__ uint4 ld_shared16(uint32_t addr) {
 // exactly its own weights and x. D[g][g] and D[g + 8][g] are then group g's partial sums of row a and
 // row b; lane 4 g + g / 2 holds them (in d[g & 1] and d[2 + (g & 1)]). The other 112 entries of D are
 // cross terms and are not used. Per 32 weights a lane spends 16 conversions (each reading a 16-bit
-// half of a weight register in place), 4 products and 2 shared loads, against ~110 instructions with fp32 FMAs. x_lo / x_hi: shared addresses of the
-// chunk's two 8-value halves.
+// half of a weight register in place), 4 products and 2 shared loads, against ~110 instructions with
+// fp32 FMAs. x_lo / x_hi: shared addresses of the chunk's two 8-value halves.
 static __device__ __forceinline__ void dot_chunk(uint4 wa, uint4 wb, uint32_t x_lo, uint32_t x_hi, float (&d)[4]) {
   const uint4 x0 = ld_shared16(x_lo), x1 = ld_shared16(x_hi);
   const uint32_t a[4] = {wa.x, wa.y, wa.z, wa.w};
