@@ -237,6 +237,16 @@ struct Iter {
   float sa, sb;
 };
 
+// Whether step u of an iteration (chunks c0 + 32 u, c0 = the warp's chunk + lane) has any lane inside
+// the row: warp-uniform. WHOLE (K a multiple of 512): the active steps are a prefix, counted once per
+// iteration, and every lane of an active step is inside the row.
+template <bool WHOLE>
+struct Steps {
+  int c0, C, n;
+  __device__ Steps(int c0_, int C_) : c0(c0_), C(C_), n((C_ - (c0_ - static_cast<int>(threadIdx.x % 32))) / 32) {}
+  __device__ bool active(int u) const { return WHOLE ? u < n : c0 + 32 * u - static_cast<int>(threadIdx.x % 32) < C; }
+};
+
 template <bool WHOLE>
 static __device__ __forceinline__ void load_iter(Iter& it, const Product& P, int r0, int r1, int c0, uint64_t policy) {
   const int C = P.K / 16, G = P.K / kQuantGroup;
@@ -253,20 +263,21 @@ static __device__ __forceinline__ void load_iter(Iter& it, const Product& P, int
     // constant, with no address arithmetic per chunk.
     const uint4* a = reinterpret_cast<const uint4*>(w0) + c0;
     const uint4* b = reinterpret_cast<const uint4*>(w1) + c0;
-    const int steps = (C - (c0 - lane)) / 32;
+    const Steps<true> steps(c0, C);
 #pragma unroll
     for (int u = 0; u < kGemvUnroll; ++u) {
-      if (u < steps) {
+      if (steps.active(u)) {
         it.wa[u] = ld_stream16(a + 32 * u, policy);
         it.wb[u] = ld_stream16(b + 32 * u, policy);
       }
     }
   } else {
     // A lane past the row's end re-reads the row's last chunk.
+    const Steps<false> steps(c0, C);
 #pragma unroll
     for (int u = 0; u < kGemvUnroll; ++u) {
       const int c = c0 + 32 * u;
-      if (c - lane < C) {
+      if (steps.active(u)) {
         it.wa[u] = ld_stream16(reinterpret_cast<const uint4*>(w0 + 16 * min(c, C - 1)), policy);
         it.wb[u] = ld_stream16(reinterpret_cast<const uint4*>(w1 + 16 * min(c, C - 1)), policy);
       }
@@ -287,14 +298,14 @@ template <bool WHOLE>
 static __device__ __forceinline__ void dot_iter(const Iter& it, const uint4* xs, int c0, int C, float& acc0,
                                                 float& acc1) {
   const int lane = threadIdx.x % 32;
-  const int steps = (C - (c0 - lane)) / 32;  // WHOLE: the active steps are u < steps, every lane in the row
+  const Steps<WHOLE> steps(c0, C);
   const bool odd = (lane >> 2) & 1;  // which column of D holds this lane's diagonal entries
   const uint32_t x_lo = static_cast<uint32_t>(__cvta_generic_to_shared(xs + x_slot(c0, 0)));
   const uint32_t x_hi = static_cast<uint32_t>(__cvta_generic_to_shared(xs + x_slot(c0, 1)));
 #pragma unroll
   for (int u = 0; u < kGemvUnroll; ++u) {
     const int c = c0 + 32 * u;
-    if (WHOLE ? u < steps : c - lane < C) {  // warp-uniform
+    if (steps.active(u)) {
       float d[4];
       dot_chunk(it.wa[u], it.wb[u], x_lo + 1024 * u, x_hi + 1024 * u, d);
       const float sa = __shfl_sync(0xffffffffu, it.sa, (lane >> 3) + 4 * u);  // group c / 8
