@@ -1,13 +1,20 @@
 // Causal GQA attention over a KV cache, contiguous or paged (flash-decoding), for decode (M = 1)
 // and prefill chunks (M > 1), one sequence or a batch, in ONE kernel launch (no separate merge
 // pass). Each block = (split of the keys, kv head, tile of QT query tokens of one sequence)
-// streams its keys once for all G = H / Hkv query heads of the group and writes an unnormalized
-// partial (m, l, acc[D]) per query row to the scratch. Then it takes a ticket from its group's
-// counter (one per query tile x kv head, in the scratch); the group's last block merges the
-// partials of all the active splits for its R = G * QT rows, writes the bf16 output and resets
-// the counter to 0, so every call leaves the counters as it found them (zero: the caller clears
-// them once, attention_scratch_clear). The merge sums the splits in an order fixed by the shapes
-// alone, so the result does not depend on which block came last.
+// streams its keys once for all G = H / Hkv query heads of the group and makes an unnormalized
+// partial (m, l, acc[D]) per query row. The splits' partials are merged in one of two ways:
+//  - In a cluster (short contexts). The grid runs in thread-block clusters of CS consecutive splits
+//    of one group (CS up to 16). When a group's active splits all lie in its first cluster, each
+//    writes its partial into the shared memory of the cluster's leader (split 0), arrives on the
+//    cluster barrier and exits; the leader waits on the barrier and merges. No scratch, no ticket,
+//    no round trip through L2: 3B decode -2.5% at 128-384 keys (docs/PERF.md 2026-11-21).
+//  - Through the scratch (more splits than a cluster holds). Each block writes its partial to the
+//    scratch and takes a ticket from its group's counter (one per query tile x kv head, in the
+//    scratch); the group's last block merges the partials of all the active splits for its
+//    R = G * QT rows, writes the bf16 output and resets the counter to 0, so every call leaves the
+//    counters as it found them (zero: the caller clears them once, attention_scratch_clear).
+// Both merges sum the splits in the same order, fixed by the shapes alone: the result does not
+// depend on which block came last, nor on which way the partials travelled.
 //
 // Split policy: the grid is fixed by (B, M, Hkv, capacity) so one captured graph serves every
 // position; blocks read the position and derive their key range. With n_keys = start + M (a
@@ -33,6 +40,8 @@
 // slot p % bs, of a [num_blocks, bs, Hkv, D] pool). Batching = grid.z walks (sequence, query tile);
 // each sequence has its own length. For the same keys and split count every policy does the same
 // arithmetic in the same order (bit-identical results).
+#include <cooperative_groups.h>
+#include <cstdlib>
 #include <type_traits>
 
 #include "atomflow/kernels.h"
@@ -40,6 +49,8 @@
 #include "atomflow/trace.cuh"
 
 namespace atomflow::kernels {
+
+namespace cg = cooperative_groups;
 
 #ifdef ATOMFLOW_TRACE
 static __device__ trace::Buf g_trace;  // set by attention_trace_arm (trace.cuh)
@@ -54,6 +65,10 @@ constexpr int kAttnWarps = kAttnThreads / 32;
 constexpr int kMinKeysPerSplit = 32;    // short contexts: many blocks, one K/V step each
 constexpr int kMaxSplits = 64;         // splits of one query row's keys
 constexpr int kMaxSplitBlocks = 128;   // splits x query rows of one call (prefill chunks, batches)
+// Splits per thread-block cluster (grid.y is padded to a multiple): when a group's active splits all
+// fit in its first cluster, they merge through the leader's shared memory (below).
+template <int R, int D>
+constexpr int kClusterSplits = R * D <= 512 ? 16 : (R * D <= 768 ? 8 : 4);  // the leader's buffer: <= 32 KB
 constexpr float kNegInit = -1e30f;  // finite "no key yet": exp2(kNegInit - kNegInit) = 1, never NaN
 
 // The merge counters, one int per (sequence, query tile, kv head), at the start of the scratch
@@ -156,6 +171,58 @@ static __device__ __forceinline__ void bf16x8_to_float(uint4 v, float (&f)[8]) {
   }
 }
 
+// The leader's merge of its cluster's n_splits partials (shared memory, [split][row][float4 column]):
+// the same arithmetic in the same order as the merge from the scratch in attention_kernel (each
+// output sums SPL contiguous ranges of splits, then adds the ranges in order), so a group's output
+// has the same bits whichever way its partials travelled.
+template <int R, int D, int G, int SPL, int CS>
+static __device__ __forceinline__ void merge_in_cluster(const float4 (&acc)[CS][R][D / 4], const float2 (&ml)[CS][R],
+                                                        int n_splits, int b, int M, int m0, int H, int h,
+                                                        bf16* __restrict__ out) {
+  constexpr int C4 = D / 4;
+  const int per = CEIL_DIV(n_splits, SPL);
+  for (int idx = threadIdx.x; idx < R * C4; idx += kAttnThreads) {
+    const int r = idx / C4, c = idx % C4;
+    if (m0 + r / G >= M) continue;
+    float mx = kNegInit;
+    for (int s = 0; s < n_splits; ++s) mx = fmaxf(mx, ml[s][r].x);
+    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+    float l = 0.f;
+#pragma unroll
+    for (int part = 0; part < SPL; ++part) {
+      float4 t = make_float4(0.f, 0.f, 0.f, 0.f);
+      float tl = 0.f;
+      for (int s = part * per; s < min(n_splits, part * per + per); ++s) {
+        const float w = exp2f(ml[s][r].x - mx);
+        const float4 a = acc[s][r][c];
+        t.x = fmaf(w, a.x, t.x);
+        t.y = fmaf(w, a.y, t.y);
+        t.z = fmaf(w, a.z, t.z);
+        t.w = fmaf(w, a.w, t.w);
+        tl = fmaf(w, ml[s][r].y, tl);
+      }
+      if (part == 0) {
+        o = t;
+        l = tl;
+      } else {
+        o.x += t.x;
+        o.y += t.y;
+        o.z += t.z;
+        o.w += t.w;
+        l += tl;
+      }
+    }
+    const size_t o_row = (static_cast<size_t>(b) * M + m0 + r / G) * H + h * G + r % G;
+    const float inv_l = 1.f / l;  // > 0: split 0 holds key 0, seen by every query
+    const __nv_bfloat162 lo = __floats2bfloat162_rn(o.x * inv_l, o.y * inv_l);
+    const __nv_bfloat162 hi = __floats2bfloat162_rn(o.z * inv_l, o.w * inv_l);
+    uint2 packed;
+    packed.x = *reinterpret_cast<const uint32_t*>(&lo);
+    packed.y = *reinterpret_cast<const uint32_t*>(&hi);
+    reinterpret_cast<uint2*>(out + o_row * D)[c] = packed;
+  }
+}
+
 // Query rows are (sequence b, token m) -> row b * M + m of q [B * M, H, D] and of the output.
 // Partials: index ((row * H + head) * s_max + split); ml holds (max, sum) pairs, acc D floats.
 // The partials are written and read back by blocks of the same grid: plain stores, .cg loads, and
@@ -180,11 +247,14 @@ static __global__ void __launch_bounds__(kAttnThreads)
   constexpr int NO = R * C4;                // float4 outputs of the merge
   constexpr int IPT = CEIL_DIV(NO, kAttnThreads);                // merge outputs per thread
   constexpr int SPL = NO < kAttnThreads ? kAttnThreads / NO : 1;  // merge threads per output
+  constexpr int CS = kClusterSplits<R, D>;  // the most splits per cluster (the leader's buffer)
   __shared__ float sm_m[kAttnWarps][R], sm_l[kAttnWarps][R];
   __shared__ float sm_acc[kAttnWarps][R][D];
   __shared__ float sm_w[R][kMaxSplits], sm_ls[R][kMaxSplits];  // merge: 2^(m_s - Mx) and l_s per split
   __shared__ float4 sm_part_o[SPL > 1 ? kAttnThreads : 1];   // merge: the SPL threads' sums
   __shared__ float sm_part_l[SPL > 1 ? kAttnThreads : 1];
+  __shared__ float4 cl_acc[CS][R][C4];  // the leader's: the cluster's partials (acc, then (m, l))
+  __shared__ float2 cl_ml[CS][R];
   __shared__ int sm_n_active;
   __shared__ bool sm_last;
 #ifdef ATOMFLOW_TRACE
@@ -221,6 +291,9 @@ static __global__ void __launch_bounds__(kAttnThreads)
   // The merge needs n_active after the key loop: held in a register through it, it spilled
   // (PagedKV, G = 1); the barriers before the write-out publish it.
   if (threadIdx.x == 0) sm_n_active = n_active;
+  // A block may write a peer's shared memory only once the peer runs: the cluster's active blocks
+  // arrive here and wait (long since complete) just before their writes to the leader.
+  if (n_active <= static_cast<int>(cg::this_cluster().num_blocks())) __cluster_barrier_arrive_relaxed();
 #ifdef ATOMFLOW_TRACE
   if (threadIdx.x < trace::kStamps) tr_t[threadIdx.x] = 0;
   __syncthreads();
@@ -402,7 +475,15 @@ static __global__ void __launch_bounds__(kAttnThreads)
   }
   __syncthreads();
 
-  // Merge the warps and write this split's partial for each valid row.
+  // Merge the warps and write this split's partial for each valid row: to the scratch, or, when
+  // every active split of the group lies in its first cluster (split = rank in the cluster), to the
+  // shared memory of the cluster's leader (split 0), which merges them with no ticket and no round
+  // trip through L2 (short contexts: up to CS * NS * KT keys).
+  const int n_splits = sm_n_active;
+  const bool in_cluster = n_splits <= static_cast<int>(cg::this_cluster().num_blocks());
+  if (in_cluster) __cluster_barrier_wait();  // every active block of the cluster runs (arrived at its start)
+  float* const cl_acc0 = cg::this_cluster().map_shared_rank(&cl_acc[0][0][0].x, 0);
+  float2* const cl_ml0 = cg::this_cluster().map_shared_rank(&cl_ml[0][0], 0);
   for (int idx = threadIdx.x; idx < R * D; idx += kAttnThreads) {
     const int r = idx / D, d = idx % D;
     const int m = m0 + r / G;
@@ -417,6 +498,11 @@ static __global__ void __launch_bounds__(kAttnThreads)
       a = fmaf(f, sm_acc[w][r][d], a);
       l = fmaf(f, sm_l[w][r], l);
     }
+    if (in_cluster) {
+      cl_acc0[(split * R + r) * D + d] = a;
+      if (d == 0) cl_ml0[split * R + r] = make_float2(mx, l);
+      continue;
+    }
     const size_t p = ((static_cast<size_t>(b) * M + m) * H + h * G + r % G) * s_max + split;
     part_acc[p * D + d] = a;
     if (d == 0) {
@@ -424,8 +510,21 @@ static __global__ void __launch_bounds__(kAttnThreads)
       part_ml[2 * p + 1] = l;
     }
   }
-
-  const int n_splits = sm_n_active;
+  if (in_cluster) {
+    stamp(kAPartial);
+    __cluster_barrier_arrive();  // release: this thread's share of the partial
+    if (split != 0) {
+      stamp(kATicket);  // its exit (no ticket)
+      flush(false);
+      return;  // exited threads do not hold up the cluster barrier
+    }
+    __cluster_barrier_wait();  // acquire: every active split's partial
+    stamp(kATicket);  // the leader: every partial in
+    merge_in_cluster<R, D, G, SPL>(cl_acc, cl_ml, n_splits, b, M, m0, H, h, out);
+    stamp(kAMerged);
+    flush(true);
+    return;
+  }
 
   // The last of the group's n_splits blocks to finish merges them all (no second kernel). The
   // block's partials are complete at the barrier; thread 0 takes a ticket with an acquire-release
@@ -580,6 +679,47 @@ void attention_scratch_clear(void* scratch, size_t scratch_bytes, cudaStream_t s
   AF_CUDA_CHECK(cudaMemsetAsync(scratch, 0, kCounterBytes, stream));
 }
 
+// Kill switch: ATOMFLOW_NO_CLUSTER_MERGE=1 merges every group with 2+ splits through the scratch.
+static bool cluster_merge_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("ATOMFLOW_NO_CLUSTER_MERGE");
+    return v == nullptr || v[0] == '\0' || v[0] == '0';
+  }();
+  return on;
+}
+
+// Splits per cluster: the smallest power of two that holds s_max, at most kClusterSplits<R, D> (16 for
+// the Llama decode shapes), or 8 (the portable maximum) where the GPU cannot run a 16-block cluster
+// of this kernel.
+template <class KV, int D, int G, int QT>
+static int cluster_splits(int s_max) {
+  constexpr int R = G * QT;
+  static const int most = [] {
+    int n = kClusterSplits<R, D>;
+    if (n <= 8) return n;
+    int clusters = 0;
+    if (cudaFuncSetAttribute(attention_kernel<KV, D, G, QT>, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) ==
+        cudaSuccess) {
+      cudaLaunchAttribute attr;
+      attr.id = cudaLaunchAttributeClusterDimension;
+      attr.val.clusterDim.x = 1;
+      attr.val.clusterDim.y = n;
+      attr.val.clusterDim.z = 1;
+      cudaLaunchConfig_t cfg{};
+      cfg.gridDim = dim3(1, n, 1);
+      cfg.blockDim = dim3(kAttnThreads);
+      cfg.attrs = &attr;
+      cfg.numAttrs = 1;
+      if (cudaOccupancyMaxActiveClusters(&clusters, attention_kernel<KV, D, G, QT>, &cfg) != cudaSuccess) clusters = 0;
+    }
+    cudaGetLastError();  // a refusal above only means: no 16-block clusters
+    return clusters >= 1 ? n : 8;
+  }();
+  int cs = 1;
+  while (cluster_merge_enabled() && cs < s_max && cs < most) cs *= 2;
+  return cs;
+}
+
 template <class KV, int D, int G, int QT>
 static void launch_attention(const bf16* q, const KV& kv, int B, int M, int H, int Hkv, float scale, void* scratch,
                              bf16* out, cudaStream_t stream, bool early) {
@@ -590,11 +730,13 @@ static void launch_attention(const bf16* q, const KV& kv, int B, int M, int H, i
   // Kv heads along x, splits along y: blocks start in index order, so the active splits of every head
   // (split < n_active) come before the ones past it, which only wait for the previous kernel and exit
   // (with the capacity of a default context, 8192 keys, 64 splits: 7 in 8 blocks at 256 keys).
-  const dim3 grid(Hkv, s_max, B * CEIL_DIV(M, QT));
+  // grid.y is padded to whole clusters; the padding's blocks are past every n_active and exit.
+  const int cs = cluster_splits<KV, D, G, QT>(s_max);
+  const dim3 grid(Hkv, CEIL_DIV(s_max, cs) * cs, B * CEIL_DIV(M, QT));
   const float q_scale = scale * 1.4426950408889634f;  // scores in log2 units: exp2f in the softmax
   early = early && std::is_same_v<KV, ContiguousKV>;   // a paged table is read with the rows: after the wait
-  af_launch(attention_kernel<KV, D, G, QT>, grid, dim3(kAttnThreads), 0, stream, q, kv, M, H, Hkv, s_max, q_scale,
-            counters, part_acc, part_ml, out, early);
+  af_launch_clusters(attention_kernel<KV, D, G, QT>, grid, dim3(kAttnThreads), dim3(1, cs, 1), 0, stream, q, kv, M,
+                     H, Hkv, s_max, q_scale, counters, part_acc, part_ml, out, early);
 }
 
 // Decode uses one query token per block; prefill chunks tile QT tokens so that G * QT <= 8 query

@@ -90,8 +90,9 @@ void rope_kv_append(const float* qkv, const float* inv_freq, const int32_t* pos,
 //   q bf16 [M, H, D], caches bf16 [max_context, Hkv, D], out bf16 [M, H, D], scale = 1/sqrt(D).
 // Flash-decoding in one launch: the context is split across blocks (the grid is fixed by
 // max_context, the work per block is derived from *pos on the device), each K/V row is loaded once
-// for all H / Hkv query heads of its group, and the last block of each group to finish merges the
-// groups' partials. D in {64, 128}, Hkv <= 256.
+// for all H / Hkv query heads of its group, and the groups' partials are merged in the shared
+// memory of a thread-block cluster (up to 16 splits) or by the last block of the group to finish.
+// D in {64, 128}, Hkv <= 256. ATOMFLOW_NO_CLUSTER_MERGE=1 turns the cluster merge off.
 // Scratch contract (every attention entry point): the scratch starts with merge counters that
 // must be ZERO before the first call; every call leaves them zero again (nothing to do between
 // calls or graph replays, and calls of any B, M and capacity may share one scratch sized for the
