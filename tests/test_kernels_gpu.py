@@ -287,12 +287,13 @@ def test_attention_prefill_large_chunk(rng, M, context):
     check_attention(rng, M, context, 8, 3, 128)
 
 
-CLUSTER_MERGE_CASES = [  # (M, context, Hkv, G, D): splits merged in a cluster by default
-    (1, 300, 2, 3, 128),  # 10 splits in a cluster of 16
-    (1, 100, 8, 4, 128),  # 4 of 4
-    (1, 500, 2, 8, 64),  # 16 of 16 (G * D = 512)
-    (1, 100, 2, 8, 128),  # 4 of 4 (G * D = 1024: the leader's buffer holds 4 splits)
-    (5, 250, 2, 3, 128),  # a prefill chunk: 2 query tokens x 3 heads per block, 8 splits of 8
+CLUSTER_MERGE_CASES = [  # (M, context, cache rows, Hkv, G, D): splits merged in a cluster by default
+    (1, 300, 303, 2, 3, 128),  # 10 splits in a cluster of 16
+    (1, 100, 103, 8, 4, 128),  # 4 of 4
+    (1, 500, 503, 2, 8, 64),  # 16 of 16 (G * D = 512)
+    (1, 100, 103, 2, 8, 128),  # 4 of 4 (G * D = 1024: the leader's buffer holds 4 splits)
+    (1, 230, 2000, 2, 3, 128),  # 8 of 8 (a cache of 63 splits: clusters of 8)
+    (5, 250, 253, 2, 3, 128),  # a prefill chunk: 2 query tokens x 3 heads per block, 8 splits of 8
 ]
 
 
@@ -303,8 +304,7 @@ def test_attention_cluster_merge_equals_scratch_merge(rng, tmp_path):
     import os
     import subprocess
     inputs, got = {}, {}
-    for i, (M, context, Hkv, G, D) in enumerate(CLUSTER_MERGE_CASES):
-        C = context + 3
+    for i, (M, context, C, Hkv, G, D) in enumerate(CLUSTER_MERGE_CASES):
         q = bf16_bits(rng.standard_normal((M, Hkv * G, D)) * 2.0)
         kc = bf16_bits(rng.standard_normal((C, Hkv, D)))
         vc = bf16_bits(rng.standard_normal((C, Hkv, D)))
@@ -319,7 +319,7 @@ def test_attention_cluster_merge_equals_scratch_merge(rng, tmp_path):
         f"cases = {CLUSTER_MERGE_CASES!r}\n"
         "z = np.load(sys.argv[1])\n"
         "out = {f'o{i}': ops.attention(z[f'q{i}'], z[f'k{i}'], z[f'v{i}'], c - M, 1.0 / np.sqrt(D))\n"
-        "       for i, (M, c, Hkv, G, D) in enumerate(cases)}\n"
+        "       for i, (M, c, C, Hkv, G, D) in enumerate(cases)}\n"
         "np.savez(sys.argv[2], **out)\n")
     env = dict(os.environ, ATOMFLOW_NO_CLUSTER_MERGE="1")
     subprocess.run([sys.executable, "-c", script, str(tmp_path / "in.npz"), str(tmp_path / "out.npz")],

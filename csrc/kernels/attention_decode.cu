@@ -4,7 +4,7 @@
 // streams its keys once for all G = H / Hkv query heads of the group and makes an unnormalized
 // partial (m, l, acc[D]) per query row. The splits' partials are merged in one of two ways:
 //  - In a cluster (short contexts). The grid runs in thread-block clusters of CS consecutive splits
-//    of one group (CS up to 16). When a group's active splits all lie in its first cluster, each
+//    of one group (all of them when s_max <= 16, else 8; cluster_splits). When a group's active splits all lie in its first cluster, each
 //    writes its partial into the shared memory of the cluster's leader (split 0), arrives on the
 //    cluster barrier and exits; the leader waits on the barrier and merges. No scratch, no ticket,
 //    no round trip through L2: 3B decode -2.5% at 128-384 keys (docs/PERF.md 2026-11-21).
@@ -41,6 +41,7 @@
 // each sequence has its own length. For the same keys and split count every policy does the same
 // arithmetic in the same order (bit-identical results).
 #include <cooperative_groups.h>
+#include <algorithm>
 #include <cstdlib>
 #include <type_traits>
 
@@ -688,9 +689,11 @@ static bool cluster_merge_enabled() {
   return on;
 }
 
-// Splits per cluster: the smallest power of two that holds s_max, at most kClusterSplits<R, D> (16 for
-// the Llama decode shapes), or 8 (the portable maximum) where the GPU cannot run a 16-block cluster
-// of this kernel.
+// Splits per cluster. When kClusterSplits<R, D> (16 for the Llama decode shapes; 8, the portable
+// maximum, where the GPU cannot run a 16-block cluster of this kernel) hold s_max: the smallest power
+// of two that does, so every group is one cluster. Otherwise at most 8: with several 16-block
+// clusters per group, the blocks of a deep context no longer ran in one wave (3B at 8192 keys, cache
+// 8320: 1.660 -> 1.866 ms; with 8: 1.660, docs/PERF.md 2026-11-21).
 template <class KV, int D, int G, int QT>
 static int cluster_splits(int s_max) {
   constexpr int R = G * QT;
@@ -715,8 +718,9 @@ static int cluster_splits(int s_max) {
     cudaGetLastError();  // a refusal above only means: no 16-block clusters
     return clusters >= 1 ? n : 8;
   }();
+  const int top = s_max <= most ? most : std::min(most, 8);
   int cs = 1;
-  while (cluster_merge_enabled() && cs < s_max && cs < most) cs *= 2;
+  while (cluster_merge_enabled() && cs < s_max && cs < top) cs *= 2;
   return cs;
 }
 
