@@ -29,7 +29,5 @@ def test_a_kernel_inside_anothers_shadow_is_charged_nothing():
 
 def test_labels():
     assert timeline.label(HEAD, 0) == "lm_head"
-    split = QKV.replace("true>", "true, true>")  # the split layout's kernel (gemv_w8a16.cu)
-    assert timeline.label(split, 0) == "gemv qkv+norm+rope"
     assert timeline.label(ADD, 0) == "gemv o" and timeline.label(ADD, 1) == "gemv down"
     assert timeline.label("void atomflow::kernels::sample_kernel<(int)1>(float const*)", 0) == "sample_kernel"

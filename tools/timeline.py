@@ -21,11 +21,10 @@ import sys
 
 import numpy as np
 
-# gemv_w8a16_kernel<Ep, In, whole[, split]>: Ep 0 Store, 1 AddResidual, 2 SwiGLU, 3 RopeKV; In 2 = fused
-# RMSNorm; whole: K a multiple of 512 (the variant without the clamp at a row's end); split: the QKV
-# product's one-iteration-per-warp layout.
+# gemv_w8a16_kernel<Ep, In, whole>: Ep 0 Store, 1 AddResidual, 2 SwiGLU, 3 RopeKV; In 2 = fused RMSNorm;
+# whole: K a multiple of 512 (the variant without the clamp at a row's end).
 GEMV = re.compile(r"gemv_w8a16_kernel<\(atomflow::kernels::Ep\)(\d), \(atomflow::kernels::In\)(\d)"
-                  r"(?:, (?:true|false))*>")
+                  r"(?:, (?:true|false))?>")
 
 
 def label(name: str, seen_add: int) -> str:

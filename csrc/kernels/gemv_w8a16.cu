@@ -16,10 +16,6 @@
 //    round are spread over all SMs instead of filling the first blocks' warps (docs/PERF.md,
 //    b322060: an SM serves only so many loads at once, so per-SM balance matters even when the
 //    grid's total is the same).
-//  - The QKV product, where its pairs outnumber the resident warps by less than a round and fit one
-//    iteration per warp (3B: 2560 pairs on 2112 warps), cuts pairs between warps instead, so every
-//    warp makes one DRAM round trip and none a second (the split layout, below the round layout's
-//    helpers; same bits).
 //  - A product with fewer row pairs than the resident warps (3B o and down: 1536 pairs on 2112)
 //    runs on just enough blocks for one pair per warp, not on every slot with idle warps: the
 //    block slots left free take the NEXT kernel's blocks at once, and their weight loads (before
@@ -83,9 +79,7 @@
 // is consumed by a peeled copy of the loop, not by the loop.
 #include <algorithm>
 #include <cfloat>
-#include <cstdlib>
 #include <mutex>
-#include <type_traits>
 #include <vector>
 
 #include <cuda_fp16.h>
@@ -596,185 +590,7 @@ static __device__ __forceinline__ void finish_rows(const Product& P, const RowPa
   finish_pair<EP>(P, pairs, rope, pr, p, acc0, acc1, x_scale);
 }
 
-// ---- the split layout (SPLIT): one iteration per warp, row pairs cut between warps ----
-// With more row pairs than resident warps, the layout above runs ceil(pairs / warps) rounds, and a short
-// last round costs a whole DRAM round trip with few warps busy: 3B's QKV (2560 pairs on 2112 warps)
-// sends 448 warps on a second round trip after everyone else is done. When every warp's share fits one
-// iteration, the split layout gives block b the pairs [b P / grid, (b + 1) P / grid) and its warp w the
-// 32-chunk steps [w S / 8, (w + 1) S / 8) of the block's S = pairs x K / 512 steps, in pair order: one
-// burst of loads per warp and every warp busy once. A pair cut between warps w and w + 1 keeps the
-// arithmetic of the layout above: each lane's chain of fmaf runs over the pair's steps in order, warp w
-// hands its lanes' running sums over in shared memory and warp w + 1 continues them. So every row's sum
-// has the same bits in both layouts (and the fused QKV launch still equals rmsnorm -> gemv ->
-// rope_kv_append bit for bit). Taken when split_fits (the launcher); ATOMFLOW_NO_SPLIT_QKV=1 turns it off.
-struct Split {
-  int p_first;  // the warp's first row pair
-  int k0;       // the warp's first step in it (> 0: the pair began in the previous warp)
-  int n;        // the warp's steps: spp <= n <= kGemvUnroll (split_fits), so a warp touches <= 3 pairs
-  int spp;      // steps per pair, 4 .. kGemvUnroll
-  int t1, t2;   // step u of the warp belongs to its pair 0 below t1, 1 below t2, 2 from t2 on
-  __device__ Split(int n_pairs, int K) : spp(K / 512) {
-    const int w = threadIdx.x / 32;
-    const int pb = static_cast<int>(static_cast<long long>(blockIdx.x) * n_pairs / gridDim.x);
-    const int pe = static_cast<int>(static_cast<long long>(blockIdx.x + 1) * n_pairs / gridDim.x);
-    const int S = (pe - pb) * spp;
-    const int s0 = w * S / kGemvWarps;
-    n = (w + 1) * S / kGemvWarps - s0;
-    p_first = pb + s0 / spp;
-    k0 = s0 % spp;
-    t1 = spp - k0;
-    t2 = t1 + spp;
-  }
-  // Step u's pair (of the warp's, 0 .. 2) and the pair's step k = u + k0 - pair * spp; so step u
-  // reads chunk 32 k + lane = 32 u + lane + 32 (k0 - pair * spp) of its pair's rows.
-  __device__ int pair(int u) const { return (u >= t1) + (u >= t2); }
-  __device__ int shift(int j) const { return k0 - j * spp; }
-  // Steps below spp are always active (n >= spp >= 4): only steps 4 .. 7 test.
-  __device__ bool active(int u) const { return u < 4 || u < n; }
-  __device__ int last_pair() const { return pair(n - 1); }
-  __device__ bool hands_over() const { return n - 1 + k0 - last_pair() * spp < spp - 1; }  // ends in the next warp
-};
-
-// Stands in for Split and SplitRows in the round layout's kernels.
-struct NoSplit {
-  template <class... A>
-  __device__ NoSplit(const A&...) {}
-};
-
-// Host side: whether the split layout serves N / 2 row pairs of K columns on `grid` blocks: more pairs
-// than warps, K a multiple of 512 with 4 .. kGemvUnroll steps per pair, and every warp's share between one
-// pair's steps (so a pair spans at most two warps) and one iteration.
-static bool split_fits(int n_pairs, int K, int grid) {
-  const int spp = K / 512;
-  return K % 512 == 0 && spp >= 4 && spp <= kGemvUnroll && n_pairs > grid * kGemvWarps &&
-         n_pairs / grid >= kGemvWarps && CEIL_DIV(n_pairs, grid) * spp <= kGemvWarps * kGemvUnroll;
-}
-
-// The split layout's rows of the warp's (at most three) pairs, clamped into the product.
-template <Ep EP>
-struct SplitRows {
-  int a[3], b[3];
-  __device__ SplitRows(const RowPairs<EP>& pairs, const Split& sp) {
-#pragma unroll
-    for (int j = 0; j < 3; ++j) pairs.rows(min(sp.p_first + j, pairs.count() - 1), a[j], b[j]);
-  }
-  __device__ int row_a(int j) const { return j == 0 ? a[0] : (j == 1 ? a[1] : a[2]); }
-  __device__ int row_b(int j) const { return j == 0 ? b[0] : (j == 1 ? b[1] : b[2]); }
-};
-
-// The warp's one iteration in the split layout. Each step's address is its pair's base (a select) plus
-// a constant. Lane l loads the scales of step l / 4's group 4 k + l % 4 (dot_split shuffles them as
-// dot_iter does).
-template <Ep EP>
-static __device__ __forceinline__ void load_split(Iter& it, const Product& P, const SplitRows<EP>& rows,
-                                                  const Split& sp, uint64_t policy) {
-  const int lane = threadIdx.x % 32, G = P.K / kQuantGroup;
-  const uint4* a[3];
-  const uint4* b[3];
-#pragma unroll
-  for (int j = 0; j < 3; ++j) {
-    const int c = lane + 32 * sp.shift(j);  // chunk of step 0, as if it belonged to pair j
-    a[j] = reinterpret_cast<const uint4*>(P.w + static_cast<size_t>(rows.a[j]) * P.K) + c;
-    b[j] = reinterpret_cast<const uint4*>(P.w + static_cast<size_t>(rows.b[j]) * P.K) + c;
-  }
-#pragma unroll
-  for (int u = 0; u < kGemvUnroll; ++u) {
-    if (sp.active(u)) {
-      const bool p0 = u < sp.t1, p1 = u < sp.t2;
-      it.wa[u] = ld_stream16((p0 ? a[0] : (p1 ? a[1] : a[2])) + 32 * u, policy);
-      it.wb[u] = ld_stream16((p0 ? b[0] : (p1 ? b[1] : b[2])) + 32 * u, policy);
-    }
-  }
-  const int us = lane / 4;
-  if (us < sp.n) {
-    const int j = sp.pair(us), g = 4 * (us + sp.shift(j)) + lane % 4;
-    it.sa = __ldg(P.scales + static_cast<size_t>(rows.row_a(j)) * G + g);
-    it.sb = __ldg(P.scales + static_cast<size_t>(rows.row_b(j)) * G + g);
-  }
-}
-
-// The split layout's sums: acc[j] of the warp's pair p_first + j, from each step's products as dot_iter
-// makes them. The steps of a pair begun in the previous warp (the head, k0 > 0) are kept, unsummed,
-// until that warp's running sums arrive (finish_split).
-struct SplitSums {
-  float acc[3][2];
-  float head[kGemvUnroll][2];
-  float sa, sb;  // the iteration's scales, for the head's steps
-};
-
-static __device__ __forceinline__ void dot_split(const Iter& it, const uint4* xs, const Split& sp, SplitSums& s) {
-  const int lane = threadIdx.x % 32;
-  const bool odd = (lane >> 2) & 1;  // which column of D holds this lane's diagonal entries (dot_chunk)
-  // Chunk 32 k + lane sits 1024 k bytes after chunk lane (x_slot: the swizzle depends on lane only).
-  const uint32_t x_lo = static_cast<uint32_t>(__cvta_generic_to_shared(xs + x_slot(lane, 0)));
-  const uint32_t x_hi = static_cast<uint32_t>(__cvta_generic_to_shared(xs + x_slot(lane, 1)));
-  const int x0 = 1024 * sp.shift(0), x1 = 1024 * sp.shift(1), x2 = 1024 * sp.shift(2);
-  const bool head = sp.k0 > 0;
-#pragma unroll
-  for (int j = 0; j < 3; ++j) s.acc[j][0] = s.acc[j][1] = 0.f;
-#pragma unroll
-  for (int u = 0; u < kGemvUnroll; ++u) {
-    if (sp.active(u)) {
-      const bool p0 = u < sp.t1, p1 = u < sp.t2;
-      const int off = (p0 ? x0 : (p1 ? x1 : x2)) + 1024 * u;
-      float d[4];
-      dot_chunk(it.wa[u], it.wb[u], x_lo + off, x_hi + off, d);
-      const float sa = __shfl_sync(0xffffffffu, it.sa, (lane >> 3) + 4 * u);  // group c / 8
-      const float sb = __shfl_sync(0xffffffffu, it.sb, (lane >> 3) + 4 * u);
-      const float va = odd ? d[1] : d[0], vb = odd ? d[3] : d[2];
-      if (p0 && head) {
-        s.head[u][0] = va;
-        s.head[u][1] = vb;
-      } else if (p0) {
-        s.acc[0][0] = fmaf(va, sa, s.acc[0][0]);
-        s.acc[0][1] = fmaf(vb, sb, s.acc[0][1]);
-      } else if (p1) {
-        s.acc[1][0] = fmaf(va, sa, s.acc[1][0]);
-        s.acc[1][1] = fmaf(vb, sb, s.acc[1][1]);
-      } else {
-        s.acc[2][0] = fmaf(va, sa, s.acc[2][0]);
-        s.acc[2][1] = fmaf(vb, sb, s.acc[2][1]);
-      }
-    }
-  }
-  s.sa = it.sa;
-  s.sb = it.sb;
-}
-
-// Hand the last pair's running sums to the next warp, finish the pairs that begin and end in this warp,
-// then (after the block's barrier) continue the head pair from the previous warp's sums and finish it.
-// Every warp of the block calls this once.
-template <Ep EP>
-static __device__ __forceinline__ void finish_split(const Product& P, const RowPairs<EP>& pairs, const RopeKVArgs& rope,
-                                                    const Prior& pr, const Split& sp, const SplitSums& s,
-                                                    float x_scale, float2 (*carry)[32]) {
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int jl = sp.last_pair();
-  const bool hands_over = sp.hands_over();
-  if (hands_over)
-    carry[warp][lane] = make_float2(jl == 0 ? s.acc[0][0] : (jl == 1 ? s.acc[1][0] : s.acc[2][0]),
-                                    jl == 0 ? s.acc[0][1] : (jl == 1 ? s.acc[1][1] : s.acc[2][1]));
-#pragma unroll
-  for (int j = 0; j < 3; ++j) {
-    const bool begins = j > 0 || sp.k0 == 0, ends = j < jl || (j == jl && !hands_over);
-    if (begins && ends) finish_pair<EP>(P, pairs, rope, pr, sp.p_first + j, s.acc[j][0], s.acc[j][1], x_scale);
-  }
-  __syncthreads();  // the carries are in
-  if (sp.k0 > 0) {
-    const float2 c = carry[warp - 1][lane];
-    float acc0 = c.x, acc1 = c.y;
-#pragma unroll
-    for (int u = 0; u < kGemvUnroll; ++u) {
-      if (u < sp.t1) {  // the head's steps
-        acc0 = fmaf(s.head[u][0], __shfl_sync(0xffffffffu, s.sa, (lane >> 3) + 4 * u), acc0);
-        acc1 = fmaf(s.head[u][1], __shfl_sync(0xffffffffu, s.sb, (lane >> 3) + 4 * u), acc1);
-      }
-    }
-    finish_pair<EP>(P, pairs, rope, pr, sp.p_first, acc0, acc1, x_scale);
-  }
-}
-
-template <Ep EP, In IN, bool WHOLE, bool SPLIT = false>
+template <Ep EP, In IN, bool WHOLE>
 static __global__ void __launch_bounds__(kGemvThreads, 2)
     gemv_w8a16_kernel(const Product P, float eps, const RopeKVArgs rope) {
   extern __shared__ uint4 smem[];  // Staging
@@ -801,13 +617,7 @@ static __global__ void __launch_bounds__(kGemvThreads, 2)
   // overlaps the previous kernel's tail and the staging of x (top of the file: why half).
   const bool pre = threadIdx.x / 32 < kGemvPreWarps;
   Iter first;
-  static_assert(!SPLIT || (EP == Ep::RopeKV && WHOLE), "the split layout serves the QKV product (split_fits)");
-  // The split layout's share of this warp (nothing in the round layout, whose code stays as it was).
-  const std::conditional_t<SPLIT, Split, NoSplit> sp(n_pairs, P.K);
-  const std::conditional_t<SPLIT, SplitRows<EP>, NoSplit> split_rows(pairs, sp);
-  if constexpr (SPLIT) {
-    if (pre) load_split<EP>(first, P, split_rows, sp, policy);
-  } else if (pre && p0 < n_pairs) {
+  if (pre && p0 < n_pairs) {
     int r0, r1;
     pairs.rows(p0, r0, r1);
     load_iter<WHOLE>(first, P, r0, r1, lane, policy);
@@ -826,30 +636,18 @@ static __global__ void __launch_bounds__(kGemvThreads, 2)
   __syncthreads();
   tr.stamp(trace::kStaged);
 
-  if constexpr (SPLIT) {
-    // One iteration per warp: the early warps loaded theirs before the wait, the others load it now,
-    // into the same registers (so the compiler's one wait for the early loads comes before this
-    // burst, where it costs the late warps nothing, not between its loads).
-    __shared__ float2 carry[kGemvWarps][32];
-    if (!pre) load_split<EP>(first, P, split_rows, sp, policy);
-    SplitSums sums;
-    dot_split(first, st.xs, sp, sums);
+  // A warp that loaded early starts its first row pair from those registers (a peeled copy: see
+  // the top of the file); every other row pair runs the plain load-then-math loop.
+  int p = p0;
+  if (pre && p < n_pairs) {
+    float acc0 = 0.f, acc1 = 0.f;
+    dot_iter<WHOLE>(first, st.xs, lane, P.K / 16, acc0, acc1);
     tr.iter();
-    finish_split<EP>(P, pairs, rope, pr, sp, sums, x_scale, carry);
-  } else {
-    // A warp that loaded early starts its first row pair from those registers (a peeled copy: see
-    // the top of the file); every other row pair runs the plain load-then-math loop.
-    int p = p0;
-    if (pre && p < n_pairs) {
-      float acc0 = 0.f, acc1 = 0.f;
-      dot_iter<WHOLE>(first, st.xs, lane, P.K / 16, acc0, acc1);
-      tr.iter();
-      finish_rows<EP, WHOLE>(P, pairs, rope, pr, st.xs, x_scale, p, 32 * kGemvUnroll, acc0, acc1, policy, tr);
-      p += stride;
-    }
-    for (; p < n_pairs; p += stride)
-      finish_rows<EP, WHOLE>(P, pairs, rope, pr, st.xs, x_scale, p, 0, 0.f, 0.f, policy, tr);
+    finish_rows<EP, WHOLE>(P, pairs, rope, pr, st.xs, x_scale, p, 32 * kGemvUnroll, acc0, acc1, policy, tr);
+    p += stride;
   }
+  for (; p < n_pairs; p += stride)
+    finish_rows<EP, WHOLE>(P, pairs, rope, pr, st.xs, x_scale, p, 0, 0.f, 0.f, policy, tr);
 #ifdef ATOMFLOW_TRACE
   tr.stamp(trace::kExit);
   if (lane == 0) {
@@ -871,13 +669,13 @@ void gemv_trace_arm(const trace::Buf& b) { AF_CUDA_CHECK(cudaMemcpyToSymbol(g_tr
 
 // ---- launcher ----
 
-// How many blocks of gemv_w8a16_kernel<EP, IN, WHOLE, SPLIT> with `smem` bytes of dynamic shared memory are resident at
+// How many blocks of gemv_w8a16_kernel<EP, IN, WHOLE> with `smem` bytes of dynamic shared memory are resident at
 // once on the current device: 2 per SM, fewer only if fewer fit. The first launch of a (device, smem)
 // queries it and raises the kernel's dynamic limit to what it needs (not only above 48 KB: the
 // default limit counts the static `red` too, so K = 12288, exactly 48 KB of x, failed); later launches
 // take it from the cache, so eager mode does not pay the queries on every GEMV (a captured graph pays
 // them once either way). Host-side, capture-safe.
-template <Ep EP, In IN, bool WHOLE, bool SPLIT>
+template <Ep EP, In IN, bool WHOLE>
 static int resident_blocks(size_t smem) {
   struct Seen {
     int device;
@@ -900,44 +698,25 @@ static int resident_blocks(size_t smem) {
   AF_CUDA_CHECK(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   AF_CHECK(smem <= static_cast<size_t>(smem_optin), "gemv_w8a16: K too large to stage x in shared memory");
   if (smem > raised)
-    AF_CUDA_CHECK(cudaFuncSetAttribute(gemv_w8a16_kernel<EP, IN, WHOLE, SPLIT>,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    AF_CUDA_CHECK(cudaFuncSetAttribute(gemv_w8a16_kernel<EP, IN, WHOLE>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       static_cast<int>(smem)));
   int per_sm = 0;
-  AF_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_w8a16_kernel<EP, IN, WHOLE, SPLIT>,
-                                                              kGemvThreads, smem));
+  AF_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_w8a16_kernel<EP, IN, WHOLE>, kGemvThreads,
+                                                              smem));
   AF_CHECK(per_sm >= 1, "gemv_w8a16: kernel does not fit on an SM");
   seen.push_back({device, smem, sms * std::min(per_sm, 2)});
   return seen.back().blocks;
 }
 
-// Kill switch: ATOMFLOW_NO_SPLIT_QKV=1 runs the QKV product in the round layout even where the split
-// layout fits.
-static bool split_enabled() {
-  static const bool on = [] {
-    const char* v = std::getenv("ATOMFLOW_NO_SPLIT_QKV");
-    return v == nullptr || v[0] == '\0' || v[0] == '0';
-  }();
-  return on;
-}
-
 template <Ep EP, In IN, bool WHOLE>
 static void launch_gemv_as(const Product& P, float eps, const RopeKVArgs& rope, cudaStream_t stream) {
   const size_t smem = staging_bytes<IN>(P.K);
-  const int n_pairs = RowPairs<EP>::count(P.N);
-  if constexpr (EP == Ep::RopeKV && WHOLE) {
-    const int resident = resident_blocks<EP, IN, WHOLE, true>(smem);
-    if (split_enabled() && split_fits(n_pairs, P.K, resident)) {
-      af_launch(gemv_w8a16_kernel<EP, IN, WHOLE, true>, dim3(resident), dim3(kGemvThreads), smem, stream, P, eps,
-                rope);
-      return;
-    }
-  }
-  // Every warp has a row pair when there are fewer pairs than resident warps (kernel comment). The QKV
-  // product takes every slot too: 24 left to attention measured faster once (docs/PERF.md), but not
-  // since attention runs in thread-block clusters, which need a GPC's worth of free slots at once
-  // (3B -0.2%, 8B -0.8% with none, 2026-11-23).
-  const int resident = resident_blocks<EP, IN, WHOLE, false>(smem);
-  const int blocks = std::min(CEIL_DIV(n_pairs, kGemvWarps), resident);
+  // Every warp has a row pair when there are fewer pairs than resident warps (kernel comment). A
+  // product with more takes every slot, the QKV product too: leaving 24 of them to the attention after
+  // it measured faster once (docs/PERF.md), but no longer since attention runs in thread-block clusters,
+  // which need several free slots of one GPC at once (none spare: 3B -0.2%, 8B -0.8%, 2026-11-23).
+  const int resident = resident_blocks<EP, IN, WHOLE>(smem);
+  const int blocks = std::min(CEIL_DIV(RowPairs<EP>::count(P.N), kGemvWarps), resident);
   af_launch(gemv_w8a16_kernel<EP, IN, WHOLE>, dim3(blocks), dim3(kGemvThreads), smem, stream, P, eps, rope);
 }
 

@@ -59,9 +59,6 @@ void gemv_w8a16_rmsnorm(const uint8_t* w, const float* scales, const float* x, c
 // The decode QKV product with RMSNorm in the prologue and RoPE + KV append in the epilogue: w is
 // the fused [(H + 2 Hkv) * D, K] qkv matrix; the output is what gemv_w8a16_rmsnorm(Store) followed
 // by rope_kv_append(M = 1) writes (q_out, the cache rows at *pos), bit-identical, in one launch.
-// Where its row pairs outnumber the resident warps but fit one iteration per warp (3B on 132 SMs),
-// it cuts pairs between warps instead of running a short second round (same bits);
-// ATOMFLOW_NO_SPLIT_QKV=1 turns that off.
 struct RopeKVArgs {
   const float* inv_freq;  // [D / 2]
   const int32_t* pos;     // device: the token's position (the cache row it fills)
