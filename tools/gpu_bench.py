@@ -1,7 +1,7 @@
 """Decode timings on random Llama-shaped models, for scripts/gpu_check.sh.
 
     python tools/gpu_bench.py --out summary.json [--presets llama-3.2-3b,llama-3.1-8b]
-        [--workdir /tmp/atomflow-models] [--prompt 128] [--gen 256] [--tests-xml gpu_tests.xml]
+        [--workdir /tmp/atomflow-models] [--prompt 128] [--gen 256] [--max-context N] [--tests-xml gpu_tests.xml]
 
 Per preset: makes the random HF directory and quantizes it (both cached in --workdir), loads it
 on the CUDA backend, and measures TPOT p50/p99, tokens/s, bytes per token and efficiency
@@ -64,8 +64,13 @@ def main() -> int:
     ap.add_argument("--workdir", default="/tmp/atomflow-models")
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--gen", type=int, default=256)
+    ap.add_argument("--max-context", type=int, default=None,
+                    help="KV cache length (default prompt + gen + 64); the attention grid is sized by it")
     ap.add_argument("--tests-xml", default=None)
     a = ap.parse_args()
+    max_context = a.max_context or a.prompt + a.gen + 64
+    if max_context < a.prompt + a.gen:
+        ap.error(f"--max-context {max_context} does not hold prompt + gen = {a.prompt + a.gen}")
 
     from atomflow import Engine, runinfo
     from atomflow import _core
@@ -75,11 +80,12 @@ def main() -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     bw = read_bandwidth_gbs()
     summary = dict(commit=runinfo.commit(), date=time.strftime("%Y-%m-%d %H:%M:%S"), device=_core.device_info(),
+                   max_context=max_context,
                    build=_core.build_info(), read_bandwidth_gbs=bw, tests=test_counts(a.tests_xml), models={})
     for preset in [p for p in a.presets.split(",") if p]:
         path = model_file(preset, workdir)
         for mode in ("graph", "eager"):
-            eng = Engine.load(path, backend="cuda", max_context=a.prompt + a.gen + 64, eager=(mode == "eager"))
+            eng = Engine.load(path, backend="cuda", max_context=max_context, eager=(mode == "eager"))
             r = decode_row(eng, a.prompt, a.gen, bw)
             r.update(load_s=eng.stats.load_s, core_load_s=eng.backend.load_seconds, plan=eng.backend.plan)
             summary["models"][f"{preset}/{mode}"] = r
