@@ -157,6 +157,29 @@ def test_graph_and_eager_agree(tiny):
     assert rel <= 1e-5
 
 
+def test_short_steps_graph_has_the_same_bits(tiny, monkeypatch):
+    """Steps of at most 512 keys replay a second graph whose attention grid is planned for 512 keys
+    (engine.h, kShortKeys); eager steps plan theirs the same way. The split count per position does not
+    depend on the grid, so the logits across the switch (keys 501 .. 530) have the same bits as with
+    one grid planned for max_context (ATOMFLOW_ONE_GRAPH=1)."""
+    ids = prompt(500, tiny.spec.vocab_size, seed=5)
+
+    def run(**kw):
+        eng = cuda(tiny, 2048, **kw)
+        out = [eng.prefill(ids)]
+        for _ in range(30):
+            out.append(eng.decode(int(np.argmax(out[-1]))))
+        return np.stack(out)
+
+    two, eager = run(), run(eager=True)
+    monkeypatch.setenv("ATOMFLOW_ONE_GRAPH", "1")
+    one, one_eager = run(), run(eager=True)
+    np.testing.assert_array_equal(two, one, err_msg="graph: short-steps grid != max_context grid")
+    np.testing.assert_array_equal(eager, one_eager, err_msg="eager: short-steps grid != max_context grid")
+    _, rel = cos_rel(eager[-1], two[-1])
+    assert rel <= 1e-5
+
+
 def test_eager_from_environment(tiny, monkeypatch):
     monkeypatch.setenv("ATOMFLOW_EAGER", "1")
     assert cuda(tiny, 64).eager

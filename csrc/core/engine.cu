@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <stdexcept>
 
@@ -157,6 +158,8 @@ void Engine::init(const std::string& path, const std::vector<TensorInfo>& table,
   step::write_pos(buf_.pos, 0, stream_);
   step::write_sampling(buf_.sampling, greedy(), stream_);
 
+  const char* one_graph = std::getenv("ATOMFLOW_ONE_GRAPH");
+  short_steps_ = opt_.max_context > kShortKeys && (one_graph == nullptr || one_graph[0] == '\0' || one_graph[0] == '0');
   // Warm-up: one eager step loads every kernel (lazy module loading cannot happen inside a
   // capture) and surfaces a failing kernel here, with its own error, not as a graph failure.
   try {
@@ -173,10 +176,17 @@ void Engine::init(const std::string& path, const std::vector<TensorInfo>& table,
   host_pos_ = 0;
 }
 
-// Captures enqueue_decode_step() once. Its launches read pos, token and sampling from device
-// memory and write to fixed buffers, so replaying the graph is exactly one more step.
+// Captures enqueue_decode_step(): once with the attention grid planned for max_context, and once
+// more for the steps whose keys fit kShortKeys (engine.h). Its launches read pos, token and sampling
+// from device memory and write to fixed buffers, so replaying a graph is exactly one more step.
 void Engine::capture_graph() {
+  graph_exec_ = capture_step(opt_.max_context);
+  if (short_steps_) short_graph_ = capture_step(kShortKeys);
+}
+
+cudaGraphExec_t Engine::capture_step(int attn_keys) {
   const std::string what = "capturing the decode step as a CUDA graph failed (ATOMFLOW_EAGER=1 runs without it): ";
+  attn_keys_ = attn_keys;
   cudaGraph_t graph = nullptr;
   AF_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
   try {
@@ -195,15 +205,22 @@ void Engine::capture_graph() {
   }
   size_t nodes = 0;
   cudaGraphGetNodes(graph, nullptr, &nodes);
-  err = cudaGraphInstantiate(&graph_exec_, graph, 0);
+  cudaGraphExec_t exec = nullptr;
+  err = cudaGraphInstantiate(&exec, graph, 0);
   cudaGraphDestroy(graph);
   if (err != cudaSuccess) {
-    graph_exec_ = nullptr;
     cudaGetLastError();
     throw std::runtime_error(what + "cudaGraphInstantiate: " + cudaGetErrorString(err));
   }
-  AF_CUDA_CHECK(cudaGraphUpload(graph_exec_, stream_));
-  if (opt_.verbose) std::fprintf(stderr, "atomflow: decode step captured as a CUDA graph (%zu nodes)\n", nodes);
+  err = cudaGraphUpload(exec, stream_);
+  if (err != cudaSuccess) {
+    cudaGraphExecDestroy(exec);
+    AF_CUDA_CHECK(err);
+  }
+  if (opt_.verbose)
+    std::fprintf(stderr, "atomflow: decode step captured as a CUDA graph (%zu nodes, attention for %d keys)\n", nodes,
+                 attn_keys);
+  return exec;
 }
 
 void Engine::release() noexcept {
@@ -212,6 +229,8 @@ void Engine::release() noexcept {
   release_profiler();
   if (graph_exec_) cudaGraphExecDestroy(graph_exec_);
   graph_exec_ = nullptr;
+  if (short_graph_) cudaGraphExecDestroy(short_graph_);
+  short_graph_ = nullptr;
   for (cudaEvent_t& e : step_done_) {
     if (e) cudaEventDestroy(e);
     e = nullptr;
@@ -230,12 +249,17 @@ std::vector<std::pair<std::string, size_t>> Engine::plan() const { return plan_;
 // ---------------------------------------------------------------------------------------
 // helpers
 
+// The step at position host_pos_ attends to host_pos_ + 1 keys: the short graph when they fit it.
+// Eager steps plan their attention grid the same way, so both modes run the same kernels.
 void Engine::launch_step() {
   NvtxRange range(graph_exec_ ? "decode_step (graph)" : "decode_step");
-  if (graph_exec_)
-    AF_CUDA_CHECK(cudaGraphLaunch(graph_exec_, stream_));
-  else
+  const bool short_step = short_steps_ && host_pos_ < kShortKeys;
+  if (graph_exec_) {
+    AF_CUDA_CHECK(cudaGraphLaunch(short_step ? short_graph_ : graph_exec_, stream_));
+  } else {
+    attn_keys_ = short_step ? kShortKeys : opt_.max_context;
     enqueue_decode_step();
+  }
 }
 
 void Engine::require_idle(const char* what) const {

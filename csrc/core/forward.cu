@@ -56,8 +56,11 @@ void Engine::enqueue_layers(int rows) {
                                 L.v_cache, stream_);
         mark("rope_kv_append", li);
       }
-      kernels::attention(buf_.q, L.k_cache, L.v_cache, buf_.pos, rows, H, Hkv, D, C, scale, buf_.attn_scratch,
-                         buf_.attn_out, stream_, /*early=*/fused_qkv);
+      // A decode step's grid is planned for attn_keys_ keys (engine.h: the short graph). Its split
+      // count per position is min(64, ceil(keys / 32)) on any grid that holds the keys, so the bits
+      // do not depend on the grid (attention_decode.cu); a prefill chunk's grid is planned for C.
+      kernels::attention(buf_.q, L.k_cache, L.v_cache, buf_.pos, rows, H, Hkv, D, rows == 1 ? attn_keys_ : C, scale,
+                         buf_.attn_scratch, buf_.attn_out, stream_, /*early=*/fused_qkv);
       mark("attention", li);
       if (probe_) probe_snapshot(rows);
       linear(L.wo, L.wo_scale, buf_.attn_out, kernels::Act::BF16, rows, d, s.q_dim(), Epilogue::AddResidual, buf_.x,

@@ -158,6 +158,7 @@ class Engine {
   // engine.cu
   void init(const std::string& path, const std::vector<TensorInfo>& tensors, const std::vector<float>& inv_freq);
   void capture_graph();
+  cudaGraphExec_t capture_step(int attn_keys);
   void launch_step();  // one decode step: the graph, or its launches when eager
   void require_idle(const char* what) const;
   void check_token(int32_t token) const;
@@ -171,7 +172,16 @@ class Engine {
   Buffers buf_{};
 
   cudaStream_t stream_ = nullptr;
-  cudaGraphExec_t graph_exec_ = nullptr;
+  cudaGraphExec_t graph_exec_ = nullptr;   // the decode step; nullptr: eager
+  // Steps whose keys fit kShortKeys replay short_graph_, whose attention grid is planned for
+  // kShortKeys keys instead of max_context: fewer blocks that only exit, clusters that hold every
+  // split; the same split count per position, so the same bits (forward.cu). Eager steps plan their
+  // grid the same way. Off (one grid for every step) with a max_context of at most kShortKeys or
+  // ATOMFLOW_ONE_GRAPH=1 at load.
+  static constexpr int kShortKeys = 512;
+  cudaGraphExec_t short_graph_ = nullptr;
+  bool short_steps_ = false;  // steps of at most kShortKeys keys plan their grid for kShortKeys
+  int attn_keys_ = 0;         // the keys the decode step being enqueued plans its attention grid for
   cudaEvent_t step_done_[kRingSize] = {};
   int32_t* ring_host_ = nullptr;  // mapped pinned: finish_step writes, wait() reads
   int32_t* ring_dev_ = nullptr;   // the same memory as the device sees it
