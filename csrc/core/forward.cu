@@ -27,8 +27,9 @@ void linear(const uint8_t* w, const float* scales, const void* x, kernels::Act x
 
 }  // namespace
 
-// rows tokens at positions *pos .. *pos + rows - 1, embedded in buf_.x, through every layer.
-void Engine::enqueue_layers(int rows) {
+// rows tokens at positions *pos .. *pos + rows - 1, embedded in buf_.x, through every layer. The
+// attention grid is planned for attn_keys keys: at least the keys of the last row (engine.h).
+void Engine::enqueue_layers(int rows, int attn_keys) {
   const ModelSpec& s = spec_;
   const int d = s.hidden_size, f = s.intermediate_size;
   const int H = s.num_heads, Hkv = s.num_kv_heads, D = s.head_dim, C = opt_.max_context;
@@ -56,11 +57,10 @@ void Engine::enqueue_layers(int rows) {
                                 L.v_cache, stream_);
         mark("rope_kv_append", li);
       }
-      // A decode step's grid is planned for attn_keys_ keys (engine.h: the short graph). Its split
-      // count per position is min(64, ceil(keys / 32)) on any grid that holds the keys, so the bits
-      // do not depend on the grid (attention_decode.cu); a prefill chunk's grid is planned for C.
-      kernels::attention(buf_.q, L.k_cache, L.v_cache, buf_.pos, rows, H, Hkv, D, rows == 1 ? attn_keys_ : C, scale,
-                         buf_.attn_scratch, buf_.attn_out, stream_, /*early=*/fused_qkv);
+      // The split count of a query row is min(64, ceil(keys / 32)) on any grid that holds its keys, so
+      // the bits do not depend on attn_keys (attention_decode.cu).
+      kernels::attention(buf_.q, L.k_cache, L.v_cache, buf_.pos, rows, H, Hkv, D, attn_keys, scale, buf_.attn_scratch,
+                         buf_.attn_out, stream_, /*early=*/fused_qkv);
       mark("attention", li);
       if (probe_) probe_snapshot(rows);
       linear(L.wo, L.wo_scale, buf_.attn_out, kernels::Act::BF16, rows, d, s.q_dim(), Epilogue::AddResidual, buf_.x,
@@ -127,7 +127,7 @@ void Engine::enqueue_decode_step() {
   const int d = spec_.hidden_size, vocab = spec_.vocab_size;
   kernels::embedding(buf_.embed, buf_.token, 1, d, vocab, buf_.x, stream_);
   mark("embedding", -1);
-  enqueue_layers(1);
+  enqueue_layers(1, attn_keys_);  // max_context, or kShortKeys for a short step (launch_step)
   enqueue_head(0);
   mark("lm_head", -1);  // the final RMSNorm is fused into it (or its own launch with a bf16 head)
   // The embedding above has read *token, so the sample may overwrite it with the next input.
@@ -145,7 +145,7 @@ void Engine::enqueue_decode_step() {
 void Engine::enqueue_prefill_chunk(int offset, int rows) {
   NvtxRange range("prefill_chunk");
   kernels::embedding(buf_.embed, buf_.ids + offset, rows, spec_.hidden_size, spec_.vocab_size, buf_.x, stream_);
-  enqueue_layers(rows);
+  enqueue_layers(rows, opt_.max_context);
   step::advance_pos(buf_.pos, rows, stream_);
 }
 

@@ -137,7 +137,7 @@ class Engine {
   };
 
   // forward.cu: the launches, enqueued on stream_ (graph-capturable: no sync, no allocation).
-  void enqueue_layers(int rows);
+  void enqueue_layers(int rows, int attn_keys);
   void normed_linear(const bf16* norm, const char* probe_name, int layer, const uint8_t* w, const float* scales,
                      int rows, int N, kernels::Epilogue ep, void* out);
   void enqueue_head(int row);
