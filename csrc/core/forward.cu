@@ -122,7 +122,8 @@ void Engine::enqueue_head(int row) {
 }
 
 // One token: *token at position *pos in, logits and the sampled token (in *token and the ring)
-// out, *pos advanced. Reads all its inputs from device memory, so one graph serves every step.
+// out, *pos advanced. Reads all its inputs from device memory, so one graph serves every step of
+// its attention grid's keys (attn_keys_: launch_step).
 void Engine::enqueue_decode_step() {
   const int d = spec_.hidden_size, vocab = spec_.vocab_size;
   kernels::embedding(buf_.embed, buf_.token, 1, d, vocab, buf_.x, stream_);

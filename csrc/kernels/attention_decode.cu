@@ -27,7 +27,9 @@
 // splits lose at depth: the group's last block reads every split's partial, and at 128 splits that
 // merge cost more than the longer key loops (docs/PERF.md 2026-11-21: 3B at 8192 keys 22.0 ->
 // 16.3 us); a split with a step of one key (2049 keys in 64 splits of 33) costs a round trip for
-// nothing. Blocks past n_active exit.
+// nothing. Blocks past n_active exit. n depends on the capacity only through s_max >= min(64,
+// ceil(n_keys / 32)), so any capacity that holds the keys gives the same splits and the same bits:
+// the core plans the grid of steps of at most 512 keys for 512 (engine.h, kShortKeys).
 //
 // Inside a block: D / 8 lanes hold one key row (16 B each), so a warp covers 32 / (D / 8) keys per
 // load; each such lane group is an independent "key stream" with its own online softmax (scores
