@@ -6,7 +6,6 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <stdexcept>
 
@@ -158,8 +157,7 @@ void Engine::init(const std::string& path, const std::vector<TensorInfo>& table,
   step::write_pos(buf_.pos, 0, stream_);
   step::write_sampling(buf_.sampling, greedy(), stream_);
 
-  const char* one_graph = std::getenv("ATOMFLOW_ONE_GRAPH");
-  short_steps_ = opt_.max_context > kShortKeys && (one_graph == nullptr || one_graph[0] == '\0' || one_graph[0] == '0');
+  short_steps_ = opt_.max_context > kShortKeys && !env_flag("ATOMFLOW_ONE_GRAPH");
   // Warm-up: one eager step loads every kernel (lazy module loading cannot happen inside a
   // capture) and surfaces a failing kernel here, with its own error, not as a graph failure.
   try {
@@ -186,11 +184,10 @@ void Engine::capture_graph() {
 
 cudaGraphExec_t Engine::capture_step(int attn_keys) {
   const std::string what = "capturing the decode step as a CUDA graph failed (ATOMFLOW_EAGER=1 runs without it): ";
-  attn_keys_ = attn_keys;
   cudaGraph_t graph = nullptr;
   AF_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
   try {
-    enqueue_decode_step();
+    enqueue_decode_step(attn_keys);
   } catch (const std::exception& e) {
     cudaStreamEndCapture(stream_, &graph);  // leave the stream usable whatever happened
     if (graph) cudaGraphDestroy(graph);
@@ -254,12 +251,10 @@ std::vector<std::pair<std::string, size_t>> Engine::plan() const { return plan_;
 void Engine::launch_step() {
   NvtxRange range(graph_exec_ ? "decode_step (graph)" : "decode_step");
   const bool short_step = short_steps_ && host_pos_ < kShortKeys;
-  if (graph_exec_) {
+  if (graph_exec_)
     AF_CUDA_CHECK(cudaGraphLaunch(short_step ? short_graph_ : graph_exec_, stream_));
-  } else {
-    attn_keys_ = short_step ? kShortKeys : opt_.max_context;
-    enqueue_decode_step();
-  }
+  else
+    enqueue_decode_step(short_step ? kShortKeys : opt_.max_context);
 }
 
 void Engine::require_idle(const char* what) const {

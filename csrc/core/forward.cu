@@ -122,13 +122,13 @@ void Engine::enqueue_head(int row) {
 }
 
 // One token: *token at position *pos in, logits and the sampled token (in *token and the ring)
-// out, *pos advanced. Reads all its inputs from device memory, so one graph serves every step of
-// its attention grid's keys (attn_keys_: launch_step).
-void Engine::enqueue_decode_step() {
+// out, *pos advanced. Reads all its inputs from device memory, so one graph serves every step whose
+// keys fit attn_keys (launch_step: max_context, or kShortKeys for a short step).
+void Engine::enqueue_decode_step(int attn_keys) {
   const int d = spec_.hidden_size, vocab = spec_.vocab_size;
   kernels::embedding(buf_.embed, buf_.token, 1, d, vocab, buf_.x, stream_);
   mark("embedding", -1);
-  enqueue_layers(1, attn_keys_);  // max_context, or kShortKeys for a short step (launch_step)
+  enqueue_layers(1, attn_keys);
   enqueue_head(0);
   mark("lm_head", -1);  // the final RMSNorm is fused into it (or its own launch with a bf16 head)
   // The embedding above has read *token, so the sample may overwrite it with the next input.

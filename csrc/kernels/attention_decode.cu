@@ -684,10 +684,7 @@ void attention_scratch_clear(void* scratch, size_t scratch_bytes, cudaStream_t s
 
 // Kill switch: ATOMFLOW_NO_CLUSTER_MERGE=1 merges every group with 2+ splits through the scratch.
 static bool cluster_merge_enabled() {
-  static const bool on = [] {
-    const char* v = std::getenv("ATOMFLOW_NO_CLUSTER_MERGE");
-    return v == nullptr || v[0] == '\0' || v[0] == '0';
-  }();
+  static const bool on = !env_flag("ATOMFLOW_NO_CLUSTER_MERGE");
   return on;
 }
 

@@ -141,7 +141,7 @@ class Engine {
   void normed_linear(const bf16* norm, const char* probe_name, int layer, const uint8_t* w, const float* scales,
                      int rows, int N, kernels::Epilogue ep, void* out);
   void enqueue_head(int row);
-  void enqueue_decode_step();
+  void enqueue_decode_step(int attn_keys);  // the keys its attention grid is planned for
   void enqueue_prefill_chunk(int offset, int rows);
 
   // probes.cu: what a probe point reads; X_DELTA is x minus the last snapshot (the output of a
@@ -178,10 +178,11 @@ class Engine {
   // split; the same split count per position, so the same bits (forward.cu). Eager steps plan their
   // grid the same way. Off (one grid for every step) with a max_context of at most kShortKeys or
   // ATOMFLOW_ONE_GRAPH=1 at load.
+  // 512 = 16 splits of 32 keys (attention_decode.cu): the most keys whose splits one 16-block cluster
+  // holds.
   static constexpr int kShortKeys = 512;
   cudaGraphExec_t short_graph_ = nullptr;
   bool short_steps_ = false;  // steps of at most kShortKeys keys plan their grid for kShortKeys
-  int attn_keys_ = 0;         // the keys the decode step being enqueued plans its attention grid for
   cudaEvent_t step_done_[kRingSize] = {};
   int32_t* ring_host_ = nullptr;  // mapped pinned: finish_step writes, wait() reads
   int32_t* ring_dev_ = nullptr;   // the same memory as the device sees it

@@ -45,10 +45,7 @@ __device__ __forceinline__ void pdl_prologue() {
 }
 
 inline bool pdl_enabled() {
-  static const bool on = [] {
-    const char* v = std::getenv("ATOMFLOW_NO_PDL");
-    return v == nullptr || v[0] == '\0' || v[0] == '0';
-  }();
+  static const bool on = !env_flag("ATOMFLOW_NO_PDL");
   return on;
 }
 
