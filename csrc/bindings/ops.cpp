@@ -442,6 +442,10 @@ void register_ops(pybind11::module_& m) {
         py::arg("scale") = py::none(), py::arg("early") = false,
         "q u16 [M, H, D], caches u16 [C, Hkv, D], pos -> u16 [M, H, D]; early: the cached rows read before the "
         "PDL wait (the decode path's mode)");
+  m.def("attention_cluster_size", &k::attention_cluster_size, py::arg("M"), py::arg("H"), py::arg("Hkv"), py::arg("D"),
+        py::arg("max_context"),
+        "blocks per thread-block cluster of an attention call of this shape (1: a plain launch, merged through the "
+        "scratch)");
   m.def("sample", &sample, py::arg("logits"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"),
         py::arg("seed"), py::arg("pos"), "one token from f32 logits [vocab]");
   m.def("sample_seeds", &sample_seeds, py::arg("logits"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"),

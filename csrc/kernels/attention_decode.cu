@@ -3,8 +3,9 @@
 // pass). Each block = (split of the keys, kv head, tile of QT query tokens of one sequence)
 // streams its keys once for all G = H / Hkv query heads of the group and makes an unnormalized
 // partial (m, l, acc[D]) per query row. The splits' partials are merged in one of two ways:
-//  - In a cluster (short contexts). The grid runs in thread-block clusters of CS consecutive splits
-//    of one group (all of them when s_max <= 16, else 8; cluster_splits). When a group's active splits all lie in its first cluster, each
+//  - In a cluster (short contexts). When one thread-block cluster holds every split of a group
+//    (s_max <= 16 for the Llama decode shapes; cluster_splits), the grid runs in clusters of a
+//    group's splits. Each
 //    writes its partial into the shared memory of the cluster's leader (split 0), arrives on the
 //    cluster barrier and exits; the leader waits on the barrier and merges. No scratch, no ticket,
 //    no round trip through L2: 3B decode -2.5% at 128-384 keys (docs/PERF.md 2026-11-21).
@@ -68,8 +69,9 @@ constexpr int kAttnWarps = kAttnThreads / 32;
 constexpr int kMinKeysPerSplit = 32;    // short contexts: many blocks, one K/V step each
 constexpr int kMaxSplits = 64;         // splits of one query row's keys
 constexpr int kMaxSplitBlocks = 128;   // splits x query rows of one call (prefill chunks, batches)
-// Splits per thread-block cluster (grid.y is padded to a multiple): when a group's active splits all
-// fit in its first cluster, they merge through the leader's shared memory (below).
+// The most splits per thread-block cluster, by the leader's buffer. A call runs in clusters only when
+// one holds all its splits (cluster_splits); a group's active splits then merge through the leader's
+// shared memory (below).
 template <int R, int D>
 constexpr int kClusterSplits = R * D <= 512 ? 16 : (R * D <= 768 ? 8 : 4);  // the leader's buffer: <= 32 KB
 constexpr float kNegInit = -1e30f;  // finite "no key yet": exp2(kNegInit - kNegInit) = 1, never NaN
@@ -688,11 +690,13 @@ static bool cluster_merge_enabled() {
   return on;
 }
 
-// Splits per cluster. When kClusterSplits<R, D> (16 for the Llama decode shapes; 8, the portable
-// maximum, where the GPU cannot run a 16-block cluster of this kernel) hold s_max: the smallest power
-// of two that does, so every group is one cluster. Otherwise at most 8: with several 16-block
-// clusters per group, the blocks of a deep context no longer ran in one wave (3B at 8192 keys, cache
-// 8320: 1.660 -> 1.866 ms; with 8: 1.660, docs/PERF.md 2026-11-21).
+// Splits per cluster: the smallest power of two that holds s_max, when kClusterSplits<R, D> (16 for
+// the Llama decode shapes; 8, the portable maximum, where the GPU cannot run a 16-block cluster of
+// this kernel) does; otherwise 1, a plain launch. A grid of several clusters per group only paid
+// for them: a group that spans clusters merges through the scratch anyway, and the clusters cost
+// the deep key loops their wave (3B at 32768 keys in 8-block clusters 2.994 ms against 2.413 ms
+// without; the kernel alone 61.8 against 42.7 us; docs/PERF.md 2026-11-23). Short steps of a large
+// cache keep their cluster merge through the core's grid planned for 512 keys (engine.h, kShortKeys).
 template <class KV, int D, int G, int QT>
 static int cluster_splits(int s_max) {
   constexpr int R = G * QT;
@@ -717,9 +721,9 @@ static int cluster_splits(int s_max) {
     cudaGetLastError();  // a refusal above only means: no 16-block clusters
     return clusters >= 1 ? n : 8;
   }();
-  const int top = s_max <= most ? most : std::min(most, 8);
+  if (!cluster_merge_enabled() || s_max > most) return 1;
   int cs = 1;
-  while (cluster_merge_enabled() && cs < s_max && cs < top) cs *= 2;
+  while (cs < s_max) cs *= 2;
   return cs;
 }
 
@@ -755,6 +759,14 @@ static void dispatch_tokens(const bf16* q, const KV& kv, int B, int M, int H, in
     launch_attention<KV, D, G, QT>(q, kv, B, M, H, Hkv, scale, scratch, out, stream, early);
 }
 
+// Blocks per cluster of a call's launch (attention_cluster_size): the same choice as launch_attention's.
+template <int D, int G>
+static int cluster_size_of(int M, int max_context) {
+  constexpr int QT = 8 / G > 1 ? 8 / G : 1;
+  const int s_max = max_splits(M, max_context);
+  return M == 1 ? cluster_splits<ContiguousKV, D, G, 1>(s_max) : cluster_splits<ContiguousKV, D, G, QT>(s_max);
+}
+
 template <class KV, int D>
 static void dispatch_group(const bf16* q, const KV& kv, int B, int M, int H, int Hkv, float scale, void* scratch,
                            bf16* out, cudaStream_t stream, bool early) {
@@ -780,6 +792,25 @@ static void dispatch(const bf16* q, const KV& kv, int B, int M, int H, int Hkv, 
     case 128: dispatch_group<KV, 128>(q, kv, B, M, H, Hkv, scale, scratch, out, stream, early); break;
     default: AF_CHECK(false, "attention: head_dim must be 64 or 128");
   }
+}
+
+int attention_cluster_size(int M, int H, int Hkv, int D, int max_context) {
+  AF_CHECK(M >= 1 && H >= 1 && Hkv >= 1 && max_context >= 1 && H % Hkv == 0,
+           "attention_cluster_size: M, H, Hkv, max_context must be >= 1, H a multiple of Hkv");
+  AF_CHECK(D == 64 || D == 128, "attention: head_dim must be 64 or 128");
+  const auto pick = [&](auto d) {
+    constexpr int Dc = decltype(d)::value;
+    switch (H / Hkv) {
+      case 1: return cluster_size_of<Dc, 1>(M, max_context);
+      case 2: return cluster_size_of<Dc, 2>(M, max_context);
+      case 3: return cluster_size_of<Dc, 3>(M, max_context);
+      case 4: return cluster_size_of<Dc, 4>(M, max_context);
+      case 6: return cluster_size_of<Dc, 6>(M, max_context);
+      case 8: return cluster_size_of<Dc, 8>(M, max_context);
+      default: AF_CHECK(false, "attention: GQA group size H / Hkv must be one of 1, 2, 3, 4, 6, 8"); return 0;
+    }
+  };
+  return D == 64 ? pick(std::integral_constant<int, 64>{}) : pick(std::integral_constant<int, 128>{});
 }
 
 void attention(const bf16* q, const bf16* k_cache, const bf16* v_cache, const int32_t* pos, int M, int H, int Hkv,

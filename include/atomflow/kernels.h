@@ -91,14 +91,17 @@ void rope_kv_append(const float* qkv, const float* inv_freq, const int32_t* pos,
 // Flash-decoding in one launch: the context is split across blocks (the grid is fixed by
 // max_context, the work per block is derived from *pos on the device), each K/V row is loaded once
 // for all H / Hkv query heads of its group, and the groups' partials are merged in the shared
-// memory of a thread-block cluster (up to 16 splits) or by the last block of the group to finish.
-// D in {64, 128}, Hkv <= 256. ATOMFLOW_NO_CLUSTER_MERGE=1 turns the cluster merge off.
+// memory of a thread-block cluster (when one cluster holds every split a max_context can have: up to
+// 16) or by the last block of the group to finish. D in {64, 128}, Hkv <= 256.
+// ATOMFLOW_NO_CLUSTER_MERGE=1 turns the cluster merge off; attention_cluster_size tells the blocks
+// per cluster a call of that shape launches with (1: a plain launch, no cluster merge).
 // Scratch contract (every attention entry point): the scratch starts with merge counters that
 // must be ZERO before the first call; every call leaves them zero again (nothing to do between
 // calls or graph replays, and calls of any B, M and capacity may share one scratch sized for the
 // largest). A caller that allocates its own scratch clears it once with attention_scratch_clear
 // (zeroes the counters only, on `stream`; the rest needs no initial value).
 size_t attention_scratch_bytes(int M, int H, int D, int max_context);
+int attention_cluster_size(int M, int H, int Hkv, int D, int max_context);
 void attention_scratch_clear(void* scratch, size_t scratch_bytes, cudaStream_t stream);
 // early: the previous kernel lets this one launch only after its own PDL wait (the decode QKV GEMV
 // does), so *pos and the cache rows below it may be read before this kernel's wait (see the kernel).
