@@ -167,7 +167,6 @@ def test_timing_loops_on_cpu(tiny_hf_dir):
 def test_vllm_runner_with_a_fake_vllm(tiny_hf_dir, monkeypatch):
     """The vllm runner's bookkeeping against a stand-in module: per-request timing, prefix caching
     off, greedy, EOS ignored, one TPOT value per repetition."""
-    import time
     import types
     made = {}
 
@@ -181,10 +180,14 @@ def test_vllm_runner_with_a_fake_vllm(tiny_hf_dir, monkeypatch):
 
         def generate(self, prompts, params, use_tqdm=True):
             assert params.kw["temperature"] == 0.0 and params.kw["ignore_eos"]
-            time.sleep(0.001 * params.kw["max_tokens"])
+            clock[0] += 0.004 + 0.001 * params.kw["max_tokens"]  # 4 ms to the first token, then 1 ms each
             out = types.SimpleNamespace(token_ids=list(range(params.kw["max_tokens"])))
             return [types.SimpleNamespace(outputs=[out])]
 
+    # The runner's clock advances only inside generate: the figures are exact, whatever the load.
+    from atomflow.baselines import vllm_runner
+    clock = [100.0]
+    monkeypatch.setattr(vllm_runner, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=LLM, SamplingParams=SamplingParams))
     opts = make_options("m", n_prompt="16", n_gen="5", repetitions="2")
     rows = {r["test"]: r for r in baselines.run("vllm", tiny_hf_dir, opts, 1000.0, lambda m: None)}
@@ -193,4 +196,5 @@ def test_vllm_runner_with_a_fake_vllm(tiny_hf_dir, monkeypatch):
     assert rows["pp16"]["status"] == "ok" and len(rows["pp16"]["samples"]["ttft_ms"]) == 2
     tg = rows["tg5"]
     assert tg["status"] == "ok" and [len(g) for g in tg["samples"]["tpot_ms"]] == [1, 1]
-    assert 0.8 < tg["tpot_ms_p50"] < 20 and tg["tpot_method"] == "per-request mean"
+    assert tg["tpot_ms_p50"] == pytest.approx(1.0) and tg["tpot_method"] == "per-request mean"
+    assert rows["pp16"]["samples"]["ttft_ms"] == pytest.approx([5.0, 5.0])
