@@ -297,53 +297,40 @@ CLUSTER_MERGE_CASES = [  # (M, context, cache rows, Hkv, G, D): splits merged in
 ]
 
 
-def attention_cases(rng, cases):
-    """Random inputs for (M, context, cache rows, Hkv, G, D[, early]) cases, and the outputs of this
-    process; each checked against the numpy reference."""
-    inputs, got = {}, {}
-    for i, (M, context, C, Hkv, G, D, *early) in enumerate(cases):
-        q = bf16_bits(rng.standard_normal((M, Hkv * G, D)) * 2.0)
-        kc = bf16_bits(rng.standard_normal((C, Hkv, D)))
-        vc = bf16_bits(rng.standard_normal((C, Hkv, D)))
-        inputs.update({f"q{i}": q, f"k{i}": kc, f"v{i}": vc})
-        got[i] = ops.attention(q, kc, vc, context - M, 1.0 / np.sqrt(D), early=bool(early and early[0]))
-        want = reference_attention(q, kc, vc, context - M, 1.0 / np.sqrt(D))
-        assert_close(from_bf16(got[i]), want, 6e-3, f"attention, case {cases[i]}")
-    return inputs, got
-
-
-def attention_cases_with(tmp_path, cases, inputs, env_flag):
-    """The same cases' outputs in a fresh process with the kill switch `env_flag` set (the launchers
-    read their switches once per process)."""
-    import os
-    import subprocess
-    np.savez(tmp_path / "in.npz", **inputs)
-    script = (
-        "import sys, numpy as np\n"
-        "from atomflow._core import ops\n"
-        f"cases = {cases!r}\n"
-        "z = np.load(sys.argv[1])\n"
-        "out = {f'o{i}': ops.attention(z[f'q{i}'], z[f'k{i}'], z[f'v{i}'], c[1] - c[0], 1.0 / np.sqrt(c[5]),\n"
-        "                              early=bool(c[6:] and c[6]))\n"
-        "       for i, c in enumerate(cases)}\n"
-        "np.savez(sys.argv[2], **out)\n")
-    subprocess.run([sys.executable, "-c", script, str(tmp_path / "in.npz"), str(tmp_path / "out.npz")],
-                   env=dict(os.environ, **{env_flag: "1"}), check=True, timeout=120)
-    return np.load(tmp_path / "out.npz")
-
-
 def test_attention_cluster_merge_equals_scratch_merge(rng, tmp_path):
     """The two merges of the splits' partials (the leader's shared memory within a thread-block
     cluster; the scratch and a ticket otherwise) add the same terms in the same order: the same bits.
     The scratch merge runs in a fresh process with ATOMFLOW_NO_CLUSTER_MERGE=1."""
-    inputs, got = attention_cases(rng, CLUSTER_MERGE_CASES)
-    scratch = attention_cases_with(tmp_path, CLUSTER_MERGE_CASES, inputs, "ATOMFLOW_NO_CLUSTER_MERGE")
+    import os
+    import subprocess
+    inputs, got = {}, {}
+    for i, (M, context, C, Hkv, G, D) in enumerate(CLUSTER_MERGE_CASES):
+        q = bf16_bits(rng.standard_normal((M, Hkv * G, D)) * 2.0)
+        kc = bf16_bits(rng.standard_normal((C, Hkv, D)))
+        vc = bf16_bits(rng.standard_normal((C, Hkv, D)))
+        inputs.update({f"q{i}": q, f"k{i}": kc, f"v{i}": vc})
+        got[i] = ops.attention(q, kc, vc, context - M, 1.0 / np.sqrt(D))
+        want = reference_attention(q, kc, vc, context - M, 1.0 / np.sqrt(D))
+        assert_close(from_bf16(got[i]), want, 6e-3, f"cluster merge, case {CLUSTER_MERGE_CASES[i]}")
+    np.savez(tmp_path / "in.npz", **inputs)
+    script = (
+        "import sys, numpy as np\n"
+        "from atomflow._core import ops\n"
+        f"cases = {CLUSTER_MERGE_CASES!r}\n"
+        "z = np.load(sys.argv[1])\n"
+        "out = {f'o{i}': ops.attention(z[f'q{i}'], z[f'k{i}'], z[f'v{i}'], c - M, 1.0 / np.sqrt(D))\n"
+        "       for i, (M, c, C, Hkv, G, D) in enumerate(cases)}\n"
+        "np.savez(sys.argv[2], **out)\n")
+    env = dict(os.environ, ATOMFLOW_NO_CLUSTER_MERGE="1")
+    subprocess.run([sys.executable, "-c", script, str(tmp_path / "in.npz"), str(tmp_path / "out.npz")],
+                   env=env, check=True, timeout=120)
+    scratch = np.load(tmp_path / "out.npz")
     for i, case in enumerate(CLUSTER_MERGE_CASES):
         np.testing.assert_array_equal(got[i], scratch[f"o{i}"], err_msg=f"cluster != scratch merge, case {case}")
 
 
 @pytest.mark.parametrize("M,H,Hkv,D,max_context,want", [
-    (1, 24, 8, 128, 128, 4),     # 3B decode, the short-steps grid's smaller cousins: one cluster per group
+    (1, 24, 8, 128, 128, 4),     # 3B decode: 4 splits, one cluster of 4 per group
     (1, 24, 8, 128, 448, 16),
     (1, 24, 8, 128, 512, 16),    # Engine::kShortKeys: 16 splits, one 16-block cluster
     (1, 24, 8, 128, 513, 1),     # 17 splits: no cluster holds them all, a plain launch

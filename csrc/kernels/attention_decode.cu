@@ -748,37 +748,27 @@ static void launch_attention(const bf16* q, const KV& kv, int B, int M, int H, i
 
 // Decode uses one query token per block; prefill chunks tile QT tokens so that G * QT <= 8 query
 // rows share each K/V load.
-template <class KV, int D, int G>
-static void dispatch_tokens(const bf16* q, const KV& kv, int B, int M, int H, int Hkv, float scale, void* scratch,
-                            bf16* out, cudaStream_t stream, bool early) {
-  constexpr int QT = 8 / G > 1 ? 8 / G : 1;
-  AF_CHECK(static_cast<long long>(B) * M <= 65535, "attention: B * M too large for the grid");
-  if (M == 1)
-    launch_attention<KV, D, G, 1>(q, kv, B, M, H, Hkv, scale, scratch, out, stream, early);
-  else
-    launch_attention<KV, D, G, QT>(q, kv, B, M, H, Hkv, scale, scratch, out, stream, early);
-}
+template <int G>
+constexpr int kQueryTile = 8 / G > 1 ? 8 / G : 1;
 
-// Blocks per cluster of a call's launch (attention_cluster_size): the same choice as launch_attention's.
-template <int D, int G>
-static int cluster_size_of(int M, int max_context) {
-  constexpr int QT = 8 / G > 1 ? 8 / G : 1;
-  const int s_max = max_splits(M, max_context);
-  return M == 1 ? cluster_splits<ContiguousKV, D, G, 1>(s_max) : cluster_splits<ContiguousKV, D, G, QT>(s_max);
-}
-
-template <class KV, int D>
-static void dispatch_group(const bf16* q, const KV& kv, int B, int M, int H, int Hkv, float scale, void* scratch,
-                           bf16* out, cudaStream_t stream, bool early) {
-  switch (H / Hkv) {
-    case 1: dispatch_tokens<KV, D, 1>(q, kv, B, M, H, Hkv, scale, scratch, out, stream, early); break;
-    case 2: dispatch_tokens<KV, D, 2>(q, kv, B, M, H, Hkv, scale, scratch, out, stream, early); break;
-    case 3: dispatch_tokens<KV, D, 3>(q, kv, B, M, H, Hkv, scale, scratch, out, stream, early); break;
-    case 4: dispatch_tokens<KV, D, 4>(q, kv, B, M, H, Hkv, scale, scratch, out, stream, early); break;
-    case 6: dispatch_tokens<KV, D, 6>(q, kv, B, M, H, Hkv, scale, scratch, out, stream, early); break;
-    case 8: dispatch_tokens<KV, D, 8>(q, kv, B, M, H, Hkv, scale, scratch, out, stream, early); break;
-    default: AF_CHECK(false, "attention: GQA group size H / Hkv must be one of 1, 2, 3, 4, 6, 8");
-  }
+// fn(D, G) with both as std::integral_constant, for the head dims and GQA group sizes the kernel is
+// built for: the one place that maps a call's shape to its template instance.
+template <class Fn>
+static decltype(auto) for_shape(int D, int G, Fn&& fn) {
+  AF_CHECK(D == 64 || D == 128, "attention: head_dim must be 64 or 128");
+  AF_CHECK(G == 1 || G == 2 || G == 3 || G == 4 || G == 6 || G == 8,
+           "attention: GQA group size H / Hkv must be one of 1, 2, 3, 4, 6, 8");
+  const auto group = [&](auto d) -> decltype(auto) {
+    switch (G) {
+      case 1: return fn(d, std::integral_constant<int, 1>{});
+      case 2: return fn(d, std::integral_constant<int, 2>{});
+      case 3: return fn(d, std::integral_constant<int, 3>{});
+      case 4: return fn(d, std::integral_constant<int, 4>{});
+      case 6: return fn(d, std::integral_constant<int, 6>{});
+      default: return fn(d, std::integral_constant<int, 8>{});
+    }
+  };
+  return D == 64 ? group(std::integral_constant<int, 64>{}) : group(std::integral_constant<int, 128>{});
 }
 
 template <class KV>
@@ -787,30 +777,26 @@ static void dispatch(const bf16* q, const KV& kv, int B, int M, int H, int Hkv, 
   AF_CHECK(B >= 1 && M >= 1 && H >= 1 && Hkv >= 1, "attention: B, M, H, Hkv must be >= 1");
   AF_CHECK(H % Hkv == 0, "attention: H must be a multiple of Hkv");
   AF_CHECK(Hkv <= kMaxKvHeads, "attention: at most 256 kv heads (the scratch's counters)");
-  switch (D) {
-    case 64: dispatch_group<KV, 64>(q, kv, B, M, H, Hkv, scale, scratch, out, stream, early); break;
-    case 128: dispatch_group<KV, 128>(q, kv, B, M, H, Hkv, scale, scratch, out, stream, early); break;
-    default: AF_CHECK(false, "attention: head_dim must be 64 or 128");
-  }
+  for_shape(D, H / Hkv, [&](auto d, auto g) {
+    constexpr int Dc = decltype(d)::value, G = decltype(g)::value;
+    AF_CHECK(static_cast<long long>(B) * M <= 65535, "attention: B * M too large for the grid");
+    if (M == 1)
+      launch_attention<KV, Dc, G, 1>(q, kv, B, M, H, Hkv, scale, scratch, out, stream, early);
+    else
+      launch_attention<KV, Dc, G, kQueryTile<G>>(q, kv, B, M, H, Hkv, scale, scratch, out, stream, early);
+  });
 }
 
+// The blocks per cluster that launch_attention picks for a contiguous-cache call of this shape.
 int attention_cluster_size(int M, int H, int Hkv, int D, int max_context) {
   AF_CHECK(M >= 1 && H >= 1 && Hkv >= 1 && max_context >= 1 && H % Hkv == 0,
            "attention_cluster_size: M, H, Hkv, max_context must be >= 1, H a multiple of Hkv");
-  AF_CHECK(D == 64 || D == 128, "attention: head_dim must be 64 or 128");
-  const auto pick = [&](auto d) {
-    constexpr int Dc = decltype(d)::value;
-    switch (H / Hkv) {
-      case 1: return cluster_size_of<Dc, 1>(M, max_context);
-      case 2: return cluster_size_of<Dc, 2>(M, max_context);
-      case 3: return cluster_size_of<Dc, 3>(M, max_context);
-      case 4: return cluster_size_of<Dc, 4>(M, max_context);
-      case 6: return cluster_size_of<Dc, 6>(M, max_context);
-      case 8: return cluster_size_of<Dc, 8>(M, max_context);
-      default: AF_CHECK(false, "attention: GQA group size H / Hkv must be one of 1, 2, 3, 4, 6, 8"); return 0;
-    }
-  };
-  return D == 64 ? pick(std::integral_constant<int, 64>{}) : pick(std::integral_constant<int, 128>{});
+  return for_shape(D, H / Hkv, [&](auto d, auto g) {
+    constexpr int Dc = decltype(d)::value, G = decltype(g)::value;
+    const int s_max = max_splits(M, max_context);
+    return M == 1 ? cluster_splits<ContiguousKV, Dc, G, 1>(s_max)
+                  : cluster_splits<ContiguousKV, Dc, G, kQueryTile<G>>(s_max);
+  });
 }
 
 void attention(const bf16* q, const bf16* k_cache, const bf16* v_cache, const int32_t* pos, int M, int H, int Hkv,
