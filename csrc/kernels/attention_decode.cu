@@ -45,7 +45,6 @@
 // arithmetic in the same order (bit-identical results).
 #include <cooperative_groups.h>
 #include <algorithm>
-#include <cstdlib>
 #include <type_traits>
 
 #include "atomflow/kernels.h"
@@ -751,21 +750,27 @@ static void launch_attention(const bf16* q, const KV& kv, int B, int M, int H, i
 template <int G>
 constexpr int kQueryTile = 8 / G > 1 ? 8 / G : 1;
 
-// fn(D, G) with both as std::integral_constant, for the head dims and GQA group sizes the kernel is
-// built for: the one place that maps a call's shape to its template instance.
+// fn(D, G, QT) as std::integral_constants, for the head dims and GQA group sizes the kernel is built
+// for and the query tile of M tokens per sequence (1 for decode, kQueryTile<G> for a chunk): the one
+// place that maps a call's shape to its template instance.
 template <class Fn>
-static decltype(auto) for_shape(int D, int G, Fn&& fn) {
+static decltype(auto) for_shape(int D, int G, int M, Fn&& fn) {
   AF_CHECK(D == 64 || D == 128, "attention: head_dim must be 64 or 128");
   AF_CHECK(G == 1 || G == 2 || G == 3 || G == 4 || G == 6 || G == 8,
            "attention: GQA group size H / Hkv must be one of 1, 2, 3, 4, 6, 8");
+  const auto tile = [&](auto d, auto g) -> decltype(auto) {
+    using One = std::integral_constant<int, 1>;
+    using Tile = std::integral_constant<int, kQueryTile<decltype(g)::value>>;
+    return M == 1 ? fn(d, g, One{}) : fn(d, g, Tile{});
+  };
   const auto group = [&](auto d) -> decltype(auto) {
     switch (G) {
-      case 1: return fn(d, std::integral_constant<int, 1>{});
-      case 2: return fn(d, std::integral_constant<int, 2>{});
-      case 3: return fn(d, std::integral_constant<int, 3>{});
-      case 4: return fn(d, std::integral_constant<int, 4>{});
-      case 6: return fn(d, std::integral_constant<int, 6>{});
-      default: return fn(d, std::integral_constant<int, 8>{});
+      case 1: return tile(d, std::integral_constant<int, 1>{});
+      case 2: return tile(d, std::integral_constant<int, 2>{});
+      case 3: return tile(d, std::integral_constant<int, 3>{});
+      case 4: return tile(d, std::integral_constant<int, 4>{});
+      case 6: return tile(d, std::integral_constant<int, 6>{});
+      default: return tile(d, std::integral_constant<int, 8>{});
     }
   };
   return D == 64 ? group(std::integral_constant<int, 64>{}) : group(std::integral_constant<int, 128>{});
@@ -777,13 +782,10 @@ static void dispatch(const bf16* q, const KV& kv, int B, int M, int H, int Hkv, 
   AF_CHECK(B >= 1 && M >= 1 && H >= 1 && Hkv >= 1, "attention: B, M, H, Hkv must be >= 1");
   AF_CHECK(H % Hkv == 0, "attention: H must be a multiple of Hkv");
   AF_CHECK(Hkv <= kMaxKvHeads, "attention: at most 256 kv heads (the scratch's counters)");
-  for_shape(D, H / Hkv, [&](auto d, auto g) {
-    constexpr int Dc = decltype(d)::value, G = decltype(g)::value;
+  for_shape(D, H / Hkv, M, [&](auto d, auto g, auto qt) {
     AF_CHECK(static_cast<long long>(B) * M <= 65535, "attention: B * M too large for the grid");
-    if (M == 1)
-      launch_attention<KV, Dc, G, 1>(q, kv, B, M, H, Hkv, scale, scratch, out, stream, early);
-    else
-      launch_attention<KV, Dc, G, kQueryTile<G>>(q, kv, B, M, H, Hkv, scale, scratch, out, stream, early);
+    launch_attention<KV, decltype(d)::value, decltype(g)::value, decltype(qt)::value>(q, kv, B, M, H, Hkv, scale,
+                                                                                      scratch, out, stream, early);
   });
 }
 
@@ -791,11 +793,9 @@ static void dispatch(const bf16* q, const KV& kv, int B, int M, int H, int Hkv, 
 int attention_cluster_size(int M, int H, int Hkv, int D, int max_context) {
   AF_CHECK(M >= 1 && H >= 1 && Hkv >= 1 && max_context >= 1 && H % Hkv == 0,
            "attention_cluster_size: M, H, Hkv, max_context must be >= 1, H a multiple of Hkv");
-  return for_shape(D, H / Hkv, [&](auto d, auto g) {
-    constexpr int Dc = decltype(d)::value, G = decltype(g)::value;
-    const int s_max = max_splits(M, max_context);
-    return M == 1 ? cluster_splits<ContiguousKV, Dc, G, 1>(s_max)
-                  : cluster_splits<ContiguousKV, Dc, G, kQueryTile<G>>(s_max);
+  return for_shape(D, H / Hkv, M, [&](auto d, auto g, auto qt) {
+    return cluster_splits<ContiguousKV, decltype(d)::value, decltype(g)::value, decltype(qt)::value>(
+        max_splits(M, max_context));
   });
 }
 

@@ -713,8 +713,10 @@ static void launch_gemv_as(const Product& P, float eps, const RopeKVArgs& rope, 
   const size_t smem = staging_bytes<IN>(P.K);
   // Every warp has a row pair when there are fewer pairs than resident warps (kernel comment). A
   // product with more takes every slot, the QKV product too: leaving 24 of them to the attention after
-  // it measured faster once (docs/PERF.md), but no longer since attention runs in thread-block clusters,
-  // which need several free slots of one GPC at once (none spare: 3B -0.2%, 8B -0.8%, 2026-11-23).
+  // it measured faster once (docs/PERF.md), but no longer once attention ran in thread-block clusters,
+  // which need several free slots of one GPC at once (none spare: 3B -0.2%, 8B -0.8% at contexts up
+  // to 256, docs/PERF.md 2026-11-23). Since 67aa8ed only steps of at most 512 keys run in clusters;
+  // deeper steps, plain launches again, have not been measured with spare slots.
   const int resident = resident_blocks<EP, IN, WHOLE>(smem);
   const int blocks = std::min(CEIL_DIV(RowPairs<EP>::count(P.N), kGemvWarps), resident);
   af_launch(gemv_w8a16_kernel<EP, IN, WHOLE>, dim3(blocks), dim3(kGemvThreads), smem, stream, P, eps, rope);

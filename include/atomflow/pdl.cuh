@@ -19,7 +19,6 @@
 // Graph capture keeps the programmatic edges. Kill switch: ATOMFLOW_NO_PDL=1. On GPUs before
 // sm_90 both calls compile to nothing and launches are ordinary.
 #pragma once
-#include <cstdlib>
 #include <utility>
 
 #include "atomflow/common.h"
