@@ -82,3 +82,23 @@ def test_layer_table_times_from_the_layers_qkv():
     assert qkv["exit"] == pytest.approx(2.2 + 0.003)
     assert (attn["entry"], attn["waited"], attn["staged"], attn["done"]) == pytest.approx((2.5, 2.9, 3.1, 3.8))
     assert down["done"] == pytest.approx(9.0 + 2.5 + 0.2 + 0.0015)
+
+
+def test_attention_phases_by_blocks_per_sm():
+    recs = step(layers=3)
+    attn = (recs["kind"] & ATTN) != 0
+    recs["smid"][attn] = np.tile([5, 5, 7], 3)  # blocks 0 and 1 of each launch share an SM
+    ph = trace_step.attention_phases([trace_step.launches(recs)])
+    assert sorted(ph) == [1, 2]
+    assert ph[2]["waited>loop"] == pytest.approx(0.2) and ph[2]["loop>partial"] == pytest.approx(0.1)
+    assert ph[2]["ticket>merged"] == pytest.approx(0.4)  # block 0 merges
+    assert np.isnan(ph[1]["ticket>merged"])  # block 2 only exits
+
+
+def test_exit_spread_after_the_median_wait():
+    sp = trace_step.exit_spread([trace_step.launches(step(layers=4))])
+    assert sorted(sp) == ["down", "gate_up", "o", "qkv"]
+    # waited +1000, exit +2000 + 500 (n - 1) + 200 + w for warp w: down (n = 2) 1.7 us + w ns
+    assert sp["down"]["q"][1] == pytest.approx(1.7 + 0.0015)
+    assert sp["down"]["q"][3] == pytest.approx(1.7 + 0.003)
+    assert sp["gate_up"]["by_n"] == {3: pytest.approx(2.2 + 0.0015)}

@@ -125,6 +125,52 @@ def summarize(step: list[dict], t0: int) -> list[dict]:
 
 
 COLS = ("entry", "waited", "waited_last", "landed", "staged", "done", "exit")
+A_PHASES = (("entry>issued", A_ENTRY, A_ISSUED), ("issued>waited", A_ISSUED, A_WAITED),
+            ("waited>loop", A_WAITED, A_LOOP), ("loop>partial", A_LOOP, A_PARTIAL),
+            ("partial>ticket", A_PARTIAL, A_TICKET), ("ticket>merged", A_TICKET, A_MERGED))
+
+
+def attention_phases(all_steps: list[list[dict]]) -> dict[int, dict[str, float]]:
+    """Median us of each phase of an active attention block (ticket>merged: the merging blocks only),
+    by how many blocks of its launch shared its SM, over every attention launch of the steps."""
+    per: dict[int, dict[str, list[float]]] = {}
+    for st in all_steps:
+        for l in st:
+            if not l["attn"]:
+                continue
+            sm = l["recs"]["smid"]
+            sms, counts = np.unique(sm, return_counts=True)
+            on_sm = dict(zip(sms.tolist(), counts.tolist()))
+            merged = (l["recs"]["kind"] & 0x10) != 0
+            for i, t in enumerate(l["t"]):
+                d = per.setdefault(on_sm[int(sm[i])], {name: [] for name, _, _ in A_PHASES})
+                for name, a, b in A_PHASES:
+                    if t[a] > 0 and t[b] > 0 and (b != A_MERGED or merged[i]):
+                        d[name].append((t[b] - t[a]) / 1e3)
+    return {k: {name: float(np.median(v)) if v else float("nan") for name, v in d.items()}
+            for k, d in sorted(per.items())}
+
+
+def exit_spread(all_steps: list[list[dict]]) -> dict[str, dict]:
+    """Per GEMV of a layer: its warps' exits, us after the launch's median wait (p10, median, p90,
+    max; medians over the inner layers' launches), and the median exit by row-pair iterations."""
+    per: dict[str, dict] = {}
+    for st in all_steps:
+        q = [i for i, l in enumerate(st) if l["name"] == "qkv"]
+        for li in range(1, len(q) - 1):
+            for l in st[q[li]:q[li + 1]]:
+                if l["attn"]:
+                    continue
+                t = l["t"]
+                ex = (t[:, EXIT] - np.median(t[:, WAITED])) / 1e3
+                d = per.setdefault(l["name"], {"q": [], "by_n": {}})
+                d["q"].append(np.percentile(ex, [10, 50, 90, 100]))
+                n = l["recs"]["n"]
+                for k in np.unique(n).tolist():
+                    d["by_n"].setdefault(int(k), []).append(float(np.median(ex[n == k])))
+    return {name: {"q": np.median(np.array(d["q"]), axis=0).tolist(),
+                   "by_n": {k: float(np.median(v)) for k, v in sorted(d["by_n"].items())}}
+            for name, d in per.items()}
 
 
 def layer_table(all_steps: list[list[dict]]) -> tuple[list[str], list[dict], float]:
@@ -203,6 +249,15 @@ def main(argv: list[str] | None = None) -> int:
     print("  entry: first block in; waited / w.last: median / last past the PDL wait; landed: median warp's\n"
           "  input arrived (attention: partial written); staged: input staged (attention: key loop done);\n"
           "  done: median exit (attention: merge written); exit: last; release: waited - previous exit")
+
+    print("\nattention phases, us (median per block), by the launch's blocks on the block's SM")
+    print(f"{'on SM':>6}" + "".join(f"{name:>15}" for name, _, _ in A_PHASES))
+    for k, d in attention_phases(all_steps).items():
+        print(f"{k:>6}" + "".join(f"{d[name]:>15.2f}" for name, _, _ in A_PHASES))
+    print("\nGEMV warps' exits, us after the launch's median wait (p10 / median / p90 / max; by iterations)")
+    for name, d in exit_spread(all_steps).items():
+        by_n = ", ".join(f"n={k}: {v:.2f}" for k, v in d["by_n"].items())
+        print(f"{name:<10}" + " / ".join(f"{v:.2f}" for v in d["q"]) + f"   ({by_n})")
 
     # Byte-rate profile of layer L of the last step.
     t0 = step[qkv[L]]["first"]
