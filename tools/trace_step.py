@@ -130,6 +130,15 @@ A_PHASES = (("entry>issued", A_ENTRY, A_ISSUED), ("issued>waited", A_ISSUED, A_W
             ("partial>ticket", A_PARTIAL, A_TICKET), ("ticket>merged", A_TICKET, A_MERGED))
 
 
+def inner_layers(all_steps: list[list[dict]]):
+    """(the launches of layer li, the next layer's first entry) for the inner layers 1 .. n - 2 of
+    every step: a layer starts at its qkv launch."""
+    for st in all_steps:
+        q = [i for i, l in enumerate(st) if l["name"] == "qkv"]
+        for li in range(1, len(q) - 1):
+            yield st[q[li]:q[li + 1]], st[q[li + 1]]["first"]
+
+
 def attention_phases(all_steps: list[list[dict]]) -> dict[int, dict[str, float]]:
     """Median us of each phase of an active attention block (ticket>merged: the merging blocks only),
     by how many blocks of its launch shared its SM, over every attention launch of the steps."""
@@ -138,14 +147,11 @@ def attention_phases(all_steps: list[list[dict]]) -> dict[int, dict[str, float]]
         for l in st:
             if not l["attn"]:
                 continue
-            sm = l["recs"]["smid"]
-            sms, counts = np.unique(sm, return_counts=True)
-            on_sm = dict(zip(sms.tolist(), counts.tolist()))
-            merged = (l["recs"]["kind"] & 0x10) != 0
-            for i, t in enumerate(l["t"]):
-                d = per.setdefault(on_sm[int(sm[i])], {name: [] for name, _, _ in A_PHASES})
+            _, where, counts = np.unique(l["recs"]["smid"], return_inverse=True, return_counts=True)
+            for t, on_sm in zip(l["t"], counts[where].tolist()):
+                d = per.setdefault(on_sm, {name: [] for name, _, _ in A_PHASES})
                 for name, a, b in A_PHASES:
-                    if t[a] > 0 and t[b] > 0 and (b != A_MERGED or merged[i]):
+                    if t[a] > 0 and t[b] > 0:  # a stamp never taken is 0: A_MERGED in blocks that only exit
                         d[name].append((t[b] - t[a]) / 1e3)
     return {k: {name: float(np.median(v)) if v else float("nan") for name, v in d.items()}
             for k, d in sorted(per.items())}
@@ -155,19 +161,17 @@ def exit_spread(all_steps: list[list[dict]]) -> dict[str, dict]:
     """Per GEMV of a layer: its warps' exits, us after the launch's median wait (p10, median, p90,
     max; medians over the inner layers' launches), and the median exit by row-pair iterations."""
     per: dict[str, dict] = {}
-    for st in all_steps:
-        q = [i for i, l in enumerate(st) if l["name"] == "qkv"]
-        for li in range(1, len(q) - 1):
-            for l in st[q[li]:q[li + 1]]:
-                if l["attn"]:
-                    continue
-                t = l["t"]
-                ex = (t[:, EXIT] - np.median(t[:, WAITED])) / 1e3
-                d = per.setdefault(l["name"], {"q": [], "by_n": {}})
-                d["q"].append(np.percentile(ex, [10, 50, 90, 100]))
-                n = l["recs"]["n"]
-                for k in np.unique(n).tolist():
-                    d["by_n"].setdefault(int(k), []).append(float(np.median(ex[n == k])))
+    for layer, _ in inner_layers(all_steps):
+        for l in layer:
+            if l["attn"]:
+                continue
+            t = l["t"]
+            ex = (t[:, EXIT] - np.median(t[:, WAITED])) / 1e3
+            d = per.setdefault(l["name"], {"q": [], "by_n": {}})
+            d["q"].append(np.percentile(ex, [10, 50, 90, 100]))
+            n = l["recs"]["n"]
+            for k in np.unique(n).tolist():
+                d["by_n"].setdefault(int(k), []).append(float(np.median(ex[n == k])))
     return {name: {"q": np.median(np.array(d["q"]), axis=0).tolist(),
                    "by_n": {k: float(np.median(v)) for k, v in sorted(d["by_n"].items())}}
             for name, d in per.items()}
@@ -179,16 +183,14 @@ def layer_table(all_steps: list[list[dict]]) -> tuple[list[str], list[dict], flo
     per: dict[int, dict[str, list[float]]] = {}
     names: list[str] = []
     spans = []
-    for st in all_steps:
-        q = [i for i, l in enumerate(st) if l["name"] == "qkv"]
-        for li in range(1, len(q) - 1):
-            t0 = st[q[li]]["first"]
-            rows = summarize(st[q[li]:q[li + 1]], t0)
-            names = [r["name"] for r in rows]
-            spans.append((st[q[li + 1]]["first"] - t0) / 1e3)
-            for k, r in enumerate(rows):
-                for c in COLS:
-                    per.setdefault(k, {c: [] for c in COLS})[c].append(r[c])
+    for layer, next_first in inner_layers(all_steps):
+        t0 = layer[0]["first"]
+        rows = summarize(layer, t0)
+        names = [r["name"] for r in rows]
+        spans.append((next_first - t0) / 1e3)
+        for k, r in enumerate(rows):
+            for c in COLS:
+                per.setdefault(k, {c: [] for c in COLS})[c].append(r[c])
     med = [{c: float(np.nanmedian(per[k][c])) for c in COLS} for k in range(len(names))]
     return names, med, float(np.median(spans)) if spans else float("nan")
 
