@@ -31,6 +31,13 @@
 //    3B 1.33 -> 1.30 ms, 8B 2.51 -> 2.46 (docs/PERF.md 2026-11-21; 3 of 8 measured the same). The
 //    other half's loads sent right after x's copies instead, in flight during the staging, were
 //    slower still (3B +5%): they delay the copies of the warps that issue theirs later.
+//  - A product of one-iteration rows with 1-2 row pairs per warp (the QKV product: 3B 2560 pairs
+//    and 8B 3072 on 2112 warps) would read its second round only after the first one's math. The
+//    warps with a second pair instead copy it into shared memory by cp.async right after x is
+//    staged (StagedPair; the copies keep off the weight loads' scoreboard), so its round trip runs
+//    beside the first pair's: 8B 2.529 -> 2.509 ms, 3B unchanged (docs/PERF.md 2026-11-24; the
+//    trace shows 3B's QKV bound by its bytes from the staging on, its second-round warps exiting no
+//    earlier). Not before the wait: those requests would queue ahead of the previous product's last.
 //  - What an epilogue reads from earlier kernels (AddResidual's residual of the warp's first pair,
 //    RopeKV's position) is loaded right after the wait, next to x's staging, not after the math:
 //    a round trip fewer at the end of o and down (docs/PERF.md, 9eb48ab).
@@ -80,6 +87,7 @@
 #include <algorithm>
 #include <cfloat>
 #include <mutex>
+#include <type_traits>
 #include <vector>
 
 #include <cuda_fp16.h>
@@ -173,6 +181,7 @@ struct Product {
   const bf16* norm_w;  // In::NORM
   int N, K;
   void* out;
+  int staged_warps;  // warps per block whose second row pair is copied into shared memory early (0: none)
 };
 
 // Which rows row pair p covers. SwiGLU pairs gate row p with up row F + p; RopeKV pairs (i, i + D/2)
@@ -320,6 +329,59 @@ static __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) 
 }
 static __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
+// The same for weights: evict-first in L2 like ld_stream16 (loads.cuh), and 4-byte copies for scales.
+static __device__ __forceinline__ void cp_async16_stream(void* smem, const void* gmem, uint64_t policy) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" ::"r"(dst), "l"(gmem), "l"(policy)
+               : "memory");
+}
+static __device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(gmem) : "memory");
+}
+
+// A warp's second row pair, copied into shared memory by cp.async while the warp still works on its
+// first (kernel comment: products of one-iteration rows with at most two pairs per warp). Lane l's
+// chunks sit at [u][l] of each row, so a lane reads back exactly what it copied: no barrier, only
+// the lane's own cp.async.wait_all. The copies do not share the weight loads' scoreboard (top of
+// the file), so the first pair's math does not wait for them.
+struct StagedPair {
+  uint4 wa[kGemvUnroll][32], wb[kGemvUnroll][32];
+  float sa[32], sb[32];
+};
+
+static __device__ __forceinline__ void copy_pair(StagedPair& sp, const Product& P, int r0, int r1, uint64_t policy) {
+  const int C = P.K / 16, G = P.K / kQuantGroup, lane = threadIdx.x % 32;
+  const uint4* a = reinterpret_cast<const uint4*>(P.w + static_cast<size_t>(r0) * P.K) + lane;
+  const uint4* b = reinterpret_cast<const uint4*>(P.w + static_cast<size_t>(r1) * P.K) + lane;
+  const Steps<true> steps(lane, C);
+#pragma unroll
+  for (int u = 0; u < kGemvUnroll; ++u) {
+    if (steps.active(u)) {
+      cp_async16_stream(&sp.wa[u][lane], a + 32 * u, policy);
+      cp_async16_stream(&sp.wb[u][lane], b + 32 * u, policy);
+    }
+  }
+  if (lane < G) {
+    cp_async4(&sp.sa[lane], P.scales + static_cast<size_t>(r0) * G + lane);
+    cp_async4(&sp.sb[lane], P.scales + static_cast<size_t>(r1) * G + lane);
+  }
+}
+
+static __device__ __forceinline__ void read_pair(Iter& it, const StagedPair& sp, int C) {
+  const int lane = threadIdx.x % 32;
+  const Steps<true> steps(lane, C);
+#pragma unroll
+  for (int u = 0; u < kGemvUnroll; ++u) {
+    if (steps.active(u)) {
+      it.wa[u] = sp.wa[u][lane];
+      it.wb[u] = sp.wb[u][lane];
+    }
+  }
+  it.sa = sp.sa[lane];
+  it.sb = sp.sb[lane];
+}
+
 // Shared memory of a block: x as the products read it (K fp16, swizzled, padded), and for In::NORM the raw
 // residual row (K fp32) and the norm weight (K bf16) it is computed from.
 struct Staging {
@@ -333,7 +395,7 @@ struct Staging {
   __host__ __device__ static int x_padded(int K) { return CEIL_DIV(K, 512) * 512; }
 };
 template <In IN>
-static size_t staging_bytes(int K) {
+__host__ __device__ static size_t staging_bytes(int K) {
   return Staging::x_padded(K) * sizeof(f16) + (IN == In::NORM ? static_cast<size_t>(K) * (sizeof(float) + sizeof(bf16)) : 0);
 }
 
@@ -636,6 +698,18 @@ static __global__ void __launch_bounds__(kGemvThreads, 2)
   __syncthreads();
   tr.stamp(trace::kStaged);
 
+  // A warp with a second row pair in a product of one-iteration rows (the launcher sets
+  // staged_warps only then, and only with at most two pairs per warp) copies it into shared memory
+  // now, so its round trip overlaps the first pair's instead of following it.
+  const int warp = threadIdx.x / 32;
+  const bool staged = WHOLE && warp < P.staged_warps && p0 + stride < n_pairs;
+  StagedPair* sp = reinterpret_cast<StagedPair*>(reinterpret_cast<char*>(smem) + staging_bytes<IN>(P.K)) + warp;
+  if (staged) {
+    int r0, r1;
+    pairs.rows(p0 + stride, r0, r1);
+    copy_pair(*sp, P, r0, r1, policy);
+  }
+
   // A warp that loaded early starts its first row pair from those registers (a peeled copy: see
   // the top of the file); every other row pair runs the plain load-then-math loop.
   int p = p0;
@@ -644,6 +718,19 @@ static __global__ void __launch_bounds__(kGemvThreads, 2)
     dot_iter<WHOLE>(first, st.xs, lane, P.K / 16, acc0, acc1);
     tr.iter();
     finish_rows<EP, WHOLE>(P, pairs, rope, pr, st.xs, x_scale, p, 32 * kGemvUnroll, acc0, acc1, policy, tr);
+    p += stride;
+  } else if (staged) {
+    finish_rows<EP, WHOLE>(P, pairs, rope, pr, st.xs, x_scale, p, 0, 0.f, 0.f, policy, tr);
+    p += stride;
+  }
+  if (staged) {
+    cp_async_wait_all();  // this lane's copies; it reads back only those
+    Iter it;
+    read_pair(it, *sp, P.K / 16);
+    float acc0 = 0.f, acc1 = 0.f;
+    dot_iter<WHOLE>(it, st.xs, lane, P.K / 16, acc0, acc1);
+    tr.iter();
+    finish_pair<EP>(P, pairs, rope, pr, p, acc0, acc1, x_scale);
     p += stride;
   }
   for (; p < n_pairs; p += stride)
@@ -708,24 +795,53 @@ static int resident_blocks(size_t smem) {
   return seen.back().blocks;
 }
 
+// How a decode GEMV of one shape runs: its grid, the warps per block that copy their second row pair
+// into shared memory early (kernel comment; 0: none), and its dynamic shared memory.
+struct GemvPlan {
+  int blocks, staged_warps;
+  size_t smem;
+};
+
 template <Ep EP, In IN, bool WHOLE>
-static void launch_gemv_as(const Product& P, float eps, const RopeKVArgs& rope, cudaStream_t stream) {
-  const size_t smem = staging_bytes<IN>(P.K);
+static GemvPlan plan_gemv(int N, int K) {
+  GemvPlan plan{0, 0, staging_bytes<IN>(K)};
   // Every warp has a row pair when there are fewer pairs than resident warps (kernel comment). A
   // product with more takes every slot, the QKV product too: leaving 24 of them to the attention after
   // it measured faster once (docs/PERF.md), but no longer once attention ran in thread-block clusters,
   // which need several free slots of one GPC at once (none spare: 3B -0.2%, 8B -0.8% at contexts up
   // to 256, docs/PERF.md 2026-11-23). Since 67aa8ed only steps of at most 512 keys run in clusters;
   // deeper steps, plain launches again, have not been measured with spare slots.
-  const int resident = resident_blocks<EP, IN, WHOLE>(smem);
-  const int blocks = std::min(CEIL_DIV(RowPairs<EP>::count(P.N), kGemvWarps), resident);
-  af_launch(gemv_w8a16_kernel<EP, IN, WHOLE>, dim3(blocks), dim3(kGemvThreads), smem, stream, P, eps, rope);
+  const int resident = resident_blocks<EP, IN, WHOLE>(plan.smem);
+  const int n_pairs = RowPairs<EP>::count(N);
+  plan.blocks = std::min(CEIL_DIV(n_pairs, kGemvWarps), resident);
+  // Rows of one iteration (K <= 4096) and more pairs than warps, at most two per warp (3B and 8B
+  // QKV: 1.2 and 1.5 pairs per warp): the warps with a second pair copy it into shared memory
+  // early, if the grid still fits with that much more shared memory. Warp w of block b has one iff
+  // b + w * blocks < n_pairs - stride. Kill switch: ATOMFLOW_NO_STAGED_PAIR=1.
+  static const bool off = env_flag("ATOMFLOW_NO_STAGED_PAIR");
+  const int stride = plan.blocks * kGemvWarps;
+  if (WHOLE && K <= 32 * kGemvUnroll * 16 && n_pairs > stride && n_pairs <= 2 * stride && !off) {
+    const int warps = CEIL_DIV(n_pairs - stride, plan.blocks);
+    const size_t smem = plan.smem + warps * sizeof(StagedPair);
+    if (resident_blocks<EP, IN, WHOLE>(smem) == resident) {
+      plan.staged_warps = warps;
+      plan.smem = smem;
+    }
+  }
+  return plan;
+}
+
+template <Ep EP, In IN, bool WHOLE>
+static void launch_gemv_as(Product P, float eps, const RopeKVArgs& rope, cudaStream_t stream) {
+  const GemvPlan plan = plan_gemv<EP, IN, WHOLE>(P.N, P.K);
+  P.staged_warps = plan.staged_warps;
+  af_launch(gemv_w8a16_kernel<EP, IN, WHOLE>, dim3(plan.blocks), dim3(kGemvThreads), plan.smem, stream, P, eps, rope);
 }
 
 template <Ep EP, In IN>
 static void launch_gemv(const uint8_t* w, const float* scales, const void* x, const bf16* norm_w, float eps, int N,
                         int K, void* out, const RopeKVArgs& rope, cudaStream_t stream) {
-  const Product P{w, scales, x, norm_w, N, K, out};
+  const Product P{w, scales, x, norm_w, N, K, out, 0};
   // Rows of whole 32-chunk steps (K a multiple of 512: every Llama shape) take the variant whose loads
   // need no clamp at the row's end (load_iter).
   if (K % (32 * 16) == 0)
@@ -787,6 +903,22 @@ void gemv_w8a16_rmsnorm_rope(const uint8_t* w, const float* scales, const float*
   const int N = (rope.H + 2 * rope.Hkv) * rope.D;
   check_args(w, x, N, K);
   launch_gemv<Ep::RopeKV, In::NORM>(w, scales, x, norm_w, eps, N, K, nullptr, rope, stream);
+}
+
+int gemv_staged_warps(int N, int K, Epilogue ep, bool rmsnorm) {
+  AF_CHECK(N >= 1 && K >= kQuantGroup && K % kQuantGroup == 0, "gemv_staged_warps: N >= 1, K a multiple of 128");
+  auto warps = [&](auto in) {
+    constexpr In IN = decltype(in)::value;
+    if (K % (32 * 16) != 0) return 0;  // the clamped variant never stages
+    switch (ep) {
+      case Epilogue::Store: return plan_gemv<Ep::Store, IN, true>(N, K).staged_warps;
+      case Epilogue::AddResidual: return plan_gemv<Ep::AddResidual, IN, true>(N, K).staged_warps;
+      case Epilogue::SwiGLU: return plan_gemv<Ep::SwiGLU, IN, true>(N, K).staged_warps;
+      default: AF_CHECK(false, "gemv_staged_warps: unknown epilogue");
+    }
+    return 0;
+  };
+  return rmsnorm ? warps(std::integral_constant<In, In::NORM>{}) : warps(std::integral_constant<In, In::F16>{});
 }
 
 }  // namespace atomflow::kernels
