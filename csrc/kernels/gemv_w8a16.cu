@@ -31,13 +31,18 @@
 //    3B 1.33 -> 1.30 ms, 8B 2.51 -> 2.46 (docs/PERF.md 2026-11-21; 3 of 8 measured the same). The
 //    other half's loads sent right after x's copies instead, in flight during the staging, were
 //    slower still (3B +5%): they delay the copies of the warps that issue theirs later.
+//    The QKV product is the exception: all 8 warps load early (3B 1.326 -> 1.314 ms, 8B 2.505 ->
+//    2.481). Its blocks enter in down's spare slots and as down's blocks leave, long before their
+//    wait; the same for gate_up, down or o, on top, cost 3B +2.0%, +0.5%, 0% and 8B +0.7%, +0.3%,
+//    +0.5% (docs/PERF.md 2026-11-24).
 //  - A product of one-iteration rows with 1-2 row pairs per warp (the QKV product: 3B 2560 pairs
 //    and 8B 3072 on 2112 warps) would read its second round only after the first one's math. The
 //    warps with a second pair instead copy it into shared memory by cp.async right after x is
 //    staged (StagedPair; the copies keep off the weight loads' scoreboard), so its round trip runs
 //    beside the first pair's: 8B 2.529 -> 2.509 ms, 3B unchanged (docs/PERF.md 2026-11-24; the
 //    trace shows 3B's QKV bound by its bytes from the staging on, its second-round warps exiting no
-//    earlier). Not before the wait: those requests would queue ahead of the previous product's last.
+//    earlier). Not before the wait with cp.async: x's copies, after them, would wait for them too
+//    (cp.async groups complete in order); a bulk copy with its own barrier could, unmeasured.
 //  - What an epilogue reads from earlier kernels (AddResidual's residual of the warp's first pair,
 //    RopeKV's position) is loaded right after the wait, next to x's staging, not after the math:
 //    a round trip fewer at the end of o and down (docs/PERF.md, 9eb48ab).
@@ -109,7 +114,8 @@ constexpr int kGemvThreads = 256;
 constexpr int kGemvWarps = kGemvThreads / 32;
 constexpr int kGemvUnroll = 8;  // 16-byte chunks per row per lane per iteration
 // Warps 0 .. kGemvPreWarps - 1 of a block send their first iteration's loads before the PDL wait,
-// the others once x is staged (kernel comment: the early loads queue ahead of the wait's release).
+// the others once x is staged (kernel comment: the early loads queue ahead of the wait's release);
+// in the QKV product every warp sends them early.
 constexpr int kGemvPreWarps = kGemvWarps / 2;
 constexpr int kQuantGroup = 128;
 
@@ -674,10 +680,11 @@ static __global__ void __launch_bounds__(kGemvThreads, 2)
   const uint64_t policy = stream_policy();
   const int p0 = blockIdx.x + gridDim.x * (threadIdx.x / 32);  // the warp's first row pair
 
-  // Weights never depend on an earlier kernel: in half the warps the first iteration of the first
-  // row pair goes out to DRAM before the wait for the previous kernel (PDL), so that round trip
-  // overlaps the previous kernel's tail and the staging of x (top of the file: why half).
-  const bool pre = threadIdx.x / 32 < kGemvPreWarps;
+  // Weights never depend on an earlier kernel: in half the warps (all of them in the QKV product)
+  // the first iteration of the first row pair goes out to DRAM before the wait for the previous
+  // kernel (PDL), so that round trip overlaps the previous kernel's tail and the staging of x (top
+  // of the file: why half, and why all in QKV).
+  const bool pre = threadIdx.x / 32 < (EP == Ep::RopeKV ? kGemvWarps : kGemvPreWarps);
   Iter first;
   if (pre && p0 < n_pairs) {
     int r0, r1;
