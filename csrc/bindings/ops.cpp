@@ -420,12 +420,9 @@ void register_ops(pybind11::module_& m) {
       py::arg("x_dtype") = "bf16",
       "w u8 [N, K], scales f32 [N, K/128], x u16 [K] (bf16 or f16 bits, x_dtype); epilogue 0 Store -> f32 [N], "
       "1 AddResidual (out_init f32 [N]) -> f32 [N], 2 SwiGLU -> u16 [N/2] (bf16)");
-  m.def(
-      "gemv_staged_warps",
-      [](int N, int K, int ep, bool rmsnorm) { return k::gemv_staged_warps(N, K, static_cast<k::Epilogue>(ep), rmsnorm); },
-      py::arg("N"), py::arg("K"), py::arg("epilogue") = 0, py::arg("rmsnorm") = false,
-      "warps per block of a decode GEMV of this shape that copy their second row pair into shared memory early "
-      "(0: none)");
+  m.def("gemv_qkv_staged_warps", &k::gemv_qkv_staged_warps, py::arg("H"), py::arg("Hkv"), py::arg("D"), py::arg("K"),
+        "warps per block of the decode QKV launch of this shape that copy their second row pair into shared memory "
+        "early (0: none)");
   m.def("gemv_rmsnorm", &gemv_rmsnorm, py::arg("w"), py::arg("scales"), py::arg("x"), py::arg("norm_w"),
         py::arg("eps"), py::arg("epilogue") = 0, py::arg("out_init") = py::none(),
         "gemv of bf16(rmsnorm(x f32 [K]) * norm_w u16 [K]); epilogues as gemv");

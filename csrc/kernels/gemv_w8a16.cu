@@ -31,18 +31,21 @@
 //    3B 1.33 -> 1.30 ms, 8B 2.51 -> 2.46 (docs/PERF.md 2026-11-21; 3 of 8 measured the same). The
 //    other half's loads sent right after x's copies instead, in flight during the staging, were
 //    slower still (3B +5%): they delay the copies of the warps that issue theirs later.
-//    The QKV product is the exception: all 8 warps load early (3B 1.326 -> 1.314 ms, 8B 2.505 ->
-//    2.481). Its blocks enter in down's spare slots and as down's blocks leave, long before their
-//    wait; the same for gate_up, down or o, on top, cost 3B +2.0%, +0.5%, 0% and 8B +0.7%, +0.3%,
-//    +0.5% (docs/PERF.md 2026-11-24).
-//  - A product of one-iteration rows with 1-2 row pairs per warp (the QKV product: 3B 2560 pairs
-//    and 8B 3072 on 2112 warps) would read its second round only after the first one's math. The
-//    warps with a second pair instead copy it into shared memory by cp.async right after x is
-//    staged (StagedPair; the copies keep off the weight loads' scoreboard), so its round trip runs
-//    beside the first pair's: 8B 2.529 -> 2.509 ms, 3B unchanged (docs/PERF.md 2026-11-24; the
-//    trace shows 3B's QKV bound by its bytes from the staging on, its second-round warps exiting no
-//    earlier). Not before the wait with cp.async: x's copies, after them, would wait for them too
-//    (cp.async groups complete in order); a bulk copy with its own barrier could, unmeasured.
+//    The QKV product is the exception: all 8 warps load early, together with its staged second
+//    pairs (below; measured as a pair). Its blocks enter in down's spare slots and as down's blocks
+//    leave, long before their wait; the same for gate_up, down or o, on top, cost 3B +2.0%, +0.5%,
+//    0% and 8B +0.7%, +0.3%, +0.5% (docs/PERF.md 2026-11-24, in a build with the staged path in
+//    every GEMV).
+//  - The QKV product, rows of one iteration with 1-2 row pairs per warp (3B 2560 pairs and 8B 3072
+//    on 2112 warps), would read its second round only after the first one's math. The warps with a
+//    second pair instead copy it into shared memory by cp.async right after x is staged
+//    (StagedPair; the copies keep off the weight loads' scoreboard), so its round trip runs beside
+//    the first pair's. Only in the RopeKV instances: compiled into every GEMV, the path changed the
+//    other products' register allocation and cost 3B +4.2%, 8B +1.3%. With the early loads of all
+//    warps below, against neither: 3B 1.2656 -> 1.2616 ms, 8B 2.4341 -> 2.4299; the early loads
+//    alone cost +1.2% / +2.3% (docs/PERF.md 2026-11-24). Not before the wait with cp.async: x's
+//    copies, after them, would wait for them too (cp.async groups complete in order); a bulk copy
+//    with its own barrier could, unmeasured.
 //  - What an epilogue reads from earlier kernels (AddResidual's residual of the warp's first pair,
 //    RopeKV's position) is loaded right after the wait, next to x's staging, not after the math:
 //    a round trip fewer at the end of o and down (docs/PERF.md, 9eb48ab).
@@ -92,7 +95,6 @@
 #include <algorithm>
 #include <cfloat>
 #include <mutex>
-#include <type_traits>
 #include <vector>
 
 #include <cuda_fp16.h>
@@ -705,11 +707,11 @@ static __global__ void __launch_bounds__(kGemvThreads, 2)
   __syncthreads();
   tr.stamp(trace::kStaged);
 
-  // A warp with a second row pair in a product of one-iteration rows (the launcher sets
-  // staged_warps only then, and only with at most two pairs per warp) copies it into shared memory
-  // now, so its round trip overlaps the first pair's instead of following it.
+  // A QKV warp with a second row pair (the launcher sets staged_warps only for rows of one
+  // iteration and at most two pairs per warp) copies it into shared memory now, so its round trip
+  // overlaps the first pair's instead of following it. Other products compile without the path.
   const int warp = threadIdx.x / 32;
-  const bool staged = WHOLE && warp < P.staged_warps && p0 + stride < n_pairs;
+  const bool staged = EP == Ep::RopeKV && WHOLE && warp < P.staged_warps && p0 + stride < n_pairs;
   StagedPair* sp = reinterpret_cast<StagedPair*>(reinterpret_cast<char*>(smem) + staging_bytes<IN>(P.K)) + warp;
   if (staged) {
     int r0, r1;
@@ -821,13 +823,13 @@ static GemvPlan plan_gemv(int N, int K) {
   const int resident = resident_blocks<EP, IN, WHOLE>(plan.smem);
   const int n_pairs = RowPairs<EP>::count(N);
   plan.blocks = std::min(CEIL_DIV(n_pairs, kGemvWarps), resident);
-  // Rows of one iteration (K <= 4096) and more pairs than warps, at most two per warp (3B and 8B
-  // QKV: 1.2 and 1.5 pairs per warp): the warps with a second pair copy it into shared memory
+  // QKV rows of one iteration (K <= 4096) and more pairs than warps, at most two per warp (3B and
+  // 8B: 1.2 and 1.5 pairs per warp): the warps with a second pair copy it into shared memory
   // early, if the grid still fits with that much more shared memory. Warp w of block b has one iff
   // b + w * blocks < n_pairs - stride. Kill switch: ATOMFLOW_NO_STAGED_PAIR=1.
   static const bool off = env_flag("ATOMFLOW_NO_STAGED_PAIR");
   const int stride = plan.blocks * kGemvWarps;
-  if (WHOLE && K <= 32 * kGemvUnroll * 16 && n_pairs > stride && n_pairs <= 2 * stride && !off) {
+  if (EP == Ep::RopeKV && WHOLE && K <= 32 * kGemvUnroll * 16 && n_pairs > stride && n_pairs <= 2 * stride && !off) {
     const int warps = CEIL_DIV(n_pairs - stride, plan.blocks);
     const size_t smem = plan.smem + warps * sizeof(StagedPair);
     if (resident_blocks<EP, IN, WHOLE>(smem) == resident) {
@@ -912,20 +914,11 @@ void gemv_w8a16_rmsnorm_rope(const uint8_t* w, const float* scales, const float*
   launch_gemv<Ep::RopeKV, In::NORM>(w, scales, x, norm_w, eps, N, K, nullptr, rope, stream);
 }
 
-int gemv_staged_warps(int N, int K, Epilogue ep, bool rmsnorm) {
-  AF_CHECK(N >= 1 && K >= kQuantGroup && K % kQuantGroup == 0, "gemv_staged_warps: N >= 1, K a multiple of 128");
-  auto warps = [&](auto in) {
-    constexpr In IN = decltype(in)::value;
-    if (K % (32 * 16) != 0) return 0;  // the clamped variant never stages
-    switch (ep) {
-      case Epilogue::Store: return plan_gemv<Ep::Store, IN, true>(N, K).staged_warps;
-      case Epilogue::AddResidual: return plan_gemv<Ep::AddResidual, IN, true>(N, K).staged_warps;
-      case Epilogue::SwiGLU: return plan_gemv<Ep::SwiGLU, IN, true>(N, K).staged_warps;
-      default: AF_CHECK(false, "gemv_staged_warps: unknown epilogue");
-    }
-    return 0;
-  };
-  return rmsnorm ? warps(std::integral_constant<In, In::NORM>{}) : warps(std::integral_constant<In, In::F16>{});
+int gemv_qkv_staged_warps(int H, int Hkv, int D, int K) {
+  AF_CHECK(H >= 1 && Hkv >= 1 && D >= 2 && K >= kQuantGroup && K % kQuantGroup == 0,
+           "gemv_qkv_staged_warps: H, Hkv >= 1, D >= 2, K a multiple of 128");
+  const int N = (H + 2 * Hkv) * D;
+  return K % (32 * 16) == 0 ? plan_gemv<Ep::RopeKV, In::NORM, true>(N, K).staged_warps : 0;
 }
 
 }  // namespace atomflow::kernels

@@ -56,11 +56,6 @@ void gemv_w8a16(const uint8_t* w, const float* scales, const void* x, Act x_type
 // rmsnorm() followed by gemv_w8a16(..., Act::F16, ...), one launch and one round trip fewer).
 void gemv_w8a16_rmsnorm(const uint8_t* w, const float* scales, const float* x, const bf16* norm_w,
                         float eps, int N, int K, Epilogue ep, void* out, cudaStream_t stream);
-// Warps per block of a decode GEMV of this shape (f16 x, or RMSNorm fused when `rmsnorm`; the QKV
-// launch plans as the rmsnorm one of its N) that copy their second row pair into shared memory
-// while they sum their first: products of rows of one iteration (K <= 4096, a multiple of 512) with
-// 1-2 row pairs per resident warp. 0: none (also with ATOMFLOW_NO_STAGED_PAIR=1).
-int gemv_staged_warps(int N, int K, Epilogue ep, bool rmsnorm);
 // The decode QKV product with RMSNorm in the prologue and RoPE + KV append in the epilogue: w is
 // the fused [(H + 2 Hkv) * D, K] qkv matrix; the output is what gemv_w8a16_rmsnorm(Store) followed
 // by rope_kv_append(M = 1) writes (q_out, the cache rows at *pos), bit-identical, in one launch.
@@ -74,6 +69,10 @@ struct RopeKVArgs {
 };
 void gemv_w8a16_rmsnorm_rope(const uint8_t* w, const float* scales, const float* x, const bf16* norm_w,
                              float eps, int K, const RopeKVArgs& rope, cudaStream_t stream);
+// Warps per block of that launch that copy their second row pair into shared memory while they sum
+// their first: rows of one iteration (K <= 4096, a multiple of 512) and 1-2 row pairs per resident
+// warp. 0: none (also with ATOMFLOW_NO_STAGED_PAIR=1).
+int gemv_qkv_staged_warps(int H, int Hkv, int D, int K);
 // M > 1 prefill on tensor cores (FP8 converted exactly to the activation's 16-bit type in the
 // main loop). x [M, K] of x_type.
 void gemm_w8a16(const uint8_t* w, const float* scales, const void* x, Act x_type, int M, int N, int K,
