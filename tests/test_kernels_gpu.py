@@ -206,9 +206,14 @@ def resident_warps() -> int:
     return 16 * _core.device_info()["sm_count"]  # the GEMV: 2 blocks of 8 warps per SM
 
 
-def staging_off() -> bool:
+def switch_set(name: str) -> bool:
+    """Whether the core's kill switch `name` is on in this process (env_flag, common.h)."""
     import os
-    return os.environ.get("ATOMFLOW_NO_STAGED_PAIR", "")[:1] not in ("", "0")
+    return os.environ.get(name, "")[:1] not in ("", "0")
+
+
+def staging_off() -> bool:
+    return switch_set("ATOMFLOW_NO_STAGED_PAIR")
 
 
 def test_gemv_qkv_staged_warps_plan():
@@ -422,8 +427,7 @@ def test_attention_cluster_merge_equals_scratch_merge(rng, tmp_path):
 def test_attention_clusters_only_when_one_holds_every_split(M, H, Hkv, D, max_context, want):
     """The launch uses thread-block clusters only when one cluster holds every split a call of that
     shape can have; a grid of several clusters per group cost a 3B step at 32768 keys 24%."""
-    import os
-    if os.environ.get("ATOMFLOW_NO_CLUSTER_MERGE", "")[:1] not in ("", "0"):
+    if switch_set("ATOMFLOW_NO_CLUSTER_MERGE"):
         pytest.skip("cluster merge turned off in this process")
     assert ops.attention_cluster_size(M, H, Hkv, D, max_context) == want
 

@@ -41,8 +41,8 @@
 //    second pair instead copy it into shared memory by cp.async right after x is staged
 //    (StagedPair; the copies keep off the weight loads' scoreboard), so its round trip runs beside
 //    the first pair's. Only in the RopeKV instances: compiled into every GEMV, the path changed the
-//    other products' register allocation and cost 3B +4.2%, 8B +1.3%. With the early loads of all
-//    warps below, against neither: 3B 1.2656 -> 1.2616 ms, 8B 2.4341 -> 2.4299; the early loads
+//    other products' register allocation and cost 3B +4.2%, 8B +1.4%. With the early loads of every
+//    QKV warp (above), against neither: 3B 1.2656 -> 1.2616 ms, 8B 2.4341 -> 2.4299; the early loads
 //    alone cost +1.2% / +2.3% (docs/PERF.md 2026-11-24). Not before the wait with cp.async: x's
 //    copies, after them, would wait for them too (cp.async groups complete in order); a bulk copy
 //    with its own barrier could, unmeasured.
@@ -729,6 +729,8 @@ static __global__ void __launch_bounds__(kGemvThreads, 2)
     finish_rows<EP, WHOLE>(P, pairs, rope, pr, st.xs, x_scale, p, 32 * kGemvUnroll, acc0, acc1, policy, tr);
     p += stride;
   } else if (staged) {
+    // Not taken: every QKV warp is `pre`. Removing the branch moved the QKV instances' code and cost
+    // 3B +0.5% (docs/PERF.md 2026-11-24, review); it stays until a change here is measured anyway.
     finish_rows<EP, WHOLE>(P, pairs, rope, pr, st.xs, x_scale, p, 0, 0.f, 0.f, policy, tr);
     p += stride;
   }
