@@ -285,6 +285,91 @@ def test_gemv_qkv_staged_pair_same_bits(rng, tmp_path):
         np.testing.assert_array_equal(want, plain[name], err_msg=f"staged != register path: {name}")
 
 
+def tickets_off() -> bool:
+    return switch_set("ATOMFLOW_NO_TICKETS")
+
+
+# SwiGLU shapes with more row pairs than resident warps (the gate/up products of 3B, 8B and 1B; a K
+# that is not a multiple of 512; a K whose chunks end inside a warp's first 32), and one with fewer.
+TICKET_SHAPES = [(16384, 3072), (28672, 4096), (16384, 2048), (2 * 9001, 4224), (2 * 9000, 256)]
+
+
+def test_gemv_swiglu_ticketed_plan():
+    """Which SwiGLU launches hand their row pairs past the first round out by ticket: those with more
+    row pairs than the grid's warps, with or without the fused RMSNorm."""
+    W = resident_warps()
+    for N, K in TICKET_SHAPES + [(258, 640), (2 * W, 3072), (2 * W + 2, 3072)]:
+        for norm in (False, True):
+            want = N // 2 > W and not tickets_off()
+            assert ops.gemv_swiglu_ticketed(N, K, norm) == want, (N, K, norm)
+    with pytest.raises(ValueError):
+        ops.gemv_swiglu_ticketed(257, 640)
+
+
+def test_gemv_swiglu_tickets_same_bits(rng, tmp_path):
+    """A row pair's sums do not depend on which warp takes it: the ticketed SwiGLU launches write the
+    same bits as the fixed schedule (ATOMFLOW_NO_TICKETS=1, in a fresh process), for bf16, fp16 and
+    RMSNorm inputs."""
+    import os
+    import subprocess
+    if tickets_off():
+        pytest.skip("ATOMFLOW_NO_TICKETS is set: nothing to compare")
+    inputs, got = {}, {}
+    for j, (N, K) in enumerate(TICKET_SHAPES):
+        assert ops.gemv_swiglu_ticketed(N, K, True) == (N // 2 > resident_warps())
+        w, s = random_fp8(rng, (N, K)), random_scales(rng, N, K)
+        xb = bf16_bits(rng.standard_normal(K) * 2)
+        xh = f16_bits(rng.standard_normal(K))
+        xf = (rng.standard_normal(K) * 3).astype(np.float32)
+        nw = bf16_bits(1 + 0.1 * rng.standard_normal(K))
+        inputs.update({f"w{j}": w, f"s{j}": s, f"xb{j}": xb, f"xh{j}": xh, f"xf{j}": xf, f"n{j}": nw})
+        got[f"b{j}"] = ops.gemv(w, s, xb, 2, None, "bf16")
+        got[f"h{j}"] = ops.gemv(w, s, xh, 2, None, "f16")
+        got[f"r{j}"] = ops.gemv_rmsnorm(w, s, xf, nw, 1e-5, 2)
+    np.savez(tmp_path / "in.npz", **inputs)
+    script = (
+        "import sys, numpy as np\n"
+        "sys.path.insert(0, sys.argv[3])\n"
+        "from test_kernels_gpu import ops\n"
+        f"shapes = {TICKET_SHAPES!r}\n"
+        "z, out = np.load(sys.argv[1]), {}\n"
+        "assert not ops.gemv_swiglu_ticketed(16384, 3072, True)\n"
+        "for j, (N, K) in enumerate(shapes):\n"
+        "    w, s = z[f'w{j}'], z[f's{j}']\n"
+        "    out[f'b{j}'] = ops.gemv(w, s, z[f'xb{j}'], 2, None, 'bf16')\n"
+        "    out[f'h{j}'] = ops.gemv(w, s, z[f'xh{j}'], 2, None, 'f16')\n"
+        "    out[f'r{j}'] = ops.gemv_rmsnorm(w, s, z[f'xf{j}'], z[f'n{j}'], 1e-5, 2)\n"
+        "np.savez(sys.argv[2], **out)\n")
+    env = dict(os.environ, ATOMFLOW_NO_TICKETS="1")
+    subprocess.run([sys.executable, "-c", script, str(tmp_path / "in.npz"), str(tmp_path / "out.npz"),
+                    str(Path(__file__).parent)], env=env, check=True, timeout=300)
+    plain = np.load(tmp_path / "out.npz")
+    assert sorted(plain.files) == sorted(got)
+    for name, want in got.items():
+        np.testing.assert_array_equal(want, plain[name], err_msg=f"tickets != fixed schedule: {name}")
+
+
+def test_gemv_swiglu_tickets_every_launch(rng):
+    """Each launch leaves its ticket counters at zero for the next: launches of two ticketed shapes
+    (different pair counts on the same counters) and an unticketed one, interleaved, each write
+    every output (poisoned before each run) with the same bits as the first launch of their shape."""
+    shapes = [(16384, 3072), (2 * 9001, 4224), (258, 640)]
+    data = []
+    for N, K in shapes:
+        w, s = random_fp8(rng, (N, K)), random_scales(rng, N, K)
+        x = bf16_bits(rng.standard_normal(K))
+        want = silu_mul(*np.split(reference_linear(w, s, from_bf16(x)[None])[0], 2))
+        data.append((w, s, x, want))
+    first = {}
+    for i in range(12):
+        j = i % len(shapes)
+        w, s, x, want = data[j]
+        y = ops.gemv(w, s, x, 2, None, "bf16")
+        assert_close(from_bf16(y), want, BF16_REL, f"launch {i} of {shapes[j]}",
+                     scale=max(float(np.linalg.norm(want)), BF16_TINY))
+        np.testing.assert_array_equal(y, first.setdefault(j, y), err_msg=f"launch {i} of {shapes[j]}")
+
+
 @pytest.mark.parametrize("N,K", list(model_shapes()))
 def test_gemm_model_shapes(rng, N, K):
     check_linear(rng, N, K, 37)

@@ -55,6 +55,17 @@ DeviceBuffer device_int(int32_t v) {
   return d;
 }
 
+// The SwiGLU GEMV's ticket counters (kernels.h) for every launch of this module: zeroed once, and
+// each launch leaves them zeroed. Never freed (a static's destructor could run after the driver).
+unsigned* gemv_tickets() {
+  static unsigned* const t = [] {
+    auto* b = new DeviceBuffer(k::kGemvTicketBytes);
+    b->fill(0);
+    return b->get<unsigned>();
+  }();
+  return t;
+}
+
 void sync() {
   AF_CUDA_CHECK(cudaGetLastError());
   AF_CUDA_CHECK(cudaDeviceSynchronize());
@@ -151,7 +162,7 @@ py::array linear(const py::array& w_, const py::array& s_, const py::array& x_, 
   if (gemm)
     k::gemm_w8a16(dw.get<uint8_t>(), ds.get<float>(), dx.get(), xt, M, N, K, ep, out.get(), nullptr);
   else
-    k::gemv_w8a16(dw.get<uint8_t>(), ds.get<float>(), dx.get(), xt, N, K, ep, out.get(), nullptr);
+    k::gemv_w8a16(dw.get<uint8_t>(), ds.get<float>(), dx.get(), xt, N, K, ep, out.get(), nullptr, gemv_tickets());
   sync();
   if (ep != k::Epilogue::SwiGLU) return to_host<float>(out, fp32_shape);
   return gemm ? to_host<uint16_t>(out, {M, N / 2}) : to_host<uint16_t>(out, {N / 2});
@@ -175,7 +186,7 @@ py::array gemv_rmsnorm(const py::array& w_, const py::array& s_, const py::array
                          : DeviceBuffer::poisoned(ep == k::Epilogue::SwiGLU ? sizeof(bf16) * (N / 2)
                                                                            : sizeof(float) * N);
   k::gemv_w8a16_rmsnorm(dw.get<uint8_t>(), ds.get<float>(), dx.get<float>(), dn.get<bf16>(), eps, N, K, ep, out.get(),
-                        nullptr);
+                        nullptr, gemv_tickets());
   sync();
   if (ep == k::Epilogue::SwiGLU) return to_host<uint16_t>(out, {N / 2});
   return to_host<float>(out, {N});
@@ -298,7 +309,8 @@ double time_gemv(int N, int K, int iters, int ep_) {
   x.fill(0);
   out.fill(0);
   return median_us([&](int i) {
-    k::gemv_w8a16(ws.at<uint8_t>(i), ws.at<float>(i, wbytes), x.get(), k::Act::BF16, N, K, ep, out.get(), nullptr);
+    k::gemv_w8a16(ws.at<uint8_t>(i), ws.at<float>(i, wbytes), x.get(), k::Act::BF16, N, K, ep, out.get(), nullptr,
+                  gemv_tickets());
   }, iters, std::min(ws.copies, 32));
 }
 
@@ -423,6 +435,9 @@ void register_ops(pybind11::module_& m) {
   m.def("gemv_qkv_staged_warps", &k::gemv_qkv_staged_warps, py::arg("H"), py::arg("Hkv"), py::arg("D"), py::arg("K"),
         "warps per block of the decode QKV launch of this shape that copy their second row pair into shared memory "
         "early (0: none)");
+  m.def("gemv_swiglu_ticketed", &k::gemv_swiglu_ticketed, py::arg("N"), py::arg("K"), py::arg("norm") = false,
+        "whether a SwiGLU gemv of w [N, K] (norm: with the fused RMSNorm) hands its row pairs past the first round "
+        "out by ticket");
   m.def("gemv_rmsnorm", &gemv_rmsnorm, py::arg("w"), py::arg("scales"), py::arg("x"), py::arg("norm_w"),
         py::arg("eps"), py::arg("epilogue") = 0, py::arg("out_init") = py::none(),
         "gemv of bf16(rmsnorm(x f32 [K]) * norm_w u16 [K]); epilogues as gemv");

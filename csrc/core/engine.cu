@@ -120,6 +120,7 @@ void Engine::init(const std::string& path, const std::vector<TensorInfo>& table,
   buf_.ids = arena_.at<int32_t>(layout.ids);
   buf_.attn_scratch = arena_.at<void>(layout.attn_scratch);
   buf_.sample_scratch = arena_.at<void>(layout.sample_scratch);
+  buf_.gemv_tickets = arena_.at<unsigned>(layout.gemv_tickets);
   buf_.pos = arena_.at<int32_t>(layout.pos);
   buf_.sample_pos = buf_.pos + 1;
   buf_.token = arena_.at<int32_t>(layout.token);

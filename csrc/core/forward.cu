@@ -17,10 +17,11 @@ namespace {
 using kernels::Epilogue;
 
 // One row streams the weights once through the GEMV; more rows go to the tensor-core GEMM.
+// tickets: the engine's counters for SwiGLU GEMVs (kernels.h).
 void linear(const uint8_t* w, const float* scales, const void* x, kernels::Act xt, int rows, int N, int K,
-            Epilogue ep, void* out, cudaStream_t stream) {
+            Epilogue ep, void* out, cudaStream_t stream, unsigned* tickets = nullptr) {
   if (rows == 1)
-    kernels::gemv_w8a16(w, scales, x, xt, N, K, ep, out, stream);
+    kernels::gemv_w8a16(w, scales, x, xt, N, K, ep, out, stream, tickets);
   else
     kernels::gemm_w8a16(w, scales, x, xt, rows, N, K, ep, out, stream);
 }
@@ -92,12 +93,12 @@ void Engine::normed_linear(const bf16* norm, const char* probe_name, int layer, 
                            int rows, int N, Epilogue ep, void* out) {
   const int d = spec_.hidden_size;
   if (rows == 1 && !probe_) {
-    kernels::gemv_w8a16_rmsnorm(w, scales, buf_.x, norm, spec_.rms_norm_eps, N, d, ep, out, stream_);
+    kernels::gemv_w8a16_rmsnorm(w, scales, buf_.x, norm, spec_.rms_norm_eps, N, d, ep, out, stream_, buf_.gemv_tickets);
     return;
   }
   kernels::rmsnorm(buf_.x, norm, rows, d, spec_.rms_norm_eps, buf_.xn, stream_);
   if (probe_ && probe_name) probe_point(probe_name, layer, ProbeSrc::XN, rows);
-  linear(w, scales, buf_.xn, kernels::Act::F16, rows, N, d, ep, out, stream_);
+  linear(w, scales, buf_.xn, kernels::Act::F16, rows, N, d, ep, out, stream_, buf_.gemv_tickets);
 }
 
 // Final norm and lm_head on one row of the residual stream -> buf_.logits fp32 [vocab].

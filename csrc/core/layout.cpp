@@ -148,6 +148,7 @@ Layout plan_layout(const ModelSpec& s, const ModelTensors& t, int max_context, i
                             kernels::attention_scratch_bytes(m, s.num_heads, s.head_dim, max_context));
   L.attn_scratch = plan.reserve("scratch", attn_scratch);
   L.sample_scratch = plan.reserve("scratch", kernels::sampling_scratch_bytes(s.vocab_size));
+  L.gemv_tickets = plan.reserve("scratch", kernels::kGemvTicketBytes);
   L.pos = plan.reserve("scratch", 2 * sizeof(int32_t));
   L.token = plan.reserve("scratch", sizeof(int32_t));
   L.sampling = plan.reserve("scratch", sizeof(kernels::SamplingConfig));

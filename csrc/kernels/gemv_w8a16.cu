@@ -46,6 +46,10 @@
 //    alone cost +1.2% / +2.3% (docs/PERF.md 2026-11-24). Not before the wait with cp.async: x's
 //    copies, after them, would wait for them too (cp.async groups complete in order); a bulk copy
 //    with its own barrier could, unmeasured.
+//  - The gate/up product of several rounds (SwiGLU, given the caller's counters) hands out its row
+//    pairs past the first round by ticket (Tickets below): a warp whose loads come back sooner takes
+//    more pairs. 8B 2.423 -> 2.384 ms (6.8 pairs per warp), 3B unchanged (3.9); with the atomics on
+//    8 counters instead of 64, 3B +2.6%, 8B +2.2% (docs/PERF.md 2026-11-24, tickets).
 //  - What an epilogue reads from earlier kernels (AddResidual's residual of the warp's first pair,
 //    RopeKV's position) is loaded right after the wait, next to x's staging, not after the math:
 //    a round trip fewer at the end of o and down (docs/PERF.md, 9eb48ab).
@@ -190,6 +194,7 @@ struct Product {
   int N, K;
   void* out;
   int staged_warps;  // warps per block whose second row pair is copied into shared memory early (0: none)
+  unsigned* tickets; // SwiGLU of several rounds: counters that hand out the row pairs past the first round (Tickets)
 };
 
 // Which rows row pair p covers. SwiGLU pairs gate row p with up row F + p; RopeKV pairs (i, i + D/2)
@@ -389,6 +394,18 @@ static __device__ __forceinline__ void read_pair(Iter& it, const StagedPair& sp,
   it.sa = sp.sa[lane];
   it.sb = sp.sb[lane];
 }
+
+// Tickets: the gate/up product's row pairs past the first round are handed out by atomic counters
+// instead of by a fixed stride, so a warp whose round trips come back sooner takes more of them and
+// the product's last warps exit closer together (8B: 6.8 row pairs per warp). Pairs stride + j + 64 t
+// are counted out by counter j, which the warps whose first pair is j mod 64 share: atomics on one
+// address serialize, and with 8 counters (264 warps each) the launch ran slower than with none
+// (docs/PERF.md 2026-11-24, tickets). Each warp of class j grabs until a ticket comes back empty, so the
+// grabs on counter j are its pairs plus its warps, and the warp that takes the last value sets the
+// counter back to 0 for the next launch. Every grab follows the PDL wait, so two launches never
+// count on the same counters at once if they share a stream.
+constexpr int kTicketClasses = 64;
+static_assert(kGemvTicketBytes == kTicketClasses * 128, "one counter per 128-byte line");
 
 // Shared memory of a block: x as the products read it (K fp16, swizzled, padded), and for In::NORM the raw
 // residual row (K fp32) and the norm weight (K bf16) it is computed from.
@@ -644,16 +661,24 @@ static __device__ __forceinline__ void finish_pair(const Product& P, const RowPa
 // lane makes the same trips: with a per-lane bound, a K whose chunks end within a warp's first 32
 // (K = 256, or 4096 + 256) sent only some lanes into the warp-wide products and shuffles (a hang,
 // seen with K = 256 and several row pairs per warp).
+// SwiGLU's ticketed pairs (Tickets): with `grab`, lane 0 takes the warp's next ticket into *ticket
+// right after the first iteration's loads are issued, so the atomic's round trip runs beside
+// theirs (issued before them, it held the loads: they share its scoreboard).
 template <Ep EP, bool WHOLE>
 static __device__ __forceinline__ void finish_rows(const Product& P, const RowPairs<EP>& pairs, const RopeKVArgs& rope,
                                                    const Prior& pr, const uint4* xs, float x_scale, int p, int base,
-                                                   float acc0, float acc1, uint64_t policy, WarpTrace& tr) {
+                                                   float acc0, float acc1, uint64_t policy, WarpTrace& tr,
+                                                   unsigned* grab = nullptr, unsigned* ticket = nullptr) {
   const int C = P.K / 16, lane = threadIdx.x % 32;
   int r0, r1;
   pairs.rows(p, r0, r1);
   for (; base < C; base += 32 * kGemvUnroll) {
     Iter it;
     load_iter<WHOLE>(it, P, r0, r1, base + lane, policy);
+    if constexpr (EP == Ep::SwiGLU) {
+      if (grab != nullptr && lane == 0) *ticket = atomicAdd(grab, 1u);
+      grab = nullptr;
+    }
     dot_iter<WHOLE>(it, xs, base + lane, C, acc0, acc1);
     tr.iter();
   }
@@ -702,6 +727,14 @@ static __global__ void __launch_bounds__(kGemvThreads, 2)
   if constexpr (EP == Ep::RopeKV) pdl_launch_dependents();
   tr.stamp(trace::kWaited);
 
+  // SwiGLU of several rounds: lane 0 takes the ticket of the warp's second row pair now, so its
+  // round trip runs beside x's staging (Tickets above).
+  const bool ticketed = EP == Ep::SwiGLU && P.tickets != nullptr;  // the launcher checks the counts
+  const int t_class = p0 % kTicketClasses;
+  unsigned* const t_ctr = ticketed ? P.tickets + 32 * t_class : nullptr;
+  unsigned ticket = 0;
+  if (ticketed && lane == 0) ticket = atomicAdd(t_ctr, 1u);
+
   const Prior pr = load_prior<EP>(P, pairs, rope, p0);
   const float x_scale = stage_x<IN>(P, eps, st, red, tr);
   __syncthreads();
@@ -744,8 +777,34 @@ static __global__ void __launch_bounds__(kGemvThreads, 2)
     finish_pair<EP>(P, pairs, rope, pr, p, acc0, acc1, x_scale);
     p += stride;
   }
-  for (; p < n_pairs; p += stride)
-    finish_rows<EP, WHOLE>(P, pairs, rope, pr, st.xs, x_scale, p, 0, 0.f, 0.f, policy, tr);
+  if constexpr (EP == Ep::SwiGLU) {
+    // One loop for both ways of handing out pairs (a second inlined copy of finish_rows made the
+    // kernel half again as long). Ticketed, a warp that did not load early still sums its own first
+    // pair p0 first; every later pair comes by ticket, the next one taken while this one runs.
+    bool own = p < n_pairs && (!ticketed || p == p0);
+    for (;;) {
+      int q = p;
+      unsigned* grab = nullptr;  // no ticket to take during the warp's own first pair
+      if (!own) {
+        if (!ticketed) break;
+        ticket = __shfl_sync(0xffffffffu, ticket, 0);
+        q = stride + t_class + kTicketClasses * static_cast<int>(ticket);
+        if (q >= n_pairs) break;
+        grab = t_ctr;
+      }
+      finish_rows<EP, WHOLE>(P, pairs, rope, pr, st.xs, x_scale, q, 0, 0.f, 0.f, policy, tr, grab, &ticket);
+      p += stride;
+      own = !ticketed && p < n_pairs;
+    }
+    if (ticketed) {
+      const int extra = max(0, n_pairs - stride - t_class);
+      const unsigned last = CEIL_DIV(extra, kTicketClasses) + CEIL_DIV(stride - t_class, kTicketClasses) - 1;
+      if (lane == 0 && ticket == last) atomicExch(t_ctr, 0u);
+    }
+  } else {
+    for (; p < n_pairs; p += stride)
+      finish_rows<EP, WHOLE>(P, pairs, rope, pr, st.xs, x_scale, p, 0, 0.f, 0.f, policy, tr);
+  }
 #ifdef ATOMFLOW_TRACE
   tr.stamp(trace::kExit);
   if (lane == 0) {
@@ -842,17 +901,27 @@ static GemvPlan plan_gemv(int N, int K) {
   return plan;
 }
 
+// Whether a launch with this plan hands out row pairs by ticket (Tickets): SwiGLU with a counter
+// buffer, more row pairs than warps, and a warp of every class. Kill switch: ATOMFLOW_NO_TICKETS=1.
+template <Ep EP>
+static bool ticketed_plan(int N, const GemvPlan& plan, const unsigned* tickets) {
+  static const bool off = env_flag("ATOMFLOW_NO_TICKETS");
+  const int stride = plan.blocks * kGemvWarps;
+  return EP == Ep::SwiGLU && tickets != nullptr && !off && RowPairs<EP>::count(N) > stride && stride >= kTicketClasses;
+}
+
 template <Ep EP, In IN, bool WHOLE>
 static void launch_gemv_as(Product P, float eps, const RopeKVArgs& rope, cudaStream_t stream) {
   const GemvPlan plan = plan_gemv<EP, IN, WHOLE>(P.N, P.K);
   P.staged_warps = plan.staged_warps;
+  if (!ticketed_plan<EP>(P.N, plan, P.tickets)) P.tickets = nullptr;
   af_launch(gemv_w8a16_kernel<EP, IN, WHOLE>, dim3(plan.blocks), dim3(kGemvThreads), plan.smem, stream, P, eps, rope);
 }
 
 template <Ep EP, In IN>
 static void launch_gemv(const uint8_t* w, const float* scales, const void* x, const bf16* norm_w, float eps, int N,
-                        int K, void* out, const RopeKVArgs& rope, cudaStream_t stream) {
-  const Product P{w, scales, x, norm_w, N, K, out, 0};
+                        int K, void* out, const RopeKVArgs& rope, cudaStream_t stream, unsigned* tickets = nullptr) {
+  const Product P{w, scales, x, norm_w, N, K, out, 0, tickets};
   // Rows of whole 32-chunk steps (K a multiple of 512: every Llama shape) take the variant whose loads
   // need no clamp at the row's end (load_iter).
   if (K % (32 * 16) == 0)
@@ -870,7 +939,7 @@ static void check_args(const uint8_t* w, const void* x, int N, int K) {
 
 template <In IN>
 static void dispatch_gemv(const uint8_t* w, const float* scales, const void* x, const bf16* norm_w, float eps, int N,
-                          int K, Epilogue ep, void* out, cudaStream_t stream) {
+                          int K, Epilogue ep, void* out, cudaStream_t stream, unsigned* tickets) {
   check_args(w, x, N, K);
   const RopeKVArgs none{};
   switch (ep) {
@@ -882,24 +951,24 @@ static void dispatch_gemv(const uint8_t* w, const float* scales, const void* x, 
       break;
     case Epilogue::SwiGLU:
       AF_CHECK(N % 2 == 0, "gemv_w8a16: SwiGLU needs N = 2F (gate rows, then up rows)");
-      launch_gemv<Ep::SwiGLU, IN>(w, scales, x, norm_w, eps, N, K, out, none, stream);
+      launch_gemv<Ep::SwiGLU, IN>(w, scales, x, norm_w, eps, N, K, out, none, stream, tickets);
       break;
     default: AF_CHECK(false, "gemv_w8a16: unknown epilogue");
   }
 }
 
 void gemv_w8a16(const uint8_t* w, const float* scales, const void* x, Act x_type, int N, int K, Epilogue ep,
-                void* out, cudaStream_t stream) {
+                void* out, cudaStream_t stream, unsigned* tickets) {
   if (x_type == Act::F16)
-    dispatch_gemv<In::F16>(w, scales, x, nullptr, 0.f, N, K, ep, out, stream);
+    dispatch_gemv<In::F16>(w, scales, x, nullptr, 0.f, N, K, ep, out, stream, tickets);
   else
-    dispatch_gemv<In::BF16>(w, scales, x, nullptr, 0.f, N, K, ep, out, stream);
+    dispatch_gemv<In::BF16>(w, scales, x, nullptr, 0.f, N, K, ep, out, stream, tickets);
 }
 
 void gemv_w8a16_rmsnorm(const uint8_t* w, const float* scales, const float* x, const bf16* norm_w, float eps, int N,
-                        int K, Epilogue ep, void* out, cudaStream_t stream) {
+                        int K, Epilogue ep, void* out, cudaStream_t stream, unsigned* tickets) {
   AF_CHECK(norm_w != nullptr, "gemv_w8a16_rmsnorm: needs the norm weight");
-  dispatch_gemv<In::NORM>(w, scales, x, norm_w, eps, N, K, ep, out, stream);
+  dispatch_gemv<In::NORM>(w, scales, x, norm_w, eps, N, K, ep, out, stream, tickets);
 }
 
 void gemv_w8a16_rmsnorm_rope(const uint8_t* w, const float* scales, const float* x, const bf16* norm_w, float eps,
@@ -921,6 +990,19 @@ int gemv_qkv_staged_warps(int H, int Hkv, int D, int K) {
            "gemv_qkv_staged_warps: H, Hkv >= 1, D >= 2, K a multiple of 128");
   const int N = (H + 2 * Hkv) * D;
   return K % (32 * 16) == 0 ? plan_gemv<Ep::RopeKV, In::NORM, true>(N, K).staged_warps : 0;
+}
+
+bool gemv_swiglu_ticketed(int N, int K, bool norm) {
+  AF_CHECK(N >= 2 && N % 2 == 0 && K >= kQuantGroup && K % kQuantGroup == 0,
+           "gemv_swiglu_ticketed: N even and >= 2, K a multiple of 128");
+  static unsigned some;  // any non-null buffer: the plan only asks whether one is given
+  const bool whole = K % (32 * 16) == 0;
+  GemvPlan plan;
+  if (norm)
+    plan = whole ? plan_gemv<Ep::SwiGLU, In::NORM, true>(N, K) : plan_gemv<Ep::SwiGLU, In::NORM, false>(N, K);
+  else
+    plan = whole ? plan_gemv<Ep::SwiGLU, In::F16, true>(N, K) : plan_gemv<Ep::SwiGLU, In::F16, false>(N, K);
+  return ticketed_plan<Ep::SwiGLU>(N, plan, &some);
 }
 
 }  // namespace atomflow::kernels

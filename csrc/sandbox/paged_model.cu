@@ -72,6 +72,8 @@ PagedModel::PagedModel(const ModelDims& dims, const PoolConfig& pool) : dims_(di
   for (int r = 1; r <= pool.max_rows; ++r)
     scratch = std::max(scratch, k::attention_paged_scratch_bytes(1, r, m.H, m.D, pool.max_blocks_per_seq, pool.block_size));
   scratch_ = DeviceBuffer(scratch);
+  tickets_ = DeviceBuffer(k::kGemvTicketBytes);
+  tickets_.fill(0);
   input_ints_ = 3 * R + L + pool.max_seqs + 1 + static_cast<size_t>(pool.max_seqs + 1) * pool.max_blocks_per_seq;
   inputs_ = DeviceBuffer(sizeof(int32_t) * input_ints_);
   AF_CUDA_CHECK(cudaMallocHost(&host_inputs_, sizeof(int32_t) * input_ints_));
@@ -207,7 +209,7 @@ void PagedModel::linear(const Linear& w, const void* x, bool x_f16, int rows, in
   const k::Act xt = x_f16 ? k::Act::F16 : k::Act::BF16;
   const k::Epilogue ep = static_cast<k::Epilogue>(epilogue);
   if (rows == 1)
-    k::gemv_w8a16(w.w, w.scales, x, xt, N, K, ep, out, stream_);
+    k::gemv_w8a16(w.w, w.scales, x, xt, N, K, ep, out, stream_, tickets_.get<unsigned>());
   else
     k::gemm_w8a16(w.w, w.scales, x, xt, rows, N, K, ep, out, stream_);
 }
@@ -216,7 +218,7 @@ void PagedModel::linear(const Linear& w, const void* x, bool x_f16, int rows, in
 void PagedModel::normed_linear(const bf16* norm, const Linear& w, int rows, int N, int epilogue, void* out) {
   if (rows == 1) {
     k::gemv_w8a16_rmsnorm(w.w, w.scales, x_.get<float>(), norm, dims_.eps, N, dims_.d,
-                          static_cast<k::Epilogue>(epilogue), out, stream_);
+                          static_cast<k::Epilogue>(epilogue), out, stream_, tickets_.get<unsigned>());
     return;
   }
   k::rmsnorm(x_.get<float>(), norm, rows, dims_.d, dims_.eps, xn_.get<f16>(), stream_);

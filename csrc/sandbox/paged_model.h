@@ -115,6 +115,7 @@ class PagedModel {
   Linear lm_head_{};
   DeviceBuffer inv_freq_, pool_;
   DeviceBuffer x_, xn_, qkv_, q_, attn_, ffn_, xg_, logits_, next_, scratch_, inputs_;
+  DeviceBuffer tickets_;  // the gate/up GEMV's counters (kernels.h), zeroed once
   int32_t* host_inputs_ = nullptr;  // pinned mirror of inputs_
   size_t input_ints_ = 0;
   bool have_inv_freq_ = false;

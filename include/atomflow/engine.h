@@ -130,6 +130,7 @@ class Engine {
     int32_t* ids;
     void* attn_scratch;
     void* sample_scratch;
+    unsigned* gemv_tickets;  // the gate/up GEMV's counters (kernels.h), zeroed at load
     int32_t* pos;         // [2]: pos[0] tokens in the cache, pos[1] = pos[0] + 1 (step_kernels.h)
     int32_t* sample_pos;  // &pos[1]: the RNG counter of the token sampled after pos[0]
     int32_t* token;

@@ -49,13 +49,19 @@ enum class Epilogue : int {
 // M = 1 decode. K % 128 == 0. Weights read exactly once with 16-byte register loads; each warp
 // loads its first iteration of weights into registers before the kernel waits for its predecessor
 // (PDL).
+//
+// tickets (SwiGLU only, may be null): kGemvTicketBytes of zeroed device memory, used by one stream.
+// With it, a launch with more row pairs than the grid has warps hands out the pairs past the first
+// round by atomic counters instead of a fixed stride (same bits), and leaves the counters at zero.
+constexpr size_t kGemvTicketBytes = 64 * 128;
 void gemv_w8a16(const uint8_t* w, const float* scales, const void* x, Act x_type, int N, int K,
-                Epilogue ep, void* out, cudaStream_t stream);
+                Epilogue ep, void* out, cudaStream_t stream, unsigned* tickets = nullptr);
 // The same with RMSNorm fused into the prologue: the GEMV's input is
 // f16(x * rsqrt(mean(x^2) + eps) * norm_w), x the fp32 residual stream [K] (bit-identical to
 // rmsnorm() followed by gemv_w8a16(..., Act::F16, ...), one launch and one round trip fewer).
 void gemv_w8a16_rmsnorm(const uint8_t* w, const float* scales, const float* x, const bf16* norm_w,
-                        float eps, int N, int K, Epilogue ep, void* out, cudaStream_t stream);
+                        float eps, int N, int K, Epilogue ep, void* out, cudaStream_t stream,
+                        unsigned* tickets = nullptr);
 // The decode QKV product with RMSNorm in the prologue and RoPE + KV append in the epilogue: w is
 // the fused [(H + 2 Hkv) * D, K] qkv matrix; the output is what gemv_w8a16_rmsnorm(Store) followed
 // by rope_kv_append(M = 1) writes (q_out, the cache rows at *pos), bit-identical, in one launch.
@@ -73,6 +79,10 @@ void gemv_w8a16_rmsnorm_rope(const uint8_t* w, const float* scales, const float*
 // their first: rows of one iteration (K <= 4096, a multiple of 512) and 1-2 row pairs per resident
 // warp. 0: none (also with ATOMFLOW_NO_STAGED_PAIR=1).
 int gemv_qkv_staged_warps(int H, int Hkv, int D, int K);
+// Whether a SwiGLU launch of w [N, K] (norm: with the fused RMSNorm) given a ticket buffer hands
+// its row pairs past the first round out by ticket (more row pairs than the grid has warps; false
+// with ATOMFLOW_NO_TICKETS=1).
+bool gemv_swiglu_ticketed(int N, int K, bool norm);
 // M > 1 prefill on tensor cores (FP8 converted exactly to the activation's 16-bit type in the
 // main loop). x [M, K] of x_type.
 void gemm_w8a16(const uint8_t* w, const float* scales, const void* x, Act x_type, int M, int N, int K,
