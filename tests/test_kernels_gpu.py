@@ -216,6 +216,26 @@ def staging_off() -> bool:
     return switch_set("ATOMFLOW_NO_STAGED_PAIR")
 
 
+def assert_same_bits_with_switch(tmp_path, switch: str, inputs: dict, got: dict, body: str, what: str):
+    """Runs `body` in a fresh process with the kill switch `switch` set: Python source that reads the
+    arrays of `inputs` as z[name] (np, ops and llama_inv_freq imported) and fills the dict out. Its
+    outputs must be `got`, bit for bit."""
+    import os
+    import subprocess
+    np.savez(tmp_path / "in.npz", **inputs)
+    script = ("import sys, numpy as np\n"
+              "sys.path.insert(0, sys.argv[3])\n"
+              "from test_kernels_gpu import ops, llama_inv_freq\n"
+              "z, out = np.load(sys.argv[1]), {}\n" + body + "np.savez(sys.argv[2], **out)\n")
+    env = dict(os.environ, **{switch: "1"})
+    subprocess.run([sys.executable, "-c", script, str(tmp_path / "in.npz"), str(tmp_path / "out.npz"),
+                    str(Path(__file__).parent)], env=env, check=True, timeout=300)
+    plain = np.load(tmp_path / "out.npz")
+    assert sorted(plain.files) == sorted(got)
+    for name, want in got.items():
+        np.testing.assert_array_equal(want, plain[name], err_msg=f"{what}: {name}")
+
+
 def test_gemv_qkv_staged_warps_plan():
     """Which decode QKV launches copy a warp's second row pair into shared memory early: rows of
     one iteration (K a multiple of 512, at most 4096) with more row pairs than resident warps and at
@@ -241,8 +261,6 @@ def test_gemv_qkv_staged_pair_same_bits(rng, tmp_path):
     """The second row pair summed from shared memory is the register path's arithmetic: the QKV
     launch writes the same q and cache rows as with the copies off (ATOMFLOW_NO_STAGED_PAIR=1, in a
     fresh process), on shapes that stage."""
-    import os
-    import subprocess
     if staging_off():
         pytest.skip("ATOMFLOW_NO_STAGED_PAIR is set: nothing to compare")
     cases = [(24, 8, 128, 3072, 77), (32, 8, 128, 4096, 5), (30, 6, 128, 2560, 1000), (28, 4, 128, 3584, 0),
@@ -261,36 +279,24 @@ def test_gemv_qkv_staged_pair_same_bits(rng, tmp_path):
         q, k, v = ops.gemv_rmsnorm_rope(w, s, xf, nw, 1e-5, llama_inv_freq(D), pos, H, Hkv, D, kc.copy(), vc.copy())
         got.update({f"q{j}": q, f"k{j}": k, f"v{j}": v})
     assert "q0" in got, "the 3B QKV shape does not stage on this GPU"
-    np.savez(tmp_path / "in.npz", **inputs)
-    script = (
-        "import sys, numpy as np\n"
-        "sys.path.insert(0, sys.argv[3])\n"
-        "from test_kernels_gpu import ops, llama_inv_freq\n"
+    body = (
         f"cases = {cases!r}\n"
-        "z, out = np.load(sys.argv[1]), {}\n"
         "assert ops.gemv_qkv_staged_warps(24, 8, 128, 3072) == 0\n"
         "for j, (H, Hkv, D, K, pos) in enumerate(cases):\n"
         "    if f'w{j}' not in z.files:\n"
         "        continue\n"
         "    q, k, v = ops.gemv_rmsnorm_rope(z[f'w{j}'], z[f's{j}'], z[f'x{j}'], z[f'n{j}'], 1e-5,\n"
         "                                    llama_inv_freq(D), pos, H, Hkv, D, z[f'k{j}'], z[f'v{j}'])\n"
-        "    out.update({f'q{j}': q, f'k{j}': k, f'v{j}': v})\n"
-        "np.savez(sys.argv[2], **out)\n")
-    env = dict(os.environ, ATOMFLOW_NO_STAGED_PAIR="1")
-    subprocess.run([sys.executable, "-c", script, str(tmp_path / "in.npz"), str(tmp_path / "out.npz"),
-                    str(Path(__file__).parent)], env=env, check=True, timeout=300)
-    plain = np.load(tmp_path / "out.npz")
-    assert sorted(plain.files) == sorted(got)
-    for name, want in got.items():
-        np.testing.assert_array_equal(want, plain[name], err_msg=f"staged != register path: {name}")
+        "    out.update({f'q{j}': q, f'k{j}': k, f'v{j}': v})\n")
+    assert_same_bits_with_switch(tmp_path, "ATOMFLOW_NO_STAGED_PAIR", inputs, got, body, "staged != register path")
 
 
 def tickets_off() -> bool:
     return switch_set("ATOMFLOW_NO_TICKETS")
 
 
-# SwiGLU shapes with more row pairs than resident warps (the gate/up products of 3B, 8B and 1B; a K
-# that is not a multiple of 512; a K whose chunks end inside a warp's first 32), and one with fewer.
+# SwiGLU shapes with more row pairs than resident warps: the gate/up products of 3B, 8B and 1B, a K
+# that is not a multiple of 512, a K whose chunks end inside a warp's first 32.
 TICKET_SHAPES = [(16384, 3072), (28672, 4096), (16384, 2048), (2 * 9001, 4224), (2 * 9000, 256)]
 
 
@@ -310,8 +316,6 @@ def test_gemv_swiglu_tickets_same_bits(rng, tmp_path):
     """A row pair's sums do not depend on which warp takes it: the ticketed SwiGLU launches write the
     same bits as the fixed schedule (ATOMFLOW_NO_TICKETS=1, in a fresh process), for bf16, fp16 and
     RMSNorm inputs."""
-    import os
-    import subprocess
     if tickets_off():
         pytest.skip("ATOMFLOW_NO_TICKETS is set: nothing to compare")
     inputs, got = {}, {}
@@ -326,27 +330,15 @@ def test_gemv_swiglu_tickets_same_bits(rng, tmp_path):
         got[f"b{j}"] = ops.gemv(w, s, xb, 2, None, "bf16")
         got[f"h{j}"] = ops.gemv(w, s, xh, 2, None, "f16")
         got[f"r{j}"] = ops.gemv_rmsnorm(w, s, xf, nw, 1e-5, 2)
-    np.savez(tmp_path / "in.npz", **inputs)
-    script = (
-        "import sys, numpy as np\n"
-        "sys.path.insert(0, sys.argv[3])\n"
-        "from test_kernels_gpu import ops\n"
+    body = (
         f"shapes = {TICKET_SHAPES!r}\n"
-        "z, out = np.load(sys.argv[1]), {}\n"
         "assert not ops.gemv_swiglu_ticketed(16384, 3072, True)\n"
         "for j, (N, K) in enumerate(shapes):\n"
         "    w, s = z[f'w{j}'], z[f's{j}']\n"
         "    out[f'b{j}'] = ops.gemv(w, s, z[f'xb{j}'], 2, None, 'bf16')\n"
         "    out[f'h{j}'] = ops.gemv(w, s, z[f'xh{j}'], 2, None, 'f16')\n"
-        "    out[f'r{j}'] = ops.gemv_rmsnorm(w, s, z[f'xf{j}'], z[f'n{j}'], 1e-5, 2)\n"
-        "np.savez(sys.argv[2], **out)\n")
-    env = dict(os.environ, ATOMFLOW_NO_TICKETS="1")
-    subprocess.run([sys.executable, "-c", script, str(tmp_path / "in.npz"), str(tmp_path / "out.npz"),
-                    str(Path(__file__).parent)], env=env, check=True, timeout=300)
-    plain = np.load(tmp_path / "out.npz")
-    assert sorted(plain.files) == sorted(got)
-    for name, want in got.items():
-        np.testing.assert_array_equal(want, plain[name], err_msg=f"tickets != fixed schedule: {name}")
+        "    out[f'r{j}'] = ops.gemv_rmsnorm(w, s, z[f'xf{j}'], z[f'n{j}'], 1e-5, 2)\n")
+    assert_same_bits_with_switch(tmp_path, "ATOMFLOW_NO_TICKETS", inputs, got, body, "tickets != fixed schedule")
 
 
 def test_gemv_swiglu_tickets_every_launch(rng):

@@ -866,15 +866,17 @@ static int resident_blocks(size_t smem) {
 }
 
 // How a decode GEMV of one shape runs: its grid, the warps per block that copy their second row pair
-// into shared memory early (kernel comment; 0: none), and its dynamic shared memory.
+// into shared memory early (kernel comment; 0: none), its dynamic shared memory, and whether it
+// hands out row pairs by ticket when the caller gives it counters (Tickets).
 struct GemvPlan {
   int blocks, staged_warps;
   size_t smem;
+  bool ticketed;
 };
 
 template <Ep EP, In IN, bool WHOLE>
 static GemvPlan plan_gemv(int N, int K) {
-  GemvPlan plan{0, 0, staging_bytes<IN>(K)};
+  GemvPlan plan{0, 0, staging_bytes<IN>(K), false};
   // Every warp has a row pair when there are fewer pairs than resident warps (kernel comment). A
   // product with more takes every slot, the QKV product too: leaving 24 of them to the attention after
   // it measured faster once (docs/PERF.md), but no longer once attention ran in thread-block clusters,
@@ -898,23 +900,18 @@ static GemvPlan plan_gemv(int N, int K) {
       plan.smem = smem;
     }
   }
+  // SwiGLU with more row pairs than warps and a warp of every ticket class. Kill switch:
+  // ATOMFLOW_NO_TICKETS=1.
+  static const bool no_tickets = env_flag("ATOMFLOW_NO_TICKETS");
+  plan.ticketed = EP == Ep::SwiGLU && !no_tickets && n_pairs > stride && stride >= kTicketClasses;
   return plan;
-}
-
-// Whether a launch with this plan hands out row pairs by ticket (Tickets): SwiGLU with a counter
-// buffer, more row pairs than warps, and a warp of every class. Kill switch: ATOMFLOW_NO_TICKETS=1.
-template <Ep EP>
-static bool ticketed_plan(int N, const GemvPlan& plan, const unsigned* tickets) {
-  static const bool off = env_flag("ATOMFLOW_NO_TICKETS");
-  const int stride = plan.blocks * kGemvWarps;
-  return EP == Ep::SwiGLU && tickets != nullptr && !off && RowPairs<EP>::count(N) > stride && stride >= kTicketClasses;
 }
 
 template <Ep EP, In IN, bool WHOLE>
 static void launch_gemv_as(Product P, float eps, const RopeKVArgs& rope, cudaStream_t stream) {
   const GemvPlan plan = plan_gemv<EP, IN, WHOLE>(P.N, P.K);
   P.staged_warps = plan.staged_warps;
-  if (!ticketed_plan<EP>(P.N, plan, P.tickets)) P.tickets = nullptr;
+  if (!plan.ticketed) P.tickets = nullptr;
   af_launch(gemv_w8a16_kernel<EP, IN, WHOLE>, dim3(plan.blocks), dim3(kGemvThreads), plan.smem, stream, P, eps, rope);
 }
 
@@ -995,14 +992,13 @@ int gemv_qkv_staged_warps(int H, int Hkv, int D, int K) {
 bool gemv_swiglu_ticketed(int N, int K, bool norm) {
   AF_CHECK(N >= 2 && N % 2 == 0 && K >= kQuantGroup && K % kQuantGroup == 0,
            "gemv_swiglu_ticketed: N even and >= 2, K a multiple of 128");
-  static unsigned some;  // any non-null buffer: the plan only asks whether one is given
   const bool whole = K % (32 * 16) == 0;
-  GemvPlan plan;
-  if (norm)
-    plan = whole ? plan_gemv<Ep::SwiGLU, In::NORM, true>(N, K) : plan_gemv<Ep::SwiGLU, In::NORM, false>(N, K);
-  else
-    plan = whole ? plan_gemv<Ep::SwiGLU, In::F16, true>(N, K) : plan_gemv<Ep::SwiGLU, In::F16, false>(N, K);
-  return ticketed_plan<Ep::SwiGLU>(N, plan, &some);
+  if (norm) {
+    if (whole) return plan_gemv<Ep::SwiGLU, In::NORM, true>(N, K).ticketed;
+    return plan_gemv<Ep::SwiGLU, In::NORM, false>(N, K).ticketed;
+  }
+  if (whole) return plan_gemv<Ep::SwiGLU, In::F16, true>(N, K).ticketed;
+  return plan_gemv<Ep::SwiGLU, In::F16, false>(N, K).ticketed;
 }
 
 }  // namespace atomflow::kernels
