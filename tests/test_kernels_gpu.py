@@ -246,7 +246,8 @@ def test_gemv_qkv_staged_warps_plan():
              (30, 6, 128, 2560), (28, 4, 128, 3584), (56, 8, 64, 3072),
              (32, 8, 64, 2048), (3, 1, 64, 384),  # 1B: fewer pairs than warps
              (24, 8, 128, 4608), (24, 8, 128, 3200),  # K > 4096; K not a multiple of 512
-             (60, 8, 128, 3072)]  # more than two pairs per warp on up to 150 SMs
+             (60, 8, 128, 3072),  # more than two pairs per warp on up to 150 SMs
+             (48, 8, 128, 2048)]  # 4096 pairs: 8 staged warps per block on 132 SMs, 2 of them not early
     for H, Hkv, D, K in cases:
         pairs = (H + 2 * Hkv) * D // 2
         want = 0
@@ -263,8 +264,9 @@ def test_gemv_qkv_staged_pair_same_bits(rng, tmp_path):
     fresh process), on shapes that stage."""
     if staging_off():
         pytest.skip("ATOMFLOW_NO_STAGED_PAIR is set: nothing to compare")
+    # H, Hkv, D, K, position; the last stages warps that did not load early (kQkvPreWarps) on 132 SMs
     cases = [(24, 8, 128, 3072, 77), (32, 8, 128, 4096, 5), (30, 6, 128, 2560, 1000), (28, 4, 128, 3584, 0),
-             (56, 8, 64, 3072, 31)]  # H, Hkv, D, K, position
+             (56, 8, 64, 3072, 31), (48, 8, 128, 2048, 9)]
     inputs, got = {}, {}
     for j, (H, Hkv, D, K, pos) in enumerate(cases):
         N = (H + 2 * Hkv) * D

@@ -31,11 +31,14 @@
 //    3B 1.33 -> 1.30 ms, 8B 2.51 -> 2.46 (docs/PERF.md 2026-11-21; 3 of 8 measured the same). The
 //    other half's loads sent right after x's copies instead, in flight during the staging, were
 //    slower still (3B +5%): they delay the copies of the warps that issue theirs later.
-//    The QKV product is the exception: all 8 warps load early, together with its staged second
-//    pairs (below; measured as a pair). Its blocks enter in down's spare slots and as down's blocks
-//    leave, long before their wait; the same for gate_up, down or o, on top, cost 3B +2.0%, +0.5%,
+//    The QKV product is the exception: 6 of its 8 warps load early (kQkvPreWarps), together with
+//    its staged second pairs (below). Its blocks enter in down's spare slots and as down's blocks
+//    leave, long before their wait. All 8 early was measured first, as a pair with the staged
+//    pairs; 6 then ran 3B -0.3%, 8B -0.3% (7 and 5 the same as 8, 4 slower; docs/PERF.md
+//    2026-11-25). Every early warp in gate_up, down or o, on top of QKV's 8, cost 3B +2.0%, +0.5%,
 //    0% and 8B +0.7%, +0.3%, +0.5% (docs/PERF.md 2026-11-24, in a build with the staged path in
-//    every GEMV).
+//    every GEMV); 3, 5 (o, gate_up, down) or 2 (o) instead of 4 ran the same or slower, and so did
+//    early loads by bulk copies into shared memory (docs/PERF.md 2026-11-25).
 //  - The QKV product, rows of one iteration with 1-2 row pairs per warp (3B 2560 pairs and 8B 3072
 //    on 2112 warps), would read its second round only after the first one's math. The warps with a
 //    second pair instead copy it into shared memory by cp.async right after x is staged
@@ -121,8 +124,9 @@ constexpr int kGemvWarps = kGemvThreads / 32;
 constexpr int kGemvUnroll = 8;  // 16-byte chunks per row per lane per iteration
 // Warps 0 .. kGemvPreWarps - 1 of a block send their first iteration's loads before the PDL wait,
 // the others once x is staged (kernel comment: the early loads queue ahead of the wait's release);
-// in the QKV product every warp sends them early.
+// in the QKV product warps 0 .. kQkvPreWarps - 1.
 constexpr int kGemvPreWarps = kGemvWarps / 2;
+constexpr int kQkvPreWarps = 6;
 constexpr int kQuantGroup = 128;
 
 // x is stored as fp16 (16 values = 32 B per chunk) with a swizzle: the two 16-byte halves of chunk c
@@ -707,11 +711,11 @@ static __global__ void __launch_bounds__(kGemvThreads, 2)
   const uint64_t policy = stream_policy();
   const int p0 = blockIdx.x + gridDim.x * (threadIdx.x / 32);  // the warp's first row pair
 
-  // Weights never depend on an earlier kernel: in half the warps (all of them in the QKV product)
-  // the first iteration of the first row pair goes out to DRAM before the wait for the previous
-  // kernel (PDL), so that round trip overlaps the previous kernel's tail and the staging of x (top
-  // of the file: why half, and why all in QKV).
-  const bool pre = threadIdx.x / 32 < (EP == Ep::RopeKV ? kGemvWarps : kGemvPreWarps);
+  // Weights never depend on an earlier kernel: in half the warps (6 of 8 in the QKV product) the
+  // first iteration of the first row pair goes out to DRAM before the wait for the previous kernel
+  // (PDL), so that round trip overlaps the previous kernel's tail and the staging of x (top of the
+  // file: why half, and why more in QKV).
+  const bool pre = threadIdx.x / 32 < (EP == Ep::RopeKV ? kQkvPreWarps : kGemvPreWarps);
   Iter first;
   if (pre && p0 < n_pairs) {
     int r0, r1;
@@ -762,8 +766,8 @@ static __global__ void __launch_bounds__(kGemvThreads, 2)
     finish_rows<EP, WHOLE>(P, pairs, rope, pr, st.xs, x_scale, p, 32 * kGemvUnroll, acc0, acc1, policy, tr);
     p += stride;
   } else if (staged) {
-    // Not taken: every QKV warp is `pre`. Removing the branch moved the QKV instances' code and cost
-    // 3B +0.5% (docs/PERF.md 2026-11-24, review); it stays until a change here is measured anyway.
+    // A staged warp past kQkvPreWarps (none in the Llama 3 shapes: 3B and 8B stage 2 and 4 warps per
+    // block) sums its first pair with the plain loop.
     finish_rows<EP, WHOLE>(P, pairs, rope, pr, st.xs, x_scale, p, 0, 0.f, 0.f, policy, tr);
     p += stride;
   }
