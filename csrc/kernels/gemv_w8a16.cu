@@ -35,10 +35,10 @@
 //    its staged second pairs (below). Its blocks enter in down's spare slots and as down's blocks
 //    leave, long before their wait. All 8 early was measured first, as a pair with the staged
 //    pairs; 6 then ran 3B -0.3%, 8B -0.3% (7 and 5 the same as 8, 4 slower; docs/PERF.md
-//    2026-11-25). Every early warp in gate_up, down or o, on top of QKV's 8, cost 3B +2.0%, +0.5%,
+//    2026-11-24). Every early warp in gate_up, down or o, on top of QKV's 8, cost 3B +2.0%, +0.5%,
 //    0% and 8B +0.7%, +0.3%, +0.5% (docs/PERF.md 2026-11-24, in a build with the staged path in
 //    every GEMV); 3, 5 (o, gate_up, down) or 2 (o) instead of 4 ran the same or slower, and so did
-//    early loads by bulk copies into shared memory (docs/PERF.md 2026-11-25).
+//    early loads by bulk copies into shared memory (docs/PERF.md 2026-11-24).
 //  - The QKV product, rows of one iteration with 1-2 row pairs per warp (3B 2560 pairs and 8B 3072
 //    on 2112 warps), would read its second round only after the first one's math. The warps with a
 //    second pair instead copy it into shared memory by cp.async right after x is staged
