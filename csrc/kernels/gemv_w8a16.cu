@@ -31,11 +31,11 @@
 //    3B 1.33 -> 1.30 ms, 8B 2.51 -> 2.46 (docs/PERF.md 2026-11-21; 3 of 8 measured the same). The
 //    other half's loads sent right after x's copies instead, in flight during the staging, were
 //    slower still (3B +5%): they delay the copies of the warps that issue theirs later.
-//    The QKV product is the exception: 6 of its 8 warps load early (kQkvPreWarps), together with
-//    its staged second pairs (below). Its blocks enter in down's spare slots and as down's blocks
-//    leave, long before their wait. All 8 early was measured first, as a pair with the staged
-//    pairs; 6 then ran 3B -0.3%, 8B -0.3% (7 and 5 the same as 8, 4 slower; docs/PERF.md
-//    2026-11-24). Every early warp in gate_up, down or o, on top of QKV's 8, cost 3B +2.0%, +0.5%,
+//    The QKV product is the exception: its blocks enter in down's spare slots and as down's blocks
+//    leave, long before their wait, and more of its warps load early. With a second round (the
+//    staged pairs below: 3B, 8B) 6 of 8 (kQkvPreWarps): against all 8, 3B -0.3%, 8B -0.4% (7 and 5
+//    the same as 8, 4 slower); with one pair per warp (1B) all 8, since a late warp's round trip
+//    then ends the product (6 there: 1B +0.5 to +1.0%; docs/PERF.md 2026-11-24). Every early warp in gate_up, down or o, on top of QKV's 8, cost 3B +2.0%, +0.5%,
 //    0% and 8B +0.7%, +0.3%, +0.5% (docs/PERF.md 2026-11-24, in a build with the staged path in
 //    every GEMV); 3, 5 (o, gate_up, down) or 2 (o) instead of 4 ran the same or slower, and so did
 //    early loads by bulk copies into shared memory (docs/PERF.md 2026-11-24).
@@ -124,7 +124,7 @@ constexpr int kGemvWarps = kGemvThreads / 32;
 constexpr int kGemvUnroll = 8;  // 16-byte chunks per row per lane per iteration
 // Warps 0 .. kGemvPreWarps - 1 of a block send their first iteration's loads before the PDL wait,
 // the others once x is staged (kernel comment: the early loads queue ahead of the wait's release);
-// in the QKV product warps 0 .. kQkvPreWarps - 1.
+// in the QKV product warps 0 .. kQkvPreWarps - 1 when it stages second pairs, every warp otherwise.
 constexpr int kGemvPreWarps = kGemvWarps / 2;
 constexpr int kQkvPreWarps = 6;
 constexpr int kQuantGroup = 128;
@@ -711,11 +711,12 @@ static __global__ void __launch_bounds__(kGemvThreads, 2)
   const uint64_t policy = stream_policy();
   const int p0 = blockIdx.x + gridDim.x * (threadIdx.x / 32);  // the warp's first row pair
 
-  // Weights never depend on an earlier kernel: in half the warps (6 of 8 in the QKV product) the
-  // first iteration of the first row pair goes out to DRAM before the wait for the previous kernel
-  // (PDL), so that round trip overlaps the previous kernel's tail and the staging of x (top of the
-  // file: why half, and why more in QKV).
-  const bool pre = threadIdx.x / 32 < (EP == Ep::RopeKV ? kQkvPreWarps : kGemvPreWarps);
+  // Weights never depend on an earlier kernel: in half the warps (6 or 8 of 8 in the QKV product)
+  // the first iteration of the first row pair goes out to DRAM before the wait for the previous
+  // kernel (PDL), so that round trip overlaps the previous kernel's tail and the staging of x (top
+  // of the file: why half, and why more in QKV).
+  const int pre_warps = EP != Ep::RopeKV ? kGemvPreWarps : (P.staged_warps > 0 ? kQkvPreWarps : kGemvWarps);
+  const bool pre = threadIdx.x / 32 < pre_warps;
   Iter first;
   if (pre && p0 < n_pairs) {
     int r0, r1;
