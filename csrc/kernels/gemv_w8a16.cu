@@ -35,10 +35,11 @@
 //    leave, long before their wait, and more of its warps load early. With a second round (the
 //    staged pairs below: 3B, 8B) 6 of 8 (kQkvPreWarps): against all 8, 3B -0.3%, 8B -0.4% (7 and 5
 //    the same as 8, 4 slower); with one pair per warp (1B) all 8, since a late warp's round trip
-//    then ends the product (6 there: 1B +0.5 to +1.0%; docs/PERF.md 2026-11-24). Every early warp in gate_up, down or o, on top of QKV's 8, cost 3B +2.0%, +0.5%,
-//    0% and 8B +0.7%, +0.3%, +0.5% (docs/PERF.md 2026-11-24, in a build with the staged path in
-//    every GEMV); 3, 5 (o, gate_up, down) or 2 (o) instead of 4 ran the same or slower, and so did
-//    early loads by bulk copies into shared memory (docs/PERF.md 2026-11-24).
+//    then ends the product (6 there: 1B +0.5 to +1.0%; docs/PERF.md 2026-11-24). Every early warp
+//    in gate_up, down or o, on top of QKV's 8, cost 3B +2.0%, +0.5%, 0% and 8B +0.7%, +0.3%, +0.5%
+//    (docs/PERF.md 2026-11-24, in a build with the staged path in every GEMV); 3, 5 (o, gate_up,
+//    down) or 2 (o) instead of 4 ran the same or slower, and so did early loads by bulk copies into
+//    shared memory (docs/PERF.md 2026-11-24).
 //  - The QKV product, rows of one iteration with 1-2 row pairs per warp (3B 2560 pairs and 8B 3072
 //    on 2112 warps), would read its second round only after the first one's math. The warps with a
 //    second pair instead copy it into shared memory by cp.async right after x is staged
