@@ -895,7 +895,8 @@ static GemvPlan plan_gemv(int N, int K) {
   // QKV rows of one iteration (K <= 4096) and more pairs than warps, at most two per warp (3B and
   // 8B: 1.2 and 1.5 pairs per warp): the warps with a second pair copy it into shared memory
   // early, if the grid still fits with that much more shared memory. Warp w of block b has one iff
-  // b + w * blocks < n_pairs - stride. Kill switch: ATOMFLOW_NO_STAGED_PAIR=1.
+  // b + w * blocks < n_pairs - stride. Kill switch: ATOMFLOW_NO_STAGED_PAIR=1 (which also puts every
+  // QKV warp back to loading early: the kernel keeps kQkvPreWarps only with staged pairs).
   static const bool off = env_flag("ATOMFLOW_NO_STAGED_PAIR");
   const int stride = plan.blocks * kGemvWarps;
   if (EP == Ep::RopeKV && WHOLE && K <= 32 * kGemvUnroll * 16 && n_pairs > stride && n_pairs <= 2 * stride && !off) {
