@@ -3,7 +3,8 @@
 # presets, write OUTDIR/summary.json and print a short table last.
 #   bash scripts/gpu_check.sh OUTDIR
 # Environment: PRESETS (default llama-3.2-3b,llama-3.1-8b), PYTEST_MARK (default gpu),
-# PYTEST_ARGS (extra pytest options), SKIP_TESTS=1, SKIP_KERNEL_BENCH=1.
+# PYTEST_ARGS (extra pytest options, shell-quoted: PYTEST_ARGS='tests/x.py -k "a or b"'), SKIP_TESTS=1,
+# SKIP_KERNEL_BENCH=1.
 set -uo pipefail
 OUT=${1:?usage: scripts/gpu_check.sh OUTDIR}
 mkdir -p "$OUT"
@@ -24,7 +25,8 @@ tail -3 "$OUT/sass_check.log"
 [ $sass_rc -eq 0 ] || { echo "gpu_check: sass_check failed (exit $sass_rc)"; rc=1; }
 if [ "${SKIP_TESTS:-0}" != "1" ]; then
   echo "== pytest -m gpu"
-  python3 -m pytest -m "${PYTEST_MARK:-gpu}" -q -rfE ${PYTEST_ARGS:-} --junitxml="$OUT/gpu_tests.xml" > "$OUT/gpu_tests.log" 2>&1 || rc=$?
+  eval "extra=(${PYTEST_ARGS:-})"  # word-split as the shell would, so a quoted -k expression stays one argument
+  python3 -m pytest -m "${PYTEST_MARK:-gpu}" -q -rfE "${extra[@]}" --junitxml="$OUT/gpu_tests.xml" > "$OUT/gpu_tests.log" 2>&1 || rc=$?
   grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -25
 fi
 
