@@ -922,13 +922,21 @@ static void launch_gemv_as(Product P, float eps, const RopeKVArgs& rope, cudaStr
   af_launch(gemv_w8a16_kernel<EP, IN, WHOLE>, dim3(plan.blocks), dim3(kGemvThreads), plan.smem, stream, P, eps, rope);
 }
 
+// Rows of whole 32-chunk steps (K a multiple of 512: every Llama shape) take the variant whose loads
+// need no clamp at the row's end (load_iter).
+static bool whole_steps(int K) { return K % (32 * 16) == 0; }
+
+// The plan of the variant a launch of this shape runs (for the queries at the end of the file).
+template <Ep EP, In IN>
+static GemvPlan plan_of(int N, int K) {
+  return whole_steps(K) ? plan_gemv<EP, IN, true>(N, K) : plan_gemv<EP, IN, false>(N, K);
+}
+
 template <Ep EP, In IN>
 static void launch_gemv(const uint8_t* w, const float* scales, const void* x, const bf16* norm_w, float eps, int N,
                         int K, void* out, const RopeKVArgs& rope, cudaStream_t stream, unsigned* tickets = nullptr) {
   const Product P{w, scales, x, norm_w, N, K, out, 0, tickets};
-  // Rows of whole 32-chunk steps (K a multiple of 512: every Llama shape) take the variant whose loads
-  // need no clamp at the row's end (load_iter).
-  if (K % (32 * 16) == 0)
+  if (whole_steps(K))
     launch_gemv_as<EP, IN, true>(P, eps, rope, stream);
   else
     launch_gemv_as<EP, IN, false>(P, eps, rope, stream);
@@ -993,19 +1001,13 @@ int gemv_qkv_staged_warps(int H, int Hkv, int D, int K) {
   AF_CHECK(H >= 1 && Hkv >= 1 && D >= 2 && K >= kQuantGroup && K % kQuantGroup == 0,
            "gemv_qkv_staged_warps: H, Hkv >= 1, D >= 2, K a multiple of 128");
   const int N = (H + 2 * Hkv) * D;
-  return K % (32 * 16) == 0 ? plan_gemv<Ep::RopeKV, In::NORM, true>(N, K).staged_warps : 0;
+  return plan_of<Ep::RopeKV, In::NORM>(N, K).staged_warps;
 }
 
 bool gemv_swiglu_ticketed(int N, int K, bool norm) {
   AF_CHECK(N >= 2 && N % 2 == 0 && K >= kQuantGroup && K % kQuantGroup == 0,
            "gemv_swiglu_ticketed: N even and >= 2, K a multiple of 128");
-  const bool whole = K % (32 * 16) == 0;
-  if (norm) {
-    if (whole) return plan_gemv<Ep::SwiGLU, In::NORM, true>(N, K).ticketed;
-    return plan_gemv<Ep::SwiGLU, In::NORM, false>(N, K).ticketed;
-  }
-  if (whole) return plan_gemv<Ep::SwiGLU, In::F16, true>(N, K).ticketed;
-  return plan_gemv<Ep::SwiGLU, In::F16, false>(N, K).ticketed;
+  return norm ? plan_of<Ep::SwiGLU, In::NORM>(N, K).ticketed : plan_of<Ep::SwiGLU, In::F16>(N, K).ticketed;
 }
 
 }  // namespace atomflow::kernels
