@@ -464,32 +464,20 @@ def test_attention_cluster_merge_equals_scratch_merge(rng, tmp_path):
     """The two merges of the splits' partials (the leader's shared memory within a thread-block
     cluster; the scratch and a ticket otherwise) add the same terms in the same order: the same bits.
     The scratch merge runs in a fresh process with ATOMFLOW_NO_CLUSTER_MERGE=1."""
-    import os
-    import subprocess
     inputs, got = {}, {}
     for i, (M, context, C, Hkv, G, D) in enumerate(CLUSTER_MERGE_CASES):
         q = bf16_bits(rng.standard_normal((M, Hkv * G, D)) * 2.0)
         kc = bf16_bits(rng.standard_normal((C, Hkv, D)))
         vc = bf16_bits(rng.standard_normal((C, Hkv, D)))
         inputs.update({f"q{i}": q, f"k{i}": kc, f"v{i}": vc})
-        got[i] = ops.attention(q, kc, vc, context - M, 1.0 / np.sqrt(D))
+        got[f"o{i}"] = ops.attention(q, kc, vc, context - M, 1.0 / np.sqrt(D))
         want = reference_attention(q, kc, vc, context - M, 1.0 / np.sqrt(D))
-        assert_close(from_bf16(got[i]), want, 6e-3, f"cluster merge, case {CLUSTER_MERGE_CASES[i]}")
-    np.savez(tmp_path / "in.npz", **inputs)
-    script = (
-        "import sys, numpy as np\n"
-        "from atomflow._core import ops\n"
+        assert_close(from_bf16(got[f"o{i}"]), want, 6e-3, f"cluster merge, case {CLUSTER_MERGE_CASES[i]}")
+    body = (
         f"cases = {CLUSTER_MERGE_CASES!r}\n"
-        "z = np.load(sys.argv[1])\n"
-        "out = {f'o{i}': ops.attention(z[f'q{i}'], z[f'k{i}'], z[f'v{i}'], c - M, 1.0 / np.sqrt(D))\n"
-        "       for i, (M, c, C, Hkv, G, D) in enumerate(cases)}\n"
-        "np.savez(sys.argv[2], **out)\n")
-    env = dict(os.environ, ATOMFLOW_NO_CLUSTER_MERGE="1")
-    subprocess.run([sys.executable, "-c", script, str(tmp_path / "in.npz"), str(tmp_path / "out.npz")],
-                   env=env, check=True, timeout=120)
-    scratch = np.load(tmp_path / "out.npz")
-    for i, case in enumerate(CLUSTER_MERGE_CASES):
-        np.testing.assert_array_equal(got[i], scratch[f"o{i}"], err_msg=f"cluster != scratch merge, case {case}")
+        "for i, (M, c, C, Hkv, G, D) in enumerate(cases):\n"
+        "    out[f'o{i}'] = ops.attention(z[f'q{i}'], z[f'k{i}'], z[f'v{i}'], c - M, 1.0 / np.sqrt(D))\n")
+    assert_same_bits_with_switch(tmp_path, "ATOMFLOW_NO_CLUSTER_MERGE", inputs, got, body, "cluster != scratch merge")
 
 
 @pytest.mark.parametrize("M,H,Hkv,D,max_context,want", [

@@ -410,7 +410,9 @@ static __device__ __forceinline__ void read_pair(Iter& it, const StagedPair& sp,
 // counter back to 0 for the next launch. Every grab follows the PDL wait, so two launches never
 // count on the same counters at once if they share a stream.
 constexpr int kTicketClasses = 64;
-static_assert(kGemvTicketBytes == kTicketClasses * 128, "one counter per 128-byte line");
+constexpr int kTicketStride = 128 / sizeof(unsigned);  // counters one 128-byte line apart
+static_assert(kGemvTicketBytes == kTicketClasses * kTicketStride * sizeof(unsigned),
+              "one counter per 128-byte line");
 
 // Shared memory of a block: x as the products read it (K fp16, swizzled, padded), and for In::NORM the raw
 // residual row (K fp32) and the norm weight (K bf16) it is computed from.
@@ -737,7 +739,7 @@ static __global__ void __launch_bounds__(kGemvThreads, 2)
   // round trip runs beside x's staging (Tickets above).
   const bool ticketed = EP == Ep::SwiGLU && P.tickets != nullptr;  // the launcher checks the counts
   const int t_class = p0 % kTicketClasses;
-  unsigned* const t_ctr = ticketed ? P.tickets + 32 * t_class : nullptr;
+  unsigned* const t_ctr = ticketed ? P.tickets + kTicketStride * t_class : nullptr;
   unsigned ticket = 0;
   if (ticketed && lane == 0) ticket = atomicAdd(t_ctr, 1u);
 
