@@ -180,6 +180,31 @@ def test_short_steps_graph_has_the_same_bits(tiny, monkeypatch):
     assert rel <= 1e-5
 
 
+@pytest.mark.parametrize("lm_head", ["fp8", "bf16"])
+def test_fused_tail_has_the_same_tokens(model_files, lm_head, monkeypatch):
+    """The sampler that ends the step (token ring, position, the next step's embedding; greedy from
+    the FP8 head's per-block maxima) gives the tokens and logits of the separate embedding, sample
+    and finish launches (ATOMFLOW_NO_FUSED_TAIL=1), greedy and sampled, graph and eager."""
+    model = model_files("tiny", lm_head)
+    ids = prompt(40, model.spec.vocab_size, seed=13)
+    sampled_params = SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=5, max_new_tokens=48)
+
+    def run(**kw):
+        eng = cuda(model, 256, **kw)
+        out = [list(eng.generate_ids(ids, greedy(48))), list(eng.generate_ids(ids, sampled_params))]
+        eng.rollback(60)  # decode() after a pipelined run: its token's embedding, not the sampler's
+        return out, eng.decode(out[0][5])
+
+    fused, fused_eager = run(), run(eager=True)
+    monkeypatch.setenv("ATOMFLOW_NO_FUSED_TAIL", "1")
+    split, split_eager = run(), run(eager=True)
+    assert fused[0][0] == split[0][0] == fused_eager[0][0] == split_eager[0][0], "greedy tokens"
+    assert fused[0][1] == split[0][1] == fused_eager[0][1] == split_eager[0][1], "sampled tokens"
+    np.testing.assert_array_equal(fused[1], split[1])
+    np.testing.assert_array_equal(fused_eager[1], split_eager[1])
+    assert len(set(fused[0][1])) > 1
+
+
 def test_eager_from_environment(tiny, monkeypatch):
     monkeypatch.setenv("ATOMFLOW_EAGER", "1")
     assert cuda(tiny, 64).eager

@@ -201,6 +201,47 @@ def test_gemv_rmsnorm_equals_rmsnorm_then_gemv(rng, N, K):
     assert_close(ops.gemv_rmsnorm(w, s, x, nw, 1e-5, 0), ref, FP32_REL, f"gemv_rmsnorm N={N} K={K}")
 
 
+def order_keys(x: np.ndarray) -> np.ndarray:
+    """order_key (order_key.cuh) in numpy: float32 -> uint32, monotone, -0 tied with +0."""
+    b = np.asarray(x, np.float32).view(np.uint32).copy()
+    b[b == 0x80000000] = 0
+    return np.where(b & 0x80000000, ~b, b | 0x80000000).astype(np.uint32)
+
+
+def argmax_keys(x: np.ndarray) -> np.ndarray:
+    rows = np.arange(len(x), dtype=np.uint64)
+    return (order_keys(x).astype(np.uint64) << np.uint64(32)) | (~rows & np.uint64(0xFFFFFFFF))
+
+
+@pytest.mark.parametrize("N,K", [(128256, 3072), (5000, 1024), (2 * 2112 + 3, 384), (7, 384), (1, 128)])
+def test_gemv_rmsnorm_argmax_leaves_each_blocks_argmax(rng, N, K):
+    """The head's launch: the logits of gemv_rmsnorm (Store) to the bit, and in block_best[b] the
+    largest argmax key over the rows block b wrote (row pairs p with p % blocks == b), so their max
+    is the argmax of the logits with the lowest index on ties."""
+    w, s = random_fp8(rng, (N, K)), random_scales(rng, N, K)
+    x = (rng.standard_normal(K) * rng.uniform(0.1, 10)).astype(np.float32)
+    nw = bf16_bits(1 + 0.1 * rng.standard_normal(K))
+    tied = []
+    if N >= 3:  # three rows tie for the max (a row's sum does not depend on its neighbours)
+        top = int(np.argmax(ops.gemv_rmsnorm(w, s, x, nw, 1e-5, 0)))
+        tied = [top] + [int(r) for r in rng.choice(np.setdiff1d(np.arange(N), [top]), 2, replace=False)]
+        for r in tied[1:]:
+            w[r], s[r] = w[top], s[top]
+    out, best = ops.gemv_rmsnorm_argmax(w, s, x, nw, 1e-5)
+    if tied:
+        assert len(set(out[tied].tolist())) == 1 and out[tied[0]] == out.max()
+    np.testing.assert_array_equal(out, ops.gemv_rmsnorm(w, s, x, nw, 1e-5, 0))
+    blocks = ops.gemv_argmax_blocks(N, K)
+    assert best.shape == (blocks,)
+    keys = argmax_keys(out)
+    row_block = (np.arange(N) // 2) % blocks
+    want = np.zeros(blocks, np.uint64)
+    np.maximum.at(want, row_block, keys)
+    np.testing.assert_array_equal(best, want)
+    argmax = int(~np.uint32(best.max() & np.uint64(0xFFFFFFFF)))
+    assert argmax == int(np.argmax(out)) == (min(tied) if tied else int(np.argmax(out)))
+
+
 def resident_warps() -> int:
     from atomflow import _core
     return 16 * _core.device_info()["sm_count"]  # the GEMV: 2 blocks of 8 warps per SM
@@ -665,6 +706,40 @@ def test_sampling_follows_sample_numpy(rng, vocab):
                 mismatches.append((T, k, p, seed, pos, got, want))
     # fp32 exp vs float64 may move a draw that lands within ~1e-7 of a CDF step: vanishingly rare.
     assert len(mismatches) <= 1, f"{len(mismatches)} of {total} draws differ: {mismatches[:4]}"
+
+
+@pytest.mark.parametrize("vocab,d", [(128256, 3072), (1000, 64), (9, 5)])
+def test_sample_step_ends_the_step(rng, vocab, d):
+    """sample_step draws what sample() draws (RNG counter pos[1]), greedy too from the head's block
+    maxima; it writes the token into ring slot pos % ring_size (no other), advances both positions
+    and leaves the token's embedding row, as fp32, for the next step."""
+    x = distinct_logits(rng, vocab)
+    embed = bf16_bits(rng.standard_normal((vocab, d)))
+    blocks = 37
+    keys = argmax_keys(x)
+    best = np.zeros(blocks, np.uint64)
+    np.maximum.at(best, rng.integers(0, blocks, vocab), keys)
+    for T, k, p in [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.75, 20, 0.5)]:
+        for block_best in (None, best):  # the maxima only serve a greedy draw
+            seed, pos, ring = int(rng.integers(0, 2**63)), int(rng.integers(0, 100000)), int(rng.integers(1, 9))
+            token, pos_after, ring_out, row = ops.sample_step(x, T, k, p, seed, pos, embed, block_best, ring)
+            assert token == ops.sample(x, T, k, p, seed, pos + 1)
+            if T == 0:
+                assert token == int(np.argmax(x))
+            assert pos_after.tolist() == [pos + 1, pos + 2]
+            want_ring = np.full(ring, -1, np.int32)
+            want_ring[pos % ring] = token
+            np.testing.assert_array_equal(ring_out, want_ring)
+            np.testing.assert_array_equal(row, from_bf16(embed[token]).astype(np.float32))
+
+
+def test_sample_step_greedy_takes_the_block_maxima(rng):
+    """With block maxima the greedy token is the one they name (the logits are not read again)."""
+    x = distinct_logits(rng, 4096)
+    embed = bf16_bits(rng.standard_normal((4096, 16)))
+    best = argmax_keys(x)[[5, 77, 1234]]  # a subset: the best of those three rows
+    token, *_ = ops.sample_step(x, 0.0, 0, 1.0, 1, 0, embed, best)
+    assert token == [5, 77, 1234][int(np.argmax(x[[5, 77, 1234]]))]
 
 
 def test_same_seed_same_token_other_seeds_vary(rng):

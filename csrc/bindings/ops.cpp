@@ -192,6 +192,24 @@ py::array gemv_rmsnorm(const py::array& w_, const py::array& s_, const py::array
   return to_host<float>(out, {N});
 }
 
+// The head's launch: gemv_rmsnorm(Store) that also leaves each block's argmax key.
+py::tuple gemv_rmsnorm_argmax(const py::array& w_, const py::array& s_, const py::array& x_, const py::array& nw_,
+                              float eps) {
+  auto w = arg<uint8_t>(w_, "w", {-1, -1});
+  const int N = static_cast<int>(w.shape(0)), K = static_cast<int>(w.shape(1));
+  require(K % 128 == 0, "w: K = " + std::to_string(K) + " must be a multiple of 128");
+  auto s = arg<float>(s_, "scales", {N, K / 128});
+  auto x = arg<float>(x_, "x", {K});
+  auto nw = arg<uint16_t>(nw_, "norm_w", {K});
+  const int blocks = k::gemv_argmax_blocks(N, K);
+  DeviceBuffer dw = to_device(w), ds = to_device(s), dx = to_device(x), dn = to_device(nw);
+  DeviceBuffer out = DeviceBuffer::poisoned(sizeof(float) * N), best = DeviceBuffer::poisoned(sizeof(uint64_t) * blocks);
+  k::gemv_w8a16_rmsnorm_argmax(dw.get<uint8_t>(), ds.get<float>(), dx.get<float>(), dn.get<bf16>(), eps, N, K,
+                               out.get<float>(), best.get<uint64_t>(), nullptr);
+  sync();
+  return py::make_tuple(to_host<float>(out, {N}), to_host<uint64_t>(best, {blocks}));
+}
+
 py::tuple rope_kv_append(const py::array& qkv_, const py::array& inv_freq_, int pos, int H, int Hkv, int D,
                          const py::array& k_cache_, const py::array& v_cache_) {
   require(H >= 1 && Hkv >= 1 && D >= 2 && D % 2 == 0, "need H, Hkv >= 1 and an even D");
@@ -285,6 +303,41 @@ int sample(const py::array& logits, float temperature, int top_k, float top_p, u
   py::array_t<uint64_t> seeds(1);
   seeds.mutable_at(0) = seed;
   return sample_seeds(logits, temperature, top_k, top_p, seeds, pos).at(0);
+}
+
+// The sampler ending a decode step (kernels::sample_step): the token, pos[0..1] after it, the ring
+// (a device buffer here) and the next input row x. block_best: the head's per-block keys, or None.
+py::tuple sample_step(const py::array& logits_, float temperature, int top_k, float top_p, uint64_t seed, int pos,
+                      const py::array& embed_, const py::object& block_best_, int ring_size) {
+  auto logits = arg<float>(logits_, "logits", {-1});
+  const int vocab = static_cast<int>(logits.shape(0));
+  auto embed = arg<uint16_t>(embed_, "embed", {vocab, -1});
+  const int d = static_cast<int>(embed.shape(1));
+  require(vocab >= 1 && d >= 1 && ring_size >= 1 && pos >= 0, "need vocab, d, ring_size >= 1 and pos >= 0");
+  DeviceBuffer dl = to_device(logits), de = to_device(embed);
+  DeviceBuffer dbest(sizeof(uint64_t));
+  int n_best = 0;
+  if (!block_best_.is_none()) {
+    auto bb = arg<uint64_t>(block_best_.cast<py::array>(), "block_best", {-1});
+    n_best = static_cast<int>(bb.shape(0));
+    require(n_best >= 1, "block_best must not be empty");
+    dbest = to_device(bb);
+  }
+  const k::SamplingConfig cfg{temperature, top_k, top_p, 0u, seed};
+  DeviceBuffer dcfg(sizeof(cfg));
+  dcfg.upload(&cfg, sizeof(cfg));
+  const int32_t p[2] = {pos, pos + 1};
+  DeviceBuffer dpos(sizeof(p));
+  dpos.upload(p, sizeof(p));
+  DeviceBuffer ring = DeviceBuffer::poisoned(sizeof(int32_t) * ring_size), x = DeviceBuffer::poisoned(sizeof(float) * d);
+  DeviceBuffer token = DeviceBuffer::poisoned(sizeof(int32_t));
+  k::sample_step(dl.get<float>(), vocab, n_best ? dbest.get<uint64_t>() : nullptr, n_best, dcfg.get<k::SamplingConfig>(),
+                 token.get<int32_t>(), k::StepEnd{dpos.get<int32_t>(), ring.get<int32_t>(), ring_size, de.get<bf16>(), d,
+                                                  x.get<float>()},
+                 nullptr);
+  sync();
+  return py::make_tuple(to_host<int32_t>(token, {1}).at(0), to_host<int32_t>(dpos, {2}), to_host<int32_t>(ring, {ring_size}),
+                        to_host<float>(x, {d}));
 }
 
 // ------------------------------------------------------------------ micro-benchmarks
@@ -441,6 +494,12 @@ void register_ops(pybind11::module_& m) {
   m.def("gemv_rmsnorm", &gemv_rmsnorm, py::arg("w"), py::arg("scales"), py::arg("x"), py::arg("norm_w"),
         py::arg("eps"), py::arg("epilogue") = 0, py::arg("out_init") = py::none(),
         "gemv of bf16(rmsnorm(x f32 [K]) * norm_w u16 [K]); epilogues as gemv");
+  m.def("gemv_rmsnorm_argmax", &gemv_rmsnorm_argmax, py::arg("w"), py::arg("scales"), py::arg("x"), py::arg("norm_w"),
+        py::arg("eps"),
+        "the head's launch: gemv_rmsnorm Store -> (f32 [N], u64 [blocks]: each block's max of order key << 32 | ~row "
+        "over the rows it wrote)");
+  m.def("gemv_argmax_blocks", &k::gemv_argmax_blocks, py::arg("N"), py::arg("K"),
+        "entries of gemv_rmsnorm_argmax's block maxima (its grid)");
   m.def(
       "gemm",
       [](const py::array& w, const py::array& s, const py::array& x, int ep, const py::object& out_init,
@@ -466,6 +525,10 @@ void register_ops(pybind11::module_& m) {
         "scratch)");
   m.def("sample", &sample, py::arg("logits"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"),
         py::arg("seed"), py::arg("pos"), "one token from f32 logits [vocab]");
+  m.def("sample_step", &sample_step, py::arg("logits"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"),
+        py::arg("seed"), py::arg("pos"), py::arg("embed"), py::arg("block_best") = py::none(), py::arg("ring_size") = 4,
+        "the sampler ending a step: logits f32 [vocab], embed u16 [vocab, d] -> (token, pos i32 [2] after, ring i32 "
+        "[ring_size], x f32 [d])");
   m.def("sample_seeds", &sample_seeds, py::arg("logits"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"),
         py::arg("seeds"), py::arg("pos"), "one token per seed (u64 [n]) -> i32 [n]");
   m.def("stream_read_bandwidth", &stream_read_bandwidth, py::arg("n_bytes"), py::arg("iters") = 20,

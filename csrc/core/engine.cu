@@ -121,6 +121,8 @@ void Engine::init(const std::string& path, const std::vector<TensorInfo>& table,
   buf_.attn_scratch = arena_.at<void>(layout.attn_scratch);
   buf_.sample_scratch = arena_.at<void>(layout.sample_scratch);
   buf_.gemv_tickets = arena_.at<unsigned>(layout.gemv_tickets);
+  buf_.head_best = arena_.at<uint64_t>(layout.head_best);
+  buf_.head_best_n = layout.head_best_n;
   buf_.pos = arena_.at<int32_t>(layout.pos);
   buf_.sample_pos = buf_.pos + 1;
   buf_.token = arena_.at<int32_t>(layout.token);
@@ -159,6 +161,7 @@ void Engine::init(const std::string& path, const std::vector<TensorInfo>& table,
   step::write_sampling(buf_.sampling, greedy(), stream_);
 
   short_steps_ = opt_.max_context > kShortKeys && !env_flag("ATOMFLOW_ONE_GRAPH");
+  fused_tail_ = !env_flag("ATOMFLOW_NO_FUSED_TAIL");
   // Warm-up: one eager step loads every kernel (lazy module loading cannot happen inside a
   // capture) and surfaces a failing kernel here, with its own error, not as a graph failure.
   try {
@@ -170,7 +173,7 @@ void Engine::init(const std::string& path, const std::vector<TensorInfo>& table,
   }
   if (!opt_.eager) capture_graph();
   step::write_pos(buf_.pos, 0, stream_);
-  step::write_int(buf_.token, 0, stream_);
+  set_token(0);
   AF_CUDA_CHECK(cudaStreamSynchronize(stream_));
   host_pos_ = 0;
 }
@@ -270,6 +273,12 @@ void Engine::check_token(int32_t token) const {
                                 std::to_string(spec_.vocab_size) + ")");
 }
 
+void Engine::set_token(int32_t token) {
+  step::write_int(buf_.token, token, stream_);
+  // With the fused tail a step starts from the embedding the previous step's sampler wrote.
+  if (fused_tail_) kernels::embedding(buf_.embed, buf_.token, 1, spec_.hidden_size, spec_.vocab_size, buf_.x, stream_);
+}
+
 void Engine::copy_logits_out(float* logits) {
   const size_t bytes = static_cast<size_t>(spec_.vocab_size) * sizeof(float);
   AF_CUDA_CHECK(cudaMemcpyAsync(logits_host_, buf_.logits, bytes, cudaMemcpyDeviceToHost, stream_));
@@ -312,7 +321,7 @@ void Engine::decode(int32_t token, float* logits) {
   check_token(token);
   if (host_pos_ >= opt_.max_context)
     throw std::runtime_error("context full: max_context " + std::to_string(opt_.max_context) + " reached");
-  step::write_int(buf_.token, token, stream_);
+  set_token(token);
   launch_step();
   ++host_pos_;
   copy_logits_out(logits);
@@ -347,7 +356,7 @@ void Engine::set_sampling(float temperature, int top_k, float top_p, uint64_t se
 void Engine::begin(int32_t token) {
   std::lock_guard<std::mutex> lock(mu_);
   check_token(token);
-  step::write_int(buf_.token, token, stream_);
+  set_token(token);
 }
 
 void Engine::enqueue(int n) {

@@ -107,8 +107,10 @@ void Engine::enqueue_head(int row) {
   const int d = spec_.hidden_size, vocab = spec_.vocab_size;
   const float* xrow = buf_.x + static_cast<size_t>(row) * d;
   if (spec_.lm_head_fp8 && !probe_) {
-    kernels::gemv_w8a16_rmsnorm(static_cast<const uint8_t*>(buf_.lm_head), buf_.lm_head_scale, xrow, buf_.final_norm,
-                                spec_.rms_norm_eps, vocab, d, Epilogue::Store, buf_.logits, stream_);
+    // Each block also leaves the argmax of its rows for a greedy sampler (sample_step).
+    kernels::gemv_w8a16_rmsnorm_argmax(static_cast<const uint8_t*>(buf_.lm_head), buf_.lm_head_scale, xrow,
+                                       buf_.final_norm, spec_.rms_norm_eps, vocab, d, buf_.logits, buf_.head_best,
+                                       stream_);
     return;
   }
   kernels::rmsnorm(xrow, buf_.final_norm, 1, d, spec_.rms_norm_eps, buf_.xn, stream_);
@@ -124,20 +126,30 @@ void Engine::enqueue_head(int row) {
 
 // One token: *token at position *pos in, logits and the sampled token (in *token and the ring)
 // out, *pos advanced. Reads all its inputs from device memory, so one graph serves every step whose
-// keys fit attn_keys (launch_step: max_context, or kShortKeys for a short step).
+// keys fit attn_keys (launch_step: max_context, or kShortKeys for a short step). With the fused tail
+// (engine.h) the input's embedding is already in x (set_token, or the step before), and the sampler
+// writes the next one there once the head has read x.
 void Engine::enqueue_decode_step(int attn_keys) {
   const int d = spec_.hidden_size, vocab = spec_.vocab_size;
-  kernels::embedding(buf_.embed, buf_.token, 1, d, vocab, buf_.x, stream_);
-  mark("embedding", -1);
+  if (!fused_tail_) {
+    kernels::embedding(buf_.embed, buf_.token, 1, d, vocab, buf_.x, stream_);
+    mark("embedding", -1);
+  }
   enqueue_layers(1, attn_keys);
   enqueue_head(0);
   mark("lm_head", -1);  // the final RMSNorm is fused into it (or its own launch with a bf16 head)
-  // The embedding above has read *token, so the sample may overwrite it with the next input.
+  // The embedding has read *token, so the sample may overwrite it with the next input.
   // Its RNG counter is the position after this token (sample_pos), as on the CPU.
-  {
-    NvtxRange range("sample");
-    kernels::sample(buf_.logits, vocab, buf_.sampling, buf_.sample_pos, buf_.sample_scratch, buf_.token, stream_);
+  NvtxRange range("sample");
+  if (fused_tail_) {
+    const bool best = spec_.lm_head_fp8 && !probe_;  // enqueue_head left the per-block maxima
+    kernels::sample_step(buf_.logits, vocab, best ? buf_.head_best : nullptr, best ? buf_.head_best_n : 0,
+                         buf_.sampling, buf_.token, kernels::StepEnd{buf_.pos, ring_dev_, kRingSize, buf_.embed, d, buf_.x},
+                         stream_);
+    mark("sample", -1);  // with the ring, the position and the next embedding
+    return;
   }
+  kernels::sample(buf_.logits, vocab, buf_.sampling, buf_.sample_pos, buf_.sample_scratch, buf_.token, stream_);
   mark("sample", -1);
   step::finish_step(buf_.token, buf_.pos, ring_dev_, kRingSize, stream_);
   mark("finish", -1);

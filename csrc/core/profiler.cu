@@ -18,7 +18,8 @@ constexpr uint64_t kGateTimeoutNs = 2'000'000'000ull;  // far beyond the time to
 }  // namespace
 
 void Engine::init_profiler() {
-  // Launch groups per step: embedding + 6 per layer + lm_head + sample + finish; room to spare
+  // Launch groups per step: embedding + 6 per layer + lm_head + sample + finish (the fused tail:
+  // 6 per layer + lm_head + sample); room to spare
   // so a new launch in forward.cu cannot overflow it silently (mark() checks).
   const size_t n = 8 * static_cast<size_t>(spec_.num_layers) + 16;
   prof_marks_.resize(n);
@@ -69,7 +70,7 @@ std::vector<Engine::ProfileEntry> Engine::profile_decode(int32_t token, int step
     *reinterpret_cast<volatile int32_t*>(gate_host_) = gate_ticket_;
   };
   try {
-    step::write_int(buf_.token, token, stream_);
+    set_token(token);
     for (int s = 0; s < steps; ++s) {
       // Queue the whole step behind the gate, then open it: the GPU runs it back to back.
       const int32_t ticket = ++gate_ticket_;

@@ -109,6 +109,7 @@
 
 #include "atomflow/kernels.h"
 #include "atomflow/loads.cuh"
+#include "atomflow/order_key.cuh"
 #include "atomflow/pdl.cuh"
 #include "atomflow/rmsnorm.cuh"
 #include "atomflow/rope.cuh"
@@ -200,6 +201,7 @@ struct Product {
   void* out;
   int staged_warps;  // warps per block whose second row pair is copied into shared memory early (0: none)
   unsigned* tickets; // SwiGLU of several rounds: counters that hand out the row pairs past the first round (Tickets)
+  uint64_t* best;    // Store: each block's argmax key of the rows it wrote (gemv_w8a16_rmsnorm_argmax), or null
 };
 
 // Which rows row pair p covers. SwiGLU pairs gate row p with up row F + p; RopeKV pairs (i, i + D/2)
@@ -651,7 +653,8 @@ static __device__ __forceinline__ void store_pair(const Product& P, const RowPai
 // behind would replay the whole next row pair's loads and math on its own).
 template <Ep EP>
 static __device__ __forceinline__ void finish_pair(const Product& P, const RowPairs<EP>& pairs, const RopeKVArgs& rope,
-                                                   const Prior& pr, int p, float acc0, float acc1, float x_scale) {
+                                                   const Prior& pr, int p, float acc0, float acc1, float x_scale,
+                                                   uint64_t& top) {
   const int lane = threadIdx.x % 32;
   if ((lane & 3) != (lane >> 3)) acc0 = acc1 = 0.f;  // lane 4 g + q holds group g's sums iff q = g / 2
 #pragma unroll
@@ -659,7 +662,16 @@ static __device__ __forceinline__ void finish_pair(const Product& P, const RowPa
     acc0 += __shfl_xor_sync(0xffffffffu, acc0, off);
     acc1 += __shfl_xor_sync(0xffffffffu, acc1, off);
   }
-  if (lane == 0) store_pair<EP>(P, pairs, rope, pr, p, acc0 * x_scale, acc1 * x_scale);
+  if (lane == 0) {
+    const float y0 = acc0 * x_scale, y1 = acc1 * x_scale;
+    store_pair<EP>(P, pairs, rope, pr, p, y0, y1);
+    if constexpr (EP == Ep::Store) {  // the head's argmax (P.best): lane 0's running max of what it stored
+      int r0, r1;
+      pairs.rows(p, r0, r1);
+      top = max(top, argmax_key(y0, r0));
+      if (2 * p + 1 < P.N) top = max(top, argmax_key(y1, r1));
+    }
+  }
   __syncwarp();
 }
 
@@ -674,7 +686,7 @@ static __device__ __forceinline__ void finish_pair(const Product& P, const RowPa
 template <Ep EP, bool WHOLE>
 static __device__ __forceinline__ void finish_rows(const Product& P, const RowPairs<EP>& pairs, const RopeKVArgs& rope,
                                                    const Prior& pr, const uint4* xs, float x_scale, int p, int base,
-                                                   float acc0, float acc1, uint64_t policy, WarpTrace& tr,
+                                                   float acc0, float acc1, uint64_t policy, WarpTrace& tr, uint64_t& top,
                                                    unsigned* grab = nullptr, unsigned* ticket = nullptr) {
   const int C = P.K / 16, lane = threadIdx.x % 32;
   int r0, r1;
@@ -689,7 +701,7 @@ static __device__ __forceinline__ void finish_rows(const Product& P, const RowPa
     dot_iter<WHOLE>(it, xs, base + lane, C, acc0, acc1);
     tr.iter();
   }
-  finish_pair<EP>(P, pairs, rope, pr, p, acc0, acc1, x_scale);
+  finish_pair<EP>(P, pairs, rope, pr, p, acc0, acc1, x_scale, top);
 }
 
 template <Ep EP, In IN, bool WHOLE>
@@ -762,17 +774,18 @@ static __global__ void __launch_bounds__(kGemvThreads, 2)
 
   // A warp that loaded early starts its first row pair from those registers (a peeled copy: see
   // the top of the file); every other row pair runs the plain load-then-math loop.
+  uint64_t top = 0;  // Store with P.best: lane 0's largest argmax key of the rows it stored
   int p = p0;
   if (pre && p < n_pairs) {
     float acc0 = 0.f, acc1 = 0.f;
     dot_iter<WHOLE>(first, st.xs, lane, P.K / 16, acc0, acc1);
     tr.iter();
-    finish_rows<EP, WHOLE>(P, pairs, rope, pr, st.xs, x_scale, p, 32 * kGemvUnroll, acc0, acc1, policy, tr);
+    finish_rows<EP, WHOLE>(P, pairs, rope, pr, st.xs, x_scale, p, 32 * kGemvUnroll, acc0, acc1, policy, tr, top);
     p += stride;
   } else if (staged) {
     // A staged warp past kQkvPreWarps (none in the Llama 3 shapes: 3B and 8B stage 2 and 4 warps per
     // block) sums its first pair with the plain loop.
-    finish_rows<EP, WHOLE>(P, pairs, rope, pr, st.xs, x_scale, p, 0, 0.f, 0.f, policy, tr);
+    finish_rows<EP, WHOLE>(P, pairs, rope, pr, st.xs, x_scale, p, 0, 0.f, 0.f, policy, tr, top);
     p += stride;
   }
   if (staged) {
@@ -782,7 +795,7 @@ static __global__ void __launch_bounds__(kGemvThreads, 2)
     float acc0 = 0.f, acc1 = 0.f;
     dot_iter<WHOLE>(it, st.xs, lane, P.K / 16, acc0, acc1);
     tr.iter();
-    finish_pair<EP>(P, pairs, rope, pr, p, acc0, acc1, x_scale);
+    finish_pair<EP>(P, pairs, rope, pr, p, acc0, acc1, x_scale, top);
     p += stride;
   }
   if constexpr (EP == Ep::SwiGLU) {
@@ -800,7 +813,7 @@ static __global__ void __launch_bounds__(kGemvThreads, 2)
         if (q >= n_pairs) break;
         grab = t_ctr;
       }
-      finish_rows<EP, WHOLE>(P, pairs, rope, pr, st.xs, x_scale, q, 0, 0.f, 0.f, policy, tr, grab, &ticket);
+      finish_rows<EP, WHOLE>(P, pairs, rope, pr, st.xs, x_scale, q, 0, 0.f, 0.f, policy, tr, top, grab, &ticket);
       p += stride;
       own = !ticketed && p < n_pairs;
     }
@@ -811,7 +824,19 @@ static __global__ void __launch_bounds__(kGemvThreads, 2)
     }
   } else {
     for (; p < n_pairs; p += stride)
-      finish_rows<EP, WHOLE>(P, pairs, rope, pr, st.xs, x_scale, p, 0, 0.f, 0.f, policy, tr);
+      finish_rows<EP, WHOLE>(P, pairs, rope, pr, st.xs, x_scale, p, 0, 0.f, 0.f, policy, tr, top);
+  }
+  if constexpr (EP == Ep::Store) {
+    // The head's argmax for the greedy sampler: the block's largest key over its warps' lane 0s.
+    if (P.best != nullptr) {
+      __shared__ uint64_t best[kGemvWarps];
+      if (lane == 0) best[warp] = top;
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        for (int w = 1; w < kGemvWarps; ++w) top = max(top, best[w]);
+        P.best[blockIdx.x] = top;
+      }
+    }
   }
 #ifdef ATOMFLOW_TRACE
   tr.stamp(trace::kExit);
@@ -936,8 +961,9 @@ static GemvPlan plan_of(int N, int K) {
 
 template <Ep EP, In IN>
 static void launch_gemv(const uint8_t* w, const float* scales, const void* x, const bf16* norm_w, float eps, int N,
-                        int K, void* out, const RopeKVArgs& rope, cudaStream_t stream, unsigned* tickets = nullptr) {
-  const Product P{w, scales, x, norm_w, N, K, out, 0, tickets};
+                        int K, void* out, const RopeKVArgs& rope, cudaStream_t stream, unsigned* tickets = nullptr,
+                        uint64_t* best = nullptr) {
+  const Product P{w, scales, x, norm_w, N, K, out, 0, tickets, best};
   if (whole_steps(K))
     launch_gemv_as<EP, IN, true>(P, eps, rope, stream);
   else
@@ -997,6 +1023,18 @@ void gemv_w8a16_rmsnorm_rope(const uint8_t* w, const float* scales, const float*
   const int N = (rope.H + 2 * rope.Hkv) * rope.D;
   check_args(w, x, N, K);
   launch_gemv<Ep::RopeKV, In::NORM>(w, scales, x, norm_w, eps, N, K, nullptr, rope, stream);
+}
+
+void gemv_w8a16_rmsnorm_argmax(const uint8_t* w, const float* scales, const float* x, const bf16* norm_w, float eps,
+                               int N, int K, float* out, uint64_t* block_best, cudaStream_t stream) {
+  AF_CHECK(norm_w != nullptr && block_best != nullptr, "gemv_w8a16_rmsnorm_argmax: needs the norm weight and block_best");
+  check_args(w, x, N, K);
+  launch_gemv<Ep::Store, In::NORM>(w, scales, x, norm_w, eps, N, K, out, RopeKVArgs{}, stream, nullptr, block_best);
+}
+
+int gemv_argmax_blocks(int N, int K) {
+  AF_CHECK(N >= 1 && K >= kQuantGroup && K % kQuantGroup == 0, "gemv_argmax_blocks: N >= 1, K a multiple of 128");
+  return plan_of<Ep::Store, In::NORM>(N, K).blocks;
 }
 
 int gemv_qkv_staged_warps(int H, int Hkv, int D, int K) {

@@ -16,12 +16,14 @@
 // threshold searches and the CDF agree with each other to the last bit. Tokens with w < 2^-41 have
 // zero weight (they would be drawn with probability < 2^-41). NaN logits are not supported.
 //
-// Cost: greedy = one read of the logits spread over 8 SMs plus one cluster reduction. Sampling
+// Cost: greedy = one read of the logits spread over 8 SMs plus one cluster reduction, or, given
+// the head GEMV's per-block maxima (sample_step), one block reducing those (a few hundred). Sampling
 // caches the slice in shared memory (key + weight, 8 B per token); top-k / top-p each run an
 // 8-ary search over the 32-bit order-preserving key space (<= 11 rounds of one cluster reduction).
 #include <cooperative_groups.h>
 
 #include "atomflow/kernels.h"
+#include "atomflow/order_key.cuh"
 #include "atomflow/pdl.cuh"
 
 namespace cg = cooperative_groups;
@@ -39,6 +41,7 @@ struct SampleShared {
   uint64_t slot[2][kProbes];  // this block's contribution to a cluster reduction (double-buffered)
   uint64_t result[kProbes];
   uint64_t warp_mass[kSampleWarps];
+  int32_t token;  // block 0: the drawn token, written by the block that drew it (StepEnd)
 };
 
 struct OpMax {
@@ -48,15 +51,6 @@ struct OpSum {
   __device__ uint64_t operator()(uint64_t a, uint64_t b) const { return a + b; }
 };
 
-// Monotone map float -> uint32 (larger float, larger key), and back. -0 maps to +0's key: the
-// two compare equal, so they must tie (as in numpy).
-static __device__ __forceinline__ uint32_t order_key(float x) {
-  const uint32_t b = __float_as_uint(x) == 0x80000000u ? 0u : __float_as_uint(x);
-  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
-}
-static __device__ __forceinline__ float key_value(uint32_t k) {
-  return __uint_as_float((k & 0x80000000u) ? (k & 0x7FFFFFFFu) : ~k);
-}
 static __device__ __forceinline__ uint64_t fixed_weight(float w) { return __float2ull_rn(w * kFixedOne); }
 
 template <class Op>
@@ -163,36 +157,89 @@ static __device__ uint64_t philox4x64_word0(uint64_t seed, uint64_t ctr) {
   return c0;
 }
 
+// The end of a decode step (StepEnd), run by every block once the token is known to all of them:
+// block `part` of `parts` writes its slice of the next step's input row (warps 1..); block 0's
+// thread 0 writes the token ring and advances the position p = pos[0], beside it.
+static __device__ void end_step(const StepEnd& end, int32_t token, int32_t p, int part, int parts) {
+  if (threadIdx.x < 32) {
+    if (part == 0 && threadIdx.x == 0) {
+      // volatile: a store straight to host memory over the bus, never held in a cache line.
+      *reinterpret_cast<volatile int32_t*>(end.ring + p % end.ring_size) = token;
+      __threadfence_system();  // the token is visible to the host before the step counts as done
+      end.pos[0] = p + 1;
+      end.pos[1] = p + 2;
+    }
+    return;
+  }
+  const int per = CEIL_DIV(end.d, parts);
+  const int lo = part * per, hi = min(end.d, lo + per);
+  const bf16* row = end.embed + static_cast<size_t>(token) * end.d;
+  for (int i = lo + threadIdx.x - 32; i < hi; i += kSampleThreads - 32) end.x[i] = __bfloat162float(row[i]);
+}
+
 static __global__ void __cluster_dims__(kSampleBlocks, 1, 1) __launch_bounds__(kSampleThreads, 1)
-    sample_kernel(const float* logits, int vocab, const SamplingConfig* cfg_ptr,
-                  const int32_t* pos_ptr, int32_t* __restrict__ token_out) {
+    sample_kernel(const float* logits, int vocab, const uint64_t* block_best, int n_best,
+                  const SamplingConfig* cfg_ptr, const int32_t* pos_ptr, int32_t* __restrict__ token_out,
+                  const StepEnd end) {
   extern __shared__ uint32_t cache[];  // sampling only: keys [chunk], then weights (float) [chunk]
   __shared__ SampleShared sh;
-  pdl_prologue();
+  // Ending a decode step, the settings and the position are read before the wait: no kernel of
+  // the step writes them, and every earlier one has completed (StepEnd, kernels.h).
+  const bool ends = end.pos != nullptr;
+  SamplingConfig cfg;
+  int32_t pos = 0;
+  pdl_launch_dependents();
+  if (ends) {
+    cfg = *cfg_ptr;
+    pos = end.pos[0];
+  }
+  pdl_wait();
+  if (!ends) cfg = *cfg_ptr;
   cg::cluster_group cluster = cg::this_cluster();
   const int rank = static_cast<int>(cluster.block_rank());
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int chunk = CEIL_DIV(vocab, kSampleBlocks);
   const int begin = rank * chunk;
   const int n_local = max(0, min(chunk, vocab - begin));
-  const SamplingConfig cfg = *cfg_ptr;
   int round = 0;
+
+  // Greedy from the head's per-block maxima (gemv_w8a16_rmsnorm_argmax): block 0 alone reduces
+  // them; the others have nothing to do (no block touches another's shared memory on this path).
+  if (n_best > 0 && !(cfg.temperature > 0.f)) {
+    if (rank != 0) return;
+    uint64_t v = 0;
+    for (int i = tid; i < n_best; i += kSampleThreads) v = max(v, block_best[i]);
+    v = warp_reduce(v, OpMax{});
+    if (lane == 0) sh.warp_part[warp][0] = v;
+    __syncthreads();
+    if (warp == 0) {
+      const uint64_t m = warp_reduce(sh.warp_part[lane][0], OpMax{});
+      if (lane == 0) sh.result[0] = m;
+    }
+    __syncthreads();
+    const int32_t token = static_cast<int32_t>(~static_cast<uint32_t>(sh.result[0]));
+    if (tid == 0) *token_out = token;
+    if (ends) end_step(end, token, pos, 0, 1);
+    return;
+  }
 
   // Argmax as one max over (key << 32 | ~index): larger logit first, then the lower index.
   // The second value is the complement of the smallest key (max of complements = min).
   uint64_t v[2] = {0, 0};
 #pragma unroll 4
   for (int i = tid; i < n_local; i += kSampleThreads) {
-    const uint32_t key = order_key(logits[begin + i]);
-    v[0] = max(v[0], (uint64_t{key} << 32) | ~static_cast<uint32_t>(begin + i));
-    v[1] = max(v[1], uint64_t{~key});
+    const float x = logits[begin + i];
+    v[0] = max(v[0], argmax_key(x, static_cast<uint32_t>(begin + i)));
+    v[1] = max(v[1], uint64_t{~order_key(x)});
   }
   cluster_allreduce(v, OpMax{}, sh, round);
   const uint32_t key_max = static_cast<uint32_t>(v[0] >> 32);
   const uint32_t key_min = ~static_cast<uint32_t>(v[1]);
 
   if (!(cfg.temperature > 0.f)) {
-    if (rank == 0 && tid == 0) *token_out = static_cast<int32_t>(~static_cast<uint32_t>(v[0]));
+    const int32_t token = static_cast<int32_t>(~static_cast<uint32_t>(v[0]));  // every block has it
+    if (rank == 0 && tid == 0) *token_out = token;
+    if (ends) end_step(end, token, pos, rank, kSampleBlocks);
     cluster.sync();  // no block leaves while another may still read its shared memory
     return;
   }
@@ -277,13 +324,21 @@ static __global__ void __cluster_dims__(kSampleBlocks, 1, 1) __launch_bounds__(k
       }
       const unsigned hit = __ballot_sync(0xffffffffu, prefix + incl > target);
       if (hit) {
-        if (lane == __ffs(hit) - 1) *token_out = begin + i;
+        if (lane == __ffs(hit) - 1) {
+          *token_out = begin + i;
+          if (ends) *cluster.map_shared_rank(&sh.token, 0) = begin + i;  // block 0 hands it out
+        }
         break;
       }
       prefix += __shfl_sync(0xffffffffu, incl, 31);
     }
   }
   cluster.sync();  // no block leaves while another may still read its shared memory
+  if (ends) {
+    const int32_t token = *cluster.map_shared_rank(&sh.token, 0);
+    end_step(end, token, pos, rank, kSampleBlocks);
+    cluster.sync();  // block 0's shared memory stays until every block has read the token
+  }
 }
 
 // ---- launcher ----
@@ -293,9 +348,9 @@ size_t sampling_scratch_bytes(int vocab) {
   return 0;  // the cluster exchanges everything through distributed shared memory
 }
 
-void sample(const float* logits, int vocab, const SamplingConfig* cfg, const int32_t* pos, void* scratch,
-            int32_t* token_out, cudaStream_t stream) {
-  (void)scratch;  // sampling_scratch_bytes() == 0
+static void launch_sample(const float* logits, int vocab, const uint64_t* block_best, int n_best,
+                          const SamplingConfig* cfg, const int32_t* pos, int32_t* token_out, const StepEnd& end,
+                          cudaStream_t stream) {
   AF_CHECK(vocab >= 1, "sample: vocab must be >= 1");
   int device = 0, smem_optin = 0;
   AF_CUDA_CHECK(cudaGetDevice(&device));
@@ -316,8 +371,23 @@ void sample(const float* logits, int vocab, const SamplingConfig* cfg, const int
                                        static_cast<int>(smem)));
     configured = smem;
   }
-  af_launch(sample_kernel, dim3(kSampleBlocks), dim3(kSampleThreads), smem, stream, logits, vocab, cfg, pos,
-            token_out);
+  af_launch(sample_kernel, dim3(kSampleBlocks), dim3(kSampleThreads), smem, stream, logits, vocab, block_best,
+            n_best, cfg, pos, token_out, end);
+}
+
+void sample(const float* logits, int vocab, const SamplingConfig* cfg, const int32_t* pos, void* scratch,
+            int32_t* token_out, cudaStream_t stream) {
+  (void)scratch;  // sampling_scratch_bytes() == 0
+  launch_sample(logits, vocab, nullptr, 0, cfg, pos, token_out, StepEnd{}, stream);
+}
+
+void sample_step(const float* logits, int vocab, const uint64_t* block_best, int n_best, const SamplingConfig* cfg,
+                 int32_t* token_out, const StepEnd& end, cudaStream_t stream) {
+  AF_CHECK(n_best >= 0 && (n_best == 0 || block_best != nullptr), "sample_step: n_best must be >= 0, with block_best");
+  AF_CHECK(end.pos && end.ring && end.ring_size > 0 && end.embed && end.d >= 1 && end.x,
+           "sample_step: the step's end needs pos, a ring of >= 1 slot, the embedding table, d >= 1 and x");
+  // pos[1] = pos[0] + 1 is the RNG counter, as sample() is given it.
+  launch_sample(logits, vocab, block_best, n_best, cfg, end.pos + 1, token_out, end, stream);
 }
 
 }  // namespace atomflow::kernels

@@ -131,9 +131,11 @@ class Engine {
     void* attn_scratch;
     void* sample_scratch;
     unsigned* gemv_tickets;  // the gate/up GEMV's counters (kernels.h), zeroed at load
+    uint64_t* head_best;     // the FP8 head's per-block argmax keys, for the greedy sampler (kernels.h)
+    int head_best_n;         // their count (0: no FP8 head)
     int32_t* pos;         // [2]: pos[0] tokens in the cache, pos[1] = pos[0] + 1 (step_kernels.h)
     int32_t* sample_pos;  // &pos[1]: the RNG counter of the token sampled after pos[0]
-    int32_t* token;
+    int32_t* token;       // the step's input token; its embedding is in x[0] when a step starts
     kernels::SamplingConfig* sampling;
   };
 
@@ -163,6 +165,7 @@ class Engine {
   void launch_step();  // one decode step: the graph, or its launches when eager
   void require_idle(const char* what) const;
   void check_token(int32_t token) const;
+  void set_token(int32_t token);  // the next step's input: *token and its embedding in x[0]
   void copy_logits_out(float* logits);
   void release() noexcept;
 
@@ -184,6 +187,10 @@ class Engine {
   static constexpr int kShortKeys = 512;
   cudaGraphExec_t short_graph_ = nullptr;
   bool short_steps_ = false;  // steps of at most kShortKeys keys plan their grid for kShortKeys
+  // The sampler ends the step (kernels::sample_step: token ring, position, the next step's
+  // embedding), so a step is the layers, the head and one more launch. Off (separate embedding,
+  // sampler and finish launches) with ATOMFLOW_NO_FUSED_TAIL=1 at load.
+  bool fused_tail_ = true;
   cudaEvent_t step_done_[kRingSize] = {};
   int32_t* ring_host_ = nullptr;  // mapped pinned: finish_step writes, wait() reads
   int32_t* ring_dev_ = nullptr;   // the same memory as the device sees it

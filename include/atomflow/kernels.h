@@ -79,6 +79,12 @@ void gemv_w8a16_rmsnorm_rope(const uint8_t* w, const float* scales, const float*
 // their first: rows of one iteration (K <= 4096, a multiple of 512) and 1-2 row pairs per resident
 // warp. 0: none (also with ATOMFLOW_NO_STAGED_PAIR=1).
 int gemv_qkv_staged_warps(int H, int Hkv, int D, int K);
+// gemv_w8a16_rmsnorm(..., Epilogue::Store, ...) that also leaves, for the greedy sampler, the
+// largest (order key of out[r]) << 32 | ~r over the rows r each block wrote in block_best[block]
+// (gemv_argmax_blocks(N, K) entries): their maximum is the argmax of out, lowest index on ties.
+void gemv_w8a16_rmsnorm_argmax(const uint8_t* w, const float* scales, const float* x, const bf16* norm_w, float eps,
+                               int N, int K, float* out, uint64_t* block_best, cudaStream_t stream);
+int gemv_argmax_blocks(int N, int K);
 // Whether a SwiGLU launch of w [N, K] (norm: with the fused RMSNorm) given a ticket buffer hands
 // its row pairs past the first round out by ticket (more row pairs than the grid has warps; false
 // with ATOMFLOW_NO_TICKETS=1).
@@ -168,6 +174,25 @@ size_t sampling_scratch_bytes(int vocab);
 // Reads *pos (device) as the RNG counter; writes the token to *token_out (device).
 void sample(const float* logits, int vocab, const SamplingConfig* cfg, const int32_t* pos,
             void* scratch, int32_t* token_out, cudaStream_t stream);
+// The end of a decode step, done by the sampler once the token is drawn: ring[pos[0] % ring_size] =
+// token (a store to mapped host memory, fenced), pos[0..1] advanced by one, and the next step's
+// input row x[0..d) = float(embed[token]).
+struct StepEnd {
+  int32_t* pos;  // [2]: pos[0] tokens in the cache, pos[1] = pos[0] + 1 (the RNG counter)
+  int32_t* ring;
+  int ring_size;
+  const bf16* embed;  // [vocab, d]
+  int d;
+  float* x;
+};
+// sample() with the RNG counter pos[1], then `end`. block_best (greedy only; may be null with
+// n_best = 0): the head's per-block maxima (gemv_w8a16_rmsnorm_argmax); with them a greedy draw
+// reduces n_best values instead of reading the logits (the same token).
+// It reads *cfg and pos[0] before its PDL wait (pdl.cuh): launch it where no kernel still running
+// may write them, as the decode step does (the step's QKV launches triggered only after their waits,
+// so everything before the last of them has completed) or after a synchronizing copy.
+void sample_step(const float* logits, int vocab, const uint64_t* block_best, int n_best, const SamplingConfig* cfg,
+                 int32_t* token_out, const StepEnd& end, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------
 // stream_read.cu: the read-bandwidth ceiling. Reads n_bytes (multiple of 16) once with 16-byte
