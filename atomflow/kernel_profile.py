@@ -21,15 +21,19 @@ from .errors import BackendUnavailableError
 from .fileformat import AtomflowFile
 from .sampling import SamplingParams
 
-LABELS = ("embedding", "gemv_qkv+norm+rope", "attention", "gemv_o", "gemv_gate_up+norm", "gemv_down",
-          "lm_head", "sample", "finish")
+# The launch groups of a decode step: the layers' five, the head, and the sampler that ends the step
+# (ring, position, next embedding). With ATOMFLOW_NO_FUSED_TAIL=1 the step also has "embedding" and
+# "finish" groups.
+LABELS = ("gemv_qkv+norm+rope", "attention", "gemv_o", "gemv_gate_up+norm", "gemv_down", "lm_head", "sample")
 WARMUP_STEPS = 3
 GRAPH_TOKENS = 64  # tokens of the pipelined run that gives the graph TPOT
 
 
 def kernel_bytes(model: AtomflowFile, context: float) -> dict[str, float]:
     """Bytes one launch of each group reads + writes with `context` tokens in the cache (the
-    step's own K/V row included in what attention reads)."""
+    step's own K/V row included in what attention reads). None for the sampler: what it reads
+    depends on the settings (a greedy draw with an FP8 head reads the head's block maxima, not the
+    logits), so it gets no rate."""
     s, t = model.spec, model.tensors
     d, f = s.hidden_size, s.intermediate_size
 
@@ -48,8 +52,6 @@ def kernel_bytes(model: AtomflowFile, context: float) -> dict[str, float]:
         "gemv_gate_up+norm": w("layers.0.w13") + norm_in + f * 2,
         "gemv_down": w("layers.0.w2") + f * 2 + 2 * d * 4,
         "lm_head": head + norm_in + s.vocab_size * 4,
-        "sample": s.vocab_size * 4,
-        "finish": 16,
     }
 
 
