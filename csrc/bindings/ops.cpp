@@ -168,25 +168,37 @@ py::array linear(const py::array& w_, const py::array& s_, const py::array& x_, 
   return gemm ? to_host<uint16_t>(out, {M, N / 2}) : to_host<uint16_t>(out, {N / 2});
 }
 
-// gemv with RMSNorm fused into its prologue: x f32 [K] (the residual stream), norm_w u16 [K].
-py::array gemv_rmsnorm(const py::array& w_, const py::array& s_, const py::array& x_, const py::array& nw_, float eps,
-                       int ep_, const py::object& out_init_) {
-  const k::Epilogue ep = epilogue_arg(ep_);
-  auto w = arg<uint8_t>(w_, "w", {-1, -1});
+// The inputs of a GEMV with RMSNorm fused into its prologue, checked and on the device: w u8 [N, K]
+// (N: any with -1), scales f32 [N, K / 128], x f32 [K] (the residual stream), norm_w u16 [K].
+struct NormedGemvInputs {
+  int N, K;
+  DeviceBuffer w, scales, x, norm_w;
+};
+
+NormedGemvInputs normed_gemv_inputs(const py::array& w_, const py::array& s_, const py::array& x_,
+                                    const py::array& nw_, py::ssize_t rows = -1) {
+  auto w = arg<uint8_t>(w_, "w", {rows, -1});
   const int N = static_cast<int>(w.shape(0)), K = static_cast<int>(w.shape(1));
   require(K % 128 == 0, "w: K = " + std::to_string(K) + " must be a multiple of 128");
   auto s = arg<float>(s_, "scales", {N, K / 128});
   auto x = arg<float>(x_, "x", {K});
   auto nw = arg<uint16_t>(nw_, "norm_w", {K});
+  return NormedGemvInputs{N, K, to_device(w), to_device(s), to_device(x), to_device(nw)};
+}
+
+py::array gemv_rmsnorm(const py::array& w_, const py::array& s_, const py::array& x_, const py::array& nw_, float eps,
+                       int ep_, const py::object& out_init_) {
+  const k::Epilogue ep = epilogue_arg(ep_);
+  NormedGemvInputs in = normed_gemv_inputs(w_, s_, x_, nw_);
+  const int N = in.N, K = in.K;
   if (ep == k::Epilogue::SwiGLU) require(N % 2 == 0, "SwiGLU needs an even N (gate rows, then up rows)");
   const bool add = ep == k::Epilogue::AddResidual;
   require(add == !out_init_.is_none(), "out_init is required with AddResidual and only with it");
-  DeviceBuffer dw = to_device(w), ds = to_device(s), dx = to_device(x), dn = to_device(nw);
   DeviceBuffer out = add ? to_device(arg<float>(out_init_.cast<py::array>(), "out_init", {N}))
                          : DeviceBuffer::poisoned(ep == k::Epilogue::SwiGLU ? sizeof(bf16) * (N / 2)
                                                                            : sizeof(float) * N);
-  k::gemv_w8a16_rmsnorm(dw.get<uint8_t>(), ds.get<float>(), dx.get<float>(), dn.get<bf16>(), eps, N, K, ep, out.get(),
-                        nullptr, gemv_tickets());
+  k::gemv_w8a16_rmsnorm(in.w.get<uint8_t>(), in.scales.get<float>(), in.x.get<float>(), in.norm_w.get<bf16>(), eps, N,
+                        K, ep, out.get(), nullptr, gemv_tickets());
   sync();
   if (ep == k::Epilogue::SwiGLU) return to_host<uint16_t>(out, {N / 2});
   return to_host<float>(out, {N});
@@ -195,17 +207,11 @@ py::array gemv_rmsnorm(const py::array& w_, const py::array& s_, const py::array
 // The head's launch: gemv_rmsnorm(Store) that also leaves each block's argmax key.
 py::tuple gemv_rmsnorm_argmax(const py::array& w_, const py::array& s_, const py::array& x_, const py::array& nw_,
                               float eps) {
-  auto w = arg<uint8_t>(w_, "w", {-1, -1});
-  const int N = static_cast<int>(w.shape(0)), K = static_cast<int>(w.shape(1));
-  require(K % 128 == 0, "w: K = " + std::to_string(K) + " must be a multiple of 128");
-  auto s = arg<float>(s_, "scales", {N, K / 128});
-  auto x = arg<float>(x_, "x", {K});
-  auto nw = arg<uint16_t>(nw_, "norm_w", {K});
-  const int blocks = k::gemv_argmax_blocks(N, K);
-  DeviceBuffer dw = to_device(w), ds = to_device(s), dx = to_device(x), dn = to_device(nw);
+  NormedGemvInputs in = normed_gemv_inputs(w_, s_, x_, nw_);
+  const int N = in.N, K = in.K, blocks = k::gemv_argmax_blocks(N, K);
   DeviceBuffer out = DeviceBuffer::poisoned(sizeof(float) * N), best = DeviceBuffer::poisoned(sizeof(uint64_t) * blocks);
-  k::gemv_w8a16_rmsnorm_argmax(dw.get<uint8_t>(), ds.get<float>(), dx.get<float>(), dn.get<bf16>(), eps, N, K,
-                               out.get<float>(), best.get<uint64_t>(), nullptr);
+  k::gemv_w8a16_rmsnorm_argmax(in.w.get<uint8_t>(), in.scales.get<float>(), in.x.get<float>(), in.norm_w.get<bf16>(),
+                               eps, N, K, out.get<float>(), best.get<uint64_t>(), nullptr);
   sync();
   return py::make_tuple(to_host<float>(out, {N}), to_host<uint64_t>(best, {blocks}));
 }
@@ -236,25 +242,19 @@ py::tuple gemv_rmsnorm_rope(const py::array& w_, const py::array& s_, const py::
                             float eps, const py::array& inv_freq_, int pos, int H, int Hkv, int D,
                             const py::array& k_cache_, const py::array& v_cache_) {
   require(H >= 1 && Hkv >= 1 && D >= 2 && D % 2 == 0, "need H, Hkv >= 1 and an even D");
-  const int N = (H + 2 * Hkv) * D;
-  auto w = arg<uint8_t>(w_, "w", {N, -1});
-  const int K = static_cast<int>(w.shape(1));
-  require(K % 128 == 0, "w: K = " + std::to_string(K) + " must be a multiple of 128");
-  auto s = arg<float>(s_, "scales", {N, K / 128});
-  auto x = arg<float>(x_, "x", {K});
-  auto nw = arg<uint16_t>(nw_, "norm_w", {K});
+  NormedGemvInputs in = normed_gemv_inputs(w_, s_, x_, nw_, (H + 2 * Hkv) * D);
+  const int K = in.K;
   auto inv_freq = arg<float>(inv_freq_, "inv_freq", {D / 2});
   auto kc = arg<uint16_t>(k_cache_, "k_cache", {-1, Hkv, D});
   const int C = static_cast<int>(kc.shape(0));
   auto vc = arg<uint16_t>(v_cache_, "v_cache", {C, Hkv, D});
   require(pos >= 0, "need pos >= 0");
-  DeviceBuffer dw = to_device(w), ds = to_device(s), dx = to_device(x), dn = to_device(nw);
   DeviceBuffer dfreq = to_device(inv_freq), dk = to_device(kc), dv = to_device(vc), dpos = device_int(pos);
   DeviceBuffer q = DeviceBuffer::poisoned(sizeof(bf16) * H * D);
   const k::RopeKVArgs rope{dfreq.get<float>(), dpos.get<int32_t>(), H, Hkv, D, C, q.get<bf16>(), dk.get<bf16>(),
                            dv.get<bf16>()};
-  k::gemv_w8a16_rmsnorm_rope(dw.get<uint8_t>(), ds.get<float>(), dx.get<float>(), dn.get<bf16>(), eps, K, rope,
-                             nullptr);
+  k::gemv_w8a16_rmsnorm_rope(in.w.get<uint8_t>(), in.scales.get<float>(), in.x.get<float>(), in.norm_w.get<bf16>(), eps,
+                             K, rope, nullptr);
   sync();
   return py::make_tuple(to_host<uint16_t>(q, {H, D}), to_host<uint16_t>(dk, {C, Hkv, D}),
                         to_host<uint16_t>(dv, {C, Hkv, D}));

@@ -387,8 +387,9 @@ std::vector<int32_t> Engine::wait(int n) {
   const volatile int32_t* ring = ring_host_;  // written by the device: read memory, not a register
   for (int i = 0; i < n; ++i) {
     AF_CUDA_CHECK(cudaEventSynchronize(step_done_[oldest_]));
-    // finish_step wrote the token of the step at position p into slot p % kRingSize. At most
-    // kRingSize consecutive positions are in flight, so no slot is overwritten before it is read.
+    // The step's end (publish_step) wrote the token of the step at position p into slot
+    // p % kRingSize. At most kRingSize consecutive positions are in flight, so no slot is
+    // overwritten before it is read.
     const int32_t token = ring[oldest_pos_ % kRingSize];
     tokens.push_back(token);
     oldest_ = (oldest_ + 1) % kRingSize;

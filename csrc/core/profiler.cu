@@ -18,9 +18,9 @@ constexpr uint64_t kGateTimeoutNs = 2'000'000'000ull;  // far beyond the time to
 }  // namespace
 
 void Engine::init_profiler() {
-  // Launch groups per step: embedding + 6 per layer + lm_head + sample + finish (the fused tail:
-  // 6 per layer + lm_head + sample); room to spare
-  // so a new launch in forward.cu cannot overflow it silently (mark() checks).
+  // Launch groups per step: 5 per layer + lm_head + sample (+ embedding and finish with
+  // ATOMFLOW_NO_FUSED_TAIL=1); room to spare so a new launch in forward.cu cannot overflow it
+  // silently (mark() checks).
   const size_t n = 8 * static_cast<size_t>(spec_.num_layers) + 16;
   prof_marks_.resize(n);
   prof_events_.assign(n + 1, nullptr);

@@ -4,6 +4,7 @@
 #include "step_kernels.h"
 
 #include "atomflow/pdl.cuh"
+#include "atomflow/step_end.cuh"
 
 namespace atomflow::step {
 
@@ -35,12 +36,7 @@ static __global__ void advance_pos_kernel(int32_t* pos, int32_t n) {
 
 static __global__ void finish_step_kernel(const int32_t* token, int32_t* pos, int32_t* ring, int ring_size) {
   pdl_prologue();
-  const int32_t p = pos[0];
-  // volatile: a store straight to host memory over the bus, never held in a cache line.
-  *reinterpret_cast<volatile int32_t*>(ring + p % ring_size) = *token;
-  __threadfence_system();  // the token is visible to the host before the step counts as done
-  pos[0] = p + 1;
-  pos[1] = p + 2;
+  publish_step(ring, ring_size, pos, pos[0], *token);
 }
 
 // One thread polls host memory (volatile: every read crosses the bus). No PDL: the gate must

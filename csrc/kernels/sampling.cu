@@ -25,6 +25,7 @@
 #include "atomflow/kernels.h"
 #include "atomflow/order_key.cuh"
 #include "atomflow/pdl.cuh"
+#include "atomflow/step_end.cuh"
 
 namespace cg = cooperative_groups;
 
@@ -60,15 +61,11 @@ static __device__ __forceinline__ uint64_t warp_reduce(uint64_t v, Op op) {
   return v;
 }
 
-// Cluster-wide reduction of N values per thread (identity 0 for both ops); every thread of every
-// block gets the same result. Slots alternate between rounds, so one cluster barrier per round
-// suffices: a block rewrites slot b only two rounds later, after every reader has passed the
-// barrier of the round in between.
+// Block-wide reduction of N values per thread: warp 0's lane 0 writes the block's results to dst
+// (shared memory); the caller synchronizes before anyone reads them.
 template <int N, class Op>
-static __device__ void cluster_allreduce(uint64_t (&v)[N], Op op, SampleShared& sh, int& round) {
-  cg::cluster_group cluster = cg::this_cluster();
+static __device__ void block_reduce(uint64_t (&v)[N], Op op, SampleShared& sh, uint64_t* dst) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int b = round++ & 1;
 #pragma unroll
   for (int i = 0; i < N; ++i) v[i] = warp_reduce(v[i], op);
   if (lane == 0)
@@ -79,8 +76,20 @@ static __device__ void cluster_allreduce(uint64_t (&v)[N], Op op, SampleShared& 
 #pragma unroll
     for (int i = 0; i < N; ++i) {
       const uint64_t x = warp_reduce(sh.warp_part[lane][i], op);
-      if (lane == 0) sh.slot[b][i] = x;
+      if (lane == 0) dst[i] = x;
     }
+}
+
+// Cluster-wide reduction of N values per thread (identity 0 for both ops); every thread of every
+// block gets the same result. Slots alternate between rounds, so one cluster barrier per round
+// suffices: a block rewrites slot b only two rounds later, after every reader has passed the
+// barrier of the round in between.
+template <int N, class Op>
+static __device__ void cluster_allreduce(uint64_t (&v)[N], Op op, SampleShared& sh, int& round) {
+  cg::cluster_group cluster = cg::this_cluster();
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int b = round++ & 1;
+  block_reduce(v, op, sh, sh.slot[b]);
   cluster.sync();
   if (warp == 0) {
     const uint64_t* remote = cluster.map_shared_rank(&sh.slot[b][0], lane % kSampleBlocks);
@@ -162,13 +171,7 @@ static __device__ uint64_t philox4x64_word0(uint64_t seed, uint64_t ctr) {
 // thread 0 writes the token ring and advances the position p = pos[0], beside it.
 static __device__ void end_step(const StepEnd& end, int32_t token, int32_t p, int part, int parts) {
   if (threadIdx.x < 32) {
-    if (part == 0 && threadIdx.x == 0) {
-      // volatile: a store straight to host memory over the bus, never held in a cache line.
-      *reinterpret_cast<volatile int32_t*>(end.ring + p % end.ring_size) = token;
-      __threadfence_system();  // the token is visible to the host before the step counts as done
-      end.pos[0] = p + 1;
-      end.pos[1] = p + 2;
-    }
+    if (part == 0 && threadIdx.x == 0) publish_step(end.ring, end.ring_size, end.pos, p, token);
     return;
   }
   const int per = CEIL_DIV(end.d, parts);
@@ -207,15 +210,9 @@ static __global__ void __cluster_dims__(kSampleBlocks, 1, 1) __launch_bounds__(k
   // them; the others have nothing to do (no block touches another's shared memory on this path).
   if (n_best > 0 && !(cfg.temperature > 0.f)) {
     if (rank != 0) return;
-    uint64_t v = 0;
-    for (int i = tid; i < n_best; i += kSampleThreads) v = max(v, block_best[i]);
-    v = warp_reduce(v, OpMax{});
-    if (lane == 0) sh.warp_part[warp][0] = v;
-    __syncthreads();
-    if (warp == 0) {
-      const uint64_t m = warp_reduce(sh.warp_part[lane][0], OpMax{});
-      if (lane == 0) sh.result[0] = m;
-    }
+    uint64_t v[1] = {0};
+    for (int i = tid; i < n_best; i += kSampleThreads) v[0] = max(v[0], block_best[i]);
+    block_reduce(v, OpMax{}, sh, sh.result);
     __syncthreads();
     const int32_t token = static_cast<int32_t>(~static_cast<uint32_t>(sh.result[0]));
     if (tid == 0) *token_out = token;

@@ -192,7 +192,7 @@ class Engine {
   // sampler and finish launches) with ATOMFLOW_NO_FUSED_TAIL=1 at load.
   bool fused_tail_ = true;
   cudaEvent_t step_done_[kRingSize] = {};
-  int32_t* ring_host_ = nullptr;  // mapped pinned: finish_step writes, wait() reads
+  int32_t* ring_host_ = nullptr;  // mapped pinned: the step's end writes (publish_step), wait() reads
   int32_t* ring_dev_ = nullptr;   // the same memory as the device sees it
   float* logits_host_ = nullptr;  // pinned [vocab], for the D2H of the logits
 
