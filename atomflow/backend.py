@@ -83,7 +83,8 @@ class CpuBackend:
             logits = self.decode(token)
 
 
-def make_backend(name: str, model: AtomflowFile, max_context: int, eager: bool = False, verbose: bool = False):
+def make_backend(name: str, model: AtomflowFile, max_context: int, eager: bool | None = None,
+                 verbose: bool = False):
     if name not in ("auto", "cpu", "cuda"):
         raise ValueError(f"backend must be auto, cpu or cuda, got {name!r}")
     if name == "cpu":

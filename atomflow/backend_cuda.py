@@ -19,6 +19,11 @@ from .sampling import SamplingParams
 IN_FLIGHT = 4  # decode steps enqueued ahead of the one being read (the engine's ring holds 8)
 
 
+def eager_from_env() -> bool:
+    """ATOMFLOW_EAGER set to anything but empty or 0: the default of every eager argument."""
+    return os.environ.get("ATOMFLOW_EAGER", "0") not in ("", "0")
+
+
 class _Run:
     """An unfinished generate_ids() run: `keep` = the position that holds its prompt and every
     token it yielded but the last (what the cache must hold once it stops)."""
@@ -40,15 +45,16 @@ def _core_module():
 
 class CudaBackend:
     """The _core engine over one .atomflow file: weights, KV cache for max_context tokens, one
-    CUDA graph per decode step. eager (or ATOMFLOW_EAGER=1) runs the step without the graph."""
+    CUDA graph per decode step. eager runs the step without the graph; None (the default) takes it
+    from the ATOMFLOW_EAGER environment variable (eager_from_env)."""
 
     name = "cuda"
 
-    def __init__(self, model: AtomflowFile, max_context: int, eager: bool = False, verbose: bool = True):
+    def __init__(self, model: AtomflowFile, max_context: int, eager: bool | None = None, verbose: bool = True):
         core = _core_module()
         if isinstance(max_context, bool) or not isinstance(max_context, (int, np.integer)) or max_context < 1:
             raise ValueError(f"max_context must be a positive integer, got {max_context!r}")
-        eager = bool(eager) or os.environ.get("ATOMFLOW_EAGER", "0") not in ("", "0")
+        eager = eager_from_env() if eager is None else bool(eager)
         self.spec = model.spec
         self.max_context = int(max_context)
         self._run: _Run | None = None  # the generate_ids() run that drives the pipeline now

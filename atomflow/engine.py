@@ -57,8 +57,6 @@ class Engine:
         if not isinstance(max_context, int) or not 1 <= max_context <= limit:
             raise ValueError(f"max_context must be an integer in [1, {limit}] (the model's "
                              f"max_position_embeddings), got {max_context!r}")
-        if eager is None:
-            eager = os.environ.get("ATOMFLOW_EAGER", "0") not in ("", "0")
         be = make_backend(backend, model, max_context, eager=eager, verbose=verbose)
         tok = Tokenizer.from_metadata(model.raw_metadata["tokenizer"], model.metadata_json("tokenizer_config", {}),
                                       model.raw_metadata.get("chat_template", ""),

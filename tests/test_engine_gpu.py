@@ -206,8 +206,18 @@ def test_fused_tail_has_the_same_tokens(model_files, lm_head, monkeypatch):
 
 
 def test_eager_from_environment(tiny, monkeypatch):
+    """ATOMFLOW_EAGER is the default of the eager argument; an explicit argument wins."""
+    from atomflow import Engine
+    monkeypatch.delenv("ATOMFLOW_EAGER", raising=False)
+    assert not cuda(tiny, 64).eager
     monkeypatch.setenv("ATOMFLOW_EAGER", "1")
-    assert cuda(tiny, 64).eager
+    assert cuda(tiny, 64).eager and not cuda(tiny, 64).engine.graph_enabled
+    graph = cuda(tiny, 64, eager=False)
+    assert not graph.eager and graph.engine.graph_enabled
+    assert Engine.load(tiny.path, backend="cuda", max_context=64).backend.eager
+    assert not Engine.load(tiny.path, backend="cuda", max_context=64, eager=False).backend.eager
+    monkeypatch.setenv("ATOMFLOW_EAGER", "0")
+    assert not cuda(tiny, 64).eager
 
 
 def test_greedy_is_repeatable(tiny_engine, tiny):
