@@ -164,16 +164,18 @@ def test_short_steps_graph_has_the_same_bits(tiny, monkeypatch):
     one grid planned for max_context (ATOMFLOW_ONE_GRAPH=1)."""
     ids = prompt(500, tiny.spec.vocab_size, seed=5)
 
-    def run(**kw):
+    def run(grids, **kw):
         eng = cuda(tiny, 2048, **kw)
         out = [eng.prefill(ids)]
         for _ in range(30):
             out.append(eng.decode(int(np.argmax(out[-1]))))
+        # Which grid each step took: the load's warm-up step, then positions 500..529.
+        assert (eng.engine.short_steps, eng.engine.long_steps) == grids
         return np.stack(out)
 
-    two, eager = run(), run(eager=True)
+    two, eager = run((13, 18)), run((13, 18), eager=True)  # 0 and 500..511 short, 512..529 long
     monkeypatch.setenv("ATOMFLOW_ONE_GRAPH", "1")
-    one, one_eager = run(), run(eager=True)
+    one, one_eager = run((0, 31)), run((0, 31), eager=True)
     np.testing.assert_array_equal(two, one, err_msg="graph: short-steps grid != max_context grid")
     np.testing.assert_array_equal(eager, one_eager, err_msg="eager: short-steps grid != max_context grid")
     _, rel = cos_rel(eager[-1], two[-1])

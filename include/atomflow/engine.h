@@ -91,6 +91,11 @@ class Engine {
   int max_context() const { return opt_.max_context; }
   int position() const { return host_pos_; }
   int in_flight() const { return in_flight_; }
+  // Decode steps launched so far (the load's warm-up step included) with the attention grid planned
+  // for kShortKeys keys (the short graph, or its launches when eager), and with the grid planned
+  // for max_context.
+  long long short_steps() const { return short_launches_; }
+  long long long_steps() const { return long_launches_; }
   int device_allocations() const { return allocations_; }
   double load_seconds() const { return load_seconds_; }
   bool graph_enabled() const { return graph_exec_ != nullptr; }
@@ -186,6 +191,7 @@ class Engine {
   // holds.
   static constexpr int kShortKeys = 512;
   cudaGraphExec_t short_graph_ = nullptr;
+  long long short_launches_ = 0, long_launches_ = 0;  // launch_step()'s choices (short_steps())
   bool short_steps_ = false;  // steps of at most kShortKeys keys plan their grid for kShortKeys
   // The sampler ends the step (kernels::sample_step: token ring, position, the next step's
   // embedding), so a step is the layers, the head and one more launch. Off (separate embedding,
