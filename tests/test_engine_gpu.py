@@ -170,7 +170,7 @@ def test_short_steps_graph_has_the_same_bits(tiny, monkeypatch):
         for _ in range(30):
             out.append(eng.decode(int(np.argmax(out[-1]))))
         # Which grid each step took: the load's warm-up step, then positions 500..529.
-        assert (eng.engine.short_steps, eng.engine.long_steps) == grids
+        assert (eng.engine.short_grid_steps, eng.engine.long_grid_steps) == grids
         return np.stack(out)
 
     two, eager = run((13, 18)), run((13, 18), eager=True)  # 0 and 500..511 short, 512..529 long

@@ -291,9 +291,9 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("max_context", &Engine::max_context)
       .def_property_readonly("vocab_size", [](const Engine& e) { return e.spec().vocab_size; })
       .def_property_readonly("in_flight", &Engine::in_flight)
-      .def_property_readonly("short_steps", &Engine::short_steps,
+      .def_property_readonly("short_grid_steps", &Engine::short_grid_steps,
                              "decode steps launched with the attention grid planned for 512 keys")
-      .def_property_readonly("long_steps", &Engine::long_steps,
+      .def_property_readonly("long_grid_steps", &Engine::long_grid_steps,
                              "decode steps launched with the attention grid planned for max_context")
       .def_property_readonly("ring_size", [](const Engine&) { return Engine::kRingSize; })
       .def_property_readonly("device_allocations", &Engine::device_allocations)

@@ -255,7 +255,7 @@ std::vector<std::pair<std::string, size_t>> Engine::plan() const { return plan_;
 void Engine::launch_step() {
   NvtxRange range(graph_exec_ ? "decode_step (graph)" : "decode_step");
   const bool short_step = short_steps_ && host_pos_ < kShortKeys;
-  ++(short_step ? short_launches_ : long_launches_);
+  ++(short_step ? short_grid_steps_ : long_grid_steps_);
   if (graph_exec_)
     AF_CUDA_CHECK(cudaGraphLaunch(short_step ? short_graph_ : graph_exec_, stream_));
   else

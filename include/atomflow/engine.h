@@ -94,8 +94,8 @@ class Engine {
   // Decode steps launched so far (the load's warm-up step included) with the attention grid planned
   // for kShortKeys keys (the short graph, or its launches when eager), and with the grid planned
   // for max_context.
-  long long short_steps() const { return short_launches_; }
-  long long long_steps() const { return long_launches_; }
+  long long short_grid_steps() const { return short_grid_steps_; }
+  long long long_grid_steps() const { return long_grid_steps_; }
   int device_allocations() const { return allocations_; }
   double load_seconds() const { return load_seconds_; }
   bool graph_enabled() const { return graph_exec_ != nullptr; }
@@ -191,7 +191,7 @@ class Engine {
   // holds.
   static constexpr int kShortKeys = 512;
   cudaGraphExec_t short_graph_ = nullptr;
-  long long short_launches_ = 0, long_launches_ = 0;  // launch_step()'s choices (short_steps())
+  long long short_grid_steps_ = 0, long_grid_steps_ = 0;  // launch_step()'s choices
   bool short_steps_ = false;  // steps of at most kShortKeys keys plan their grid for kShortKeys
   // The sampler ends the step (kernels::sample_step: token ring, position, the next step's
   // embedding), so a step is the layers, the head and one more launch. Off (separate embedding,
