@@ -102,3 +102,25 @@ def test_exit_spread_after_the_median_wait():
     assert sp["down"]["q"][1] == pytest.approx(1.7 + 0.0015)
     assert sp["down"]["q"][3] == pytest.approx(1.7 + 0.003)
     assert sp["gate_up"]["by_n"] == {3: pytest.approx(2.2 + 0.0015)}
+
+
+def test_split_steps_numbers_back_to_back_steps():
+    """--pipelined: one trace of steps run back to back, numbered by the first layer's QKV launch."""
+    one = step(layers=3)
+    base = np.lib.recfunctions.drop_fields(one, "step", usemask=False)
+    base["t"] = np.where(base["t"] > 0, base["t"] + np.uint64(1000), 0)
+    base["t"][:, 0] = np.maximum(base["t"][:, 0], 1000)  # every record has an entry stamp (0: none)
+    parts = []
+    for k in range(3):
+        r = base.copy()
+        r["t"] = np.where(r["t"] > 0, r["t"] + np.uint64(k * 2_000_000), 0)
+        parts.append(r)
+    rng = np.random.default_rng(0)
+    mixed = np.concatenate(parts)[rng.permutation(3 * len(base))]  # the trace's order is per SM, not by time
+    got = trace_step.split_steps(mixed)
+    assert np.bincount(got["step"]).tolist() == [len(base)] * 3
+    for k in range(3):
+        mine = got[got["step"] == k]
+        assert mine["t"][:, 0].min() == 2_000_000 * k + 1000
+        ls = trace_step.launches(mine)
+        assert [l["name"] for l in ls] == ["qkv", "attention", "o", "gate_up", "down"] * 3 + ["lm_head"]

@@ -10,7 +10,7 @@ is the rate at which the warps finished summing bytes, a few hundred ns behind t
 The staging of x is split further (input landed in the block, reduction done, x converted): see
 trace.cuh.
 
-    python tools/trace_step.py MODEL [--context 128] [--steps 4] [--save trace.npz]
+    python tools/trace_step.py MODEL [--context 128] [--steps 4] [--pipelined] [--save trace.npz]
     python tools/trace_step.py --load trace.npz [--layer 13] [--bin 0.25]
 """
 from __future__ import annotations
@@ -56,6 +56,45 @@ def record(model: str, context: int, steps: int, per_sm: int) -> tuple[np.ndarra
     ops.trace_arm(0)
     return np.concatenate([rfn.append_fields(r, "step", np.full(len(r), i), usemask=False)
                            for i, r in enumerate(out)]), dropped
+
+
+def record_pipelined(model: str, context: int, steps: int, per_sm: int) -> tuple[np.ndarray, list[int]]:
+    """Records of `steps` graph decode steps enqueued back to back, as generate runs them (no host gap
+    between one step's end and the next one's start), in one trace; split_steps numbers them."""
+    from atomflow import Engine
+    from atomflow._core import ops
+    if not ops.trace_built():
+        sys.exit("trace_step: this build has no trace; reinstall with ATOMFLOW_TRACE=ON")
+    eng = Engine.load(model, backend="cuda", max_context=context + steps + 32)
+    core = eng.backend.engine
+    ids = np.random.default_rng(0).integers(0, eng.spec.vocab_size, context + 1).astype(np.int32)
+    eng.reset()
+    if context:
+        eng.prefill(ids[:context])
+    core.begin(int(ids[context]))
+    core.enqueue(3)  # module loading, warm-up
+    core.wait(3)
+    ops.trace_arm(per_sm * steps)
+    ops.trace_reset()
+    core.enqueue(steps)
+    core.wait(steps)
+    raw, d = ops.trace_read()
+    ops.trace_arm(0)
+    return split_steps(np.frombuffer(raw, dtype=REC).copy()), [int(d)]
+
+
+def split_steps(recs: np.ndarray, gap_ns: int = 100_000) -> np.ndarray:
+    """recs of consecutive decode steps, each numbered (field `step`) by the step whose first QKV
+    launch (the first layer's weights) entered last before it: that launch's blocks enter within a
+    few us, and a step takes a millisecond and more."""
+    qkv = ((recs["kind"] & 0x100) == 0) & ((recs["kind"] & 0xF) == 3)
+    t0 = recs["t"][:, ENTRY].astype(np.int64)
+    first = recs["id"][qkv][np.argmin(t0[qkv])]
+    e = np.sort(t0[qkv & (recs["id"] == first)])
+    starts = e[np.r_[True, np.diff(e) > gap_ns]]
+    step = np.searchsorted(starts, t0, side="right") - 1
+    keep = step >= 0
+    return rfn.append_fields(recs[keep], "step", step[keep], usemask=False)
 
 
 def launches(recs: np.ndarray) -> list[dict]:
@@ -200,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("model", nargs="?")
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--pipelined", action="store_true",
+                    help="the steps back to back in one trace, as generate runs them (default: one decode() each)")
     ap.add_argument("--per-sm", type=int, default=4096, help="records per SM region")
     ap.add_argument("--save", help="write the raw records here (.npz) for --load")
     ap.add_argument("--load", help="analyze saved records instead of running a model")
@@ -214,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         if not a.model:
             ap.error("MODEL or --load is required")
-        recs, dropped = record(a.model, a.context, a.steps, a.per_sm)
+        recs, dropped = (record_pipelined if a.pipelined else record)(a.model, a.context, a.steps, a.per_sm)
         from atomflow._core import ops
         bw = a.bw or ops.stream_read_bandwidth(1 << 30, 20)
         if a.save:
