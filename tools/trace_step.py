@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--pipelined", action="store_true",
                     help="the steps back to back in one trace, as generate runs them (default: one decode() each)")
-    ap.add_argument("--per-sm", type=int, default=4096, help="records per SM region")
+    ap.add_argument("--per-sm", type=int, default=4096, help="records per SM region and step")
     ap.add_argument("--save", help="write the raw records here (.npz) for --load")
     ap.add_argument("--load", help="analyze saved records instead of running a model")
     ap.add_argument("--layer", type=int, default=None, help="layer to draw (default: the middle one)")
