@@ -30,19 +30,24 @@ A_ENTRY, A_ISSUED, A_WAITED, A_LOOP, A_PARTIAL, A_TICKET, A_MERGED = range(7)
 GEMV_NAMES = {(3, 2): "qkv", (1, 1): "o|down", (2, 2): "gate_up", (1, 0): "o|down", (0, 2): "lm_head"}
 
 
-def record(model: str, context: int, steps: int, per_sm: int) -> tuple[np.ndarray, list[int]]:
-    """Records of `steps` graph decode steps (each a separate reset + read), step number in `step`."""
+def _ready(model: str, context: int, max_context: int):
+    """(engine, ops, the next token) with `context` random tokens prefilled, or exit without a trace build."""
     from atomflow import Engine
     from atomflow._core import ops
     if not ops.trace_built():
         sys.exit("trace_step: this build has no trace; reinstall with ATOMFLOW_TRACE=ON")
-    eng = Engine.load(model, backend="cuda", max_context=context + steps + 16)
+    eng = Engine.load(model, backend="cuda", max_context=max_context)
     ids = np.random.default_rng(0).integers(0, eng.spec.vocab_size, context + 1).astype(np.int32)
     eng.reset()
     if context:
         eng.prefill(ids[:context])
-    token = int(ids[context])
-    for _ in range(3):  # graph capture, module loading
+    return eng, ops, int(ids[context])
+
+
+def record(model: str, context: int, steps: int, per_sm: int) -> tuple[np.ndarray, list[int]]:
+    """Records of `steps` graph decode steps (each a separate reset + read), step number in `step`."""
+    eng, ops, token = _ready(model, context, context + steps + 16)
+    for _ in range(3):  # warm-up
         token = int(np.argmax(eng.decode(token)))
     ops.trace_arm(per_sm)
     out, dropped = [], []
@@ -61,18 +66,10 @@ def record(model: str, context: int, steps: int, per_sm: int) -> tuple[np.ndarra
 def record_pipelined(model: str, context: int, steps: int, per_sm: int) -> tuple[np.ndarray, list[int]]:
     """Records of `steps` graph decode steps enqueued back to back, as generate runs them (no host gap
     between one step's end and the next one's start), in one trace; split_steps numbers them."""
-    from atomflow import Engine
-    from atomflow._core import ops
-    if not ops.trace_built():
-        sys.exit("trace_step: this build has no trace; reinstall with ATOMFLOW_TRACE=ON")
-    eng = Engine.load(model, backend="cuda", max_context=context + steps + 32)
+    eng, ops, token = _ready(model, context, context + steps + 16)
     core = eng.backend.engine
-    ids = np.random.default_rng(0).integers(0, eng.spec.vocab_size, context + 1).astype(np.int32)
-    eng.reset()
-    if context:
-        eng.prefill(ids[:context])
-    core.begin(int(ids[context]))
-    core.enqueue(3)  # module loading, warm-up
+    core.begin(token)
+    core.enqueue(3)  # warm-up
     core.wait(3)
     ops.trace_arm(per_sm * steps)
     ops.trace_reset()
