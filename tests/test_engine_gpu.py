@@ -207,6 +207,93 @@ def test_fused_tail_has_the_same_tokens(model_files, lm_head, monkeypatch):
     assert len(set(fused[0][1])) > 1
 
 
+# ----------------------------------------------------------------------------- fp16 activations
+
+@pytest.fixture(scope="module")
+def loud(tmp_path_factory, make_tiny_model) -> AtomflowFile:
+    """The tiny model with every post-attention norm weight x 300: gate and up ~300x larger, so
+    SwiGLU's output passes fp16's range in every decode step (bf16 holds it)."""
+    from safetensors.numpy import load_file, save_file
+    from atomflow.quantize import quantize
+    root = tmp_path_factory.mktemp("loud")
+    hf = make_tiny_model.make_model(root / "hf", preset="tiny", seed=0, dtype="fp32")
+    for f in hf.glob("*.safetensors"):
+        t = load_file(f)
+        for name in t:
+            if name.endswith("post_attention_layernorm.weight"):
+                t[name] = t[name] * np.float32(300)
+        save_file(t, f, metadata={"format": "pt"})
+    quantize(hf, root / "loud.atomflow", progress=False, log=lambda s: None)
+    return AtomflowFile(root / "loud.atomflow")
+
+
+def test_f16_and_bf16_activations_match_reference(tiny, monkeypatch):
+    """Decode steps write attention's and SwiGLU's outputs in fp16 by default, bf16 with
+    ATOMFLOW_BF16_ACTS=1: both within the reference's bound at every step."""
+    ids = prompt(64, tiny.spec.vocab_size, seed=21)
+    assert cuda(tiny, 256).engine.f16_activations
+    compare_run(tiny, ids, 64, 256)
+    monkeypatch.setenv("ATOMFLOW_BF16_ACTS", "1")
+    assert not cuda(tiny, 256).engine.f16_activations
+    compare_run(tiny, ids, 64, 256)
+
+
+@pytest.mark.parametrize("eager", [False, True])
+def test_f16_overflow_reruns_the_step_in_bf16(loud, eager, monkeypatch):
+    """A step whose fp16 activations overflow is never returned: the engine switches to bf16 for good
+    and runs it (and the steps in flight after it) again, so tokens and logits are those of an engine
+    in bf16 from the start, bit for bit, through generate (4 steps in flight), decode() and a probed
+    step (one row per probe, not two)."""
+    ids = prompt(30, loud.spec.vocab_size, seed=3)
+    sampled_params = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=9, max_new_tokens=40)
+
+    def run():
+        eng = cuda(loud, 256, eager=eager)
+        out = [list(eng.generate_ids(ids, greedy(40))), list(eng.generate_ids(ids, sampled_params))]
+        eng.rollback(45)
+        logits = eng.decode(out[0][3])
+        probes = eng.probed_decode(out[0][4])
+        return eng, out, logits, probes
+
+    monkeypatch.setenv("ATOMFLOW_BF16_ACTS", "1")
+    ref_eng, ref, ref_logits, ref_probes = run()
+    assert not ref_eng.engine.f16_activations
+    monkeypatch.delenv("ATOMFLOW_BF16_ACTS")
+    eng = cuda(loud, 256, eager=eager)
+    assert eng.engine.f16_activations
+    eng.prefill(ids[:-1])  # as generate_ids does
+    eng.engine.begin(int(ids[-1]))
+    eng.engine.enqueue(4)
+    first = eng.engine.wait(1)  # the first step overflowed: it and the 3 after it ran again in bf16
+    assert not eng.engine.f16_activations and eng.engine.graph_enabled == (not eager)
+    assert eng.engine.in_flight == 3 and eng.engine.position == 33
+    eng.engine.synchronize()
+    del eng
+    eng, got, logits, probes = run()
+    assert not eng.engine.f16_activations
+    assert got[0] == ref[0] and got[0][0] == first[0], "greedy tokens"
+    assert got[1] == ref[1], "sampled tokens"
+    np.testing.assert_array_equal(logits, ref_logits)
+    assert probes.keys() == ref_probes.keys()
+    for name in probes:
+        np.testing.assert_array_equal(probes[name], ref_probes[name], err_msg=name)
+
+
+def test_f16_overflow_needs_a_known_input(loud):
+    """Steps enqueued after synchronize() without begin() have an input only the device knows: an
+    overflow there cannot be rerun, and says so."""
+    eng = cuda(loud, 256)
+    eng.prefill(prompt(10, loud.spec.vocab_size))
+    core = eng.engine
+    core.begin(1)
+    core.enqueue(2)
+    core.synchronize()
+    core.enqueue(1)
+    with pytest.raises(RuntimeError, match="begin"):
+        core.wait(1)
+    assert not core.f16_activations and core.in_flight == 0 and core.position == 12
+
+
 def test_eager_from_environment(tiny, monkeypatch):
     """ATOMFLOW_EAGER is the default of the eager argument; an explicit argument wins."""
     from atomflow import Engine

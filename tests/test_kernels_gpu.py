@@ -428,6 +428,46 @@ def test_linear_rejects_bad_arguments():
         ops.gemv(w, s, x, 1)  # AddResidual without out_init
 
 
+F16_MAX = 65504.0
+
+
+@pytest.mark.parametrize("N,K", [(16384, 3072), (28672, 4096), (258, 640), (6, 14336)])
+def test_gemv_swiglu_f16_output(rng, N, K):
+    """The decode step's SwiGLU output is fp16 (kernels.h), fused prologue or not: the same bits both
+    ways, the reference within fp16's rounding, and the overflow flag set exactly when some output
+    of the reference passes fp16's range (the input scaled up until it does)."""
+    w, s = random_fp8(rng, (N, K)), random_scales(rng, N, K)
+    x = (rng.standard_normal(K) * rng.uniform(0.1, 10)).astype(np.float32)
+    nw = bf16_bits(1 + 0.1 * rng.standard_normal(K))
+    F = N // 2
+    for c in (1.0, 30.0, 1000.0, 8000.0):
+        what = f"SwiGLU f16 N={N} K={K} x {c:g}"
+        xs = f16_bits(np.clip(from_f16(ops.rmsnorm(x[None], nw, 1e-5)[0]) * c, -6e4, 6e4))  # the prologue's x, scaled
+        plain, flag = ops.gemv(w, s, xs, 2, None, "f16", "f16")
+        y = reference_linear(w, s, from_f16(xs).reshape(1, K))[0]
+        want = silu_mul(y[:F], y[F:])
+        big = np.abs(want) > F16_MAX
+        if np.any(np.abs(np.abs(want) / F16_MAX - 1) < 1e-3):
+            continue  # an output within fp32's error of the edge: either flag is right
+        assert flag == int(big.any()), f"{what}: flag {flag}, {int(big.sum())} outputs past fp16"
+        if big.any():
+            continue  # the outputs left in range are the ones whose gate or up cancelled: no bound
+        assert_close(from_f16(plain), want, F16_REL, what, scale=max(float(np.linalg.norm(want)), 2.0 ** -14))
+        if c == 1.0:  # the fused prologue: the same bits and flag
+            fused, flag_fused = ops.gemv_rmsnorm(w, s, x, nw, 1e-5, 2, None, "f16")
+            np.testing.assert_array_equal(fused, plain)
+            assert flag_fused == flag, what
+
+
+def test_gemv_f16_output_is_swiglus_only(rng):
+    w, s = random_fp8(rng, (4, 128)), random_scales(rng, 4, 128)
+    x = bf16_bits(rng.standard_normal(128))
+    with pytest.raises(ValueError, match="SwiGLU"):
+        ops.gemv(w, s, x, 0, None, "bf16", "f16")
+    with pytest.raises(ValueError, match="out_dtype"):
+        ops.gemv(w, s, x, 2, None, "bf16", "f32")
+
+
 # ----------------------------------------------------------------------------- attention
 
 def reference_attention(q, kc, vc, pos, scale):
@@ -538,6 +578,38 @@ def test_attention_clusters_only_when_one_holds_every_split(M, H, Hkv, D, max_co
     if switch_set("ATOMFLOW_NO_CLUSTER_MERGE"):
         pytest.skip("cluster merge turned off in this process")
     assert ops.attention_cluster_size(M, H, Hkv, D, max_context) == want
+
+
+# (context, cache rows): one split; 10 splits in a cluster; 16 of 16; a cache of 63 splits merged
+# through the scratch; a deep cache (every split, through the scratch).
+F16_OUT_CASES = [(1, 4), (300, 303), (500, 503), (230, 2000), (4097, 4100)]
+
+
+@pytest.mark.parametrize("context,C", F16_OUT_CASES)
+@pytest.mark.parametrize("D,G", [(64, 4), (128, 3)])
+def test_attention_f16_output(rng, context, C, D, G):
+    """The decode step's attention writes fp16 (kernels.h): the reference within fp16's rounding
+    (F16_REL, below bf16's), the overflow flag left at 0 while every output fits fp16, set once one
+    does not (every V in [5e5, 1e6]). V uniform in +-60000: outputs (averages of V) stay in range, with
+    fp16's coarsest steps."""
+    Hkv, H, pos = 2, 2 * G, context - 1
+    kc = bf16_bits(rng.standard_normal((C, Hkv, D)))
+    q = bf16_bits(rng.standard_normal((1, H, D)) * 2.0)
+    scale = 1.0 / np.sqrt(D)
+    for lo, hi, flagged in ((-1.0, 1.0, False), (-60000.0, 60000.0, False), (5e5, 1e6, True)):
+        vc = bf16_bits(rng.uniform(lo, hi, (C, Hkv, D)))
+        vc[0, 0, 0] = bf16_bits(np.array([hi]))[0]  # in the row every query sees, the range's edge
+        kc[context:] = vc[context:] = 0x7FC0  # bf16 NaN past the context
+        got, flag = ops.attention(q, kc, vc, pos, scale, early=True, out_dtype="f16")
+        what = f"attention f16 context={context} C={C} G={G} D={D} v in [{lo:g}, {hi:g}]"
+        assert flag == int(flagged), f"{what}: overflow flag {flag}"
+        if flagged:
+            continue
+        want = reference_attention(q, kc, vc, pos, scale)[0]
+        assert_close(from_f16(got[0]), want, F16_REL, what)
+        # the same fp32 values as the bf16 output: rounded to bf16 they differ by at most one bf16 step
+        ref16 = from_bf16(ops.attention(q, kc, vc, pos, scale, early=True))[0]
+        assert np.all(np.abs(from_f16(got[0]) - ref16) <= 2.0 ** -8 * np.abs(ref16) + 2.0 ** -24), what
 
 
 def test_attention_rejects_unsupported():
@@ -711,8 +783,9 @@ def test_sampling_follows_sample_numpy(rng, vocab):
 @pytest.mark.parametrize("vocab,d", [(128256, 3072), (1000, 64), (9, 5)])
 def test_sample_step_ends_the_step(rng, vocab, d):
     """sample_step draws what sample() draws (RNG counter pos[1]), greedy too from the head's block
-    maxima; it writes the token into ring slot pos % ring_size (no other), advances both positions
-    and leaves the token's embedding row, as fp32, for the next step."""
+    maxima; it writes the token into ring slot pos % ring_size and the step's fp16 overflow flag
+    into ring_size + that (no other slot), clears the flag, advances both positions and leaves the
+    token's embedding row, as fp32, for the next step."""
     x = distinct_logits(rng, vocab)
     embed = bf16_bits(rng.standard_normal((vocab, d)))
     blocks = 37
@@ -722,14 +795,18 @@ def test_sample_step_ends_the_step(rng, vocab, d):
     for T, k, p in [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.75, 20, 0.5)]:
         for block_best in (None, best):  # the maxima only serve a greedy draw
             seed, pos, ring = int(rng.integers(0, 2**63)), int(rng.integers(0, 100000)), int(rng.integers(1, 9))
-            token, pos_after, ring_out, row = ops.sample_step(x, T, k, p, seed, pos, embed, block_best, ring)
+            flag = int(rng.integers(0, 2))
+            token, pos_after, ring_out, row, flag_after = ops.sample_step(x, T, k, p, seed, pos, embed, block_best,
+                                                                          ring, flag)
             assert token == ops.sample(x, T, k, p, seed, pos + 1)
             if T == 0:
                 assert token == int(np.argmax(x))
             assert pos_after.tolist() == [pos + 1, pos + 2]
-            want_ring = np.full(ring, -1, np.int32)
+            want_ring = np.full(2 * ring, -1, np.int32)
             want_ring[pos % ring] = token
+            want_ring[ring + pos % ring] = flag
             np.testing.assert_array_equal(ring_out, want_ring)
+            assert flag_after == 0
             np.testing.assert_array_equal(row, from_bf16(embed[token]).astype(np.float32))
 
 

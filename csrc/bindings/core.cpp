@@ -299,6 +299,9 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("device_allocations", &Engine::device_allocations)
       .def_property_readonly("load_seconds", &Engine::load_seconds)
       .def_property_readonly("graph_enabled", &Engine::graph_enabled)
+      .def_property_readonly("f16_activations", &Engine::f16_activations,
+                             "whether decode steps write attention's and SwiGLU's outputs in fp16 (false with "
+                             "ATOMFLOW_BF16_ACTS=1 at load, or once a step passed fp16's range and ran again in bf16)")
       .def_property_readonly("plan", [](const Engine& e) {
         py::dict d;
         for (const auto& [group, bytes] : e.plan()) d[py::str(group)] = bytes;

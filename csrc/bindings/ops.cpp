@@ -132,9 +132,29 @@ py::array_t<float> add_inplace(const py::array& x_, const py::array& y_) {
   return to_host<float>(dx, {n});
 }
 
+// A 16-bit activation output's type (out_dtype): "bf16", or "f16" with an overflow flag (kernels.h)
+// on the device, zeroed; the call then returns (out, flag).
+struct Out16 {
+  DeviceBuffer flag;
+  bool f16;
+  explicit Out16(const std::string& out_dtype) : f16(out_dtype == "f16") {
+    require(out_dtype == "bf16" || f16, "out_dtype must be 'bf16' or 'f16', got '" + out_dtype + "'");
+    if (f16) {
+      flag = DeviceBuffer(sizeof(int32_t));
+      flag.fill(0);
+    }
+  }
+  int* ptr() { return f16 ? flag.get<int>() : nullptr; }
+  py::object result(py::array out) const {
+    if (!f16) return std::move(out);
+    return py::make_tuple(out, to_host<int32_t>(flag, {1}).at(0));
+  }
+};
+
 // Shared by gemv (M = 1, x [K]) and gemm (x [M, K]). out_init: the AddResidual starting values.
-py::array linear(const py::array& w_, const py::array& s_, const py::array& x_, int ep_, const py::object& out_init_,
-                 bool gemm, const std::string& x_dtype) {
+// out_dtype: SwiGLU's output of the gemv (Out16).
+py::object linear(const py::array& w_, const py::array& s_, const py::array& x_, int ep_, const py::object& out_init_,
+                  bool gemm, const std::string& x_dtype, const std::string& out_dtype = "bf16") {
   require(x_dtype == "bf16" || x_dtype == "f16", "x_dtype must be 'bf16' or 'f16', got '" + x_dtype + "'");
   const k::Act xt = x_dtype == "f16" ? k::Act::F16 : k::Act::BF16;
   const k::Epilogue ep = epilogue_arg(ep_);
@@ -148,6 +168,8 @@ py::array linear(const py::array& w_, const py::array& s_, const py::array& x_, 
   if (ep == k::Epilogue::SwiGLU) require(N % 2 == 0, "SwiGLU needs an even N (gate rows, then up rows)");
   const bool add = ep == k::Epilogue::AddResidual;
   require(add == !out_init_.is_none(), "out_init is required with AddResidual and only with it");
+  Out16 o16(out_dtype);
+  require(!o16.f16 || (ep == k::Epilogue::SwiGLU && !gemm), "out_dtype 'f16' is the SwiGLU gemv's only");
 
   DeviceBuffer dw = to_device(w), ds = to_device(s), dx = to_device(x);
   const std::vector<py::ssize_t> fp32_shape = gemm ? std::vector<py::ssize_t>{M, N} : std::vector<py::ssize_t>{N};
@@ -162,10 +184,11 @@ py::array linear(const py::array& w_, const py::array& s_, const py::array& x_, 
   if (gemm)
     k::gemm_w8a16(dw.get<uint8_t>(), ds.get<float>(), dx.get(), xt, M, N, K, ep, out.get(), nullptr);
   else
-    k::gemv_w8a16(dw.get<uint8_t>(), ds.get<float>(), dx.get(), xt, N, K, ep, out.get(), nullptr, gemv_tickets());
+    k::gemv_w8a16(dw.get<uint8_t>(), ds.get<float>(), dx.get(), xt, N, K, ep, out.get(), nullptr, gemv_tickets(),
+                  o16.ptr());
   sync();
   if (ep != k::Epilogue::SwiGLU) return to_host<float>(out, fp32_shape);
-  return gemm ? to_host<uint16_t>(out, {M, N / 2}) : to_host<uint16_t>(out, {N / 2});
+  return o16.result(gemm ? to_host<uint16_t>(out, {M, N / 2}) : to_host<uint16_t>(out, {N / 2}));
 }
 
 // The inputs of a GEMV with RMSNorm fused into its prologue, checked and on the device: w u8 [N, K]
@@ -186,21 +209,23 @@ NormedGemvInputs normed_gemv_inputs(const py::array& w_, const py::array& s_, co
   return NormedGemvInputs{N, K, to_device(w), to_device(s), to_device(x), to_device(nw)};
 }
 
-py::array gemv_rmsnorm(const py::array& w_, const py::array& s_, const py::array& x_, const py::array& nw_, float eps,
-                       int ep_, const py::object& out_init_) {
+py::object gemv_rmsnorm(const py::array& w_, const py::array& s_, const py::array& x_, const py::array& nw_, float eps,
+                        int ep_, const py::object& out_init_, const std::string& out_dtype) {
   const k::Epilogue ep = epilogue_arg(ep_);
   NormedGemvInputs in = normed_gemv_inputs(w_, s_, x_, nw_);
   const int N = in.N, K = in.K;
   if (ep == k::Epilogue::SwiGLU) require(N % 2 == 0, "SwiGLU needs an even N (gate rows, then up rows)");
   const bool add = ep == k::Epilogue::AddResidual;
   require(add == !out_init_.is_none(), "out_init is required with AddResidual and only with it");
+  Out16 o16(out_dtype);
+  require(!o16.f16 || ep == k::Epilogue::SwiGLU, "out_dtype 'f16' is SwiGLU's only");
   DeviceBuffer out = add ? to_device(arg<float>(out_init_.cast<py::array>(), "out_init", {N}))
                          : DeviceBuffer::poisoned(ep == k::Epilogue::SwiGLU ? sizeof(bf16) * (N / 2)
                                                                            : sizeof(float) * N);
   k::gemv_w8a16_rmsnorm(in.w.get<uint8_t>(), in.scales.get<float>(), in.x.get<float>(), in.norm_w.get<bf16>(), eps, N,
-                        K, ep, out.get(), nullptr, gemv_tickets());
+                        K, ep, out.get(), nullptr, gemv_tickets(), o16.ptr());
   sync();
-  if (ep == k::Epilogue::SwiGLU) return to_host<uint16_t>(out, {N / 2});
+  if (ep == k::Epilogue::SwiGLU) return o16.result(to_host<uint16_t>(out, {N / 2}));
   return to_host<float>(out, {N});
 }
 
@@ -260,8 +285,9 @@ py::tuple gemv_rmsnorm_rope(const py::array& w_, const py::array& s_, const py::
                         to_host<uint16_t>(dv, {C, Hkv, D}));
 }
 
-py::array_t<uint16_t> attention(const py::array& q_, const py::array& k_cache_, const py::array& v_cache_, int pos,
-                                const py::object& scale_, bool early) {
+py::object attention(const py::array& q_, const py::array& k_cache_, const py::array& v_cache_, int pos,
+                     const py::object& scale_, bool early, const std::string& out_dtype) {
+  Out16 o16(out_dtype);
   auto q = arg<uint16_t>(q_, "q", {-1, -1, -1});
   const int M = static_cast<int>(q.shape(0)), H = static_cast<int>(q.shape(1)), D = static_cast<int>(q.shape(2));
   auto kc = arg<uint16_t>(k_cache_, "k_cache", {-1, -1, D});
@@ -273,9 +299,9 @@ py::array_t<uint16_t> attention(const py::array& q_, const py::array& k_cache_, 
   DeviceBuffer scratch = attention_scratch(k::attention_scratch_bytes(M, H, D, C));
   DeviceBuffer out = DeviceBuffer::poisoned(sizeof(bf16) * M * H * D);
   k::attention(dq.get<bf16>(), dk.get<bf16>(), dv.get<bf16>(), dpos.get<int32_t>(), M, H, Hkv, D, C, scale, scratch.get(),
-               out.get<bf16>(), nullptr, early);
+               out.get(), nullptr, early, o16.ptr());
   sync();
-  return to_host<uint16_t>(out, {M, H, D});
+  return o16.result(to_host<uint16_t>(out, {M, H, D}));
 }
 
 // One draw per seed (same logits and position): device configs uploaded once, one launch each.
@@ -306,9 +332,11 @@ int sample(const py::array& logits, float temperature, int top_k, float top_p, u
 }
 
 // The sampler ending a decode step (kernels::sample_step): the token, pos[0..1] after it, the ring
-// (a device buffer here) and the next input row x. block_best: the head's per-block keys, or None.
+// (a device buffer here: ring_size tokens, then ring_size overflow flags), the next input row x and
+// the overflow flag after it. block_best: the head's per-block keys, or None; f16_overflow: the
+// flag's value before the step ends.
 py::tuple sample_step(const py::array& logits_, float temperature, int top_k, float top_p, uint64_t seed, int pos,
-                      const py::array& embed_, const py::object& block_best_, int ring_size) {
+                      const py::array& embed_, const py::object& block_best_, int ring_size, int f16_overflow) {
   auto logits = arg<float>(logits_, "logits", {-1});
   const int vocab = static_cast<int>(logits.shape(0));
   auto embed = arg<uint16_t>(embed_, "embed", {vocab, -1});
@@ -329,15 +357,17 @@ py::tuple sample_step(const py::array& logits_, float temperature, int top_k, fl
   const int32_t p[2] = {pos, pos + 1};
   DeviceBuffer dpos(sizeof(p));
   dpos.upload(p, sizeof(p));
-  DeviceBuffer ring = DeviceBuffer::poisoned(sizeof(int32_t) * ring_size), x = DeviceBuffer::poisoned(sizeof(float) * d);
+  DeviceBuffer ring = DeviceBuffer::poisoned(2 * sizeof(int32_t) * ring_size), x = DeviceBuffer::poisoned(sizeof(float) * d);
+  DeviceBuffer flag(sizeof(int32_t));
+  flag.upload(&f16_overflow, sizeof(int32_t));
   DeviceBuffer token = DeviceBuffer::poisoned(sizeof(int32_t));
   k::sample_step(dl.get<float>(), vocab, n_best ? dbest.get<uint64_t>() : nullptr, n_best, dcfg.get<k::SamplingConfig>(),
-                 token.get<int32_t>(), k::StepEnd{dpos.get<int32_t>(), ring.get<int32_t>(), ring_size, de.get<bf16>(), d,
-                                                  x.get<float>()},
+                 token.get<int32_t>(), k::StepEnd{dpos.get<int32_t>(), ring.get<int32_t>(), ring_size, flag.get<int32_t>(),
+                                                  de.get<bf16>(), d, x.get<float>()},
                  nullptr);
   sync();
-  return py::make_tuple(to_host<int32_t>(token, {1}).at(0), to_host<int32_t>(dpos, {2}), to_host<int32_t>(ring, {ring_size}),
-                        to_host<float>(x, {d}));
+  return py::make_tuple(to_host<int32_t>(token, {1}).at(0), to_host<int32_t>(dpos, {2}),
+                        to_host<int32_t>(ring, {2 * ring_size}), to_host<float>(x, {d}), to_host<int32_t>(flag, {1}).at(0));
 }
 
 // ------------------------------------------------------------------ micro-benchmarks
@@ -480,11 +510,14 @@ void register_ops(pybind11::module_& m) {
   m.def(
       "gemv",
       [](const py::array& w, const py::array& s, const py::array& x, int ep, const py::object& out_init,
-         const std::string& x_dtype) { return linear(w, s, x, ep, out_init, false, x_dtype); },
+         const std::string& x_dtype, const std::string& out_dtype) {
+        return linear(w, s, x, ep, out_init, false, x_dtype, out_dtype);
+      },
       py::arg("w"), py::arg("scales"), py::arg("x"), py::arg("epilogue") = 0, py::arg("out_init") = py::none(),
-      py::arg("x_dtype") = "bf16",
+      py::arg("x_dtype") = "bf16", py::arg("out_dtype") = "bf16",
       "w u8 [N, K], scales f32 [N, K/128], x u16 [K] (bf16 or f16 bits, x_dtype); epilogue 0 Store -> f32 [N], "
-      "1 AddResidual (out_init f32 [N]) -> f32 [N], 2 SwiGLU -> u16 [N/2] (bf16)");
+      "1 AddResidual (out_init f32 [N]) -> f32 [N], 2 SwiGLU -> u16 [N/2] (bf16; out_dtype 'f16': (f16 bits, "
+      "overflow flag))");
   m.def("gemv_qkv_staged_warps", &k::gemv_qkv_staged_warps, py::arg("H"), py::arg("Hkv"), py::arg("D"), py::arg("K"),
         "warps per block of the decode QKV launch of this shape that copy their second row pair into shared memory "
         "early (0: none)");
@@ -492,8 +525,8 @@ void register_ops(pybind11::module_& m) {
         "whether a SwiGLU gemv of w [N, K] (norm: with the fused RMSNorm) hands its row pairs past the first round "
         "out by ticket");
   m.def("gemv_rmsnorm", &gemv_rmsnorm, py::arg("w"), py::arg("scales"), py::arg("x"), py::arg("norm_w"),
-        py::arg("eps"), py::arg("epilogue") = 0, py::arg("out_init") = py::none(),
-        "gemv of bf16(rmsnorm(x f32 [K]) * norm_w u16 [K]); epilogues as gemv");
+        py::arg("eps"), py::arg("epilogue") = 0, py::arg("out_init") = py::none(), py::arg("out_dtype") = "bf16",
+        "gemv of bf16(rmsnorm(x f32 [K]) * norm_w u16 [K]); epilogues and out_dtype as gemv");
   m.def("gemv_rmsnorm_argmax", &gemv_rmsnorm_argmax, py::arg("w"), py::arg("scales"), py::arg("x"), py::arg("norm_w"),
         py::arg("eps"),
         "the head's launch: gemv_rmsnorm Store -> (f32 [N], u64 [blocks]: each block's max of order key << 32 | ~row "
@@ -516,9 +549,9 @@ void register_ops(pybind11::module_& m) {
         py::arg("k_cache"), py::arg("v_cache"),
         "RMSNorm -> QKV GEMV -> RoPE + KV append in one launch -> (q u16 [H, D], k_cache, v_cache)");
   m.def("attention", &attention, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("pos"),
-        py::arg("scale") = py::none(), py::arg("early") = false,
-        "q u16 [M, H, D], caches u16 [C, Hkv, D], pos -> u16 [M, H, D]; early: the cached rows read before the "
-        "PDL wait (the decode path's mode)");
+        py::arg("scale") = py::none(), py::arg("early") = false, py::arg("out_dtype") = "bf16",
+        "q u16 [M, H, D], caches u16 [C, Hkv, D], pos -> u16 [M, H, D] (bf16; out_dtype 'f16': (f16 bits, overflow "
+        "flag)); early: the cached rows read before the PDL wait (the decode path's mode)");
   m.def("attention_cluster_size", &k::attention_cluster_size, py::arg("M"), py::arg("H"), py::arg("Hkv"), py::arg("D"),
         py::arg("max_context"),
         "blocks per thread-block cluster of an attention call of this shape (1: a plain launch, merged through the "
@@ -527,8 +560,9 @@ void register_ops(pybind11::module_& m) {
         py::arg("seed"), py::arg("pos"), "one token from f32 logits [vocab]");
   m.def("sample_step", &sample_step, py::arg("logits"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"),
         py::arg("seed"), py::arg("pos"), py::arg("embed"), py::arg("block_best") = py::none(), py::arg("ring_size") = 4,
+        py::arg("f16_overflow") = 0,
         "the sampler ending a step: logits f32 [vocab], embed u16 [vocab, d] -> (token, pos i32 [2] after, ring i32 "
-        "[ring_size], x f32 [d])");
+        "[2 ring_size]: tokens then overflow flags, x f32 [d], the overflow flag after)");
   m.def("sample_seeds", &sample_seeds, py::arg("logits"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"),
         py::arg("seeds"), py::arg("pos"), "one token per seed (u64 [n]) -> i32 [n]");
   m.def("stream_read_bandwidth", &stream_read_bandwidth, py::arg("n_bytes"), py::arg("iters") = 20,

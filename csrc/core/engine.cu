@@ -114,8 +114,8 @@ void Engine::init(const std::string& path, const std::vector<TensorInfo>& table,
   buf_.xn = arena_.at<f16>(layout.xn);
   buf_.qkv = arena_.at<float>(layout.qkv);
   buf_.q = arena_.at<bf16>(layout.q);
-  buf_.attn_out = arena_.at<bf16>(layout.attn_out);
-  buf_.ffn = arena_.at<bf16>(layout.ffn);
+  buf_.attn_out = arena_.at<void>(layout.attn_out);
+  buf_.ffn = arena_.at<void>(layout.ffn);
   buf_.logits = arena_.at<float>(layout.logits);
   buf_.ids = arena_.at<int32_t>(layout.ids);
   buf_.attn_scratch = arena_.at<void>(layout.attn_scratch);
@@ -126,6 +126,7 @@ void Engine::init(const std::string& path, const std::vector<TensorInfo>& table,
   buf_.pos = arena_.at<int32_t>(layout.pos);
   buf_.sample_pos = buf_.pos + 1;
   buf_.token = arena_.at<int32_t>(layout.token);
+  buf_.f16_overflow = arena_.at<int32_t>(layout.f16_overflow);
   buf_.sampling = arena_.at<kernels::SamplingConfig>(layout.sampling);
 
   // Load the weights. load_seconds counts file -> device only (staging buffers included).
@@ -144,9 +145,9 @@ void Engine::init(const std::string& path, const std::vector<TensorInfo>& table,
   // The stream every launch goes to, the per-step events, the pinned token ring and logits.
   AF_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   for (cudaEvent_t& e : step_done_) AF_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-  AF_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&ring_host_), kRingSize * sizeof(int32_t), cudaHostAllocMapped));
+  AF_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&ring_host_), 2 * kRingSize * sizeof(int32_t), cudaHostAllocMapped));
   ++allocations_;
-  std::memset(ring_host_, 0, kRingSize * sizeof(int32_t));
+  std::memset(ring_host_, 0, 2 * kRingSize * sizeof(int32_t));
   AF_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&ring_dev_), ring_host_, 0));
   AF_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&logits_host_), s.vocab_size * sizeof(float),
                               cudaHostAllocDefault));
@@ -162,6 +163,7 @@ void Engine::init(const std::string& path, const std::vector<TensorInfo>& table,
 
   short_steps_ = opt_.max_context > kShortKeys && !env_flag("ATOMFLOW_ONE_GRAPH");
   fused_tail_ = !env_flag("ATOMFLOW_NO_FUSED_TAIL");
+  f16_acts_ = !env_flag("ATOMFLOW_BF16_ACTS");
   // Warm-up: one eager step loads every kernel (lazy module loading cannot happen inside a
   // capture) and surfaces a failing kernel here, with its own error, not as a graph failure.
   try {
@@ -252,14 +254,48 @@ std::vector<std::pair<std::string, size_t>> Engine::plan() const { return plan_;
 
 // The step at position host_pos_ attends to host_pos_ + 1 keys: the short graph when they fit it.
 // Eager steps plan their attention grid the same way, so both modes run the same kernels.
+// A probed step runs its launches (the graph holds no probe points).
 void Engine::launch_step() {
-  NvtxRange range(graph_exec_ ? "decode_step (graph)" : "decode_step");
+  const bool graph = graph_exec_ != nullptr && probe_ == nullptr;
+  NvtxRange range(graph ? "decode_step (graph)" : "decode_step");
   const bool short_step = short_steps_ && host_pos_ < kShortKeys;
   ++(short_step ? short_grid_steps_ : long_grid_steps_);
-  if (graph_exec_)
+  if (graph)
     AF_CUDA_CHECK(cudaGraphLaunch(short_step ? short_graph_ : graph_exec_, stream_));
   else
     enqueue_decode_step(short_step ? kShortKeys : opt_.max_context);
+}
+
+bool Engine::step_overflowed(int position) const {
+  const volatile int32_t* flags = ring_host_ + kRingSize;  // written by the device (publish_step)
+  return f16_acts_ && flags[position % kRingSize] != 0;
+}
+
+void Engine::rerun_in_bf16(int position, int32_t input) {
+  AF_CUDA_CHECK(cudaStreamSynchronize(stream_));  // every step in flight has run: drop them
+  in_flight_ = 0;
+  oldest_ = 0;
+  f16_acts_ = false;
+  if (opt_.verbose)
+    std::fprintf(stderr, "atomflow: an activation of the decode step at position %d passed fp16's range; "
+                 "decoding on with bf16 activations\n", position);
+  if (graph_exec_ != nullptr) {
+    cudaGraphExecDestroy(graph_exec_);
+    graph_exec_ = nullptr;
+    if (short_graph_) cudaGraphExecDestroy(short_graph_);
+    short_graph_ = nullptr;
+    capture_graph();
+  }
+  step::write_int(buf_.f16_overflow, 0, stream_);
+  step::write_pos(buf_.pos, position, stream_);
+  host_pos_ = position;
+  if (probe_records_ != nullptr) probe_records_->clear();
+  if (input == kUnknown)
+    throw std::runtime_error("the decode step at position " + std::to_string(position) +
+                             " passed fp16's range and its input token is not known to rerun it in bf16: "
+                             "call begin() with it before enqueue()");
+  set_token(input);
+  next_input_ = input;
 }
 
 void Engine::require_idle(const char* what) const {
@@ -313,6 +349,7 @@ void Engine::prefill(const int32_t* ids, int n, float* logits) {
   }
   enqueue_head(last_rows - 1);  // the chunk's rows are still in buf_.x; only the last one counts
   host_pos_ += n;
+  last_output_ = kUnknown;  // the next step's input is begin()'s: x now holds the prompt's rows
   copy_logits_out(logits);
 }
 
@@ -323,9 +360,17 @@ void Engine::decode(int32_t token, float* logits) {
   if (host_pos_ >= opt_.max_context)
     throw std::runtime_error("context full: max_context " + std::to_string(opt_.max_context) + " reached");
   set_token(token);
+  const int position = host_pos_;
   launch_step();
   ++host_pos_;
+  last_output_ = kUnknown;  // the token it sampled stays on the device
   copy_logits_out(logits);
+  if (step_overflowed(position)) {
+    rerun_in_bf16(position, token);
+    launch_step();
+    ++host_pos_;
+    copy_logits_out(logits);
+  }
 }
 
 // ---------------------------------------------------------------------------------------
@@ -358,10 +403,15 @@ void Engine::begin(int32_t token) {
   std::lock_guard<std::mutex> lock(mu_);
   check_token(token);
   set_token(token);
+  next_input_ = token;
 }
 
 void Engine::enqueue(int n) {
   std::lock_guard<std::mutex> lock(mu_);
+  enqueue_steps(n);
+}
+
+void Engine::enqueue_steps(int n) {
   if (n < 0) throw std::invalid_argument("enqueue(n): n must be >= 0");
   if (in_flight_ + n > kRingSize)
     throw std::invalid_argument("enqueue(" + std::to_string(n) + "): " + std::to_string(in_flight_) +
@@ -372,7 +422,11 @@ void Engine::enqueue(int n) {
       throw std::runtime_error("context full: max_context " + std::to_string(opt_.max_context) + " reached");
     launch_step();
     if (in_flight_ == 0) oldest_pos_ = host_pos_;
-    AF_CUDA_CHECK(cudaEventRecord(step_done_[(oldest_ + in_flight_) % kRingSize], stream_));
+    const int slot = (oldest_ + in_flight_) % kRingSize;
+    // Its input: begin()'s token, else the output of the step before (known once wait() read it).
+    step_input_[slot] = next_input_ != kUnknown ? next_input_ : (in_flight_ == 0 ? last_output_ : kUnknown);
+    next_input_ = kUnknown;
+    AF_CUDA_CHECK(cudaEventRecord(step_done_[slot], stream_));
     ++in_flight_;
     ++host_pos_;
   }
@@ -386,16 +440,25 @@ std::vector<int32_t> Engine::wait(int n) {
   std::vector<int32_t> tokens;
   tokens.reserve(n);
   const volatile int32_t* ring = ring_host_;  // written by the device: read memory, not a register
-  for (int i = 0; i < n; ++i) {
+  while (static_cast<int>(tokens.size()) < n) {
     AF_CUDA_CHECK(cudaEventSynchronize(step_done_[oldest_]));
     // The step's end (publish_step) wrote the token of the step at position p into slot
-    // p % kRingSize. At most kRingSize consecutive positions are in flight, so no slot is
-    // overwritten before it is read.
+    // p % kRingSize, and its overflow flag into kRingSize + that. At most kRingSize consecutive
+    // positions are in flight, so no slot is overwritten before it is read.
+    if (step_overflowed(oldest_pos_)) {
+      // This step and every one after it ran on an inf: run them all again in bf16.
+      const int steps = in_flight_;
+      rerun_in_bf16(oldest_pos_, step_input_[oldest_]);
+      enqueue_steps(steps);
+      continue;
+    }
     const int32_t token = ring[oldest_pos_ % kRingSize];
     tokens.push_back(token);
+    last_output_ = token;
     oldest_ = (oldest_ + 1) % kRingSize;
     ++oldest_pos_;
     --in_flight_;
+    if (in_flight_ > 0 && step_input_[oldest_] == kUnknown) step_input_[oldest_] = token;
   }
   return tokens;
 }
@@ -405,6 +468,7 @@ void Engine::synchronize() {
   AF_CUDA_CHECK(cudaStreamSynchronize(stream_));
   in_flight_ = 0;
   oldest_ = 0;
+  last_output_ = kUnknown;  // the dropped steps' tokens were never read
 }
 
 }  // namespace atomflow

@@ -17,11 +17,11 @@ namespace {
 using kernels::Epilogue;
 
 // One row streams the weights once through the GEMV; more rows go to the tensor-core GEMM.
-// tickets: the engine's counters for SwiGLU GEMVs (kernels.h).
+// tickets: the engine's counters for SwiGLU GEMVs; f16_overflow: SwiGLU's fp16 output (kernels.h).
 void linear(const uint8_t* w, const float* scales, const void* x, kernels::Act xt, int rows, int N, int K,
-            Epilogue ep, void* out, cudaStream_t stream, unsigned* tickets = nullptr) {
+            Epilogue ep, void* out, cudaStream_t stream, unsigned* tickets = nullptr, int* f16_overflow = nullptr) {
   if (rows == 1)
-    kernels::gemv_w8a16(w, scales, x, xt, N, K, ep, out, stream, tickets);
+    kernels::gemv_w8a16(w, scales, x, xt, N, K, ep, out, stream, tickets, f16_overflow);
   else
     kernels::gemm_w8a16(w, scales, x, xt, rows, N, K, ep, out, stream);
 }
@@ -38,6 +38,11 @@ void Engine::enqueue_layers(int rows, int attn_keys) {
   // Decode outside the probes runs the fused QKV GEMV, which lets attention launch only after its own
   // wait, so attention may read the cache rows of earlier steps early (kernels.h).
   const bool fused_qkv = rows == 1 && !probe_;
+  // A decode step's attention and SwiGLU outputs are fp16 (kernels.h), flagged when they overflow;
+  // the o and down GEMVs then take x as it is.
+  const bool f16 = rows == 1 && f16_acts_;
+  const kernels::Act act = f16 ? kernels::Act::F16 : kernels::Act::BF16;
+  int* const overflow = f16 ? buf_.f16_overflow : nullptr;
   for (size_t i = 0; i < buf_.layers.size(); ++i) {
     const LayerPtrs& L = buf_.layers[i];
     const int li = static_cast<int>(i);
@@ -61,11 +66,10 @@ void Engine::enqueue_layers(int rows, int attn_keys) {
       // The split count of a query row is min(64, ceil(keys / 32)) on any grid that holds its keys, so
       // the bits do not depend on attn_keys (attention_decode.cu).
       kernels::attention(buf_.q, L.k_cache, L.v_cache, buf_.pos, rows, H, Hkv, D, attn_keys, scale, buf_.attn_scratch,
-                         buf_.attn_out, stream_, /*early=*/fused_qkv);
+                         buf_.attn_out, stream_, /*early=*/fused_qkv, overflow);
       mark("attention", li);
       if (probe_) probe_snapshot(rows);
-      linear(L.wo, L.wo_scale, buf_.attn_out, kernels::Act::BF16, rows, d, s.q_dim(), Epilogue::AddResidual, buf_.x,
-             stream_);
+      linear(L.wo, L.wo_scale, buf_.attn_out, act, rows, d, s.q_dim(), Epilogue::AddResidual, buf_.x, stream_);
       mark("gemv_o", li);
     }
     if (probe_) {
@@ -74,10 +78,10 @@ void Engine::enqueue_layers(int rows, int attn_keys) {
     }
     {
       NvtxRange r("mlp_block");
-      normed_linear(L.mlp_norm, nullptr, li, L.w13, L.w13_scale, rows, 2 * f, Epilogue::SwiGLU, buf_.ffn);
+      normed_linear(L.mlp_norm, nullptr, li, L.w13, L.w13_scale, rows, 2 * f, Epilogue::SwiGLU, buf_.ffn, overflow);
       mark("gemv_gate_up+norm", li);
       if (probe_) probe_snapshot(rows);
-      linear(L.w2, L.w2_scale, buf_.ffn, kernels::Act::BF16, rows, d, f, Epilogue::AddResidual, buf_.x, stream_);
+      linear(L.w2, L.w2_scale, buf_.ffn, act, rows, d, f, Epilogue::AddResidual, buf_.x, stream_);
       mark("gemv_down", li);
     }
     if (probe_) {
@@ -90,15 +94,16 @@ void Engine::enqueue_layers(int rows, int attn_keys) {
 // RMSNorm of the residual stream, then a linear layer. At M = 1 the norm is fused into the GEMV's
 // prologue (bit-identical to the two kernels); probe mode keeps them apart to see the norm.
 void Engine::normed_linear(const bf16* norm, const char* probe_name, int layer, const uint8_t* w, const float* scales,
-                           int rows, int N, Epilogue ep, void* out) {
+                           int rows, int N, Epilogue ep, void* out, int* f16_overflow) {
   const int d = spec_.hidden_size;
   if (rows == 1 && !probe_) {
-    kernels::gemv_w8a16_rmsnorm(w, scales, buf_.x, norm, spec_.rms_norm_eps, N, d, ep, out, stream_, buf_.gemv_tickets);
+    kernels::gemv_w8a16_rmsnorm(w, scales, buf_.x, norm, spec_.rms_norm_eps, N, d, ep, out, stream_, buf_.gemv_tickets,
+                                f16_overflow);
     return;
   }
   kernels::rmsnorm(buf_.x, norm, rows, d, spec_.rms_norm_eps, buf_.xn, stream_);
   if (probe_ && probe_name) probe_point(probe_name, layer, ProbeSrc::XN, rows);
-  linear(w, scales, buf_.xn, kernels::Act::F16, rows, N, d, ep, out, stream_, buf_.gemv_tickets);
+  linear(w, scales, buf_.xn, kernels::Act::F16, rows, N, d, ep, out, stream_, buf_.gemv_tickets, f16_overflow);
 }
 
 // Final norm and lm_head on one row of the residual stream -> buf_.logits fp32 [vocab].
@@ -144,14 +149,15 @@ void Engine::enqueue_decode_step(int attn_keys) {
   if (fused_tail_) {
     const bool best = spec_.lm_head_fp8 && !probe_;  // enqueue_head left the per-block maxima
     kernels::sample_step(buf_.logits, vocab, best ? buf_.head_best : nullptr, best ? buf_.head_best_n : 0,
-                         buf_.sampling, buf_.token, kernels::StepEnd{buf_.pos, ring_dev_, kRingSize, buf_.embed, d, buf_.x},
+                         buf_.sampling, buf_.token,
+                         kernels::StepEnd{buf_.pos, ring_dev_, kRingSize, buf_.f16_overflow, buf_.embed, d, buf_.x},
                          stream_);
     mark("sample", -1);  // with the ring, the position and the next embedding
     return;
   }
   kernels::sample(buf_.logits, vocab, buf_.sampling, buf_.sample_pos, buf_.sample_scratch, buf_.token, stream_);
   mark("sample", -1);
-  step::finish_step(buf_.token, buf_.pos, ring_dev_, kRingSize, stream_);
+  step::finish_step(buf_.token, buf_.pos, ring_dev_, kRingSize, buf_.f16_overflow, stream_);
   mark("finish", -1);
 }
 

@@ -136,7 +136,7 @@ Layout plan_layout(const ModelSpec& s, const ModelTensors& t, int max_context, i
   L.xn = plan.reserve("activations", rows * s.hidden_size * sizeof(f16));
   L.qkv = plan.reserve("activations", rows * s.qkv_dim() * sizeof(float));
   L.q = plan.reserve("activations", rows * s.q_dim() * sizeof(bf16));
-  L.attn_out = plan.reserve("activations", rows * s.q_dim() * sizeof(bf16));
+  L.attn_out = plan.reserve("activations", rows * s.q_dim() * sizeof(bf16));  // or f16: the same size
   L.ffn = plan.reserve("activations", rows * s.intermediate_size * sizeof(bf16));
   L.logits = plan.reserve("activations", size_t(s.vocab_size) * sizeof(float));
   L.ids = plan.reserve("activations", size_t(max_context) * sizeof(int32_t));
@@ -153,6 +153,7 @@ Layout plan_layout(const ModelSpec& s, const ModelTensors& t, int max_context, i
   L.head_best = plan.reserve("scratch", std::max(L.head_best_n, 1) * sizeof(uint64_t));
   L.pos = plan.reserve("scratch", 2 * sizeof(int32_t));
   L.token = plan.reserve("scratch", sizeof(int32_t));
+  L.f16_overflow = plan.reserve("scratch", sizeof(int32_t));
   L.sampling = plan.reserve("scratch", sizeof(kernels::SamplingConfig));
   return L;
 }

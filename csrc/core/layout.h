@@ -46,8 +46,8 @@ struct Layout {
   size_t xn;        // bf16 [chunk, d]   rmsnorm output
   size_t qkv;       // fp32 [chunk, qkv_dim]
   size_t q;         // bf16 [chunk, heads, head_dim]  roped queries
-  size_t attn_out;  // bf16 [chunk, heads, head_dim]
-  size_t ffn;       // bf16 [chunk, ffn]  SwiGLU output
+  size_t attn_out;  // 16-bit [chunk, heads, head_dim]: bf16, fp16 in a decode step (kernels.h)
+  size_t ffn;       // 16-bit [chunk, ffn]  SwiGLU output, typed as attn_out
   size_t logits;    // fp32 [vocab]
   size_t ids;       // int32 [max_context]  prompt ids
   // Scratch and the small device state the decode graph reads.
@@ -56,6 +56,7 @@ struct Layout {
   int head_best_n;
   size_t pos;       // int32[2] = {tokens in the KV cache, that + 1: the sampler's RNG counter}
   size_t token;     // int32: the decode step's input token (the sampled one after the step)
+  size_t f16_overflow;  // int32: set by a decode step whose fp16 activations overflowed (kernels.h)
   size_t sampling;  // kernels::SamplingConfig
 };
 

@@ -45,7 +45,10 @@ void Engine::probe_point(const char* name, int layer, ProbeSrc src, int rows) {
       v = to_host_f32(buf_.logits, false, static_cast<size_t>(dim), stream_);
       break;
   }
-  (*probe_)(name, layer, v, dim);
+  if (probe_records_ != nullptr)
+    probe_records_->push_back(ProbeRecord{name, layer, std::move(v), dim});
+  else
+    (*probe_)(name, layer, v, dim);
 }
 
 void Engine::prefill_probed(const int32_t* ids, int n, float* logits, const ProbeSink& sink) {
@@ -59,20 +62,22 @@ void Engine::prefill_probed(const int32_t* ids, int n, float* logits, const Prob
   probe_ = nullptr;
 }
 
+// The step's points are held until it has succeeded, so a step rerun in bf16 (engine.h) reports
+// its second run only. With probe_ set, launch_step() runs the step's launches, not the graph.
 void Engine::decode_probed(int32_t token, float* logits, const ProbeSink& sink) {
-  // The graph holds launches without probe points: run this step eagerly.
-  cudaGraphExec_t graph = graph_exec_;
-  graph_exec_ = nullptr;
+  std::vector<ProbeRecord> records;
   probe_ = &sink;
+  probe_records_ = &records;
   try {
     decode(token, logits);
   } catch (...) {
     probe_ = nullptr;
-    graph_exec_ = graph;
+    probe_records_ = nullptr;
     throw;
   }
   probe_ = nullptr;
-  graph_exec_ = graph;
+  probe_records_ = nullptr;
+  for (const ProbeRecord& r : records) sink(r.name, r.layer, r.rows, r.dim);
 }
 
 }  // namespace atomflow

@@ -34,9 +34,10 @@ static __global__ void advance_pos_kernel(int32_t* pos, int32_t n) {
   pos[1] = p + 1;
 }
 
-static __global__ void finish_step_kernel(const int32_t* token, int32_t* pos, int32_t* ring, int ring_size) {
+static __global__ void finish_step_kernel(const int32_t* token, int32_t* pos, int32_t* ring, int ring_size,
+                                          int32_t* f16_overflow) {
   pdl_prologue();
-  publish_step(ring, ring_size, pos, pos[0], *token);
+  publish_step(ring, ring_size, pos, pos[0], *token, f16_overflow);
 }
 
 // One thread polls host memory (volatile: every read crosses the bus). No PDL: the gate must
@@ -70,9 +71,10 @@ void advance_pos(int32_t* pos, int32_t n, cudaStream_t stream) {
   af_launch(advance_pos_kernel, dim3(1), dim3(1), 0, stream, pos, n);
 }
 
-void finish_step(const int32_t* token, int32_t* pos, int32_t* ring, int ring_size, cudaStream_t stream) {
-  AF_CHECK(ring_size > 0, "the token ring needs at least one slot");
-  af_launch(finish_step_kernel, dim3(1), dim3(1), 0, stream, token, pos, ring, ring_size);
+void finish_step(const int32_t* token, int32_t* pos, int32_t* ring, int ring_size, int32_t* f16_overflow,
+                 cudaStream_t stream) {
+  AF_CHECK(ring_size > 0 && f16_overflow != nullptr, "finish_step: a ring slot and the overflow flag");
+  af_launch(finish_step_kernel, dim3(1), dim3(1), 0, stream, token, pos, ring, ring_size, f16_overflow);
 }
 
 void gate(const int32_t* flag, int32_t ticket, uint64_t timeout_ns, cudaStream_t stream) {

@@ -25,10 +25,11 @@ void write_sampling(kernels::SamplingConfig* dst, const kernels::SamplingConfig&
 // pos = {pos[0] + n, pos[0] + n + 1} (after a prefill chunk).
 void advance_pos(int32_t* pos, int32_t n, cudaStream_t stream);
 
-// The end of a decode step: ring[pos[0] % ring_size] = *token (ring: mapped pinned host memory),
-// then pos = {pos[0] + 1, pos[0] + 2}. The sampled token already sits in *token, the next
-// step's input.
-void finish_step(const int32_t* token, int32_t* pos, int32_t* ring, int ring_size, cudaStream_t stream);
+// The end of a decode step: ring[pos[0] % ring_size] = *token and ring[ring_size + pos[0] %
+// ring_size] = *f16_overflow, cleared (ring: mapped pinned host memory, 2 ring_size entries), then
+// pos = {pos[0] + 1, pos[0] + 2}. The sampled token already sits in *token, the next step's input.
+void finish_step(const int32_t* token, int32_t* pos, int32_t* ring, int ring_size, int32_t* f16_overflow,
+                 cudaStream_t stream);
 
 // Holds the stream until the host writes `ticket` to *flag (mapped pinned memory) or timeout_ns
 // passes, so the launches queued behind it run back to back, at the GPU's pace, not the host's

@@ -175,6 +175,27 @@ static __device__ __forceinline__ void bf16x8_to_float(uint4 v, float (&f)[8]) {
   }
 }
 
+// Four outputs at float4 column c of output row o_row, already divided by l: bf16, or fp16 when the
+// caller gives f16_overflow (the decode step: the o GEMV then copies x as it is, kernels.h), which is
+// set to 1 if a value lies past fp16's range (its store is then inf and the engine reruns the step
+// in bf16). One flag store at most, and only then.
+template <int D>
+static __device__ __forceinline__ void store_out4(void* __restrict__ out, size_t o_row, int c, float a, float b,
+                                                  float cc, float d, int* f16_overflow) {
+  uint2 packed;
+  if (f16_overflow != nullptr) {
+    const __half2 lo = __floats2half2_rn(a, b), hi = __floats2half2_rn(cc, d);
+    packed.x = *reinterpret_cast<const uint32_t*>(&lo);
+    packed.y = *reinterpret_cast<const uint32_t*>(&hi);
+    if (fmaxf(fmaxf(fabsf(a), fabsf(b)), fmaxf(fabsf(cc), fabsf(d))) > kF16Max) *f16_overflow = 1;
+  } else {
+    const __nv_bfloat162 lo = __floats2bfloat162_rn(a, b), hi = __floats2bfloat162_rn(cc, d);
+    packed.x = *reinterpret_cast<const uint32_t*>(&lo);
+    packed.y = *reinterpret_cast<const uint32_t*>(&hi);
+  }
+  reinterpret_cast<uint2*>(static_cast<char*>(out) + o_row * D * 2)[c] = packed;
+}
+
 // The leader's merge of its cluster's n_splits partials (shared memory, [split][row][float4 column]):
 // the same arithmetic in the same order as the merge from the scratch in attention_kernel (each
 // output sums SPL contiguous ranges of splits, then adds the ranges in order), so a group's output
@@ -182,7 +203,7 @@ static __device__ __forceinline__ void bf16x8_to_float(uint4 v, float (&f)[8]) {
 template <int R, int D, int G, int SPL, int CS>
 static __device__ __forceinline__ void merge_in_cluster(const float4 (&acc)[CS][R][D / 4], const float2 (&ml)[CS][R],
                                                         int n_splits, int b, int M, int m0, int H, int h,
-                                                        bf16* __restrict__ out) {
+                                                        void* __restrict__ out, int* f16_overflow) {
   constexpr int C4 = D / 4;
   const int per = CEIL_DIV(n_splits, SPL);
   for (int idx = threadIdx.x; idx < R * C4; idx += kAttnThreads) {
@@ -218,12 +239,7 @@ static __device__ __forceinline__ void merge_in_cluster(const float4 (&acc)[CS][
     }
     const size_t o_row = (static_cast<size_t>(b) * M + m0 + r / G) * H + h * G + r % G;
     const float inv_l = 1.f / l;  // > 0: split 0 holds key 0, seen by every query
-    const __nv_bfloat162 lo = __floats2bfloat162_rn(o.x * inv_l, o.y * inv_l);
-    const __nv_bfloat162 hi = __floats2bfloat162_rn(o.z * inv_l, o.w * inv_l);
-    uint2 packed;
-    packed.x = *reinterpret_cast<const uint32_t*>(&lo);
-    packed.y = *reinterpret_cast<const uint32_t*>(&hi);
-    reinterpret_cast<uint2*>(out + o_row * D)[c] = packed;
+    store_out4<D>(out, o_row, c, o.x * inv_l, o.y * inv_l, o.z * inv_l, o.w * inv_l, f16_overflow);
   }
 }
 
@@ -241,7 +257,7 @@ static __device__ __forceinline__ void merge_in_cluster(const float4 (&acc)[CS][
 template <class KV, int D, int G, int QT>
 static __global__ void __launch_bounds__(kAttnThreads)
     attention_kernel(const bf16* q, KV kv, int M, int H, int Hkv, int s_max, float q_scale, int* counters,
-                     float* part_acc, float* part_ml, bf16* __restrict__ out, bool early) {
+                     float* part_acc, float* part_ml, void* __restrict__ out, int* f16_overflow, bool early) {
   constexpr int LPR = D / 8;                // lanes per key row
   constexpr int GPW = 32 / LPR;             // key streams per warp
   constexpr int NS = kAttnWarps * GPW;      // key streams per block
@@ -524,7 +540,7 @@ static __global__ void __launch_bounds__(kAttnThreads)
     }
     __cluster_barrier_wait();  // acquire: every active split's partial
     stamp(kATicket);  // the leader: every partial in
-    merge_in_cluster<R, D, G, SPL>(cl_acc, cl_ml, n_splits, b, M, m0, H, h, out);
+    merge_in_cluster<R, D, G, SPL>(cl_acc, cl_ml, n_splits, b, M, m0, H, h, out, f16_overflow);
     stamp(kAMerged);
     flush(true);
     return;
@@ -655,12 +671,7 @@ static __global__ void __launch_bounds__(kAttnThreads)
     const int r = r_of[i];
     const size_t o_row = (static_cast<size_t>(b) * M + m0 + r / G) * H + h * G + r % G;
     const float inv_l = 1.f / l[i];  // > 0: split 0 holds key 0, seen by every query
-    const __nv_bfloat162 lo = __floats2bfloat162_rn(o[i].x * inv_l, o[i].y * inv_l);
-    const __nv_bfloat162 hi = __floats2bfloat162_rn(o[i].z * inv_l, o[i].w * inv_l);
-    uint2 packed;
-    packed.x = *reinterpret_cast<const uint32_t*>(&lo);
-    packed.y = *reinterpret_cast<const uint32_t*>(&hi);
-    reinterpret_cast<uint2*>(out + o_row * D)[c_of[i]] = packed;
+    store_out4<D>(out, o_row, c_of[i], o[i].x * inv_l, o[i].y * inv_l, o[i].z * inv_l, o[i].w * inv_l, f16_overflow);
   }
   stamp(kAMerged);
   flush(true);
@@ -728,7 +739,7 @@ static int cluster_splits(int s_max) {
 
 template <class KV, int D, int G, int QT>
 static void launch_attention(const bf16* q, const KV& kv, int B, int M, int H, int Hkv, float scale, void* scratch,
-                             bf16* out, cudaStream_t stream, bool early) {
+                             void* out, int* f16_overflow, cudaStream_t stream, bool early) {
   const int s_max = max_splits(B * M, kv.capacity);
   int* counters = static_cast<int*>(scratch);
   float* part_acc = reinterpret_cast<float*>(static_cast<char*>(scratch) + kCounterBytes);
@@ -742,7 +753,7 @@ static void launch_attention(const bf16* q, const KV& kv, int B, int M, int H, i
   const float q_scale = scale * 1.4426950408889634f;  // scores in log2 units: exp2f in the softmax
   early = early && std::is_same_v<KV, ContiguousKV>;   // a paged table is read with the rows: after the wait
   af_launch_clusters(attention_kernel<KV, D, G, QT>, grid, dim3(kAttnThreads), dim3(1, cs, 1), 0, stream, q, kv, M,
-                     H, Hkv, s_max, q_scale, counters, part_acc, part_ml, out, early);
+                     H, Hkv, s_max, q_scale, counters, part_acc, part_ml, out, f16_overflow, early);
 }
 
 // Decode uses one query token per block; prefill chunks tile QT tokens so that G * QT <= 8 query
@@ -778,14 +789,15 @@ static decltype(auto) for_shape(int D, int G, int M, Fn&& fn) {
 
 template <class KV>
 static void dispatch(const bf16* q, const KV& kv, int B, int M, int H, int Hkv, int D, float scale, void* scratch,
-                     bf16* out, cudaStream_t stream, bool early = false) {
+                     void* out, cudaStream_t stream, bool early = false, int* f16_overflow = nullptr) {
   AF_CHECK(B >= 1 && M >= 1 && H >= 1 && Hkv >= 1, "attention: B, M, H, Hkv must be >= 1");
   AF_CHECK(H % Hkv == 0, "attention: H must be a multiple of Hkv");
   AF_CHECK(Hkv <= kMaxKvHeads, "attention: at most 256 kv heads (the scratch's counters)");
   for_shape(D, H / Hkv, M, [&](auto d, auto g, auto qt) {
     AF_CHECK(static_cast<long long>(B) * M <= 65535, "attention: B * M too large for the grid");
     launch_attention<KV, decltype(d)::value, decltype(g)::value, decltype(qt)::value>(q, kv, B, M, H, Hkv, scale,
-                                                                                      scratch, out, stream, early);
+                                                                                      scratch, out, f16_overflow,
+                                                                                      stream, early);
   });
 }
 
@@ -800,12 +812,13 @@ int attention_cluster_size(int M, int H, int Hkv, int D, int max_context) {
 }
 
 void attention(const bf16* q, const bf16* k_cache, const bf16* v_cache, const int32_t* pos, int M, int H, int Hkv,
-               int D, int max_context, float scale, void* scratch, bf16* out, cudaStream_t stream, bool early) {
+               int D, int max_context, float scale, void* scratch, void* out, cudaStream_t stream, bool early,
+               int* f16_overflow) {
   AF_CHECK(M >= 1 && H >= 1 && Hkv >= 1 && max_context >= 1, "attention: M, H, Hkv, max_context must be >= 1");
   AF_CHECK(M <= 65535, "attention: M too large for the grid");
   AF_CHECK(static_cast<size_t>(max_context) * Hkv * D < (size_t{1} << 31), "attention: cache too large for int offsets");
   const ContiguousKV kv{k_cache, v_cache, SeqStart{pos, 0}, max_context};
-  dispatch(q, kv, 1, M, H, Hkv, D, scale, scratch, out, stream, early);
+  dispatch(q, kv, 1, M, H, Hkv, D, scale, scratch, out, stream, early, f16_overflow);
 }
 
 // ---- batched launchers (the sandbox): sequence b's M queries sit at lens[b] - M .. lens[b] - 1 ----

@@ -68,8 +68,11 @@
 //    diagonal holds the lane groups' partial sums, fp32-accumulated; ~31-35 instructions per 32 weights
 //    against ~110 with fp32 FMAs. That is what a warp's burst costs between its data's arrival and
 //    its next loads, and what the tail of every GEMV costs (docs/PERF.md, 25db0f9).
-//    x enters the products as fp16: the RMSNorm output already is (kernels.h); bf16 x is scaled by
-//    a power of two into fp16's range first and the sums scaled back (stage_x), exact in practice.
+//    x enters the products as fp16: the RMSNorm output already is, and so are the decode step's
+//    attention and SwiGLU outputs (kernels.h); bf16 x is scaled by a power of two into fp16's range
+//    first and the sums scaled back (stage_x), exact in practice. That scaling is a block-wide
+//    maximum, a barrier and a second pass over x on the chain of every o and down GEMV; taking their
+//    x in fp16 instead, copied as is, made the 3B step 4.9% faster (docs/PERF.md 2026-11-24).
 //  - A 16-byte chunk never straddles a 128-column scale group: each 64-byte group of four lanes
 //    sits in one scale group, so a partial sum is multiplied by its scale once.
 //  (Tried and measured slower, docs/PERF.md 2026-11-20/21: weights through a cp.async.bulk ring
@@ -202,6 +205,7 @@ struct Product {
   int staged_warps;  // warps per block whose second row pair is copied into shared memory early (0: none)
   unsigned* tickets; // SwiGLU of several rounds: counters that hand out the row pairs past the first round (Tickets)
   uint64_t* best;    // Store: each block's argmax key of the rows it wrote (gemv_w8a16_rmsnorm_argmax), or null
+  int* f16_overflow; // SwiGLU: fp16 output, flagged past kF16Max (kernels.h); null: bf16
 };
 
 // Which rows row pair p covers. SwiGLU pairs gate row p with up row F + p; RopeKV pairs (i, i + D/2)
@@ -605,7 +609,13 @@ static __device__ __forceinline__ void store_pair(const Product& P, const RowPai
   pairs.rows(p, r0, r1);
   if constexpr (EP == Ep::SwiGLU) {
     const float silu = acc0 / (1.f + expf(-acc0));
-    static_cast<bf16*>(P.out)[p] = __float2bfloat16(silu * acc1);
+    const float y = silu * acc1;
+    if (P.f16_overflow != nullptr) {
+      static_cast<f16*>(P.out)[p] = __float2half_rn(y);
+      if (fabsf(y) > kF16Max) *P.f16_overflow = 1;
+    } else {
+      static_cast<bf16*>(P.out)[p] = __float2bfloat16(y);
+    }
   } else if constexpr (EP == Ep::RopeKV) {
     const int half = pairs.half;
     const int pos = pr.pos;
@@ -962,8 +972,8 @@ static GemvPlan plan_of(int N, int K) {
 template <Ep EP, In IN>
 static void launch_gemv(const uint8_t* w, const float* scales, const void* x, const bf16* norm_w, float eps, int N,
                         int K, void* out, const RopeKVArgs& rope, cudaStream_t stream, unsigned* tickets = nullptr,
-                        uint64_t* best = nullptr) {
-  const Product P{w, scales, x, norm_w, N, K, out, 0, tickets, best};
+                        uint64_t* best = nullptr, int* f16_overflow = nullptr) {
+  const Product P{w, scales, x, norm_w, N, K, out, 0, tickets, best, f16_overflow};
   if (whole_steps(K))
     launch_gemv_as<EP, IN, true>(P, eps, rope, stream);
   else
@@ -979,8 +989,10 @@ static void check_args(const uint8_t* w, const void* x, int N, int K) {
 
 template <In IN>
 static void dispatch_gemv(const uint8_t* w, const float* scales, const void* x, const bf16* norm_w, float eps, int N,
-                          int K, Epilogue ep, void* out, cudaStream_t stream, unsigned* tickets) {
+                          int K, Epilogue ep, void* out, cudaStream_t stream, unsigned* tickets,
+                          int* f16_overflow) {
   check_args(w, x, N, K);
+  AF_CHECK(f16_overflow == nullptr || ep == Epilogue::SwiGLU, "gemv_w8a16: an fp16 output is SwiGLU's only");
   const RopeKVArgs none{};
   switch (ep) {
     case Epilogue::Store:
@@ -991,24 +1003,24 @@ static void dispatch_gemv(const uint8_t* w, const float* scales, const void* x, 
       break;
     case Epilogue::SwiGLU:
       AF_CHECK(N % 2 == 0, "gemv_w8a16: SwiGLU needs N = 2F (gate rows, then up rows)");
-      launch_gemv<Ep::SwiGLU, IN>(w, scales, x, norm_w, eps, N, K, out, none, stream, tickets);
+      launch_gemv<Ep::SwiGLU, IN>(w, scales, x, norm_w, eps, N, K, out, none, stream, tickets, nullptr, f16_overflow);
       break;
     default: AF_CHECK(false, "gemv_w8a16: unknown epilogue");
   }
 }
 
 void gemv_w8a16(const uint8_t* w, const float* scales, const void* x, Act x_type, int N, int K, Epilogue ep,
-                void* out, cudaStream_t stream, unsigned* tickets) {
+                void* out, cudaStream_t stream, unsigned* tickets, int* f16_overflow) {
   if (x_type == Act::F16)
-    dispatch_gemv<In::F16>(w, scales, x, nullptr, 0.f, N, K, ep, out, stream, tickets);
+    dispatch_gemv<In::F16>(w, scales, x, nullptr, 0.f, N, K, ep, out, stream, tickets, f16_overflow);
   else
-    dispatch_gemv<In::BF16>(w, scales, x, nullptr, 0.f, N, K, ep, out, stream, tickets);
+    dispatch_gemv<In::BF16>(w, scales, x, nullptr, 0.f, N, K, ep, out, stream, tickets, f16_overflow);
 }
 
 void gemv_w8a16_rmsnorm(const uint8_t* w, const float* scales, const float* x, const bf16* norm_w, float eps, int N,
-                        int K, Epilogue ep, void* out, cudaStream_t stream, unsigned* tickets) {
+                        int K, Epilogue ep, void* out, cudaStream_t stream, unsigned* tickets, int* f16_overflow) {
   AF_CHECK(norm_w != nullptr, "gemv_w8a16_rmsnorm: needs the norm weight");
-  dispatch_gemv<In::NORM>(w, scales, x, norm_w, eps, N, K, ep, out, stream, tickets);
+  dispatch_gemv<In::NORM>(w, scales, x, norm_w, eps, N, K, ep, out, stream, tickets, f16_overflow);
 }
 
 void gemv_w8a16_rmsnorm_rope(const uint8_t* w, const float* scales, const float* x, const bf16* norm_w, float eps,

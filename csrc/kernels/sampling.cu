@@ -171,7 +171,7 @@ static __device__ uint64_t philox4x64_word0(uint64_t seed, uint64_t ctr) {
 // thread 0 writes the token ring and advances the position p = pos[0], beside it.
 static __device__ void end_step(const StepEnd& end, int32_t token, int32_t p, int part, int parts) {
   if (threadIdx.x < 32) {
-    if (part == 0 && threadIdx.x == 0) publish_step(end.ring, end.ring_size, end.pos, p, token);
+    if (part == 0 && threadIdx.x == 0) publish_step(end.ring, end.ring_size, end.pos, p, token, end.f16_overflow);
     return;
   }
   const int per = CEIL_DIV(end.d, parts);

@@ -6,6 +6,12 @@
 // steps without waiting (each step samples on the device, and the sampled token is the next
 // step's input); wait(n) returns the sampled tokens of the oldest n steps, read from a small
 // ring in mapped pinned memory. Not copyable; every public method takes an internal lock.
+//
+// fp16 activations: a decode step writes attention's and SwiGLU's outputs in fp16 (kernels.h), and
+// its end copies the overflow flag into the ring beside the token. A step whose flag is set never
+// gives its token or logits: the engine switches to bf16 activations for good (recapturing the
+// graphs), rolls the position back to that step and runs it, and every step enqueued after it,
+// again. ATOMFLOW_BF16_ACTS=1 at load decodes in bf16 from the start.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -95,6 +101,9 @@ class Engine {
   // for kShortKeys keys (the short graph, or its launches when eager), and with the grid planned
   // for max_context.
   long long short_grid_steps() const { return short_grid_steps_; }
+  // Whether decode steps write fp16 activations (false from load with ATOMFLOW_BF16_ACTS=1, or once
+  // a step overflowed fp16).
+  bool f16_activations() const { return f16_acts_; }
   long long long_grid_steps() const { return long_grid_steps_; }
   int device_allocations() const { return allocations_; }
   double load_seconds() const { return load_seconds_; }
@@ -129,8 +138,8 @@ class Engine {
     f16* xn;           // RMSNorm output (fp16: kernels.h)
     float* qkv;
     bf16* q;
-    bf16* attn_out;
-    bf16* ffn;
+    void* attn_out;    // 16-bit: bf16 in prefill, in decode fp16 while f16_acts_ (kernels.h)
+    void* ffn;         // typed as attn_out
     float* logits;
     int32_t* ids;
     void* attn_scratch;
@@ -141,13 +150,14 @@ class Engine {
     int32_t* pos;         // [2]: pos[0] tokens in the cache, pos[1] = pos[0] + 1 (step_kernels.h)
     int32_t* sample_pos;  // &pos[1]: the RNG counter of the token sampled after pos[0]
     int32_t* token;       // the step's input token; its embedding is in x[0] when a step starts
+    int32_t* f16_overflow;  // set by a step's fp16 activations past fp16's range, cleared by its end
     kernels::SamplingConfig* sampling;
   };
 
   // forward.cu: the launches, enqueued on stream_ (graph-capturable: no sync, no allocation).
   void enqueue_layers(int rows, int attn_keys);
   void normed_linear(const bf16* norm, const char* probe_name, int layer, const uint8_t* w, const float* scales,
-                     int rows, int N, kernels::Epilogue ep, void* out);
+                     int rows, int N, kernels::Epilogue ep, void* out, int* f16_overflow = nullptr);
   void enqueue_head(int row);
   void enqueue_decode_step(int attn_keys);  // the keys its attention grid is planned for
   void enqueue_prefill_chunk(int offset, int rows);
@@ -168,6 +178,11 @@ class Engine {
   void capture_graph();
   cudaGraphExec_t capture_step(int attn_keys);
   void launch_step();  // one decode step: the graph, or its launches when eager
+  void enqueue_steps(int n);  // enqueue() without the lock
+  bool step_overflowed(int position) const;  // the ring's flag of the step at `position` (it has run)
+  // A step at `position` overflowed fp16: bf16 activations from now on, the position rolled back to
+  // it and `input` set as its token. The caller runs the step (and any after it) again.
+  void rerun_in_bf16(int position, int32_t input);
   void require_idle(const char* what) const;
   void check_token(int32_t token) const;
   void set_token(int32_t token);  // the next step's input: *token and its embedding in x[0]
@@ -197,8 +212,17 @@ class Engine {
   // embedding), so a step is the layers, the head and one more launch. Off (separate embedding,
   // sampler and finish launches) with ATOMFLOW_NO_FUSED_TAIL=1 at load.
   bool fused_tail_ = true;
+  bool f16_acts_ = true;  // decode steps write fp16 activations (engine comment at the top)
+  // The input token of each step in flight (ring order), for a rerun in bf16; kUnknown: the output of
+  // the step before it, filled in when wait() reads that one. next_input_: begin()'s token, for the
+  // next step enqueued; last_output_: the last token wait() returned.
+  static constexpr int32_t kUnknown = -1;
+  int32_t step_input_[kRingSize] = {};
+  int32_t next_input_ = kUnknown, last_output_ = kUnknown;
   cudaEvent_t step_done_[kRingSize] = {};
-  int32_t* ring_host_ = nullptr;  // mapped pinned: the step's end writes (publish_step), wait() reads
+  // mapped pinned [2 kRingSize]: the step's end writes its token and its overflow flag (publish_step),
+  // wait() reads them
+  int32_t* ring_host_ = nullptr;
   int32_t* ring_dev_ = nullptr;   // the same memory as the device sees it
   float* logits_host_ = nullptr;  // pinned [vocab], for the D2H of the logits
 
@@ -210,6 +234,15 @@ class Engine {
   double load_seconds_ = 0;
   const ProbeSink* probe_ = nullptr;   // set only inside prefill_probed / decode_probed
   std::vector<float> probe_x_;         // snapshot of x for the X_DELTA probes
+  // A probed decode step's points, given to the sink once it has succeeded: a step rerun in bf16
+  // (rerun_in_bf16) drops those of its first run. nullptr: straight to the sink (prefill).
+  struct ProbeRecord {
+    std::string name;
+    int layer;
+    std::vector<float> rows;
+    int dim;
+  };
+  std::vector<ProbeRecord>* probe_records_ = nullptr;
   std::vector<std::string> layer_names_;  // "layer 0", ...: NVTX range names, made at load
 
   struct ProfileMark {

@@ -5,8 +5,12 @@
 //  - Activations entering a matrix product are 16-bit: the RMSNorm output in fp16 (its values are
 //    normalized, so fp16's 3 extra mantissa bits are free precision: 8x less rounding error than
 //    bf16 where the engine's error budget is largest), attention and SwiGLU outputs in bf16 (their
-//    range is not bounded). The residual stream is fp32 (at M = 1
-//    it is a few KB, so full precision costs nothing in bandwidth); accumulation is fp32.
+//    range is not bounded), except in the decode step (M = 1), which writes them in fp16 and raises
+//    a flag (f16_overflow) when a value lies past fp16's range: the o and down GEMVs then copy x as
+//    it is instead of rescaling bf16 into fp16 behind a block-wide maximum (3B -3%, docs/PERF.md
+//    2026-11-24), and the engine reruns a flagged step with bf16 activations (engine.h). The
+//    residual stream is fp32 (at M = 1 it is a few KB, so full precision costs nothing in
+//    bandwidth); accumulation is fp32.
 //  - Linear weights are FP8 E4M3 (OCP e4m3fn) stored row-major [N, K] (one output row is K
 //    contiguous bytes), with fp32 scales [N, K / 128]: w[n, k] = fp8[n, k] * scale[n, k / 128].
 //  - The current position (tokens already in the KV cache) lives in DEVICE memory (`pos`), so
@@ -37,6 +41,9 @@ void rmsnorm(const float* x, const bf16* w, int M, int d, float eps, f16* out, c
 
 // The 16-bit type of a matrix product's activation input.
 enum class Act : int { BF16 = 0, F16 = 1 };
+// fp16's largest finite value. A kernel that writes an fp16 activation where bf16 is the default
+// (f16_overflow below) sets *f16_overflow = 1 when a value's magnitude passes it; it never clears it.
+constexpr float kF16Max = 65504.f;
 
 // ---------------------------------------------------------------------------------------
 // gemv_w8a16.cu / gemm_w8a16.cu: y[m, n] = sum_k x[m, k] * w[n, k], with an epilogue:
@@ -44,7 +51,7 @@ enum class Epilogue : int {
   Store = 0,        // out fp32 [M, N]:  out = y
   AddResidual = 1,  // out fp32 [M, N]:  out += y      (O and down projections)
   SwiGLU = 2,       // N = 2F, out bf16 [M, F]: out = silu(y[:, :F]) * y[:, F:]   (fused gate/up)
-};
+};                  //   (the GEMVs: fp16 given f16_overflow, kF16Max)
 
 // M = 1 decode. K % 128 == 0. Weights read exactly once with 16-byte register loads; each warp
 // loads its first iteration of weights into registers before the kernel waits for its predecessor
@@ -53,15 +60,18 @@ enum class Epilogue : int {
 // tickets (SwiGLU only, may be null): kGemvTicketBytes of zeroed device memory, used by one stream.
 // With it, a launch with more row pairs than the grid has warps hands out the pairs past the first
 // round by atomic counters instead of a fixed stride (same bits), and leaves the counters at zero.
+// f16_overflow (SwiGLU only, may be null): the output is fp16 instead of bf16, and
+// *f16_overflow = 1 when a value's magnitude passes kF16Max (its store is then inf).
 constexpr size_t kGemvTicketBytes = 64 * 128;
 void gemv_w8a16(const uint8_t* w, const float* scales, const void* x, Act x_type, int N, int K,
-                Epilogue ep, void* out, cudaStream_t stream, unsigned* tickets = nullptr);
+                Epilogue ep, void* out, cudaStream_t stream, unsigned* tickets = nullptr,
+                int* f16_overflow = nullptr);
 // The same with RMSNorm fused into the prologue: the GEMV's input is
 // f16(x * rsqrt(mean(x^2) + eps) * norm_w), x the fp32 residual stream [K] (bit-identical to
 // rmsnorm() followed by gemv_w8a16(..., Act::F16, ...), one launch and one round trip fewer).
 void gemv_w8a16_rmsnorm(const uint8_t* w, const float* scales, const float* x, const bf16* norm_w,
                         float eps, int N, int K, Epilogue ep, void* out, cudaStream_t stream,
-                        unsigned* tickets = nullptr);
+                        unsigned* tickets = nullptr, int* f16_overflow = nullptr);
 // The decode QKV product with RMSNorm in the prologue and RoPE + KV append in the epilogue: w is
 // the fused [(H + 2 Hkv) * D, K] qkv matrix; the output is what gemv_w8a16_rmsnorm(Store) followed
 // by rope_kv_append(M = 1) writes (q_out, the cache rows at *pos), bit-identical, in one launch.
@@ -125,9 +135,11 @@ int attention_cluster_size(int M, int H, int Hkv, int D, int max_context);
 void attention_scratch_clear(void* scratch, size_t scratch_bytes, cudaStream_t stream);
 // early: the previous kernel lets this one launch only after its own PDL wait (the decode QKV GEMV
 // does), so *pos and the cache rows below it may be read before this kernel's wait (see the kernel).
+// f16_overflow (may be null): out is fp16 instead of bf16, and *f16_overflow = 1 when a value's
+// magnitude passes kF16Max.
 void attention(const bf16* q, const bf16* k_cache, const bf16* v_cache, const int32_t* pos, int M,
-               int H, int Hkv, int D, int max_context, float scale, void* scratch, bf16* out,
-               cudaStream_t stream, bool early = false);
+               int H, int Hkv, int D, int max_context, float scale, void* scratch, void* out,
+               cudaStream_t stream, bool early = false, int* f16_overflow = nullptr);
 
 // ---------------------------------------------------------------------------------------
 // Paged and batched decode attention (the sandbox, docs/SANDBOX.md): the same kernel as
@@ -175,12 +187,14 @@ size_t sampling_scratch_bytes(int vocab);
 void sample(const float* logits, int vocab, const SamplingConfig* cfg, const int32_t* pos,
             void* scratch, int32_t* token_out, cudaStream_t stream);
 // The end of a decode step, done by the sampler once the token is drawn: ring[pos[0] % ring_size] =
-// token (a store to mapped host memory, fenced), pos[0..1] advanced by one, and the next step's
-// input row x[0..d) = float(embed[token]).
+// token and ring[ring_size + pos[0] % ring_size] = *f16_overflow (stores to mapped host memory,
+// fenced; the flag then cleared), pos[0..1] advanced by one, and the next step's input row
+// x[0..d) = float(embed[token]).
 struct StepEnd {
   int32_t* pos;  // [2]: pos[0] tokens in the cache, pos[1] = pos[0] + 1 (the RNG counter)
-  int32_t* ring;
+  int32_t* ring;  // [2 ring_size]
   int ring_size;
+  int32_t* f16_overflow;  // the step's flag (kF16Max)
   const bf16* embed;  // [vocab, d]
   int d;
   float* x;
