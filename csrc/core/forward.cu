@@ -40,9 +40,9 @@ void Engine::enqueue_layers(int rows, int attn_keys) {
   const bool fused_qkv = rows == 1 && !probe_;
   // A decode step's attention and SwiGLU outputs are fp16 (kernels.h), flagged when they overflow;
   // the o and down GEMVs then take x as it is.
-  const bool f16 = rows == 1 && f16_acts_;
-  const kernels::Act act = f16 ? kernels::Act::F16 : kernels::Act::BF16;
-  int* const overflow = f16 ? buf_.f16_overflow : nullptr;
+  const bool half = rows == 1 && f16_acts_;
+  const kernels::Act act = half ? kernels::Act::F16 : kernels::Act::BF16;
+  int* const overflow = half ? buf_.f16_overflow : nullptr;
   for (size_t i = 0; i < buf_.layers.size(); ++i) {
     const LayerPtrs& L = buf_.layers[i];
     const int li = static_cast<int>(i);

@@ -851,12 +851,12 @@ size_t attention_paged_scratch_bytes(int B, int M, int H, int D, int max_blocks,
 
 void attention_paged(const bf16* q, const bf16* k_pool, const bf16* v_pool, const int32_t* block_tables,
                      const int32_t* lens, int B, int M, int H, int Hkv, int D, int block_size, int num_blocks,
-                     int max_blocks, float scale, void* scratch, bf16* out, cudaStream_t stream) {
+                     int max_blocks, float scale, void* scratch, void* out, cudaStream_t stream, int* f16_overflow) {
   AF_CHECK(num_blocks >= 1 && max_blocks >= 1, "attention_paged: num_blocks and max_blocks must be >= 1");
   AF_CHECK(static_cast<long long>(max_blocks) * block_size < (1LL << 31), "attention_paged: max_blocks * block_size overflows");
   const int shift = block_shift(block_size);
   const PagedKV kv{k_pool, v_pool, SeqStart{lens, -M}, max_blocks << shift, block_tables, max_blocks, shift, num_blocks};
-  dispatch(q, kv, B, M, H, Hkv, D, scale, scratch, out, stream);
+  dispatch(q, kv, B, M, H, Hkv, D, scale, scratch, out, stream, false, f16_overflow);
 }
 
 }  // namespace atomflow::kernels

@@ -74,6 +74,9 @@ PagedModel::PagedModel(const ModelDims& dims, const PoolConfig& pool) : dims_(di
   scratch_ = DeviceBuffer(scratch);
   tickets_ = DeviceBuffer(k::kGemvTicketBytes);
   tickets_.fill(0);
+  f16_overflow_ = DeviceBuffer(sizeof(int32_t));
+  f16_overflow_.fill(0);
+  f16_acts_ = !env_flag("ATOMFLOW_BF16_ACTS");
   input_ints_ = 3 * R + L + pool.max_seqs + 1 + static_cast<size_t>(pool.max_seqs + 1) * pool.max_blocks_per_seq;
   inputs_ = DeviceBuffer(sizeof(int32_t) * input_ints_);
   AF_CUDA_CHECK(cudaMallocHost(&host_inputs_, sizeof(int32_t) * input_ints_));
@@ -215,10 +218,11 @@ void PagedModel::linear(const Linear& w, const void* x, bool x_f16, int rows, in
 }
 
 // As the core: one row takes the fused RMSNorm + GEMV (bit-identical to the two kernels).
-void PagedModel::normed_linear(const bf16* norm, const Linear& w, int rows, int N, int epilogue, void* out) {
+void PagedModel::normed_linear(const bf16* norm, const Linear& w, int rows, int N, int epilogue, void* out,
+                               int* f16_overflow) {
   if (rows == 1) {
     k::gemv_w8a16_rmsnorm(w.w, w.scales, x_.get<float>(), norm, dims_.eps, N, dims_.d,
-                          static_cast<k::Epilogue>(epilogue), out, stream_, tickets_.get<unsigned>());
+                          static_cast<k::Epilogue>(epilogue), out, stream_, tickets_.get<unsigned>(), f16_overflow);
     return;
   }
   k::rmsnorm(x_.get<float>(), norm, rows, dims_.d, dims_.eps, xn_.get<f16>(), stream_);
@@ -252,40 +256,53 @@ void PagedModel::step(const StepInput& in, int32_t* next_tokens, float* logits) 
   const size_t o_ptab = put(in.prefill_table, n_prefill > 0 ? in.prefill_stride : 0);
   AF_CHECK(off <= input_ints_, "step: inputs exceed the staging buffer");
   const int32_t* d = inputs_.get<int32_t>();
-  AF_CUDA_CHECK(cudaEventRecord(ev_start_, stream_));
-  AF_CUDA_CHECK(cudaMemcpyAsync(inputs_.get(), h, off * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
-
   const float scale = 1.0f / std::sqrt(static_cast<float>(m.D));
   const long long num_slots = static_cast<long long>(p.num_blocks) * p.block_size;
   const size_t qrow = static_cast<size_t>(m.q_dim());
-  k::embedding(embed_, d + o_tok, R, m.d, m.vocab, x_.get<float>(), stream_);
-  for (int l = 0; l < m.layers; ++l) {
-    const Layer& lw = layers_[static_cast<size_t>(l)];
-    normed_linear(lw.attn_norm, lw.wqkv, R, m.qkv_dim(), 0, qkv_.get());
-    k::rope_kv_append_slots(qkv_.get<float>(), inv_freq_.get<float>(), d + o_pos, d + o_slot, R, m.H, m.Hkv, m.D,
-                            num_slots, q_.get<bf16>(), k_pool(l), v_pool(l), stream_);
-    if (in.n_decode > 0)
-      k::attention_paged(q_.get<bf16>(), k_pool(l), v_pool(l), d + o_dtab, d + o_dlen, in.n_decode, 1, m.H, m.Hkv, m.D,
-                         p.block_size, p.num_blocks, in.decode_stride, scale, scratch_.get(), attn_.get<bf16>(), stream_);
-    if (n_prefill > 0)
-      k::attention_paged(q_.get<bf16>() + in.n_decode * qrow, k_pool(l), v_pool(l), d + o_ptab, d + o_plen, 1,
-                         n_prefill, m.H, m.Hkv, m.D, p.block_size, p.num_blocks, in.prefill_stride, scale,
-                         scratch_.get(), attn_.get<bf16>() + in.n_decode * qrow, stream_);
-    linear(lw.wo, attn_.get(), false, R, m.d, m.q_dim(), 1, x_.get());
-    normed_linear(lw.mlp_norm, lw.w13, R, 2 * m.f, 2, ffn_.get());
-    linear(lw.w2, ffn_.get(), false, R, m.d, m.f, 1, x_.get());
+  for (;;) {
+    // One row hands attention's and SwiGLU's outputs on in fp16, as the core's decode step; a run
+    // whose flag comes back set runs again in bf16 (it rewrites the same K/V slots with the same
+    // values) and the model stays in bf16.
+    const bool half = R == 1 && f16_acts_;
+    int* const overflow = half ? f16_overflow_.get<int>() : nullptr;
+    AF_CUDA_CHECK(cudaEventRecord(ev_start_, stream_));
+    AF_CUDA_CHECK(cudaMemcpyAsync(inputs_.get(), h, off * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
+    k::embedding(embed_, d + o_tok, R, m.d, m.vocab, x_.get<float>(), stream_);
+    for (int l = 0; l < m.layers; ++l) {
+      const Layer& lw = layers_[static_cast<size_t>(l)];
+      normed_linear(lw.attn_norm, lw.wqkv, R, m.qkv_dim(), 0, qkv_.get());
+      k::rope_kv_append_slots(qkv_.get<float>(), inv_freq_.get<float>(), d + o_pos, d + o_slot, R, m.H, m.Hkv, m.D,
+                              num_slots, q_.get<bf16>(), k_pool(l), v_pool(l), stream_);
+      if (in.n_decode > 0)
+        k::attention_paged(q_.get<bf16>(), k_pool(l), v_pool(l), d + o_dtab, d + o_dlen, in.n_decode, 1, m.H, m.Hkv,
+                           m.D, p.block_size, p.num_blocks, in.decode_stride, scale, scratch_.get(), attn_.get(),
+                           stream_, overflow);
+      if (n_prefill > 0)
+        k::attention_paged(q_.get<bf16>() + in.n_decode * qrow, k_pool(l), v_pool(l), d + o_ptab, d + o_plen, 1,
+                           n_prefill, m.H, m.Hkv, m.D, p.block_size, p.num_blocks, in.prefill_stride, scale,
+                           scratch_.get(), attn_.get<bf16>() + in.n_decode * qrow, stream_, overflow);
+      linear(lw.wo, attn_.get(), half, R, m.d, m.q_dim(), 1, x_.get());
+      normed_linear(lw.mlp_norm, lw.w13, R, 2 * m.f, 2, ffn_.get(), overflow);
+      linear(lw.w2, ffn_.get(), half, R, m.d, m.f, 1, x_.get());
+    }
+    if (L == 1) {  // the core's head: fused final norm + lm_head GEMV on the one row
+      k::gemv_w8a16_rmsnorm(lm_head_.w, lm_head_.scales, x_.get<float>() + static_cast<size_t>(in.logit_rows[0]) * m.d,
+                            final_norm_, m.eps, m.vocab, m.d, k::Epilogue::Store, logits_.get(), stream_);
+    } else if (L > 1) {
+      gather_rows(x_.get<float>(), d + o_logit, L, m.d, xg_.get<float>(), stream_);
+      k::rmsnorm(xg_.get<float>(), final_norm_, L, m.d, m.eps, xn_.get<f16>(), stream_);
+      k::gemm_w8a16(lm_head_.w, lm_head_.scales, xn_.get(), k::Act::F16, L, m.vocab, m.d,
+                    k::Epilogue::Store, logits_.get(), stream_);
+    }
+    if (L > 0) argmax_rows(logits_.get<float>(), L, m.vocab, next_.get<int32_t>(), stream_);
+    AF_CUDA_CHECK(cudaEventRecord(ev_stop_, stream_));
+    AF_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    int32_t overflowed = 0;
+    if (half) AF_CUDA_CHECK(cudaMemcpy(&overflowed, overflow, sizeof(int32_t), cudaMemcpyDeviceToHost));
+    if (!overflowed) break;
+    f16_acts_ = false;
+    f16_overflow_.fill(0);
   }
-  if (L == 1) {  // the core's head: fused final norm + lm_head GEMV on the one row
-    k::gemv_w8a16_rmsnorm(lm_head_.w, lm_head_.scales, x_.get<float>() + static_cast<size_t>(in.logit_rows[0]) * m.d,
-                          final_norm_, m.eps, m.vocab, m.d, k::Epilogue::Store, logits_.get(), stream_);
-  } else if (L > 1) {
-    gather_rows(x_.get<float>(), d + o_logit, L, m.d, xg_.get<float>(), stream_);
-    k::rmsnorm(xg_.get<float>(), final_norm_, L, m.d, m.eps, xn_.get<f16>(), stream_);
-    k::gemm_w8a16(lm_head_.w, lm_head_.scales, xn_.get(), k::Act::F16, L, m.vocab, m.d,
-                  k::Epilogue::Store, logits_.get(), stream_);
-  }
-  if (L > 0) argmax_rows(logits_.get<float>(), L, m.vocab, next_.get<int32_t>(), stream_);
-  AF_CUDA_CHECK(cudaEventRecord(ev_stop_, stream_));
   if (L > 0) {
     AF_CUDA_CHECK(cudaMemcpyAsync(next_tokens, next_.get(), sizeof(int32_t) * L, cudaMemcpyDeviceToHost, stream_));
     if (logits)

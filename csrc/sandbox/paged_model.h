@@ -104,7 +104,8 @@ class PagedModel {
   bf16* v_pool(int layer) const;
   void check_step(const StepInput& in) const;
   void linear(const Linear& w, const void* x, bool x_f16, int rows, int N, int K, int epilogue, void* out);
-  void normed_linear(const bf16* norm, const Linear& w, int rows, int N, int epilogue, void* out);
+  void normed_linear(const bf16* norm, const Linear& w, int rows, int N, int epilogue, void* out,
+                     int* f16_overflow = nullptr);
 
   ModelDims dims_;
   PoolConfig pool_cfg_;
@@ -116,6 +117,11 @@ class PagedModel {
   DeviceBuffer inv_freq_, pool_;
   DeviceBuffer x_, xn_, qkv_, q_, attn_, ffn_, xg_, logits_, next_, scratch_, inputs_;
   DeviceBuffer tickets_;  // the gate/up GEMV's counters (kernels.h), zeroed once
+  // As the core's decode step: a step of one row hands attention's and SwiGLU's outputs on in fp16
+  // (kernels.h) and, if they overflow, runs again in bf16, which it keeps (ATOMFLOW_BF16_ACTS=1:
+  // bf16 from the start).
+  DeviceBuffer f16_overflow_;
+  bool f16_acts_ = true;
   int32_t* host_inputs_ = nullptr;  // pinned mirror of inputs_
   size_t input_ints_ = 0;
   bool have_inv_freq_ = false;

@@ -145,7 +145,8 @@ void attention(const bf16* q, const bf16* k_cache, const bf16* v_cache, const in
 // Paged and batched decode attention (the sandbox, docs/SANDBOX.md): the same kernel as
 // attention() with another KV addressing policy (STYLE.md habit 11), the same scratch contract
 // (attention_scratch_clear once after allocating). B sequences, M
-// query tokens each (decode: M = 1): q bf16 [B * M, H, D] (row b * M + m), out bf16 [B * M, H, D].
+// query tokens each (decode: M = 1): q bf16 [B * M, H, D] (row b * M + m), out bf16 [B * M, H, D]
+// (attention_paged given f16_overflow: fp16, as attention()'s).
 // lens int32 [B] (device): the keys sequence b holds INCLUDING this call's M tokens, so its query m
 // sits at position lens[b] - M + m and sees keys [0, lens[b] - M + m]. Requires M <= lens[b].
 //  - attention_paged: caches are pools bf16 [num_blocks, block_size, Hkv, D]; key p of sequence b
@@ -155,7 +156,8 @@ void attention(const bf16* q, const bf16* k_cache, const bf16* v_cache, const in
 size_t attention_paged_scratch_bytes(int B, int M, int H, int D, int max_blocks, int block_size);
 void attention_paged(const bf16* q, const bf16* k_pool, const bf16* v_pool, const int32_t* block_tables,
                      const int32_t* lens, int B, int M, int H, int Hkv, int D, int block_size, int num_blocks,
-                     int max_blocks, float scale, void* scratch, bf16* out, cudaStream_t stream);
+                     int max_blocks, float scale, void* scratch, void* out, cudaStream_t stream,
+                     int* f16_overflow = nullptr);
 size_t attention_batched_scratch_bytes(int B, int M, int H, int D, int capacity);
 void attention_batched(const bf16* q, const bf16* k_cache, const bf16* v_cache, const int32_t* lens, int B, int M,
                        int H, int Hkv, int D, int capacity, float scale, void* scratch, bf16* out, cudaStream_t stream);
