@@ -129,7 +129,8 @@ constexpr int kGemvWarps = kGemvThreads / 32;
 constexpr int kGemvUnroll = 8;  // 16-byte chunks per row per lane per iteration
 // Warps 0 .. kGemvPreWarps - 1 of a block send their first iteration's loads before the PDL wait,
 // the others once x is staged (kernel comment: the early loads queue ahead of the wait's release);
-// in the QKV product warps 0 .. kQkvPreWarps - 1 when it stages second pairs, every warp otherwise.
+// in the QKV product warps 0 .. kQkvPreWarps - 1 when it stages second pairs, every warp otherwise,
+// and every warp in the o product on fp16 x (GemvPlan::pre_warps).
 constexpr int kGemvPreWarps = kGemvWarps / 2;
 constexpr int kQkvPreWarps = 6;
 constexpr int kQuantGroup = 128;
@@ -206,6 +207,7 @@ struct Product {
   unsigned* tickets; // SwiGLU of several rounds: counters that hand out the row pairs past the first round (Tickets)
   uint64_t* best;    // Store: each block's argmax key of the rows it wrote (gemv_w8a16_rmsnorm_argmax), or null
   int* f16_overflow; // SwiGLU: fp16 output, flagged past kF16Max (kernels.h); null: bf16
+  int pre_warps;     // warps per block that load their first iteration before the PDL wait (GemvPlan)
 };
 
 // Which rows row pair p covers. SwiGLU pairs gate row p with up row F + p; RopeKV pairs (i, i + D/2)
@@ -740,8 +742,7 @@ static __global__ void __launch_bounds__(kGemvThreads, 2)
   // the first iteration of the first row pair goes out to DRAM before the wait for the previous
   // kernel (PDL), so that round trip overlaps the previous kernel's tail and the staging of x (top
   // of the file: why half, and why more in QKV).
-  const int pre_warps = EP != Ep::RopeKV ? kGemvPreWarps : (P.staged_warps > 0 ? kQkvPreWarps : kGemvWarps);
-  const bool pre = threadIdx.x / 32 < pre_warps;
+  const bool pre = threadIdx.x / 32 < P.pre_warps;
   Iter first;
   if (pre && p0 < n_pairs) {
     int r0, r1;
@@ -912,14 +913,14 @@ static int resident_blocks(size_t smem) {
 // into shared memory early (kernel comment; 0: none), its dynamic shared memory, and whether it
 // hands out row pairs by ticket when the caller gives it counters (Tickets).
 struct GemvPlan {
-  int blocks, staged_warps;
+  int blocks, staged_warps, pre_warps;
   size_t smem;
   bool ticketed;
 };
 
 template <Ep EP, In IN, bool WHOLE>
 static GemvPlan plan_gemv(int N, int K) {
-  GemvPlan plan{0, 0, staging_bytes<IN>(K), false};
+  GemvPlan plan{0, 0, kGemvPreWarps, staging_bytes<IN>(K), false};
   // Every warp has a row pair when there are fewer pairs than resident warps (kernel comment). A
   // product with more takes every slot, the QKV product too: leaving 24 of them to the attention after
   // it measured faster once (docs/PERF.md), but no longer once attention ran in thread-block clusters,
@@ -948,6 +949,17 @@ static GemvPlan plan_gemv(int N, int K) {
   // ATOMFLOW_NO_TICKETS=1.
   static const bool no_tickets = env_flag("ATOMFLOW_NO_TICKETS");
   plan.ticketed = EP == Ep::SwiGLU && !no_tickets && n_pairs > stride && stride >= kTicketClasses;
+  // Early-loading warps (kernel comment): in QKV 6 with staged pairs, else all 8. In the o product
+  // (AddResidual on fp16 x, rows of one iteration, one pair per warp) all 8 too since its x comes
+  // as fp16: its staging is one copy and a barrier, and the late warps' round trip after it ended
+  // the product (3B -1.1%; down, of two iterations, was slower with 8 or 6: docs/PERF.md
+  // 2026-11-24). Kill switch: ATOMFLOW_NO_EARLY_O=1.
+  static const bool no_early_o = env_flag("ATOMFLOW_NO_EARLY_O");
+  if (EP == Ep::RopeKV)
+    plan.pre_warps = plan.staged_warps > 0 ? kQkvPreWarps : kGemvWarps;
+  else if (EP == Ep::AddResidual && IN == In::F16 && WHOLE && K <= 32 * kGemvUnroll * 16 && n_pairs <= stride &&
+           !no_early_o)
+    plan.pre_warps = kGemvWarps;
   return plan;
 }
 
@@ -955,6 +967,7 @@ template <Ep EP, In IN, bool WHOLE>
 static void launch_gemv_as(Product P, float eps, const RopeKVArgs& rope, cudaStream_t stream) {
   const GemvPlan plan = plan_gemv<EP, IN, WHOLE>(P.N, P.K);
   P.staged_warps = plan.staged_warps;
+  P.pre_warps = plan.pre_warps;
   if (!plan.ticketed) P.tickets = nullptr;
   af_launch(gemv_w8a16_kernel<EP, IN, WHOLE>, dim3(plan.blocks), dim3(kGemvThreads), plan.smem, stream, P, eps, rope);
 }
@@ -973,7 +986,7 @@ template <Ep EP, In IN>
 static void launch_gemv(const uint8_t* w, const float* scales, const void* x, const bf16* norm_w, float eps, int N,
                         int K, void* out, const RopeKVArgs& rope, cudaStream_t stream, unsigned* tickets = nullptr,
                         uint64_t* best = nullptr, int* f16_overflow = nullptr) {
-  const Product P{w, scales, x, norm_w, N, K, out, 0, tickets, best, f16_overflow};
+  const Product P{w, scales, x, norm_w, N, K, out, 0, tickets, best, f16_overflow, 0};
   if (whole_steps(K))
     launch_gemv_as<EP, IN, true>(P, eps, rope, stream);
   else
