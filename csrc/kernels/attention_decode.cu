@@ -47,6 +47,7 @@
 #include <algorithm>
 #include <type_traits>
 
+#include "atomflow/act16.cuh"
 #include "atomflow/kernels.h"
 #include "atomflow/pdl.cuh"
 #include "atomflow/trace.cuh"
@@ -175,25 +176,13 @@ static __device__ __forceinline__ void bf16x8_to_float(uint4 v, float (&f)[8]) {
   }
 }
 
-// Four outputs at float4 column c of output row o_row, already divided by l: bf16, or fp16 when the
-// caller gives f16_overflow (the decode step: the o GEMV then copies x as it is, kernels.h), which is
-// set to 1 if a value lies past fp16's range (its store is then inf and the engine reruns the step
-// in bf16). One flag store at most, and only then.
+// Four outputs at float4 column c of output row o_row, already divided by l: bf16, or fp16 given
+// f16_overflow (the decode step, act16.cuh).
 template <int D>
 static __device__ __forceinline__ void store_out4(void* __restrict__ out, size_t o_row, int c, float a, float b,
                                                   float cc, float d, int* f16_overflow) {
-  uint2 packed;
-  if (f16_overflow != nullptr) {
-    const __half2 lo = __floats2half2_rn(a, b), hi = __floats2half2_rn(cc, d);
-    packed.x = *reinterpret_cast<const uint32_t*>(&lo);
-    packed.y = *reinterpret_cast<const uint32_t*>(&hi);
-    if (fmaxf(fmaxf(fabsf(a), fabsf(b)), fmaxf(fabsf(cc), fabsf(d))) > kF16Max) *f16_overflow = 1;
-  } else {
-    const __nv_bfloat162 lo = __floats2bfloat162_rn(a, b), hi = __floats2bfloat162_rn(cc, d);
-    packed.x = *reinterpret_cast<const uint32_t*>(&lo);
-    packed.y = *reinterpret_cast<const uint32_t*>(&hi);
-  }
-  reinterpret_cast<uint2*>(static_cast<char*>(out) + o_row * D * 2)[c] = packed;
+  const uint2 packed{act16x2_bits(a, b, f16_overflow), act16x2_bits(cc, d, f16_overflow)};
+  reinterpret_cast<uint2*>(static_cast<uint16_t*>(out) + o_row * D)[c] = packed;
 }
 
 // The leader's merge of its cluster's n_splits partials (shared memory, [split][row][float4 column]):

@@ -110,6 +110,7 @@
 
 #include <cuda_fp16.h>
 
+#include "atomflow/act16.cuh"
 #include "atomflow/kernels.h"
 #include "atomflow/loads.cuh"
 #include "atomflow/order_key.cuh"
@@ -206,7 +207,7 @@ struct Product {
   int staged_warps;  // warps per block whose second row pair is copied into shared memory early (0: none)
   unsigned* tickets; // SwiGLU of several rounds: counters that hand out the row pairs past the first round (Tickets)
   uint64_t* best;    // Store: each block's argmax key of the rows it wrote (gemv_w8a16_rmsnorm_argmax), or null
-  int* f16_overflow; // SwiGLU: fp16 output, flagged past kF16Max (kernels.h); null: bf16
+  int* f16_overflow; // SwiGLU: fp16 output, flagged past kF16Max (act16.cuh); null: bf16
   int pre_warps;     // warps per block that load their first iteration before the PDL wait (GemvPlan)
 };
 
@@ -611,13 +612,7 @@ static __device__ __forceinline__ void store_pair(const Product& P, const RowPai
   pairs.rows(p, r0, r1);
   if constexpr (EP == Ep::SwiGLU) {
     const float silu = acc0 / (1.f + expf(-acc0));
-    const float y = silu * acc1;
-    if (P.f16_overflow != nullptr) {
-      static_cast<f16*>(P.out)[p] = __float2half_rn(y);
-      if (fabsf(y) > kF16Max) *P.f16_overflow = 1;
-    } else {
-      static_cast<bf16*>(P.out)[p] = __float2bfloat16(y);
-    }
+    static_cast<uint16_t*>(P.out)[p] = act16_bits(silu * acc1, P.f16_overflow);  // act16.cuh
   } else if constexpr (EP == Ep::RopeKV) {
     const int half = pairs.half;
     const int pos = pr.pos;
@@ -738,10 +733,10 @@ static __global__ void __launch_bounds__(kGemvThreads, 2)
   const uint64_t policy = stream_policy();
   const int p0 = blockIdx.x + gridDim.x * (threadIdx.x / 32);  // the warp's first row pair
 
-  // Weights never depend on an earlier kernel: in half the warps (6 or 8 of 8 in the QKV product)
-  // the first iteration of the first row pair goes out to DRAM before the wait for the previous
-  // kernel (PDL), so that round trip overlaps the previous kernel's tail and the staging of x (top
-  // of the file: why half, and why more in QKV).
+  // Weights never depend on an earlier kernel: in P.pre_warps of the 8 warps (half; 6 or 8 in the
+  // QKV product, 8 in the o product on fp16 x: GemvPlan) the first iteration of the first row pair
+  // goes out to DRAM before the wait for the previous kernel (PDL), so that round trip overlaps the
+  // previous kernel's tail and the staging of x (top of the file: why half, and why more there).
   const bool pre = threadIdx.x / 32 < P.pre_warps;
   Iter first;
   if (pre && p0 < n_pairs) {
@@ -934,7 +929,7 @@ static GemvPlan plan_gemv(int N, int K) {
   // 8B: 1.2 and 1.5 pairs per warp): the warps with a second pair copy it into shared memory
   // early, if the grid still fits with that much more shared memory. Warp w of block b has one iff
   // b + w * blocks < n_pairs - stride. Kill switch: ATOMFLOW_NO_STAGED_PAIR=1 (which also puts every
-  // QKV warp back to loading early: the kernel keeps kQkvPreWarps only with staged pairs).
+  // QKV warp back to loading early: the plan keeps kQkvPreWarps only with staged pairs).
   static const bool off = env_flag("ATOMFLOW_NO_STAGED_PAIR");
   const int stride = plan.blocks * kGemvWarps;
   if (EP == Ep::RopeKV && WHOLE && K <= 32 * kGemvUnroll * 16 && n_pairs > stride && n_pairs <= 2 * stride && !off) {

@@ -7,7 +7,7 @@
 //    bf16 where the engine's error budget is largest), attention and SwiGLU outputs in bf16 (their
 //    range is not bounded), except in the decode step (M = 1), which writes them in fp16 and raises
 //    a flag (f16_overflow) when a value lies past fp16's range: the o and down GEMVs then copy x as
-//    it is instead of rescaling bf16 into fp16 behind a block-wide maximum (3B -3%, docs/PERF.md
+//    it is instead of rescaling bf16 into fp16 behind a block-wide maximum (3B -4.9%, docs/PERF.md
 //    2026-11-24), and the engine reruns a flagged step with bf16 activations (engine.h). The
 //    residual stream is fp32 (at M = 1 it is a few KB, so full precision costs nothing in
 //    bandwidth); accumulation is fp32.
