@@ -20,9 +20,16 @@ __device__ __forceinline__ uint16_t act16_bits(float v, int* f16_overflow) {
   return __bfloat16_as_ushort(__float2bfloat16(v));
 }
 
-// Two values packed low first (a, b), as a 32-bit store writes them.
+// Two values packed low first (a, b), as a 32-bit store writes them: the same bits as two
+// act16_bits, converted as a pair.
 __device__ __forceinline__ uint32_t act16x2_bits(float a, float b, int* f16_overflow) {
-  return act16_bits(a, f16_overflow) | static_cast<uint32_t>(act16_bits(b, f16_overflow)) << 16;
+  if (f16_overflow != nullptr) {
+    if (fmaxf(fabsf(a), fabsf(b)) > kF16Max) *f16_overflow = 1;
+    const __half2 h = __floats2half2_rn(a, b);
+    return *reinterpret_cast<const uint32_t*>(&h);
+  }
+  const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+  return *reinterpret_cast<const uint32_t*>(&h);
 }
 
 }  // namespace atomflow::kernels
