@@ -1,16 +1,16 @@
 """atomflow: a single-stream FP8 LLM decode engine. CUDA kernels do the work; this is the front."""
 __version__ = "0.1.0"
 
-from .errors import AtomflowError, BackendUnavailableError, FormatError, UnsupportedModelError  # noqa: E402
-from .spec import ModelSpec  # noqa: E402
+from atomflow.errors import AtomflowError, BackendUnavailableError, FormatError, UnsupportedModelError  # noqa: E402
+from atomflow.model.spec import ModelSpec  # noqa: E402
 
 
 def __getattr__(name):  # Engine and SamplingParams pull in tokenizers/jinja2: import on first use
     if name == "Engine":
-        from .engine import Engine
+        from atomflow.engine import Engine
         return Engine
     if name == "SamplingParams":
-        from .sampling import SamplingParams
+        from atomflow.sampling import SamplingParams
         return SamplingParams
     raise AttributeError(name)
 

@@ -5,8 +5,8 @@ import argparse
 import json
 import sys
 
-from . import __version__
-from .errors import AtomflowError
+from atomflow import __version__
+from atomflow.errors import AtomflowError
 
 
 def _err(msg: str) -> int:
@@ -16,7 +16,7 @@ def _err(msg: str) -> int:
 
 # -- quantize -----------------------------------------------------------------------------
 def cmd_quantize(a) -> int:
-    from .quantize import quantize
+    from atomflow.model.quantize import quantize
     s = quantize(a.model, a.output, lm_head=a.lm_head, progress=not a.quiet)
     print(f"wrote {s['path']} ({s['bytes'] / 2**30:.2f} GiB, lm_head {s['lm_head']}, "
           f"worst relative error {max(s['errors'].values()):.5f})")
@@ -25,7 +25,7 @@ def cmd_quantize(a) -> int:
 
 # -- info ---------------------------------------------------------------------------------
 def cmd_info(a) -> int:
-    from .fileformat import AtomflowFile
+    from atomflow.model.fileformat import AtomflowFile
     with AtomflowFile(a.model, verify=a.verify) as m:
         by_dtype: dict[str, int] = {}
         for t in m.tensors.values():
@@ -63,8 +63,8 @@ def cmd_info(a) -> int:
 
 # -- run ----------------------------------------------------------------------------------
 def cmd_run(a) -> int:
-    from .engine import Engine
-    from .sampling import SamplingParams
+    from atomflow.engine import Engine
+    from atomflow.sampling import SamplingParams
 
     eng = Engine.load(a.model, backend=a.backend, max_context=a.max_context, eager=a.eager or None,
                       verbose=a.verbose)
@@ -100,8 +100,8 @@ def cmd_run(a) -> int:
 
 # -- validate -----------------------------------------------------------------------------
 def cmd_validate(a) -> int:
-    from .engine import Engine
-    from .validate import format_table, rows_json, validate, verdict_line
+    from atomflow.engine import Engine
+    from atomflow.validate import format_table, rows_json, validate, verdict_line
     eng = Engine.load(a.model, backend=a.backend, max_context=a.max_context, verbose=a.verbose)
     rows = validate(eng, a.ground_truth)
     if a.json:
@@ -117,7 +117,7 @@ def cmd_validate(a) -> int:
 
 # -- download -----------------------------------------------------------------------------
 def cmd_download(a) -> int:
-    from .download import download
+    from atomflow.model.download import download
     path = download(a.repo_id, a.dir, revision=a.revision, token=a.token)
     print(f"downloaded {a.repo_id} to {path}")
     return 0
@@ -125,9 +125,9 @@ def cmd_download(a) -> int:
 
 # -- bench --------------------------------------------------------------------------------
 def cmd_bench(a) -> int:
-    from .bench_plan import make_options
-    from .bench_report import render
-    from .llama_bench import run_bench
+    from atomflow.bench.driver import run_bench
+    from atomflow.bench.plan import make_options
+    from atomflow.bench.report import render
     opts = make_options(a.model, n_prompt=a.n_prompt, n_gen=a.n_gen, context=a.context, repetitions=a.repetitions,
                         warmup=not a.no_warmup, output=a.output, baselines=a.baseline, hf_dir=a.hf_dir, seed=a.seed)
     print(render(run_bench(opts), opts.output))
@@ -136,8 +136,8 @@ def cmd_bench(a) -> int:
 
 # -- profile ------------------------------------------------------------------------------
 def cmd_profile(a) -> int:
-    from .bench_plan import one_int
-    from .kernel_profile import format_table, plot, run_profile
+    from atomflow.bench.plan import one_int
+    from atomflow.bench.profile import format_table, plot, run_profile
     steps, context = one_int(a.steps, "--steps", 1), one_int(a.context, "--context", 0)
     if a.plot:
         try:
@@ -245,7 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--json", action="store_true", help="machine-readable output")
     pr.set_defaults(fn=cmd_profile)
 
-    from .sandbox_cli import register as register_sandbox
+    from atomflow.sandbox.cli import register as register_sandbox
     register_sandbox(sub)
     return p
 

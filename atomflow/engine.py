@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Sequence
 
 import numpy as np
 
-from .backend import make_backend
-from .fileformat import AtomflowFile
-from .sampling import SamplingParams, StopChecker
-from .tokenizer import IncrementalDecoder, Tokenizer
+from atomflow.backends import make_backend
+from atomflow.model.fileformat import AtomflowFile
+from atomflow.model.tokenizer import IncrementalDecoder, Tokenizer
+from atomflow.sampling import SamplingParams, StopChecker
 
 DEFAULT_MAX_CONTEXT = 8192
 
@@ -45,7 +45,7 @@ class Engine:
 
     @classmethod
     def load(cls, path: str | os.PathLike, backend: str = "auto", max_context: int | None = None,
-             eager: bool | None = None, verify: bool = False, verbose: bool = False) -> "Engine":
+             eager: bool | None = None, verify: bool = False, verbose: bool = False) -> Engine:
         """backend: auto (cuda when usable, else cpu) | cuda | cpu. max_context: KV cache length
         (default min(8192, the model's max_position_embeddings)). eager: run CUDA without the
         graph (default: the ATOMFLOW_EAGER environment variable)."""

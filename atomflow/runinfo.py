@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import __version__
+from atomflow import __version__
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,7 +34,7 @@ def versions(with_torch: bool = False) -> dict:
     when a baseline used them (importing torch is not free, and the engine never does)."""
     out = dict(atomflow=__version__, python=sys.version.split()[0])
     try:
-        from . import _core  # type: ignore[attr-defined]
+        from atomflow import _core  # type: ignore[attr-defined]
         v = _core.build_info()["cuda_runtime_version"]
         out["cuda_runtime"] = f"{v // 1000}.{v % 1000 // 10}"
     except ImportError:
@@ -49,7 +49,7 @@ def versions(with_torch: bool = False) -> dict:
 def device() -> dict:
     """_core.device_info() with the capability as "9.0"; {} where there is no GPU."""
     try:
-        from . import _core  # type: ignore[attr-defined]
+        from atomflow import _core  # type: ignore[attr-defined]
         info = dict(_core.device_info())
     except (ImportError, RuntimeError):
         return {}

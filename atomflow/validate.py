@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import AtomflowError
+from atomflow.errors import AtomflowError
 
 LAYER_PROBES = ("attn_norm", "attn_out", "resid_mid", "mlp_out", "layer_out")
 # (PASS at cosine >=, WARN at >=); below WARN is FAIL.

@@ -208,7 +208,7 @@ fi
 bench+=(${BENCH_ARGS:-})
 echo "${bench[*]}"
 "${bench[@]}" > "$WORKDIR/bench.json" || die "atomflow bench failed"
-"$PYTHON" -c 'import json, sys; from atomflow.bench_report import render
+"$PYTHON" -c 'import json, sys; from atomflow.bench.report import render
 print(render(json.load(open(sys.argv[1])), "md"))' "$WORKDIR/bench.json" | tee "$WORKDIR/bench.md"
 
 # ---------------------------------------------------------------------------------------------

@@ -52,7 +52,7 @@ def tiny_hf_dir(tmp_path_factory, make_tiny_model) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_model_file(tmp_path_factory, tiny_hf_dir) -> Path:
-    from atomflow.quantize import quantize
+    from atomflow.model.quantize import quantize
     out = tmp_path_factory.mktemp("model") / "tiny.atomflow"
     quantize(tiny_hf_dir, out, progress=False, log=lambda s: None)
     return out

@@ -8,8 +8,8 @@ import sys
 import numpy as np
 import pytest
 
-from atomflow import baselines
-from atomflow.bench_plan import make_options
+from atomflow.bench import baselines
+from atomflow.bench.plan import make_options
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -27,7 +27,7 @@ def ids(n: int, seed: int = 0):
 
 
 def test_torch_llama_matches_transformers(tiny_hf_dir, hf_model):
-    from atomflow.baselines import torch_llama
+    from atomflow.bench.baselines import torch_llama
     model = torch_llama.load(tiny_hf_dir, device="cpu", dtype=torch.float32)
     model.setup_cache(64)
     x = ids(14)
@@ -43,7 +43,7 @@ def test_torch_llama_matches_transformers(tiny_hf_dir, hf_model):
 
 
 def test_int8_weight_only(tiny_hf_dir, hf_model):
-    from atomflow.baselines import torch_llama
+    from atomflow.bench.baselines import torch_llama
     model = torch_llama.load(tiny_hf_dir, device="cpu", dtype=torch.float32, int8=True)
     lin = model.layers[0].wqkv
     assert lin.weight.dtype == torch.int8 and lin.scales.shape == (lin.weight.shape[0],)
@@ -58,7 +58,7 @@ def test_int8_weight_only(tiny_hf_dir, hf_model):
 def test_decoders_agree_with_chunked_prefill(tiny_hf_dir):
     """Greedy tokens of the hf decoder (1024-token chunks cut to 5) and the compiled decoder
     (compiled on the CPU, chunks of 7) after a 12-token prefill, then 6 steps, and from empty."""
-    from atomflow.baselines.torch_runner import CompiledDecoder, HfDecoder
+    from atomflow.bench.baselines.torch_runner import CompiledDecoder, HfDecoder
     x = ids(20, seed=3)
 
     def run(dec, depth: int, n: int):
@@ -119,7 +119,7 @@ def test_vllm_not_importable(tiny_hf_dir, monkeypatch):
 
 
 def test_unexpected_failure_is_a_reason(tiny_hf_dir, monkeypatch):
-    from atomflow.baselines import torch_runner
+    from atomflow.bench.baselines import torch_runner
 
     def boom(*a, **k):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
@@ -135,8 +135,8 @@ def test_timing_loops_on_cpu(tiny_hf_dir):
     import time
     from types import SimpleNamespace
 
-    from atomflow.baselines.torch_runner import HfDecoder, time_pp, time_tg
-    from atomflow.bench_plan import BenchTest
+    from atomflow.bench.baselines.torch_runner import HfDecoder, time_pp, time_tg
+    from atomflow.bench.plan import BenchTest
 
     class Event:
         def __init__(self, enable_timing=True):
@@ -185,7 +185,7 @@ def test_vllm_runner_with_a_fake_vllm(tiny_hf_dir, monkeypatch):
             return [types.SimpleNamespace(outputs=[out])]
 
     # The runner's clock advances only inside generate: the figures are exact, whatever the load.
-    from atomflow.baselines import vllm_runner
+    from atomflow.bench.baselines import vllm_runner
     clock = [100.0]
     monkeypatch.setattr(vllm_runner, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=LLM, SamplingParams=SamplingParams))

@@ -12,9 +12,9 @@ import sys
 import numpy as np
 import pytest
 
-from atomflow.bench_report import render
-from atomflow.fileformat import AtomflowFile
-from atomflow.kernel_profile import LABELS
+from atomflow.bench.profile import LABELS
+from atomflow.bench.report import render
+from atomflow.model.fileformat import AtomflowFile
 
 pytestmark = pytest.mark.gpu
 
@@ -39,7 +39,7 @@ def test_bench_tiny(tiny_model_file):
     assert res["read_bandwidth_gbs"] > 100
     rows = rows_of(res, "atomflow")
     assert set(rows) == {"pp32", "tg16", "tg16@d64"}
-    for name, r in rows.items():
+    for r in rows.values():
         assert r["status"] == "ok", r
         assert r["tokens_per_s_avg"] > 0 and r["tokens_per_s_std"] >= 0 and len(r["samples"]["tokens_per_s"]) == 2
         assert r["bytes_per_token"] > AtomflowFile(tiny_model_file).weight_bytes / 32
@@ -122,7 +122,7 @@ def tail_groups() -> int:
 def test_profile_decode_contract(tiny_model_file):
     """Profiled steps are real decode steps (the cache and the next input token are what graph
     steps leave), they allocate nothing, and the graph still serves afterwards."""
-    from atomflow.backend_cuda import CudaBackend
+    from atomflow.backends.cuda import CudaBackend
     from atomflow.sampling import SamplingParams
     model = AtomflowFile(tiny_model_file)
     be = CudaBackend(model, 256, verbose=False)

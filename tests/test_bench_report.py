@@ -9,11 +9,11 @@ import json
 import numpy as np
 import pytest
 
-from atomflow.bench import dense_weight_bytes, prompt_bytes_per_token, token_bytes
-from atomflow.bench_plan import BenchTest, check_fits_model, make_options
-from atomflow.bench_report import CSV_COLUMNS, render
-from atomflow.bench_result import SCHEMA, skipped_row, speedups, measured_row
-from atomflow.spec import ModelSpec
+from atomflow.bench.bandwidth import dense_weight_bytes, prompt_bytes_per_token, token_bytes
+from atomflow.bench.plan import BenchTest, check_fits_model, make_options
+from atomflow.bench.report import CSV_COLUMNS, render
+from atomflow.bench.result import SCHEMA, measured_row, skipped_row, speedups
+from atomflow.model.spec import ModelSpec
 
 LLAMA_3B = dict(architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=3072, intermediate_size=8192,
                 num_hidden_layers=28, num_attention_heads=24, num_key_value_heads=8, head_dim=128,

@@ -8,12 +8,12 @@ import sys
 
 import pytest
 
-from atomflow import llama_bench
-from atomflow.bench_engine import run_engine_tests
-from atomflow.bench_plan import make_options
-from atomflow.bench_report import render
+from atomflow.bench import driver
+from atomflow.bench.engine import run_engine_tests
+from atomflow.bench.plan import make_options
+from atomflow.bench.report import render
 from atomflow.engine import Engine
-from atomflow.fileformat import AtomflowFile
+from atomflow.model.fileformat import AtomflowFile
 
 
 def test_engine_tests_on_cpu(tiny_model_file):
@@ -32,8 +32,8 @@ def test_engine_tests_on_cpu(tiny_model_file):
 def test_run_bench_orchestration(tiny_model_file, monkeypatch):
     """run_bench with the GPU parts swapped for the CPU backend: the result has every section, the
     HF directory comes from the file's recorded source, unavailable baselines are skipped rows."""
-    import atomflow.bench as bench
-    monkeypatch.setattr(llama_bench, "preflight", lambda opts: AtomflowFile(opts.model))
+    import atomflow.bench.bandwidth as bench
+    monkeypatch.setattr(driver, "preflight", lambda opts: AtomflowFile(opts.model))
     monkeypatch.setattr(bench, "read_bandwidth_gbs", lambda: 1000.0)
     real_load = Engine.load
 
@@ -45,7 +45,7 @@ def test_run_bench_orchestration(tiny_model_file, monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", None)  # the same for torch, on any machine
     opts = make_options(str(tiny_model_file), n_prompt="8", n_gen="3", repetitions="1",
                         baselines=["vllm", "torch-compile"])
-    result = llama_bench.run_bench(opts, log=lambda m: None)
+    result = driver.run_bench(opts, log=lambda m: None)
     assert result["hf_dir"] and result["baselines"] == ["torch-compile", "vllm"]  # vllm last
     assert result["read_bandwidth_gbs"] == 1000.0 and result["options"]["max_context"] == 9
     by = {(r["engine"], r["test"]): r for r in result["rows"]}
@@ -61,8 +61,8 @@ def test_run_bench_orchestration(tiny_model_file, monkeypatch):
 def test_engine_side_never_imports_torch():
     """torch lives in the baselines' runners only: the bench, the profiler and the CLI load without it."""
     import subprocess
-    code = ("import sys; import atomflow.cli, atomflow.llama_bench, atomflow.kernel_profile, atomflow.bench_engine, "
-            "atomflow.baselines, atomflow.baselines.torch_runner, atomflow.baselines.vllm_runner; "
+    code = ("import sys; import atomflow.cli, atomflow.bench.driver, atomflow.bench.profile, atomflow.bench.engine, "
+            "atomflow.bench.baselines, atomflow.bench.baselines.torch_runner, atomflow.bench.baselines.vllm_runner; "
             "from atomflow.engine import Engine; "
             "print(sorted(m for m in ('torch', 'transformers', 'vllm', 'matplotlib') if m in sys.modules))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

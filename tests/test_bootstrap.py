@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT, load_tool
+
 from atomflow.device import cuda_status
 
 BASH = shutil.which("bash") or "/bin/bash"

@@ -5,8 +5,8 @@ import pytest
 
 from atomflow import BackendUnavailableError, Engine, SamplingParams
 from atomflow.device import cuda_status
-from atomflow.fileformat import AtomflowFile
-from atomflow.reference import ReferenceModel
+from atomflow.model.fileformat import AtomflowFile
+from atomflow.model.reference import ReferenceModel
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +68,7 @@ def test_text_stream_equals_decoded_tokens_and_stops(eng):
 def test_eos_stops_unless_ignored(eng, monkeypatch):
     """A random model rarely samples EOS by itself, so the sampler is steered: the third token it
     draws is an EOS id. Generation must end there without yielding it, unless ignore_eos."""
-    import atomflow.backend as backend
+    import atomflow.backends.cpu as backend
     eos = min(eng.tokenizer.eos_token_ids)
     draws = iter([5, 6, eos, 7, 8, 9])
     monkeypatch.setattr(backend, "sample_numpy", lambda logits, params, position: next(draws))

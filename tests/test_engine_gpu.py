@@ -10,7 +10,7 @@ import shutil
 import numpy as np
 import pytest
 
-from atomflow.fileformat import AtomflowFile
+from atomflow.model.fileformat import AtomflowFile
 from atomflow.sampling import SamplingParams, sample_numpy
 
 pytestmark = pytest.mark.gpu
@@ -34,12 +34,12 @@ def assert_close(got: np.ndarray, want: np.ndarray, what: str) -> None:
 
 
 def cuda(model: AtomflowFile, max_context: int, **kw):
-    from atomflow.backend_cuda import CudaBackend
+    from atomflow.backends.cuda import CudaBackend
     return CudaBackend(model, max_context, verbose=False, **kw)
 
 
 def cpu(model: AtomflowFile, max_context: int):
-    from atomflow.backend import CpuBackend
+    from atomflow.backends.cpu import CpuBackend
     return CpuBackend(model, max_context)
 
 
@@ -73,7 +73,7 @@ def greedy(n: int) -> SamplingParams:
 @pytest.fixture(scope="session")
 def model_files(tmp_path_factory, make_tiny_model):
     """make(preset, lm_head="fp8", untied=False) -> AtomflowFile, built once per session."""
-    from atomflow.quantize import quantize
+    from atomflow.model.quantize import quantize
     cache: dict = {}
 
     def make(preset: str, lm_head: str = "fp8", untied: bool = False) -> AtomflowFile:
@@ -214,7 +214,8 @@ def loud(tmp_path_factory, make_tiny_model) -> AtomflowFile:
     """The tiny model with every post-attention norm weight x 300: gate and up ~300x larger, so
     SwiGLU's output passes fp16's range in every decode step (bf16 holds it)."""
     from safetensors.numpy import load_file, save_file
-    from atomflow.quantize import quantize
+
+    from atomflow.model.quantize import quantize
     root = tmp_path_factory.mktemp("loud")
     hf = make_tiny_model.make_model(root / "hf", preset="tiny", seed=0, dtype="fp32")
     for f in hf.glob("*.safetensors"):

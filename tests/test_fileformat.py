@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from atomflow.errors import FormatError
-from atomflow.fileformat import AtomflowFile, FileWriter, TensorInfo, expected_tensors
+from atomflow.model.fileformat import AtomflowFile, FileWriter, TensorInfo, expected_tensors
 
 
 def test_table_matches_spec_and_checksum_verifies(tiny_model_file):

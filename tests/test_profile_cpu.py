@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from atomflow.fileformat import AtomflowFile
-from atomflow.kernel_profile import LABELS, breakdown, format_table, kernel_bytes, per_layer, plot
+from atomflow.bench.profile import LABELS, breakdown, format_table, kernel_bytes, per_layer, plot
+from atomflow.model.fileformat import AtomflowFile
 
 LAYER_US = {"gemv_qkv+norm+rope": 4.0, "attention": 6.0, "gemv_o": 3.0, "gemv_gate_up+norm": 8.0,
             "gemv_down": 5.0}

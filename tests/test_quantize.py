@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from atomflow.errors import UnsupportedModelError
-from atomflow.fileformat import AtomflowFile
-from atomflow.quantize import dequantize_rows, quantize, quantize_rows
-from atomflow.reference import ReferenceModel
+from atomflow.model.fileformat import AtomflowFile
+from atomflow.model.quantize import dequantize_rows, quantize, quantize_rows
+from atomflow.model.reference import ReferenceModel
 
 
 def test_quantize_rows_by_definition():
@@ -106,7 +106,7 @@ def test_peak_memory_is_one_tensor_not_the_model(make_tiny_model, tmp_path):
     largest = 128256 * 2048 * 2
     model = sum(f.stat().st_size for f in hf.glob("*.safetensors"))
     assert model > largest + 2**30 + 2**29  # the bound below can fail
-    code = ("import resource, sys; from atomflow.quantize import quantize; "
+    code = ("import resource, sys; from atomflow.model.quantize import quantize; "
             "quantize(sys.argv[1], sys.argv[2], progress=False, log=lambda s: None); "
             "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)")
     r = subprocess.run([sys.executable, "-c", code, str(hf), str(tmp_path / "m.atomflow")],

@@ -4,8 +4,8 @@ llama3 original context included (the tiny model's is 64)."""
 import numpy as np
 import pytest
 
-from atomflow.fileformat import AtomflowFile
-from atomflow.reference import ReferenceModel
+from atomflow.model.fileformat import AtomflowFile
+from atomflow.model.reference import ReferenceModel
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")

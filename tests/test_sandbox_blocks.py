@@ -13,7 +13,8 @@ from __future__ import annotations
 import pytest
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, settings, strategies as st  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, rule  # noqa: E402
 
 _sandbox = pytest.importorskip("atomflow._sandbox", reason="the sandbox extension is not built")

@@ -13,8 +13,10 @@ import pytest
 
 _sandbox = pytest.importorskip("atomflow._sandbox", reason="the sandbox extension is not built")
 
-from atomflow import sandbox, sandbox_bench, sandbox_scheduler  # noqa: E402
-from atomflow.sandbox_cli import register  # noqa: E402
+from atomflow.sandbox import bench as sandbox_bench  # noqa: E402
+from atomflow.sandbox import model as sandbox
+from atomflow.sandbox import scheduler as sandbox_scheduler
+from atomflow.sandbox.cli import register  # noqa: E402
 
 
 def run_cli(*argv) -> int:

@@ -10,7 +10,6 @@
     reproduces the core's logits bit for bit."""
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 
@@ -216,8 +215,8 @@ class Recording:
 
 def run_batched(model_path, prompts, n_new, block_size=16, fork_at=None, **load):
     """Greedy tokens and per-token logits of each prompt, all decoded in one batch."""
-    from atomflow.sandbox import SandboxModel
-    from atomflow.sandbox_scheduler import Scheduler
+    from atomflow.sandbox.model import SandboxModel
+    from atomflow.sandbox.scheduler import Scheduler
     rec = Recording(SandboxModel.load(model_path, block_size=block_size, **load))
     sch = Scheduler(rec)
     rids = [sch.add(p, n_new) for p in prompts]
@@ -285,8 +284,8 @@ def test_single_sequence_bit_identical_to_core(tiny_model_file, block_size):
 def test_preemption_and_prefix_cache_keep_tokens(tiny_model_file):
     """A pool too small for the batch (preemption + recompute) and a shared prompt prefix (prefix
     hits) must not change a single token against a roomy run without caching."""
-    from atomflow.sandbox import SandboxModel
-    from atomflow.sandbox_scheduler import Scheduler
+    from atomflow.sandbox.model import SandboxModel
+    from atomflow.sandbox.scheduler import Scheduler
     rng = np.random.default_rng(11)
     system = rng.integers(0, 200, 96).tolist()
     prompts = [system + rng.integers(0, 200, int(n)).tolist() for n in rng.integers(1, 40, 6)]

@@ -1,4 +1,4 @@
-"""The iteration-level scheduler (atomflow/sandbox_scheduler.py) with the C++ block manager,
+"""The iteration-level scheduler (atomflow/sandbox/scheduler.py) with the C++ block manager,
 on the CPU: FakeModel stores a hash of the token prefix in every KV slot and reads it back
 through the block tables, so a batched run reproduces single-stream generation only if every
 slot, table, copy-on-write copy, prefix hit and preemption was right."""
@@ -10,10 +10,11 @@ import pytest
 
 pytest.importorskip("atomflow._sandbox", reason="the sandbox extension is not built")
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import given, settings, strategies as st  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st
 
-from atomflow.sandbox import FakeModel  # noqa: E402
-from atomflow.sandbox_scheduler import Scheduler  # noqa: E402
+from atomflow.sandbox.model import FakeModel  # noqa: E402
+from atomflow.sandbox.scheduler import Scheduler  # noqa: E402
 
 VOCAB = 50
 
@@ -79,7 +80,7 @@ def test_prefix_caching_skips_the_shared_prompt():
         sch = Scheduler(model, prefix_caching=caching)
         system = [rng.randrange(VOCAB) for _ in range(160)]
         rows = 0
-        for i in range(8):
+        for _i in range(8):
             sch.add(system + [rng.randrange(VOCAB) for _ in range(20)], 4)
         while sch.has_work:
             rows += sch.step().n_prefill

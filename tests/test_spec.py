@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from atomflow.errors import UnsupportedModelError
-from atomflow.spec import ModelSpec
+from atomflow.model.spec import ModelSpec
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 8192}

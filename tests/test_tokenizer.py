@@ -1,4 +1,4 @@
-"""atomflow.tokenizer must give the ids and prompts transformers gives (a different prompt is a
+"""atomflow.model.tokenizer must give the ids and prompts transformers gives (a different prompt is a
 different model output), and stream text that is always valid UTF-8 and adds up to the full decode."""
 import json
 import shutil
@@ -7,7 +7,7 @@ from pathlib import Path
 import jinja2
 import pytest
 
-from atomflow.tokenizer import IncrementalDecoder, Tokenizer
+from atomflow.model.tokenizer import IncrementalDecoder, Tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -241,7 +241,7 @@ def test_eos_ids_and_metadata_path(tiny_hf_dir, tok):
     ids = {t: tok._tok.token_to_id(t) for t in ("<|end_of_text|>", "<|eot_id|>")}
     assert tok.eos_token_ids == set(ids.values())
     assert tok.has_chat_template
-    # the .atomflow metadata shape written by atomflow/quantize.py
+    # the .atomflow metadata shape written by atomflow/model/quantize.py
     meta = Tokenizer.from_metadata(
         (tiny_hf_dir / "tokenizer.json").read_text(),
         {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", "add_bos_token": None,

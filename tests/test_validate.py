@@ -11,7 +11,7 @@ import pytest
 
 from atomflow import Engine
 from atomflow.errors import AtomflowError
-from atomflow.fileformat import AtomflowFile
+from atomflow.model.fileformat import AtomflowFile
 from atomflow.validate import load_ground_truth, validate, verdict_line
 
 GT = Path(__file__).resolve().parents[1] / "ground_truth" / "tiny"
@@ -65,7 +65,7 @@ def test_corrupted_weight_fails_at_its_layer_not_before(tiny_model_file, tmp_pat
 
 
 def test_ground_truth_from_another_file_is_refused(make_tiny_model, tmp_path):
-    from atomflow.quantize import quantize
+    from atomflow.model.quantize import quantize
     other = tmp_path / "other.atomflow"
     quantize(make_tiny_model.make_model(tmp_path / "hf", preset="tiny", seed=1), other, progress=False,
              log=lambda s: None)

@@ -31,7 +31,8 @@ def test_cuda_passes_tiny(tiny_model_file):
 def test_cuda_passes_presets(make_tiny_model, tmp_path_factory, preset):
     pytest.importorskip("torch")
     from conftest import load_tool
-    from atomflow.quantize import quantize
+
+    from atomflow.model.quantize import quantize
     load_tool("hf_reference")
     gen = load_tool("gen_ground_truth")
     d = tmp_path_factory.mktemp(preset)

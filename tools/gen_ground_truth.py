@@ -90,11 +90,11 @@ def load_hf_original(hf_dir: Path):
 def generate(hf_dir: str | Path, model_path: str | Path, out_dir: str | Path, prompt_tokens: int = 32,
              steps: int = 16, prompt_text: str | None = None, seed: int = 0) -> Path:
     import transformers
+    from hf_reference import load_hf_dequantized
     from safetensors.numpy import save_file
 
-    from atomflow.fileformat import AtomflowFile
-    from atomflow.tokenizer import Tokenizer
-    from hf_reference import load_hf_dequantized
+    from atomflow.model.fileformat import AtomflowFile
+    from atomflow.model.tokenizer import Tokenizer
 
     model = AtomflowFile(model_path)
     if prompt_text is not None:

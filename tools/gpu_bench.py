@@ -31,7 +31,8 @@ def test_counts(xml_path: str | None) -> dict:
 
 def model_file(preset: str, workdir: Path) -> Path:
     import make_tiny_model
-    from atomflow.quantize import quantize
+
+    from atomflow.model.quantize import quantize
     out = workdir / f"{preset}.atomflow"
     if not out.is_file():
         hf = workdir / preset
@@ -48,8 +49,8 @@ def decode_row(eng, prompt: int, gen: int, bandwidth_gbs: float) -> dict:
     """`gen` greedy tokens after `prompt` tokens in the cache, timed by atomflow bench's own loop
     (one repetition after a warm-up): the bench row (TPOT p50/p90/p99, bytes per token, GB/s,
     efficiency) plus tokens_per_s = 1 / TPOT p50."""
-    from atomflow.bench_engine import run_engine_tests
-    from atomflow.bench_plan import BenchOptions, BenchTest
+    from atomflow.bench.engine import run_engine_tests
+    from atomflow.bench.plan import BenchOptions, BenchTest
     test = BenchTest("tg", 0, gen, depth=prompt)
     opts = BenchOptions(model=str(eng.model.path), repetitions=1, tests=(test,))
     (row,) = run_engine_tests(eng, opts, bandwidth_gbs, log=lambda m: None)
@@ -72,9 +73,8 @@ def main() -> int:
     if max_context < a.prompt + a.gen:
         ap.error(f"--max-context {max_context} does not hold prompt + gen = {a.prompt + a.gen}")
 
-    from atomflow import Engine, runinfo
-    from atomflow import _core
-    from atomflow.bench import read_bandwidth_gbs
+    from atomflow import Engine, _core, runinfo
+    from atomflow.bench.bandwidth import read_bandwidth_gbs
 
     workdir = Path(a.workdir)
     workdir.mkdir(parents=True, exist_ok=True)

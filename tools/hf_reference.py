@@ -74,6 +74,7 @@ def greedy_logits(hf, prompt_ids, steps: int) -> tuple[list[np.ndarray], list[in
 
 if __name__ == "__main__":  # quick look: python tools/hf_reference.py MODEL.atomflow
     import sys
-    from atomflow.fileformat import AtomflowFile
+
+    from atomflow.model.fileformat import AtomflowFile
     m = AtomflowFile(sys.argv[1])
     print(json.dumps(hf_config(m), indent=1))

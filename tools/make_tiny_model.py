@@ -14,7 +14,8 @@ exercised.
 
 Tokenizer: a byte-level BPE (Llama 3's split regex + ByteLevel) trained on tools/corpus.txt,
 a 1019-entry BPE vocab (256 bytes + merges) + 5 special tokens = 1024 ids (specials at 1019..1023:
-<|begin_of_text|>, <|end_of_text|>, <|start_header_id|>, <|end_header_id|>, <|eot_id|>). Every preset uses this same small tokenizer;
+<|begin_of_text|>, <|end_of_text|>, <|start_header_id|>, <|end_header_id|>, <|eot_id|>).
+Every preset uses this same small tokenizer;
 the big presets keep Llama's vocab size (128256) for their embedding and lm_head, so a random
 model may emit ids the tokenizer does not know (the detokenizer must map them to "").
 

@@ -28,8 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.steps < 1 or a.context < 0:
         ap.error("--steps must be >= 1 and --context >= 0")
 
-    from atomflow import Engine, SamplingParams
-    from atomflow import _core
+    from atomflow import Engine, SamplingParams, _core
     eng = Engine.load(a.model, backend="cuda", max_context=a.context + a.steps + 8, eager=a.eager or None)
     ids = np.random.default_rng(0).integers(0, eng.spec.vocab_size, a.context + 1).astype(np.int32)
     params = SamplingParams(temperature=0.0, max_new_tokens=a.steps, ignore_eos=True)

@@ -51,7 +51,7 @@ def record(model: str, context: int, steps: int, per_sm: int) -> tuple[np.ndarra
         token = int(np.argmax(eng.decode(token)))
     ops.trace_arm(per_sm)
     out, dropped = [], []
-    for s in range(steps):
+    for _s in range(steps):
         ops.trace_reset()
         token = int(np.argmax(eng.decode(token)))
         raw, d = ops.trace_read()

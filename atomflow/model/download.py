@@ -12,8 +12,8 @@ import shutil
 from fnmatch import fnmatch
 from pathlib import Path
 
-from .errors import AtomflowError
-from .quantize import SOURCE_FILE
+from atomflow.errors import AtomflowError
+from atomflow.model.quantize import SOURCE_FILE
 
 # What a Llama checkpoint needs; skips original/*.pth consolidated weights and other formats.
 ALLOW_PATTERNS = ["config.json", "generation_config.json", "model*.safetensors", "model.safetensors.index.json",
@@ -22,8 +22,13 @@ ALLOW_PATTERNS = ["config.json", "generation_config.json", "model*.safetensors",
 
 def download(repo_id: str, target: str | Path, revision: str | None = None, token: str | None = None) -> Path:
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
-                                        RepositoryNotFoundError, RevisionNotFoundError)
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
 
     target = Path(target)
     try:

@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from .sandbox import FakeModel, SandboxModel, ext
+from atomflow.sandbox.model import FakeModel, SandboxModel, ext
 
 # The 3B model's attention shape: 24 query heads, 8 KV heads, head_dim 128.
 DEFAULT_SHAPE = dict(H=24, Hkv=8, D=128)
@@ -103,8 +103,8 @@ def synthetic_decode(model, lens, steps: int, warmup: int = 3) -> dict:
 
 def core_tpot_ms(model_path, context: int, steps: int) -> float:
     """Single-stream decode with the core engine (CUDA graph + PDL) at `context`: ms per token."""
-    from .engine import Engine
-    from .sampling import SamplingParams
+    from atomflow.engine import Engine
+    from atomflow.sampling import SamplingParams
     eng = Engine.load(model_path, backend="cuda", max_context=context + steps + 8)
     ids = np.random.default_rng(1).integers(0, eng.spec.vocab_size, context).astype(np.int32)
     params = SamplingParams(temperature=0.0, max_new_tokens=steps + 1, ignore_eos=True, seed=0)
@@ -210,7 +210,7 @@ def prefix_workload(n_requests: int, system_len: int, user_len: int, vocab: int,
 
 
 def _run_prefix(model, prompts, new_tokens: int, caching: bool, chunk: int) -> dict:
-    from .sandbox_scheduler import Scheduler
+    from atomflow.sandbox.scheduler import Scheduler
     model.clear()
     sch = Scheduler(model, prefill_chunk=chunk, prefix_caching=caching)
     for p in prompts:

@@ -6,7 +6,8 @@ links the core. This module is the thin Python side:
     SandboxModel.load(..)  a .atomflow file's FP8 weights + a paged KV pool on the GPU
     FakeModel(..)          a CPU stand-in with the same step() contract (tests, dry runs)
 
-The scheduler is in sandbox_scheduler.py, the benchmark drivers in sandbox_bench.py.
+The scheduler is in scheduler.py, the benchmark drivers in bench.py, the self-test in
+selftest.py, the `atomflow sandbox ...` subcommands in cli.py.
 """
 from __future__ import annotations
 
@@ -15,13 +16,13 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import BackendUnavailableError, UnsupportedModelError
+from atomflow.errors import BackendUnavailableError, UnsupportedModelError
 
 
 def ext():
     """atomflow._sandbox, or BackendUnavailableError saying why it is missing."""
     try:
-        from . import _sandbox  # type: ignore[attr-defined]
+        from atomflow import _sandbox  # type: ignore[attr-defined]
     except ImportError as e:
         raise BackendUnavailableError(f"the sandbox extension was not built ({e}); reinstall with nvcc on the PATH") from None
     return _sandbox
@@ -61,10 +62,10 @@ class SandboxModel:
 
     @classmethod
     def load(cls, path, block_size: int = 16, max_batch: int = 64, prefill_chunk: int = 256,
-             max_context: int = 4096, num_blocks: int | None = None) -> "SandboxModel":
+             max_context: int = 4096, num_blocks: int | None = None) -> SandboxModel:
         """Uploads every tensor into its own device buffer and makes a pool of num_blocks KV blocks
         (default: max_batch * max_context tokens' worth, the contiguous-equivalent)."""
-        from .fileformat import AtomflowFile
+        from atomflow.model.fileformat import AtomflowFile
         ok, why = cuda_status()
         if not ok:
             raise BackendUnavailableError(f"the sandbox model needs a GPU: {why}")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 
-from .sandbox import FakeModel, ext
+from atomflow.sandbox.model import FakeModel, ext
 
 
 def stress_block_manager(num_blocks: int, block_size: int, ops: int, seed: int, prefix_caching: bool = True) -> dict:
@@ -85,7 +85,7 @@ def stress_block_manager(num_blocks: int, block_size: int, ops: int, seed: int, 
 
 
 def stress_scheduler(runs: int, seed: int) -> dict:
-    from .sandbox_scheduler import Scheduler
+    from atomflow.sandbox.scheduler import Scheduler
     rng = random.Random(seed)
     totals = dict(requests=0, steps=0, preemptions=0, cached_tokens=0, cow_copies=0)
     for _ in range(runs):

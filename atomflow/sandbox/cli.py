@@ -1,11 +1,11 @@
 """`atomflow sandbox ...`: the sandbox's subcommands. atomflow/cli.py wires them with one line:
 
-    from .sandbox_cli import register; register(sub)
+    from atomflow.sandbox.cli import register; register(sub)
 
   atomflow sandbox bench [--model M.atomflow] [--parts attention,decode,memory,prefix] [--quick] ...
   atomflow sandbox test-blocks [--ops N] [--runs N] ...
 
-Until then: python -m atomflow.sandbox_cli bench ... (the same arguments after `sandbox`).
+Until then: python -m atomflow.sandbox.cli bench ... (the same arguments after `sandbox`).
 """
 from __future__ import annotations
 
@@ -31,8 +31,8 @@ def _ints(text: str, what: str) -> list[int]:
 
 
 def cmd_bench(a) -> int:
-    from .sandbox import cuda_status
-    from . import sandbox_bench as sbb
+    from atomflow.sandbox import bench as sbb
+    from atomflow.sandbox.model import cuda_status
     d = QUICK if a.quick else FULL
     pick = lambda v, k: v if v is not None else d[k]  # noqa: E731
     parts = [p.strip() for p in a.parts.split(",") if p.strip()]
@@ -48,7 +48,7 @@ def cmd_bench(a) -> int:
     gpu, why = cuda_status()
     res: dict = dict(device=None, notes=[])
     if gpu:
-        from .sandbox import ext
+        from atomflow.sandbox.model import ext
         name, total, _ = ext().device_info()
         res["device"] = dict(name=name, memory_gib=total / 2**30)
         res["ceiling_gbs"] = sbb.ceiling_gbs()
@@ -73,7 +73,7 @@ def cmd_bench(a) -> int:
     if "memory" in parts:
         kvpt, src = KV_BYTES_3B, "Llama-3.2-3B shape"
         if a.model is not None:
-            from .fileformat import AtomflowFile
+            from atomflow.model.fileformat import AtomflowFile
             with AtomflowFile(a.model) as f:
                 kvpt, src = f.spec.kv_bytes_per_token(), str(a.model)
         res["memory"] = sbb.bench_memory(kvpt, batches, a.max_context, lo, hi, block_sizes)
@@ -97,7 +97,7 @@ def cmd_bench(a) -> int:
 
 
 def cmd_test_blocks(a) -> int:
-    from .sandbox_selftest import stress_block_manager, stress_scheduler
+    from atomflow.sandbox.selftest import stress_block_manager, stress_scheduler
     r = stress_block_manager(a.num_blocks, a.block_size, a.ops, a.seed, not a.no_prefix_caching)
     print(f"block manager: {a.ops} random operations on {a.num_blocks} blocks of {a.block_size}: "
           f"{r['allocate']} allocate, {r['append']} append, {r['fork']} fork, {r['free']} free, "
@@ -146,7 +146,7 @@ def register(subparsers) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m atomflow.sandbox_cli bench ...` until atomflow/cli.py wires register()."""
+    """`python -m atomflow.sandbox.cli bench ...` until atomflow/cli.py wires register()."""
     import argparse
     p = argparse.ArgumentParser(prog="atomflow")
     register(p.add_subparsers(dest="command", required=True))

@@ -1,4 +1,4 @@
-"""Render an `atomflow bench` result (bench_result.py) as markdown (llama-bench's table plus TPOT
+"""Render an `atomflow bench` result (result.py) as markdown (llama-bench's table plus TPOT
 percentiles, bytes and efficiency, then our speedups), JSON (everything, every sample) or CSV
 (one line per engine and test)."""
 from __future__ import annotations

@@ -1,25 +1,14 @@
-"""The backend interface the Engine drives, its CPU implementation, and backend selection.
-
-A backend owns one KV cache and a position (tokens in the cache). Both implementations keep
-the same contract, so the facade, the tests and the validator treat them alike:
-  prefill(ids) -> fp32 logits [vocab] of the last token (appends ids at the position)
-  decode(token) -> fp32 logits [vocab] (appends one token)
-  reset(); rollback(position)
-  generate_ids(prompt_ids, params) -> iterator of sampled ids; it resets and prefills first.
-    Closing it early leaves the cache holding the prompt + every yielded id but the last.
-"""
+"""The CPU backend: the numpy reference forward pass (atomflow/model/reference.py) behind the
+backend contract (atomflow/backends/__init__.py)."""
 from __future__ import annotations
 
-import sys
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 
-from .device import cuda_status
-from .errors import BackendUnavailableError
-from .fileformat import AtomflowFile
-from .reference import ReferenceModel
-from .sampling import SamplingParams, sample_numpy
+from atomflow.model.fileformat import AtomflowFile
+from atomflow.model.reference import ReferenceModel
+from atomflow.sampling import SamplingParams, sample_numpy
 
 
 class CpuBackend:
@@ -82,18 +71,3 @@ class CpuBackend:
                 return
             logits = self.decode(token)
 
-
-def make_backend(name: str, model: AtomflowFile, max_context: int, eager: bool | None = None,
-                 verbose: bool = False):
-    if name not in ("auto", "cpu", "cuda"):
-        raise ValueError(f"backend must be auto, cpu or cuda, got {name!r}")
-    if name == "cpu":
-        return CpuBackend(model, max_context)
-    ok, why = cuda_status()
-    if not ok:
-        if name == "cuda":
-            raise BackendUnavailableError(f"cuda backend unavailable: {why}")
-        print(f"atomflow: running on the CPU backend (slow): {why}", file=sys.stderr)
-        return CpuBackend(model, max_context)
-    from .backend_cuda import CudaBackend
-    return CudaBackend(model, max_context, eager=eager, verbose=verbose)

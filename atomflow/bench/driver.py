@@ -1,6 +1,6 @@
 """`atomflow bench`: llama-bench-style tests on our engine, then on each requested baseline, in one
-process and against one read-bandwidth measurement; returns the result dict (bench_result.py)
-that bench_report.py renders.
+process and against one read-bandwidth measurement; returns the result dict (result.py)
+that report.py renders.
 
 Order matters for memory: the streaming-read probe (2 GiB, freed) first, then our engine (freed),
 then the torch baselines one at a time, vLLM last (it keeps most of the GPU once started).
@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import gc
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
-from . import baselines, runinfo
-from .bench_plan import BenchOptions, check_fits_model
-from .bench_result import SCHEMA, speedups
-from .device import cuda_status
-from .errors import BackendUnavailableError
-from .fileformat import AtomflowFile
+from atomflow import runinfo
+from atomflow.bench import baselines
+from atomflow.bench.plan import BenchOptions, check_fits_model
+from atomflow.bench.result import SCHEMA, speedups
+from atomflow.device import cuda_status
+from atomflow.errors import BackendUnavailableError
+from atomflow.model.fileformat import AtomflowFile
 
 
 def log_stderr(msg: str) -> None:
@@ -42,9 +43,9 @@ def preflight(opts: BenchOptions) -> AtomflowFile:
 
 
 def run_bench(opts: BenchOptions, log: Callable[[str], None] = log_stderr) -> dict:
-    from .bench import read_bandwidth_gbs
-    from .bench_engine import run_engine_tests
-    from .engine import Engine
+    from atomflow.bench.bandwidth import read_bandwidth_gbs
+    from atomflow.bench.engine import run_engine_tests
+    from atomflow.engine import Engine
 
     model = preflight(opts)
     hf_dir = opts.hf_dir or recorded_hf_dir(model)

@@ -14,12 +14,12 @@ import time
 
 import numpy as np
 
-from . import runinfo
-from .bench_plan import prompt_ids
-from .device import cuda_status
-from .errors import BackendUnavailableError
-from .fileformat import AtomflowFile
-from .sampling import SamplingParams
+from atomflow import runinfo
+from atomflow.bench.plan import prompt_ids
+from atomflow.device import cuda_status
+from atomflow.errors import BackendUnavailableError
+from atomflow.model.fileformat import AtomflowFile
+from atomflow.sampling import SamplingParams
 
 # The launch groups of a decode step: the layers' five, the head, and the sampler that ends the step
 # (ring, position, next embedding). With ATOMFLOW_NO_FUSED_TAIL=1 the step also has "embedding" and
@@ -102,8 +102,8 @@ def preflight(model_path: str, steps: int, context: int) -> AtomflowFile:
 
 
 def run_profile(model_path: str, steps: int = 20, context: int = 128, seed: int = 0) -> dict:
-    from .bench import read_bandwidth_gbs
-    from .engine import Engine
+    from atomflow.bench.bandwidth import read_bandwidth_gbs
+    from atomflow.engine import Engine
 
     model = preflight(model_path, steps, context)
     bandwidth = read_bandwidth_gbs()

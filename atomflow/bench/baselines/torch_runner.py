@@ -13,14 +13,14 @@ from __future__ import annotations
 import gc
 import inspect
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
-from . import Skip
-from ..bench import dense_weight_bytes, prompt_bytes_per_token, token_bytes
-from ..bench_plan import BenchOptions, BenchTest, prompt_ids
-from ..bench_result import skipped_row, measured_row
-from ..spec import ModelSpec
+from atomflow.bench.bandwidth import dense_weight_bytes, prompt_bytes_per_token, token_bytes
+from atomflow.bench.baselines import Skip
+from atomflow.bench.plan import BenchOptions, BenchTest, prompt_ids
+from atomflow.bench.result import measured_row, skipped_row
+from atomflow.model.spec import ModelSpec
 
 COMPILE_WARMUP_STEPS = 3  # cudagraph trees: warm-up run, recording run, then replays
 
@@ -80,7 +80,7 @@ class HfDecoder:
 
 
 class CompiledDecoder:
-    """atomflow.baselines.torch_llama with gpt-fast's settings: the decode step compiled with
+    """atomflow.bench.baselines.torch_llama with gpt-fast's settings: the decode step compiled with
     mode="reduce-overhead" (CUDA graphs), fullgraph, static shapes; prefill eager (gpt-fast
     compiles it only with --compile_prefill)."""
 
@@ -90,7 +90,8 @@ class CompiledDecoder:
         import torch
         import torch._dynamo.config
         import torch._inductor.config as inductor
-        from . import torch_llama
+
+        from atomflow.bench.baselines import torch_llama
         inductor.coordinate_descent_tuning = True  # gpt-fast's generate.py settings
         inductor.triton.unique_kernel_names = True
         inductor.fx_graph_cache = True
@@ -162,7 +163,7 @@ def make_decoder(name: str, hf_dir: Path):
 def time_pp(torch, dec, test: BenchTest, opts: BenchOptions, ids) -> dict:
     """Prefill of the whole prompt plus the greedy first token, synchronized on both ends."""
     runs = []
-    for rep in range(opts.repetitions + int(opts.warmup)):
+    for _rep in range(opts.repetitions + int(opts.warmup)):
         dec.start(test.n_prompt)
         torch.cuda.synchronize()
         t0 = time.perf_counter()

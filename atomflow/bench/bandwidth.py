@@ -1,6 +1,6 @@
 """What efficiency is measured against: the bytes a token must move, and the read bandwidth
 measured in the same process by a streaming-read kernel. Efficiency = bytes / TPOT / bandwidth,
-the one ratio that means something on any GPU (the timing loops are in bench_engine.py).
+the one ratio that means something on any GPU (the timing loops are in engine.py).
 
 The byte counts are the minimum traffic of each token, the same for every engine (ours and the
 baselines of `atomflow bench`), so efficiencies compare: weights at their stored precision
@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from .spec import ModelSpec
+from atomflow.model.spec import ModelSpec
 
 PREFILL_CHUNK = 256  # rows per prefill pass: the _core.Engine default, which CudaBackend keeps
 
 
 def read_bandwidth_gbs(n_bytes: int = 2 << 30, iters: int = 20) -> float:
     """Median GB/s of the streaming-read kernel over a buffer much larger than L2."""
-    from . import _core
+    from atomflow import _core
     return float(_core.ops.stream_read_bandwidth(n_bytes, iters))
 
 

@@ -21,10 +21,10 @@ import ml_dtypes
 import numpy as np
 from safetensors import safe_open
 
-from . import __version__
-from .errors import UnsupportedModelError
-from .fileformat import FORMAT_NAME, FORMAT_VERSION, FileWriter, expected_tensors
-from .spec import QUANT_GROUP, ModelSpec
+from atomflow import __version__
+from atomflow.errors import UnsupportedModelError
+from atomflow.model.fileformat import FORMAT_NAME, FORMAT_VERSION, FileWriter, expected_tensors
+from atomflow.model.spec import QUANT_GROUP, ModelSpec
 
 FP8_MAX = 448.0
 CHUNK_BYTES = 8 << 20   # fp32 bytes of one row block

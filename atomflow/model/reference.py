@@ -8,11 +8,11 @@ layer ([M, ...] rows for the M tokens of the current call); the validator uses t
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
-from .fileformat import AtomflowFile
+from atomflow.model.fileformat import AtomflowFile
 
 PREFILL_CHUNK = 256  # bounds the [heads, chunk, context] score matrix for long prompts
 

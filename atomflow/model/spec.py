@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import UnsupportedModelError
+from atomflow.errors import UnsupportedModelError
 
 QUANT_GROUP = 128  # input columns per FP8 scale (docs/FORMAT.md)
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -92,7 +92,7 @@ class ModelSpec:
         return json.dumps(self.to_dict(), sort_keys=True)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "ModelSpec":
+    def from_dict(cls, d: dict) -> ModelSpec:
         names = {f.name for f in dataclasses.fields(cls)}
         missing = names - set(d) - {"lm_head_fp8"}
         if missing:
@@ -103,7 +103,7 @@ class ModelSpec:
 
     # -- from Hugging Face -----------------------------------------------------------------
     @classmethod
-    def from_hf_config(cls, config: dict, lm_head_fp8: bool = True) -> "ModelSpec":
+    def from_hf_config(cls, config: dict, lm_head_fp8: bool = True) -> ModelSpec:
         """Build from a transformers config.json (4.x `rope_theta`/`rope_scaling` or 5.x
         `rope_parameters`). Raises UnsupportedModelError for anything the engine cannot run."""
         archs = config.get("architectures") or []
@@ -146,7 +146,7 @@ class ModelSpec:
         return spec
 
     @classmethod
-    def from_hf_dir(cls, path: str | Path, lm_head_fp8: bool = True) -> "ModelSpec":
+    def from_hf_dir(cls, path: str | Path, lm_head_fp8: bool = True) -> ModelSpec:
         cfg = Path(path) / "config.json"
         if not cfg.is_file():
             raise FileNotFoundError(f"no config.json in {path}")

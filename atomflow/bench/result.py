@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-from .bench_plan import BenchTest
+from atomflow.bench.plan import BenchTest
 
 SCHEMA = "atomflow-bench-1"
 

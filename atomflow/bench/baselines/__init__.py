@@ -2,7 +2,7 @@
 same tests (prompt lengths, generated tokens, depths, random token ids) as our engine:
 
   hf                  transformers eager, bf16, a manual greedy loop over past_key_values
-  torch-compile       atomflow.baselines.torch_llama (gpt-fast recipe), bf16, decode step under
+  torch-compile       atomflow.bench.baselines.torch_llama (gpt-fast recipe), bf16, decode step under
                       torch.compile(mode="reduce-overhead", fullgraph=True)
   torch-compile-int8  the same with int8 weight-only linears
   vllm                vLLM's offline LLM, bf16, when it is importable
@@ -13,11 +13,11 @@ inside the runners, on demand.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
-from ..bench_plan import BenchOptions, BenchTest
-from ..bench_result import skipped_row
+from atomflow.bench.plan import BenchOptions, BenchTest
+from atomflow.bench.result import skipped_row
 
 
 class Skip(Exception):
@@ -46,9 +46,9 @@ def run(name: str, hf_dir: str | Path | None, opts: BenchOptions, bandwidth_gbs:
     try:
         path = check_hf_dir(hf_dir)
         if name == "vllm":
-            from .vllm_runner import run_vllm
+            from atomflow.bench.baselines.vllm_runner import run_vllm
             return run_vllm(path, opts, bandwidth_gbs, log)
-        from .torch_runner import run_torch_baseline
+        from atomflow.bench.baselines.torch_runner import run_torch_baseline
         return run_torch_baseline(name, path, opts, bandwidth_gbs, log)
     except Skip as e:
         return [skipped_row(name, t, str(e)) for t in tests]

@@ -10,15 +10,15 @@ random token ids (no tokenizer, no text), greedy, EOS ignored.
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
-from .bench import PREFILL_CHUNK, prompt_bytes_per_token, token_bytes
-from .bench_plan import BenchOptions, BenchTest, prompt_ids
-from .bench_result import measured_row
-from .engine import Engine
-from .sampling import SamplingParams
+from atomflow.bench.bandwidth import PREFILL_CHUNK, prompt_bytes_per_token, token_bytes
+from atomflow.bench.plan import BenchOptions, BenchTest, prompt_ids
+from atomflow.bench.result import measured_row
+from atomflow.engine import Engine
+from atomflow.sampling import SamplingParams
 
 WARMUP_TOKENS = 16
 

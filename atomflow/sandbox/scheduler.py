@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .sandbox import ext
+from atomflow.sandbox.model import ext
 
 
 @dataclass

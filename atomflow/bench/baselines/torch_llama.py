@@ -8,7 +8,7 @@ runners), never by the engine.
 
 Weights come from the HF checkpoint's safetensors, q/k/v and gate/up fused into one matrix each
 (gpt-fast fuses wqkv; gate/up the same way, one read of x). RoPE is HF's rotate-half with the
-rotary table of atomflow.spec (llama3 scaling included), so logits match transformers. The
+rotary table of atomflow.model.spec (llama3 scaling included), so logits match transformers. The
 KV cache is [1, Hkv, max_len, D] per layer, written at `pos`; attention reads all of it under a
 causal mask (fixed shapes: one CUDA graph serves every position). int8: gpt-fast's
 WeightOnlyInt8Linear, an int8 weight per element and a scale per output row, dequantized in
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..spec import ModelSpec
+from atomflow.model.spec import ModelSpec
 
 
 class Dense(nn.Module):

@@ -6,14 +6,14 @@ its p50/p90/p99 are over repetitions, not over single steps)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
-from . import Skip
-from ..bench import dense_weight_bytes, prompt_bytes_per_token, token_bytes
-from ..bench_plan import BenchOptions, prompt_ids
-from ..bench_result import measured_row
-from ..spec import ModelSpec
+from atomflow.bench.bandwidth import dense_weight_bytes, prompt_bytes_per_token, token_bytes
+from atomflow.bench.baselines import Skip
+from atomflow.bench.plan import BenchOptions, prompt_ids
+from atomflow.bench.result import measured_row
+from atomflow.model.spec import ModelSpec
 
 
 def run_vllm(hf_dir: Path, opts: BenchOptions, bandwidth_gbs: float | None, log: Callable[[str], None]) -> list[dict]:

@@ -1,4 +1,4 @@
-"""The CUDA backend: the same contract as CpuBackend (atomflow/backend.py), run by the _core engine.
+"""The CUDA backend: the same contract as CpuBackend (atomflow/backends/cpu.py), run by the _core engine.
 
 Generation is pipelined: the prompt but its last token is prefilled, the last token goes in as
 the first decode step's input, and every step samples on the device and feeds its token to the
@@ -8,13 +8,13 @@ the engine's pinned ring as they complete, so it never stands between two steps.
 from __future__ import annotations
 
 import os
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 
-from .errors import BackendUnavailableError
-from .fileformat import AtomflowFile
-from .sampling import SamplingParams
+from atomflow.errors import BackendUnavailableError
+from atomflow.model.fileformat import AtomflowFile
+from atomflow.sampling import SamplingParams
 
 IN_FLIGHT = 4  # decode steps enqueued ahead of the one being read (the engine's ring holds 8)
 
@@ -34,7 +34,7 @@ class _Run:
 
 def _core_module():
     try:
-        from . import _core  # type: ignore[attr-defined]
+        from atomflow import _core  # type: ignore[attr-defined]
     except ImportError as e:
         raise BackendUnavailableError(f"cuda backend unavailable: the CUDA core was not built ({e})") from None
     ok, why = _core.cuda_available()

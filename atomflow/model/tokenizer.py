@@ -8,9 +8,9 @@ from __future__ import annotations
 import copy
 import functools
 import json
+from collections.abc import Iterable
 from datetime import datetime
 from pathlib import Path
-from typing import Iterable
 
 from tokenizers import Tokenizer as _HFTokenizer
 
@@ -50,7 +50,7 @@ class Tokenizer:
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod
-    def from_hf_dir(cls, path) -> "Tokenizer":
+    def from_hf_dir(cls, path) -> Tokenizer:
         """tokenizer.json + tokenizer_config.json + optional chat_template.jinja (which wins over
         the config's chat_template, as in transformers) + optional generation_config.json."""
         path = Path(path)
@@ -72,7 +72,7 @@ class Tokenizer:
 
     @classmethod
     def from_metadata(cls, tokenizer_json: str, tokenizer_config: dict, chat_template: str,
-                      generation_config: dict) -> "Tokenizer":
+                      generation_config: dict) -> Tokenizer:
         """From a .atomflow file's metadata (tokenizer_config's chat_template key names the source
         file there; the template itself is the chat_template argument)."""
         config = {k: v for k, v in (tokenizer_config or {}).items() if k != "chat_template"}

@@ -19,8 +19,8 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from .errors import FormatError
-from .spec import QUANT_GROUP, ModelSpec
+from atomflow.errors import FormatError
+from atomflow.model.spec import QUANT_GROUP, ModelSpec
 
 FORMAT_NAME = "atomflow"
 FORMAT_VERSION = "1"
@@ -138,7 +138,7 @@ class FileWriter:
             self._fh.close()
         self.tmp.unlink(missing_ok=True)
 
-    def __enter__(self) -> "FileWriter":
+    def __enter__(self) -> FileWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

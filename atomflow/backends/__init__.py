@@ -1,0 +1,37 @@
+"""Backends: what the Engine facade drives, and how one is chosen.
+
+A backend owns one KV cache and a position (tokens in the cache). Both implementations keep
+the same contract, so the facade, the tests and the validator treat them alike:
+  prefill(ids) -> fp32 logits [vocab] of the last token (appends ids at the position)
+  decode(token) -> fp32 logits [vocab] (appends one token)
+  reset(); rollback(position)
+  generate_ids(prompt_ids, params) -> iterator of sampled ids; it resets and prefills first.
+    Closing it early leaves the cache holding the prompt + every yielded id but the last.
+
+  cpu.py   CpuBackend: the numpy reference (runs everywhere)
+  cuda.py  CudaBackend: the _core engine (CUDA graph decode, pipelined generation)
+"""
+from __future__ import annotations
+
+import sys
+
+from atomflow.backends.cpu import CpuBackend
+from atomflow.device import cuda_status
+from atomflow.errors import BackendUnavailableError
+from atomflow.model.fileformat import AtomflowFile
+
+
+def make_backend(name: str, model: AtomflowFile, max_context: int, eager: bool | None = None,
+                 verbose: bool = False):
+    if name not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"backend must be auto, cpu or cuda, got {name!r}")
+    if name == "cpu":
+        return CpuBackend(model, max_context)
+    ok, why = cuda_status()
+    if not ok:
+        if name == "cuda":
+            raise BackendUnavailableError(f"cuda backend unavailable: {why}")
+        print(f"atomflow: running on the CPU backend (slow): {why}", file=sys.stderr)
+        return CpuBackend(model, max_context)
+    from atomflow.backends.cuda import CudaBackend
+    return CudaBackend(model, max_context, eager=eager, verbose=verbose)
