@@ -17,6 +17,7 @@ from atomflow.backends import make_backend
 from atomflow.model.fileformat import AtomflowFile
 from atomflow.model.tokenizer import IncrementalDecoder, Tokenizer
 from atomflow.sampling import SamplingParams, StopChecker
+from atomflow.tokens import check_ids, generation_budget
 
 DEFAULT_MAX_CONTEXT = 8192
 
@@ -105,7 +106,7 @@ class Engine:
         ids = self._check_ids(self.encode(prompt, chat), room=1)
         stats = self.stats = GenerationStats(load_s=self.stats.load_s, prompt_tokens=len(ids))
         eos = set() if params.ignore_eos else self.tokenizer.eos_token_ids
-        budget = min(params.max_new_tokens, self.max_context - len(ids) + 1)
+        budget = generation_budget(len(ids), params.max_new_tokens, self.max_context)
         stats.stop_reason = "length" if budget == params.max_new_tokens else "context"
         gen = self.backend.generate_ids(ids, params)
         t0 = t_first = time.perf_counter()
@@ -148,16 +149,10 @@ class Engine:
 
     def _check_ids(self, ids, room: int) -> np.ndarray:
         """ids as int32, each in [0, vocab), with `room` free cache slots left after them."""
-        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-        if ids.size == 0:
-            raise ValueError("empty prompt: nothing to run")
-        vocab = self.spec.vocab_size
-        if ids.min() < 0 or ids.max() >= vocab:
-            bad = int(ids[(ids < 0) | (ids >= vocab)][0])
-            raise ValueError(f"token id {bad} out of range [0, {vocab})")
+        ids = check_ids(ids, self.spec.vocab_size)
         if room and len(ids) + room > self.max_context:
             raise ValueError(f"prompt has {len(ids)} tokens; it does not fit max_context {self.max_context} "
                              f"(leave room for at least {room} generated token)")
         if not room and self.position + len(ids) > self.max_context:
             raise ValueError(f"{len(ids)} tokens at position {self.position} do not fit max_context {self.max_context}")
-        return ids.astype(np.int32)
+        return ids

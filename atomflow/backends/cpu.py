@@ -9,6 +9,7 @@ import numpy as np
 from atomflow.model.fileformat import AtomflowFile
 from atomflow.model.reference import ReferenceModel
 from atomflow.sampling import SamplingParams, sample_numpy
+from atomflow.tokens import generation_budget
 
 
 class CpuBackend:
@@ -64,10 +65,11 @@ class CpuBackend:
     def generate_ids(self, prompt_ids: np.ndarray, params: SamplingParams) -> Iterator[int]:
         self.reset()
         logits = self.prefill(prompt_ids)
-        for i in range(params.max_new_tokens):
+        budget = generation_budget(len(prompt_ids), params.max_new_tokens, self.max_context)
+        for i in range(budget):
             token = sample_numpy(logits, params, self.position)
             yield token
-            if i + 1 == params.max_new_tokens or self.position >= self.max_context:
+            if i + 1 == budget:
                 return
             logits = self.decode(token)
 

@@ -15,6 +15,7 @@ import numpy as np
 from atomflow.errors import BackendUnavailableError
 from atomflow.model.fileformat import AtomflowFile
 from atomflow.sampling import SamplingParams
+from atomflow.tokens import check_ids, generation_budget
 
 IN_FLIGHT = 4  # decode steps enqueued ahead of the one being read (the engine's ring holds 8)
 
@@ -87,7 +88,7 @@ class CudaBackend:
         return self.engine.device_allocations
 
     def prefill(self, ids: np.ndarray) -> np.ndarray:
-        ids = self._ids(ids)
+        ids = check_ids(ids, self.spec.vocab_size)
         self._end_run()
         return self.engine.prefill(ids)
 
@@ -97,7 +98,7 @@ class CudaBackend:
 
     def probed_prefill(self, ids: np.ndarray) -> dict[str, np.ndarray]:
         """prefill() run eagerly, returning the validator's probes (see CpuBackend)."""
-        ids = self._ids(ids)
+        ids = check_ids(ids, self.spec.vocab_size)
         self._end_run()
         return dict(self.engine.prefill_probed(ids))
 
@@ -117,22 +118,16 @@ class CudaBackend:
 
     def generate_ids(self, prompt_ids: np.ndarray, params: SamplingParams) -> Iterator[int]:
         """Resets, prefills, then yields up to params.max_new_tokens sampled ids (fewer when the
-        context fills). Checks the prompt now, not at the first next()."""
-        ids = self._ids(prompt_ids)
-        if len(ids) > self.max_context:
-            raise ValueError(f"prompt of {len(ids)} tokens does not fit max_context {self.max_context}")
-        vocab = self.spec.vocab_size
-        if ids.min() < 0 or ids.max() >= vocab:
-            bad = int(ids[(ids < 0) | (ids >= vocab)][0])
-            raise ValueError(f"token id {bad} out of range [0, {vocab})")
-        return self._generate(ids, params)
+        context fills). prompt_ids: checked int32 ids (atomflow.tokens.check_ids) that fit."""
+        if len(prompt_ids) > self.max_context:
+            raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit max_context {self.max_context}")
+        return self._generate(np.asarray(prompt_ids, dtype=np.int32), params)
 
     # -- internals ------------------------------------------------------------------------------
     def _generate(self, ids: np.ndarray, params: SamplingParams) -> Iterator[int]:
         eng = self.engine
         n = len(ids)
-        # Steps at positions n-1 .. max_context-1 can run: the same budget as the CPU backend.
-        budget = min(int(params.max_new_tokens), self.max_context - n + 1)
+        budget = generation_budget(n, params.max_new_tokens, self.max_context)
         seed = 0 if params.seed is None else int(params.seed)
         self._end_run()
         eng.reset()
@@ -167,14 +162,3 @@ class CudaBackend:
         if run is not None:
             self.engine.synchronize()
             self.engine.set_position(run.keep)
-
-    @staticmethod
-    def _ids(ids) -> np.ndarray:
-        a = np.asarray(ids)
-        if a.ndim != 1:
-            a = a.reshape(-1)
-        if a.size == 0:
-            raise ValueError("empty prompt: nothing to run")
-        if a.dtype.kind not in "iu":
-            raise ValueError(f"token ids must be integers, got dtype {a.dtype}")
-        return a  # the binding range-checks and converts to int32
