@@ -1,5 +1,5 @@
 // Which ways of touching data ahead of time leave it in L2 for a later streaming read? A standalone
-// probe (docs/PERF.md, 2026-11-21): after an L2 flush, each mode touches a 32 MB buffer, then a
+// probe (docs/perf-log.md, 2026-11-21): after an L2 flush, each mode touches a 32 MB buffer, then a
 // streaming kernel reads it; a read that hits L2 takes less time than a cold one.
 //
 //   nvcc -arch=sm_90 -O2 -o /tmp/l2_probe tools/l2_probe.cu && /tmp/l2_probe
