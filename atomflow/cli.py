@@ -129,7 +129,8 @@ def cmd_bench(a) -> int:
     from atomflow.bench.plan import make_options
     from atomflow.bench.report import render
     opts = make_options(a.model, n_prompt=a.n_prompt, n_gen=a.n_gen, context=a.context, repetitions=a.repetitions,
-                        warmup=not a.no_warmup, output=a.output, baselines=a.baseline, hf_dir=a.hf_dir, seed=a.seed)
+                        warmup=not a.no_warmup, output=a.output, baselines=a.baseline, hf_dir=a.hf_dir, seed=a.seed,
+                        compile_prefill=not a.eager_prefill)
     print(render(run_bench(opts), opts.output))
     return 0
 
@@ -228,10 +229,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-warmup", action="store_true", help="no untimed warm-up run before the tests")
     b.add_argument("-o", "--output", default="md", help="md (default) | json (every sample) | csv")
     b.add_argument("--baseline", action="append", default=[], metavar="NAME",
-                   help="hf | torch-compile | torch-compile-int8 | vllm | all (repeatable)")
+                   help="hf | torch-compile | torch-compile-int8 | torch-fp8 | vllm | all (repeatable)")
     b.add_argument("--hf-dir", default=None,
                    help="the model's original HF directory for the baselines (default: the file's recorded source)")
     b.add_argument("--seed", default="0", help="seed of the random token ids")
+    b.add_argument("--eager-prefill", action="store_true",
+                   help="torch-compile baselines: prefill eager (default: compiled, fullgraph, dynamic shapes)")
     b.set_defaults(fn=cmd_bench)
 
     pr = _one_line_errors(sub.add_parser(

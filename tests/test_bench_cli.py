@@ -74,3 +74,15 @@ def test_help_lists_the_options():
         assert flag in r.stdout
     r = atomflow("profile", "--help")
     assert r.returncode == 0 and "--steps" in r.stdout and "--plot" in r.stdout and "--json" in r.stdout
+
+
+def test_bench_baseline_flags_parse():
+    """--baseline torch-fp8 and --eager-prefill reach the bench options."""
+    from atomflow.bench.plan import make_options
+    from atomflow.cli import build_parser
+    a = build_parser().parse_args(["bench", "m.atomflow", "--baseline", "torch-compile", "--baseline", "torch-fp8",
+                                   "--eager-prefill"])
+    assert a.baseline == ["torch-compile", "torch-fp8"] and a.eager_prefill
+    opts = make_options(a.model, baselines=a.baseline, compile_prefill=not a.eager_prefill)
+    assert opts.baselines == ("torch-compile", "torch-fp8") and opts.compile_prefill is False
+    assert build_parser().parse_args(["bench", "m.atomflow"]).eager_prefill is False

@@ -55,14 +55,45 @@ def test_bench_tiny(tiny_model_file):
     assert "| atomflow | tg16 |" in render(res, "md") and render(res, "csv").count("\n") == 4
 
 
+def test_compiled_prefill_runs_fused_attention(tiny_hf_dir):
+    """The torch-compile baselines' compiled prefill: flash attention over a fresh cache,
+    memory-efficient attention (masked) for a chunk after earlier ones, never the math path; the
+    token equals the eager prefill's."""
+    torch = pytest.importorskip("torch")
+    from torch.profiler import ProfilerActivity, profile
+
+    from atomflow.bench.baselines.torch_runner import CompiledDecoder
+    dec = CompiledDecoder(tiny_hf_dir)
+    eager = CompiledDecoder(tiny_hf_dir, compile_prefill=False)
+    ids = torch.randint(0, 1024, (1, 96), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    for chunk in (2048, 40):
+        for d in (dec, eager):
+            d.prefill_chunk = chunk
+            d.start(200)
+        want = int(eager.prefill(ids))
+        dec.prefill(ids)  # compiles
+        dec.start(200)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            got = int(dec.prefill(ids))
+            torch.cuda.synchronize()
+        names = " ".join(e.key for e in prof.key_averages())
+        assert got == want
+        assert "flash_fwd" in names, names
+        if chunk == 40:
+            assert "fmha_cutlassF" in names or "efficient" in names, names
+    del dec, eager
+    torch._dynamo.reset()
+
+
 def test_bench_baselines_tiny(tiny_model_file, tiny_hf_dir):
-    """torch-compile (and its int8 variant, and hf) on the tiny model's HF directory, found through
-    the file's recorded source; vllm is reported as skipped where it is not installed."""
+    """torch-compile (and its int8 and FP8 variants, and hf) on the tiny model's HF directory, found
+    through the file's recorded source, prefill compiled and its attention a fused SDPA kernel;
+    vllm is reported as skipped where it is not installed."""
     pytest.importorskip("torch")
     res = json.loads(atomflow("bench", tiny_model_file, "-p", "32", "-n", "16", "-r", "2", "-o", "json",
                               "--baseline", "all").stdout)
     assert res["hf_dir"] == str(tiny_hf_dir.resolve()) and res["versions"]["torch"]
-    for name in ("torch-compile", "torch-compile-int8", "hf"):
+    for name in ("torch-compile", "torch-compile-int8", "torch-fp8", "hf"):
         rows = rows_of(res, name)
         assert set(rows) == {"pp32", "tg16"}
         for r in rows.values():
@@ -71,6 +102,12 @@ def test_bench_baselines_tiny(tiny_model_file, tiny_hf_dir):
         assert rows["tg16"]["tpot_ms_p50"] > 0
     tc = rows_of(res, "torch-compile")["tg16"]
     assert tc["compile_s"] > 0 and tc["cudagraph_skips"] == 0, "torch.compile ran without CUDA graphs"
+    for name in ("torch-compile", "torch-compile-int8", "torch-fp8"):
+        pp = rows_of(res, name)["pp32"]
+        assert pp["prefill_compile_s"] > 0 and "prefill: torch.compile(fullgraph, dynamic shapes)" in pp["recipe"]
+        assert "SDPA flash" in pp["recipe"], pp["recipe"]
+    assert "torch._scaled_mm rowwise" in rows_of(res, "torch-fp8")["pp32"]["recipe"]
+    assert "How each baseline ran:" in render(res, "md")
     assert rows_of(res, "torch-compile-int8")["tg16"]["bytes_per_token"] < tc["bytes_per_token"]
     ups = {(u["baseline"], u["test"]) for u in res["speedups"]}
     assert {("torch-compile", "tg16"), ("hf", "tg16"), ("torch-compile", "pp32")} <= ups

@@ -56,7 +56,12 @@ def test_bad_options(kw, needle):
 
 def test_baselines_all_and_dedup():
     o = make_options("m", baselines=["hf", "all", "hf"])
-    assert o.baselines == ("hf", "torch-compile", "torch-compile-int8", "vllm")
+    assert o.baselines == ("hf", "torch-compile", "torch-compile-int8", "torch-fp8", "vllm")
+
+
+def test_compile_prefill_option():
+    assert make_options("m").compile_prefill is True  # gpt-fast's --compile_prefill, by default
+    assert make_options("m", compile_prefill=False).compile_prefill is False
 
 
 def test_context_beyond_the_model():
@@ -102,14 +107,19 @@ def test_row_statistics():
     assert p["achieved_gbs"] == pytest.approx(1e7 * 1e4 / 1e9)
 
 
+RECIPE = ("bfloat16; decode: torch.compile(mode=reduce-overhead, fullgraph, static shapes); "
+          "prefill: torch.compile(fullgraph, dynamic shapes), SDPA flash")
+
+
 def synthetic_result() -> dict:
     rows = [
         measured_row("atomflow", PP, [20000.0, 21000.0], ttft_ms=[25.0, 26.0], bytes_per_token=1e7, bandwidth_gbs=4500.0),
         measured_row("atomflow", TG, [570.0, 580.0], tpot_ms=[[1.75] * 127, [1.72] * 127], bytes_per_token=3.34e9,
                  bandwidth_gbs=4500.0),
         measured_row("atomflow", DEEP, [500.0], tpot_ms=[[2.0] * 127], bytes_per_token=3.8e9, bandwidth_gbs=4500.0),
-        measured_row("torch-compile", PP, [5000.0], ttft_ms=[100.0]),
-        measured_row("torch-compile", TG, [350.0], tpot_ms=[[2.8] * 127], bytes_per_token=6.4e9, bandwidth_gbs=4500.0),
+        measured_row("torch-compile", PP, [5000.0], ttft_ms=[100.0], recipe=RECIPE, prefill_compile_s=30.25),
+        measured_row("torch-compile", TG, [350.0], tpot_ms=[[2.8] * 127], bytes_per_token=6.4e9, bandwidth_gbs=4500.0,
+                     recipe=RECIPE, compile_s=41.0, cudagraph_skips=0),
         skipped_row("torch-compile", DEEP, "out of GPU memory"),
     ] + [skipped_row("vllm", t, "vllm is not importable (ModuleNotFoundError: No module named 'vllm')")
          for t in (PP, TG, DEEP)]
@@ -136,6 +146,10 @@ def test_markdown():
     assert "| torch-compile | tg128@d4096 | skipped: out of GPU memory |" in md
     assert md.count("| vllm | all | skipped: vllm is not importable") == 1  # one line, not one per test
     assert "| torch-compile | 4.10x | 1.61x | - |" in md and "| vllm | - | - | - |" in md
+    # how each baseline ran, once per engine, with its compile times; nothing for a skipped one
+    assert md.count("- torch-compile: bfloat16; decode:") == 1 and "- vllm" not in md
+    assert ("prefill: torch.compile(fullgraph, dynamic shapes), SDPA flash. Compile (untimed warm-up, compiles "
+            "included): pp512: prefill 30.2 s; tg128: decode 41.0 s") in md
 
 
 def test_json_round_trip():
@@ -155,6 +169,7 @@ def test_csv():
     assert float(tc["speedup"]) == pytest.approx(2.8 / 1.735) and tc["gpu"] == "NVIDIA H200"
     skipped = next(r for r in rows if r["engine"] == "vllm" and r["test"] == "tg128")
     assert skipped["status"] == "skipped" and "vllm" in skipped["reason"] and skipped["tpot_ms_p50"] == ""
+    assert tc["recipe"] == RECIPE and float(tc["compile_s"]) == 41.0 and tc["prefill_compile_s"] == ""
 
 
 def test_unknown_format():

@@ -7,5 +7,5 @@
   result.py     one result: every sample, and the rows the report renders
   report.py     markdown / JSON / CSV
   profile.py    `atomflow profile`: the decode step broken down by kernel
-  baselines/    hf, torch-compile, torch-compile-int8, vllm
+  baselines/    hf, torch-compile, torch-compile-int8, torch-fp8, vllm
 """

@@ -74,5 +74,6 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] = log_stderr) -> di
                    weight_bytes=model.weight_bytes, quantization=model.quantization),
         hf_dir=str(hf_dir) if hf_dir else None,
         options=dict(n_prompt=list(opts.n_prompt), n_gen=list(opts.n_gen), contexts=list(opts.contexts),
-                     repetitions=opts.repetitions, warmup=opts.warmup, seed=opts.seed, max_context=opts.max_context),
+                     repetitions=opts.repetitions, warmup=opts.warmup, seed=opts.seed, max_context=opts.max_context,
+                     compile_prefill=opts.compile_prefill),
         tests=[t.name for t in opts.tests], baselines=list(order), rows=rows, speedups=speedups(rows))

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-BASELINES = ("hf", "torch-compile", "torch-compile-int8", "vllm")
+BASELINES = ("hf", "torch-compile", "torch-compile-int8", "torch-fp8", "vllm")
 FORMATS = ("md", "json", "csv")
 
 
@@ -52,6 +52,7 @@ class BenchOptions:
     baselines: tuple[str, ...] = ()
     hf_dir: str | None = None
     seed: int = 0
+    compile_prefill: bool = True  # the torch-compile baselines' prefill under torch.compile (gpt-fast's --compile_prefill)
     tests: tuple[BenchTest, ...] = field(default=(), compare=False)
 
     @property
@@ -84,7 +85,8 @@ def one_int(text: str, flag: str, minimum: int) -> int:
 
 def make_options(model: str, n_prompt: str = "512", n_gen: str = "128", context: str | None = None,
                  repetitions: str = "5", warmup: bool = True, output: str = "md",
-                 baselines: list[str] | None = None, hf_dir: str | None = None, seed: str = "0") -> BenchOptions:
+                 baselines: list[str] | None = None, hf_dir: str | None = None, seed: str = "0",
+                 compile_prefill: bool = True) -> BenchOptions:
     """The command line's strings -> checked options and their tests. ValueError names the flag."""
     ps = int_list(n_prompt, "-p", 0)
     ns = int_list(n_gen, "-n", 0)
@@ -109,7 +111,8 @@ def make_options(model: str, n_prompt: str = "512", n_gen: str = "128", context:
                 names.append(name)
     return BenchOptions(model=model, n_prompt=ps, n_gen=ns, contexts=depths,
                         repetitions=one_int(repetitions, "-r", 1), warmup=warmup, output=output,
-                        baselines=tuple(names), hf_dir=hf_dir, seed=one_int(seed, "--seed", 0), tests=tuple(tests))
+                        baselines=tuple(names), hf_dir=hf_dir, seed=one_int(seed, "--seed", 0),
+                        compile_prefill=compile_prefill, tests=tuple(tests))
 
 
 def check_fits_model(opts: BenchOptions, max_positions: int) -> None:

@@ -9,7 +9,8 @@ import json
 
 CSV_COLUMNS = ("engine", "test", "status", "reason", "n_prompt", "n_gen", "depth", "tokens_per_s_avg",
                "tokens_per_s_std", "tpot_ms_p50", "tpot_ms_p90", "tpot_ms_p99", "ttft_ms", "bytes_per_token",
-               "achieved_gbs", "efficiency", "speedup", "gpu", "read_bandwidth_gbs", "commit")
+               "achieved_gbs", "efficiency", "speedup", "gpu", "read_bandwidth_gbs", "commit", "recipe", "compile_s",
+               "prefill_compile_s")
 
 
 def render(result: dict, fmt: str) -> str:
@@ -57,6 +58,7 @@ def to_markdown(result: dict) -> str:
                      f"{_num(r['ttft_ms'], '.2f')} | {_num(mb, '.1f')} | {_num(r['achieved_gbs'], '.0f')} | {eff} |")
     lines += ["", "pp: prompt tokens/s, TTFT = prefill + first token; its bytes/efficiency are a floor "
               "(prefill is compute-bound). tg: TPOT percentiles over every gap; GB/s = bytes / TPOT p50."]
+    lines += recipes(rows)
     ups = result.get("speedups") or []
     if result.get("baselines"):
         tests = [t for t in dict.fromkeys(r["test"] for r in result["rows"] if r["engine"] == "atomflow")]
@@ -69,6 +71,21 @@ def to_markdown(result: dict) -> str:
                 cells.append(f"{s['speedup']:.2f}x" if s else "-")
             lines.append(f"| {b} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def recipes(rows: list[dict]) -> list[str]:
+    """How each baseline ran: its recipe, then its compile times per test (compiles happen in
+    untimed warm-up runs: decode at each cache length, prefill at each prompt length)."""
+    out = []
+    for engine in dict.fromkeys(r["engine"] for r in rows if r.get("recipe")):
+        mine = [r for r in rows if r["engine"] == engine and r.get("recipe")]
+        times = [f"{r['test']}: " + ", ".join(f"{what} {r[key]:.1f} s" for what, key in
+                                            (("decode", "compile_s"), ("prefill", "prefill_compile_s"))
+                                            if r.get(key) is not None)
+                 for r in mine if r.get("compile_s") is not None or r.get("prefill_compile_s") is not None]
+        out.append(f"- {engine}: {mine[0]['recipe']}" +
+                   (f". Compile (untimed warm-up, compiles included): {'; '.join(times)}" if times else ""))
+    return ["", "How each baseline ran:", "", *out] if out else []
 
 
 def to_csv(result: dict) -> str:

@@ -3,9 +3,16 @@ same tests (prompt lengths, generated tokens, depths, random token ids) as our e
 
   hf                  transformers eager, bf16, a manual greedy loop over past_key_values
   torch-compile       atomflow.bench.baselines.torch_llama (gpt-fast recipe), bf16, decode step under
-                      torch.compile(mode="reduce-overhead", fullgraph=True)
+                      torch.compile(mode="reduce-overhead", fullgraph=True), prefill under
+                      torch.compile(fullgraph=True, dynamic=True) with KV heads repeated so a fused
+                      SDPA kernel runs (gpt-fast's --compile_prefill; --eager-prefill: eager)
   torch-compile-int8  the same with int8 weight-only linears
+  torch-fp8           the same with FP8 linears: e4m3 weights with per-row scales, activations
+                      quantized per token, torch._scaled_mm with rowwise scales (sm89+)
   vllm                vLLM's offline LLM, bf16, when it is importable
+
+Every measured row of a torch baseline carries `recipe` (precision, what is compiled and how,
+which attention runs) and, where compiled, the compile times (compile_s, prefill_compile_s).
 
 A baseline that cannot run here (no torch, no CUDA, no HF directory, an import error, out of
 memory) gives rows marked skipped with the reason; nothing is estimated. torch is imported only
