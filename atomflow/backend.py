@@ -5,8 +5,10 @@ the same contract, so the facade, the tests and the validator treat them alike:
   prefill(ids) -> fp32 logits [vocab] of the last token (appends ids at the position)
   decode(token) -> fp32 logits [vocab] (appends one token)
   reset(); rollback(position)
-  generate_ids(prompt_ids, params) -> iterator of sampled ids; it resets and prefills first.
-    Closing it early leaves the cache holding the prompt + every yielded id but the last.
+  generate_ids(prompt_ids, params, start=0) -> iterator of sampled ids; it rolls the cache back to
+    `start` (0: reset) and prefills prompt_ids[start:] first (the caller vouches that the cache
+    holds prompt_ids[:start]; start < len(prompt_ids)). Closing it early leaves the cache holding
+    the prompt + every yielded id but the last.
 """
 from __future__ import annotations
 
@@ -72,9 +74,11 @@ class CpuBackend:
         # a long prompt runs in chunks: the last chunk's final_norm/logits are the last position
         return {k: (v[-1] if k in ("final_norm", "logits") else np.concatenate(v)) for k, v in got.items()}
 
-    def generate_ids(self, prompt_ids: np.ndarray, params: SamplingParams) -> Iterator[int]:
-        self.reset()
-        logits = self.prefill(prompt_ids)
+    def generate_ids(self, prompt_ids: np.ndarray, params: SamplingParams, start: int = 0) -> Iterator[int]:
+        if not 0 <= start < len(prompt_ids):
+            raise ValueError(f"start {start} must be in [0, {len(prompt_ids)}) (at least one prompt token runs)")
+        self.rollback(start)
+        logits = self.prefill(prompt_ids[start:])
         for i in range(params.max_new_tokens):
             token = sample_numpy(logits, params, self.position)
             yield token
