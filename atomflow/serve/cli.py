@@ -50,6 +50,9 @@ def cmd_serve(a) -> int:
     cfg = ServeConfig(model=a.model, model_name=name, max_context=a.max_context, backend=a.backend,
                       max_queue=a.queue, request_timeout=a.request_timeout, api_key=a.api_key or None,
                       max_tokens=a.max_tokens, eager=a.eager or None)
+    # The engine thread holds the GIL between steps (all the time, on the CPU backend): hand it
+    # over to the event loop more often than the default 5 ms, so streams and disconnects stay prompt.
+    sys.setswitchinterval(0.001)
     app = create_app(cfg)
     server = uvicorn.Server(uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level,
                                            access_log=a.log_level == "debug", timeout_graceful_shutdown=5,
