@@ -92,13 +92,26 @@ class Guard:
         self.metrics.requests.labels(endpoint, str(status.get("code", 0))).inc()
 
 
+def warm_up(eng) -> None:
+    """One short run before the server says it is ready, so that the first request's TTFT is not
+    the first call's one-time costs (template compile, first kernels, allocator pools)."""
+    if eng.tokenizer.has_chat_template:
+        eng.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+    ids = eng.tokenizer.encode("Hello there", add_special_tokens=True)[:max(1, eng.max_context - 4)]
+    for _ in eng.generate_tokens(ids, SamplingParams(temperature=1.0, seed=0, max_new_tokens=4, ignore_eos=True)):
+        pass
+    eng.reset()
+
+
 def create_app(cfg: ServeConfig, load=None) -> FastAPI:
     """load: () -> Engine (default: Engine.load(cfg.model, ...)); it runs on the engine thread."""
     metrics = Metrics()
     if load is None:
         def load():
             from ..engine import Engine
-            return Engine.load(cfg.model, backend=cfg.backend, max_context=cfg.max_context, eager=cfg.eager)
+            eng = Engine.load(cfg.model, backend=cfg.backend, max_context=cfg.max_context, eager=cfg.eager)
+            warm_up(eng)
+            return eng
     worker = EngineWorker(load, cfg.max_queue, metrics)
 
     @contextlib.asynccontextmanager
@@ -266,7 +279,7 @@ def create_app(cfg: ServeConfig, load=None) -> FastAPI:
 
         def chunk(text: str | None, finish: str | None = None, first: bool = False) -> str:
             if chat:
-                delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
+                delta = {"role": "assistant", "content": ""} if first else ({} if text is None else {"content": text})
                 choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
             else:
                 choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
@@ -279,9 +292,8 @@ def create_app(cfg: ServeConfig, load=None) -> FastAPI:
                 events = [await job.events.get()]
                 while not job.events.empty():  # the client fell behind: catch up in one chunk
                     events.append(job.events.get_nowait())
-                text = "".join(e[1] for e in events if e[0] == "text")
-                if text:
-                    yield chunk(text)
+                if any(e[0] == "text" for e in events):  # one chunk per token (or per catch-up)
+                    yield chunk("".join(e[1] for e in events if e[0] == "text"))
                 end = next((e for e in events if e[0] in ("done", "error")), None)
                 if end is None:
                     continue

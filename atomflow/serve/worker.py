@@ -3,7 +3,9 @@
 The asyncio side submits a Job and reads its events from an asyncio.Queue; the engine thread
 runs jobs in arrival order, posting events through loop.call_soon_threadsafe:
   ("start",)              the run began (the job left the queue)
-  ("text", str)           new text (UTF-8 safe, stop strings cut)
+  ("text", str)           one token's new text (UTF-8 safe, stop strings cut; "" while a
+                          character or a possible stop string is incomplete, so that a stream
+                          shows every token's timing, even of ids the tokenizer lacks)
   ("done", Result)        the run ended
   ("error", ApiError)     it could not run
 Cancellation is a flag the generation loop reads after every token: set it and the run ends
@@ -174,7 +176,7 @@ class EngineWorker:
                     t_first = t_last
                     m.ttft.observe(t_first - job.arrival)
                 text, stopped = stopper.feed(decoder.feed(token))
-                if text:
+                if text or not stopped:
                     job.post("text", text)
                 if stopped:
                     finish = "stop"
