@@ -23,7 +23,7 @@ class Server:
         cmd = [sys.executable, "-m", "atomflow.cli", "serve", str(model), "--port", "0", "--backend", "cpu", *args]
         if api_key:
             cmd += ["--api-key", api_key]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        env = {**os.environ,  # as tests/test_cli.py: the atomflow that the tests import (PYTHONPATH or installed)
                # BLAS on one thread: the event loop needs a core, and on a small shared machine a BLAS
                # pool spinning against it stalls a CPU prefill by hundreds of ms.
                "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
