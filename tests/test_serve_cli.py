@@ -73,3 +73,18 @@ def test_a_failed_load_is_reported(tmp_path):
         r = client.get("/health")
         assert r.status_code == 503 and "max_context" in r.json()["message"]
         assert client.get("/v1/models").json()["error"]["code"] == "model_load_failed"
+
+
+def test_queue_zero_still_runs_one(tiny_model_file):
+    """--queue 0: no request waits, but one still runs when the engine is free."""
+    from fastapi.testclient import TestClient
+
+    from atomflow import Engine
+    from atomflow.serve.app import ServeConfig, create_app
+
+    app = create_app(ServeConfig(model=str(tiny_model_file), model_name="tiny", max_queue=0),
+                     load=lambda: Engine.load(tiny_model_file, backend="cpu", max_context=128))
+    with TestClient(app) as client:
+        app.state.worker.loaded.wait(30)
+        r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "ignore_eos": True})
+        assert r.status_code == 200, r.text

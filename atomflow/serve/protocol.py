@@ -29,9 +29,6 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-Number = Union[StrictInt, float]
-
-
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=False)
 

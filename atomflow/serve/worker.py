@@ -109,7 +109,8 @@ class EngineWorker:
     def submit(self, job: Job) -> None:
         """Queues the job, or raises the 503 to answer when max_queue jobs already wait."""
         with self._cv:
-            if len(self._queue) >= self.max_queue:
+            idle = self.current is None and not self._queue and self.ready  # it starts at once: no place taken
+            if len(self._queue) >= self.max_queue and not idle:
                 self.metrics.rejected.labels("queue_full").inc()
                 raise ApiError(503, f"the server is busy: {self.max_queue} requests are already waiting (--queue); "
                                "retry later", code="queue_full", headers={"Retry-After": "1"})
