@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
+from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -183,22 +184,23 @@ def create_app(cfg: ServeConfig, load=None) -> FastAPI:
             raise ApiError(400, f"{field} is {limit}; this server allows at most {cfg.max_tokens} (--max-tokens)",
                            field, "invalid_value")
         if room < 1 or (limit is not None and limit > room):
-            asked = f"{n_prompt + limit} tokens ({n_prompt} in the prompt, {limit} in the completion)" \
-                if limit is not None else f"{n_prompt} tokens in the prompt and at least 1 to generate"
+            if limit is None or room < 1:
+                asked, param = f"{n_prompt} tokens in the prompt and at least 1 to generate", \
+                    "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
+            else:
+                asked, param = f"{n_prompt + limit} tokens ({n_prompt} in the prompt, {limit} in the completion)", field
             raise ApiError(400, f"This model's maximum context length is {eng.max_context} tokens. However, you "
-                           f"requested {asked}.", field if limit is not None and n_prompt < eng.max_context
-                           else "messages" if isinstance(req, ChatCompletionRequest) else "prompt",
-                           "context_length_exceeded")
+                           f"requested {asked}.", param, "context_length_exceeded")
         gc = eng.model.metadata_json("generation_config", {}) or {}
 
         def pick(v, key, fallback):
             return v if v is not None else (gc.get(key) if gc.get(key) is not None else fallback)
-        top_k = pick(req.top_k, "top_k", 0)
         try:
-            return SamplingParams(temperature=pick(req.temperature, "temperature", 1.0), top_p=pick(req.top_p, "top_p", 1.0),
-                                  top_k=max(int(top_k), 0), seed=req.seed, max_new_tokens=limit or min(cfg.max_tokens, room),
-                                  stop=req.stops, ignore_eos=req.ignore_eos)
-        except ValueError as e:
+            return SamplingParams(temperature=pick(req.temperature, "temperature", 1.0),
+                                  top_p=pick(req.top_p, "top_p", 1.0), top_k=max(int(pick(req.top_k, "top_k", 0)), 0),
+                                  seed=req.seed, max_new_tokens=limit or min(cfg.max_tokens, room), stop=req.stops,
+                                  ignore_eos=req.ignore_eos)
+        except ValueError as e:  # a generation_config default out of range
             raise ApiError(400, str(e)) from None
 
     # -- running a job ------------------------------------------------------------------------------
@@ -238,8 +240,11 @@ def create_app(cfg: ServeConfig, load=None) -> FastAPI:
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         if req.stream:
+            # background: runs however the response ends, even when the client left before the
+            # stream started (then the generator's own finally never runs)
             return StreamingResponse(stream(job, rid, created, chat, req.include_usage), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                                     background=BackgroundTask(job.cancel))
         collect = asyncio.ensure_future(collect_text(job))
         gone = asyncio.ensure_future(wait_disconnect(request))
         done, _ = await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
