@@ -164,3 +164,26 @@ def test_metrics(server):
         assert name in text, name
     assert 'atomflow_requests_total{endpoint="/v1/chat/completions",status="200"}' in text
     assert json.loads(server.get("/health").text)["busy"] is False
+
+
+def test_a_client_leaving_the_queue_frees_its_place(server):
+    """A request waiting behind a long stream, whose client gives up, leaves the queue at once and
+    never runs."""
+    long = {"prompt": [5, 6, 7], "max_tokens": 3000, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=30) as c, c.stream("POST", server.url + "/v1/completions", json=long,
+                                                  headers=server.headers) as r:
+        lines = r.iter_lines()  # held: a dropped iterator closes the response
+        next(lines)
+        with pytest.raises(httpx.ReadTimeout):
+            with httpx.Client(timeout=httpx.Timeout(30, read=0.3)) as q:
+                q.post(server.url + "/v1/completions", json={"prompt": "queued", "max_tokens": 5},
+                       headers=server.headers)
+        t0 = time.perf_counter()
+        while True:
+            h = httpx.get(server.url + "/health").json()
+            if h["queued"] == 0:
+                break
+            assert time.perf_counter() - t0 < 1.0, "the abandoned request still waits"
+            time.sleep(0.01)
+        assert h["busy"]  # the long stream still runs
+    server.wait_idle(limit=1.0)
