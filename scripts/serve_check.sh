@@ -52,16 +52,17 @@ try:
 except Exception as e:  # bench failed or has no tg row
     bench, tg = None, {"test": f"(no bench: {e})"}
 load = json.load(open(f"{out}/serve_load.json"))["runs"][0]
-served = 1e3 * load["tpot"]["p50"]
+served, itl = 1e3 * load["tpot"]["p50"], 1e3 * load["itl"]["p50"]
 turns = json.load(open(f"{out}/serve_turns.json"))["runs"][0]["turns"]
 cancel = json.load(open(f"{out}/serve_cancel.json"))["runs"][0]
 print(f"engine tg TPOT p50 ({tg['test']}): {bench if bench is None else f'{bench:.3f} ms'}")
-print(f"served TPOT p50 (SSE, concurrency 1, {load['input_len']} in / {load['output_len']} out): {served:.3f} ms"
-      + (f"  ({100 * (served / bench - 1):+.1f}% vs the engine; target within 3%)" if bench else ""))
+print(f"served (SSE, concurrency 1, {load['input_len']} in / {load['output_len']} out): TPOT p50 {served:.3f} ms"
+      + (f" ({100 * (served / bench - 1):+.1f}% vs the engine; target within 3%)" if bench else "")
+      + f", inter-token p50 {itl:.3f} ms" + (f" ({100 * (itl / bench - 1):+.1f}%)" if bench else ""))
 print("TTFT by chat turn (ms p50): " + ", ".join(f"{t['turn']}: {1e3 * t['ttft_p50']:.1f}" for t in turns)
       + f"  (prompt {turns[0]['prompt_tokens']} -> {turns[-1]['prompt_tokens']} tokens)")
 print(f"cancel: client close -> engine free p50 {1e3 * cancel['client_p50']:.1f} ms, p99 "
       f"{1e3 * cancel['client_p99']:.1f} ms; server flag -> free {1e3 * cancel['server_mean']:.2f} ms mean")
-json.dump(dict(engine_tpot_ms=bench, served_tpot_ms=served, turns=turns, cancel=cancel),
+json.dump(dict(engine_tpot_ms=bench, served_tpot_ms=served, served_itl_ms=itl, turns=turns, cancel=cancel),
           open(f"{out}/serve_summary.json", "w"), indent=2)
 EOF

@@ -6,7 +6,8 @@ modes (any combination; default: load):
   load     --concurrency C --num-requests N --input-len P --output-len G
            N streamed /v1/completions requests of P random token ids each, G tokens out (EOS ignored),
            at most C in flight. Per request TTFT (send to the first token's chunk), TPOT ((last chunk -
-           first chunk) / (tokens - 1)) and end-to-end latency; p50 / p99, tokens/s, rejected (503/504).
+           first chunk) / (tokens - 1)), inter-token latency (every gap between chunks, pooled) and
+           end-to-end latency; mean / p50 / p99, output tokens/s, rejected (503/504).
   turns    --turns T --first-turn-len P --turn-len U --output-len G [--conversations K]
            K chat conversations of T turns: a long first user turn (about P tokens), then short ones
            (about U tokens); the whole history is sent each turn. TTFT and cached prompt tokens per
@@ -16,7 +17,7 @@ modes (any combination; default: load):
            to /health saying the engine is free, and the server's own cancel-to-free histogram.
 
 Served TPOT vs the engine's: run `atomflow bench MODEL -p P -n G` and `load --concurrency 1` with the
-same P and G, and compare tg TPOT p50 with TPOT p50 here.
+same P and G, and compare tg TPOT p50 (pooled gaps) with ITL p50 here (and TPOT p50, per request).
 """
 from __future__ import annotations
 
@@ -114,10 +115,14 @@ async def run_load(a, headers) -> dict:
     for k in ("ttft", "tpot", "e2e"):
         xs = [t[k] for t in done if t[k] == t[k]]
         out[k] = {"mean": float(np.mean(xs)) if xs else float("nan"), "p50": pct(xs, 50), "p99": pct(xs, 99)}
+    # inter-token latency: every gap between consecutive chunks, pooled (as `atomflow bench` pools its
+    # TPOT samples); one chunk is one token unless the client fell behind
+    gaps = [g for r in results if r.get("chunks") for g in np.diff(r["chunks"])]
+    out["itl"] = {"mean": float(np.mean(gaps)) if gaps else float("nan"), "p50": pct(gaps, 50), "p99": pct(gaps, 99)}
     print(f"load: C={a.concurrency} N={a.num_requests} P={a.input_len} G={a.output_len} | completed {len(done)}, "
           f"rejected {rejected}, failed {failed} | {wall:.2f} s, {out['output_tokens_per_s']:.1f} output tokens/s")
     print(f"{'ms':>6} {'mean':>9} {'p50':>9} {'p99':>9}")
-    for k in ("ttft", "tpot", "e2e"):
+    for k in ("ttft", "tpot", "itl", "e2e"):
         print(f"{k:>6} {ms(out[k]['mean'])} {ms(out[k]['p50'])} {ms(out[k]['p99'])}")
     return out
 
