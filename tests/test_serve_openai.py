@@ -126,7 +126,7 @@ def test_disconnect_mid_stream_frees_the_engine(server, client):
                 n += line.startswith("data:")
                 if n >= 5:
                     break
-    latency = server.wait_idle(limit=1.0)  # the connection is closed here
+    latency = server.wait_idle(limit=2.0)  # the connection is closed here
     print(f"engine free {1e3 * latency:.1f} ms after the client left (streaming)")
     assert server.metric("atomflow_cancelled_requests_total") == cancelled_before + 1
     assert server.metric("atomflow_generated_tokens_total") - gen_before < 1000  # stopped long before 3000
@@ -139,7 +139,7 @@ def test_disconnect_while_not_streaming_frees_the_engine(server, client):
     with pytest.raises(httpx.ReadTimeout):
         with httpx.Client(timeout=httpx.Timeout(30, read=0.5)) as c:
             c.post(server.url + "/v1/completions", json=body, headers=server.headers)
-    latency = server.wait_idle(limit=1.0)
+    latency = server.wait_idle(limit=2.0)
     print(f"engine free {1e3 * latency:.1f} ms after the client left (not streaming)")
     assert server.metric("atomflow_cancelled_requests_total") == cancelled_before + 1
     assert client.completions.create(model="tiny", prompt="next", max_tokens=2).usage.completion_tokens >= 1
@@ -183,7 +183,7 @@ def test_a_client_leaving_the_queue_frees_its_place(server):
             h = httpx.get(server.url + "/health").json()
             if h["queued"] == 0:
                 break
-            assert time.perf_counter() - t0 < 1.0, "the abandoned request still waits"
+            assert time.perf_counter() - t0 < 2.0, "the abandoned request still waits"
             time.sleep(0.01)
         assert h["busy"]  # the long stream still runs
     server.wait_idle(limit=1.0)
