@@ -88,3 +88,32 @@ def test_queue_zero_still_runs_one(tiny_model_file):
         app.state.worker.loaded.wait(30)
         r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "ignore_eos": True})
         assert r.status_code == 200, r.text
+
+
+def test_an_engine_failure_is_a_500_error_object_and_the_next_request_runs(tiny_model_file):
+    from fastapi.testclient import TestClient
+
+    from atomflow import Engine
+    from atomflow.serve.app import ServeConfig, create_app
+
+    eng = Engine.load(tiny_model_file, backend="cpu", max_context=128)
+    real = eng.generate_tokens
+    calls = []
+
+    def flaky(*args, **kw):
+        calls.append(1)
+        if len(calls) == 2:  # the second request fails (load= skips the warm-up)
+            raise RuntimeError("device lost")
+        return real(*args, **kw)
+
+    eng.generate_tokens = flaky
+    app = create_app(ServeConfig(model=str(tiny_model_file), model_name="tiny"), load=lambda: eng)
+    with TestClient(app) as client:
+        app.state.worker.loaded.wait(30)
+        body = {"prompt": "hi", "max_tokens": 2, "ignore_eos": True}
+        assert client.post("/v1/completions", json=body).status_code == 200
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 500 and "engine failed" in r.json()["error"]["message"]
+        assert "Traceback" not in r.text and "device lost" not in r.text
+        stream = client.post("/v1/completions", json={**body, "stream": True})
+        assert stream.status_code == 200 and stream.text.rstrip().endswith("data: [DONE]")
