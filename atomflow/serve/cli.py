@@ -53,6 +53,9 @@ def cmd_serve(a) -> int:
     # The engine thread holds the GIL between steps (all the time, on the CPU backend): hand it
     # over to the event loop more often than the default 5 ms, so streams and disconnects stay prompt.
     sys.setswitchinterval(0.001)
+    if a.host not in ("127.0.0.1", "localhost", "::1") and not cfg.api_key:
+        print(f"atomflow serve: warning: listening on {a.host} without --api-key: anyone who can reach it can use it",
+              file=sys.stderr, flush=True)
     app = create_app(cfg)
     server = uvicorn.Server(uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level,
                                            access_log=a.log_level == "debug", timeout_graceful_shutdown=5,
