@@ -72,7 +72,8 @@ def cmd_serve(a) -> int:
                   file=sys.stderr, flush=True)
     import threading
     threading.Thread(target=watch_load, daemon=True).start()
-    print(f"atomflow serve: http://{a.host}:{a.port} (loading {a.model})", file=sys.stderr, flush=True)
+    where = f"http://{a.host}:{a.port}" if a.port else f"{a.host}, a free port (uvicorn's line below names it)"
+    print(f"atomflow serve: {where} (loading {a.model})", file=sys.stderr, flush=True)
     server.run()
     if worker.load_error:
         raise RuntimeError(worker.load_error)
