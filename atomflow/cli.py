@@ -1,4 +1,4 @@
-"""The `atomflow` command: quantize, info, run, validate, download, bench, profile, sandbox."""
+"""The `atomflow` command: quantize, info, run, serve, validate, download, bench, profile, sandbox."""
 from __future__ import annotations
 
 import argparse
@@ -250,6 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     from atomflow.sandbox.cli import register as register_sandbox
     register_sandbox(sub)
+    from .serve.cli import register as register_serve
+    register_serve(sub)
     return p
 
 

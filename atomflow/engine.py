@@ -27,10 +27,16 @@ class GenerationStats:
     """Timings of the last generate call, in the llama.cpp summary's terms."""
     load_s: float = 0.0
     prompt_tokens: int = 0
+    reused_tokens: int = 0     # prompt tokens already in the cache (reuse_prefix), not prefilled again
     prompt_s: float = 0.0      # prefill + the first sampled token (time to first token)
     generated_tokens: int = 0
     decode_s: float = 0.0      # every token after the first
     stop_reason: str = ""      # eos | stop | length | context
+
+    @property
+    def prefilled_tokens(self) -> int:
+        """Prompt tokens this call ran through the model (prompt_tokens - reused_tokens)."""
+        return self.prompt_tokens - self.reused_tokens
 
     @property
     def ms_per_token(self) -> float:
@@ -43,6 +49,7 @@ class Engine:
         self.model, self.backend, self.tokenizer = model, backend, tokenizer
         self.spec = model.spec
         self.stats = GenerationStats(load_s=load_s)
+        self._cached: list[int] = []  # the token ids the cache holds, in order (len == position)
 
     @classmethod
     def load(cls, path: str | os.PathLike, backend: str = "auto", max_context: int | None = None,
@@ -79,15 +86,39 @@ class Engine:
 
     def prefill(self, ids: Sequence[int]) -> np.ndarray:
         """Appends token ids to the cache; fp32 logits [vocab] of the last one."""
-        return self.backend.prefill(self._check_ids(ids, room=0))
+        ids = self._check_ids(ids, room=0)
+        self._cached = self.cached_ids  # what the cache held before (or [] if unknown)
+        logits = self.backend.prefill(ids)
+        self._cached += ids.tolist()
+        return logits
 
     def decode(self, token: int) -> np.ndarray:
         """Appends one token; its fp32 logits [vocab]."""
         self._check_ids([token], room=0)
-        return self.backend.decode(int(token))
+        self._cached = self.cached_ids
+        logits = self.backend.decode(int(token))
+        self._cached.append(int(token))
+        return logits
 
     def reset(self) -> None:
         self.backend.reset()
+        self._cached = []
+
+    @property
+    def cached_ids(self) -> list[int]:
+        """The token ids the KV cache holds (positions 0 .. position-1), as far as this facade has
+        seen them fill it; [] when the backend was driven around the facade (the lengths disagree)."""
+        return list(self._cached) if len(self._cached) == self.backend.position else []
+
+    def common_prefix(self, ids: Sequence[int]) -> int:
+        """How many leading ids the cache already holds: what generate_tokens(reuse_prefix=True)
+        skips, except that at least the last prompt token always runs."""
+        cached = self.cached_ids
+        n = min(len(cached), len(ids))
+        if n == 0:
+            return 0
+        diff = np.flatnonzero(np.asarray(cached[:n], dtype=np.int64) != np.asarray(ids[:n], dtype=np.int64))
+        return int(diff[0]) if diff.size else n
 
     # -- generation ----------------------------------------------------------------------------
     def encode(self, prompt: str | Sequence[int], chat: bool | None = None) -> np.ndarray:
@@ -99,19 +130,26 @@ class Engine:
         return np.asarray(prompt, dtype=np.int32)
 
     def generate_tokens(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                        chat: bool | None = None) -> Iterator[int]:
+                        chat: bool | None = None, reuse_prefix: bool = False) -> Iterator[int]:
         """Yields sampled token ids; stops at an EOS id (not yielded; unless ignore_eos), at
-        max_new_tokens, or when the context is full. Starts a fresh conversation."""
+        max_new_tokens, or when the context is full. Starts a fresh conversation, unless
+        reuse_prefix: then the longest common prefix of the prompt and the ids the cache holds
+        (cached_ids) stays, and only the rest is prefilled (llama-server's cache_prompt); at least
+        the last prompt token runs. stats.reused_tokens says how many were kept."""
         params = params or SamplingParams()
         ids = self._check_ids(self.encode(prompt, chat), room=1)
-        stats = self.stats = GenerationStats(load_s=self.stats.load_s, prompt_tokens=len(ids))
+        start = min(self.common_prefix(ids), len(ids) - 1) if reuse_prefix else 0
+        stats = self.stats = GenerationStats(load_s=self.stats.load_s, prompt_tokens=len(ids), reused_tokens=start)
         eos = set() if params.ignore_eos else self.tokenizer.eos_token_ids
         budget = generation_budget(len(ids), params.max_new_tokens, self.max_context)
         stats.stop_reason = "length" if budget == params.max_new_tokens else "context"
-        gen = self.backend.generate_ids(ids, params)
+        self._cached = self._cached[:start]
+        gen = self.backend.generate_ids(ids, params, start=start)
+        sampled: list[int] = []  # every id the backend yielded (an EOS too): the cache keeps all but the last
         t0 = t_first = time.perf_counter()
         try:
             for token in gen:
+                sampled.append(token)
                 now = time.perf_counter()
                 if stats.generated_tokens == 0:
                     stats.prompt_s, t_first = now - t0, now
@@ -125,6 +163,7 @@ class Engine:
                     return
         finally:
             gen.close()
+            self._cached = (ids.tolist() + sampled)[:self.backend.position]  # prompt + sampled but the last
 
     def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                  chat: bool | None = None) -> Iterator[str]:

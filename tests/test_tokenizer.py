@@ -163,6 +163,10 @@ def test_out_of_vocab_ids_decode_to_nothing(tok):
     assert tok.decode([5000, *ids, 128255, -1]) == "ok"
     dec = IncrementalDecoder(tok)
     assert "".join([dec.feed(i) for i in (100000, *ids, 2000)] + [dec.flush()]) == "ok"
+    # a long run of unknown ids keeps the decode window short, and text after it still streams
+    dec = IncrementalDecoder(tok)
+    assert "".join(dec.feed(i) for i in range(2000, 3000)) == "" and len(dec.ids) - dec.prefix <= 9
+    assert "".join([dec.feed(i) for i in ids] + [dec.flush()]) == "ok"
 
 
 def test_incremental_decode_of_non_ascii_corpus(tok):

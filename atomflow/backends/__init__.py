@@ -5,8 +5,10 @@ the same contract, so the facade, the tests and the validator treat them alike:
   prefill(ids) -> fp32 logits [vocab] of the last token (appends ids at the position)
   decode(token) -> fp32 logits [vocab] (appends one token)
   reset(); rollback(position)
-  generate_ids(prompt_ids, params) -> iterator of sampled ids; it resets and prefills first.
-    Closing it early leaves the cache holding the prompt + every yielded id but the last.
+  generate_ids(prompt_ids, params, start=0) -> iterator of sampled ids; it rolls the cache back to
+    `start` (0: reset) and prefills prompt_ids[start:] first (the caller vouches that the cache
+    holds prompt_ids[:start]; start < len(prompt_ids)). Closing it early leaves the cache holding
+    the prompt + every yielded id but the last.
 
   cpu.py   CpuBackend: the numpy reference (runs everywhere)
   cuda.py  CudaBackend: the _core engine (CUDA graph decode, pipelined generation)

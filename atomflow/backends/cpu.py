@@ -62,9 +62,11 @@ class CpuBackend:
         # a long prompt runs in chunks: the last chunk's final_norm/logits are the last position
         return {k: (v[-1] if k in ("final_norm", "logits") else np.concatenate(v)) for k, v in got.items()}
 
-    def generate_ids(self, prompt_ids: np.ndarray, params: SamplingParams) -> Iterator[int]:
-        self.reset()
-        logits = self.prefill(prompt_ids)
+    def generate_ids(self, prompt_ids: np.ndarray, params: SamplingParams, start: int = 0) -> Iterator[int]:
+        if not 0 <= start < len(prompt_ids):
+            raise ValueError(f"start {start} must be in [0, {len(prompt_ids)}) (at least one prompt token runs)")
+        self.rollback(start)
+        logits = self.prefill(prompt_ids[start:])
         budget = generation_budget(len(prompt_ids), params.max_new_tokens, self.max_context)
         for i in range(budget):
             token = sample_numpy(logits, params, self.position)

@@ -116,25 +116,34 @@ class CudaBackend:
             raise ValueError(f"rollback to {position}: must be in [0, {self.engine.position}]")
         self.engine.set_position(int(position))
 
-    def generate_ids(self, prompt_ids: np.ndarray, params: SamplingParams) -> Iterator[int]:
-        """Resets, prefills, then yields up to params.max_new_tokens sampled ids (fewer when the
-        context fills). prompt_ids: checked int32 ids (atomflow.tokens.check_ids) that fit."""
-        if len(prompt_ids) > self.max_context:
-            raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit max_context {self.max_context}")
-        return self._generate(np.asarray(prompt_ids, dtype=np.int32), params)
+    def generate_ids(self, prompt_ids: np.ndarray, params: SamplingParams, start: int = 0) -> Iterator[int]:
+        """Rolls back to `start` (0: resets; the cache must hold prompt_ids[:start]), prefills the
+        rest, then yields up to params.max_new_tokens sampled ids (fewer when the context fills).
+        prompt_ids: checked ids (atomflow.tokens.check_ids) that fit. Checks `start` now, not at the
+        first next()."""
+        ids = np.asarray(prompt_ids, dtype=np.int32)
+        if len(ids) > self.max_context:
+            raise ValueError(f"prompt of {len(ids)} tokens does not fit max_context {self.max_context}")
+        self._end_run()  # the position is exact only once no run is in flight
+        if not 0 <= start < len(ids) or start > self.engine.position:
+            raise ValueError(f"start {start} must be in [0, {len(ids)}) and at most the position {self.engine.position}")
+        return self._generate(ids, params, int(start))
 
     # -- internals ------------------------------------------------------------------------------
-    def _generate(self, ids: np.ndarray, params: SamplingParams) -> Iterator[int]:
+    def _generate(self, ids: np.ndarray, params: SamplingParams, start: int) -> Iterator[int]:
         eng = self.engine
         n = len(ids)
         budget = generation_budget(n, params.max_new_tokens, self.max_context)
         seed = 0 if params.seed is None else int(params.seed)
         self._end_run()
-        eng.reset()
+        if start:
+            eng.set_position(start)  # the cache already holds ids[:start] (a reused prefix)
+        else:
+            eng.reset()
         eng.set_sampling(float(params.temperature), int(params.top_k or 0),
                          float(1.0 if params.top_p is None else params.top_p), seed)
-        if n > 1:
-            eng.prefill(ids[:-1])
+        if n - 1 > start:
+            eng.prefill(ids[start:-1])
         eng.begin(int(ids[-1]))
         run = self._run = _Run(keep=n - 1)
         enqueued = yielded = 0

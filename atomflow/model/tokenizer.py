@@ -176,6 +176,8 @@ class IncrementalDecoder:
     Concatenating every feed() and the final flush() gives decode(all ids).
     """
 
+    MAX_SILENT = 8  # ids in a window that decodes to "" before it is cut short
+
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
@@ -194,6 +196,10 @@ class IncrementalDecoder:
         if len(text) > len(printed) and not text.endswith("\ufffd"):
             self.prefix, self.read = self.read, len(self.ids)
             return text[len(printed):]
+        if not text and len(self.ids) - self.prefix > self.MAX_SILENT:
+            # a run of ids that print nothing (specials, ids the tokenizer lacks: a random model's):
+            # nothing is pending, so keep one id of context and stop decoding an ever longer window
+            self.prefix = self.read = len(self.ids) - 1
         return ""
 
     def flush(self) -> str:
