@@ -15,3 +15,28 @@ class UnsupportedModelError(AtomflowError, ValueError):
 
 class BackendUnavailableError(AtomflowError, RuntimeError):
     """The requested backend cannot run here (no CUDA core built, no GPU)."""
+
+
+class ChatTemplateError(AtomflowError, ValueError):
+    """A model's chat template that does not compile or fails to render a conversation."""
+
+
+class NonFiniteLogitsError(AtomflowError, ValueError):
+    """Logits with NaN or Inf: the weights (or their scales) hold values the engine cannot use."""
+
+    def __init__(self, message: str, position: int | None = None):
+        super().__init__(message)
+        self.position = position
+
+
+class OutputPathError(AtomflowError, ValueError):
+    """An output path that cannot be written (a directory, an existing file without --force, ...)."""
+
+
+class InterruptedBySignal(AtomflowError):
+    """A catchable signal arrived during a job that cleans up after itself (quantize)."""
+
+    def __init__(self, signum: int):
+        import signal
+        self.signum = signum
+        super().__init__(f"interrupted by {signal.Signals(signum).name}")

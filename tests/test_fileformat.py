@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from atomflow.errors import FormatError
-from atomflow.model.fileformat import AtomflowFile, FileWriter, TensorInfo, expected_tensors
+from atomflow.model.fileformat import AtomflowFile, FileWriter, TensorInfo, encode_header, expected_tensors
 
 
 def test_table_matches_spec_and_checksum_verifies(tiny_model_file):
@@ -48,8 +48,7 @@ def _rewrite_header(path, fn):
     (n,) = struct.unpack("<Q", raw[:8])
     header = json.loads(raw[8:8 + n])
     fn(header)
-    new = json.dumps(header).encode()
-    new += b" " * (-(8 + len(new)) % 8)
+    new = encode_header(header)  # re-sealed: only the structural checks can catch the change
     path.write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n:])
 
 

@@ -179,8 +179,9 @@ class ModelSpec:
         if not (self.rope_theta > 0 and math.isfinite(self.rope_theta)):
             bad(f"rope_theta {self.rope_theta}")
         if self.rope_type == "llama3":
-            if not self.rope_factor > 0 or not self.rope_original_max_position_embeddings > 0:
-                bad("llama3 rope scaling needs factor > 0 and original_max_position_embeddings > 0")
+            if not (self.rope_factor > 0 and self.rope_low_freq_factor > 0
+                    and self.rope_original_max_position_embeddings > 0):
+                bad("llama3 rope scaling needs factor > 0, low_freq_factor > 0 and original_max_position_embeddings > 0")
             if not self.rope_high_freq_factor > self.rope_low_freq_factor:
                 bad("llama3 rope scaling needs high_freq_factor > low_freq_factor")
 

@@ -14,6 +14,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
 
+from atomflow.errors import ChatTemplateError, FormatError
+
 
 def _token_text(v) -> str | None:
     """tokenizer_config tokens are a string or an AddedToken dict {"content": ...}."""
@@ -118,7 +120,11 @@ class Tokenizer:
                    if self.config.get(k) is not None}
         context = {**special, "tools": None, "documents": None, **kwargs}
         context.update(messages=copy.deepcopy(list(messages)), add_generation_prompt=add_generation_prompt)
-        return _compile(self.chat_template).render(**context)
+        template = _compile_checked(self.chat_template)
+        try:
+            return template.render(**context)
+        except Exception as e:  # a template is code: raise_exception(), undefined names, 1 / 0, ...
+            raise ChatTemplateError(f"the chat template failed to render: {_one_line(e)}") from None
 
     def encode_prompt(self, prompt: str, chat: bool) -> list[int]:
         """chat: one user turn through the template, encoded without adding special tokens (the
@@ -127,6 +133,43 @@ class Tokenizer:
             text = self.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
             return self.encode(text, add_special_tokens=False)
         return self.encode(prompt, add_special_tokens=True)
+
+
+def _one_line(e: BaseException) -> str:
+    msg = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {msg[0][:200]}" if msg else type(e).__name__
+
+
+def _compile_checked(template: str):
+    try:
+        return _compile(template)
+    except Exception as e:  # jinja2.TemplateSyntaxError and anything a broken template raises while compiling
+        raise ChatTemplateError(f"the chat template does not compile: {_one_line(e)}") from None
+
+
+def checked_tokenizer(path, tokenizer_json: str, tokenizer_config: dict, chat_template: str,
+                      generation_config: dict, vocab_size: int) -> Tokenizer:
+    """Tokenizer.from_metadata, with every failure a one-line FormatError naming `path`: the
+    tokenizer must parse and know no more ids than the model's vocab, the chat template (if any)
+    must compile and render one user turn to at least one token."""
+    try:
+        tok = Tokenizer.from_metadata(tokenizer_json, tokenizer_config, chat_template, generation_config)
+    except BaseException as e:  # tokenizers raises Exception, and a Rust panic arrives as a BaseException
+        if isinstance(e, (KeyboardInterrupt, SystemExit, MemoryError)):
+            raise
+        raise FormatError(f"{path}: the tokenizer does not load ({_one_line(e)})") from None
+    if tok.vocab_size > vocab_size:
+        raise FormatError(f"{path}: the tokenizer knows {tok.vocab_size} ids, more than the model's vocab_size {vocab_size}")
+    try:
+        ids = tok.encode_prompt("Hello", chat=tok.has_chat_template)
+    except ChatTemplateError as e:
+        raise FormatError(f"{path}: {e}") from None
+    except Exception as e:
+        raise FormatError(f"{path}: the tokenizer fails to encode text ({_one_line(e)})") from None
+    if not ids:
+        raise FormatError(f"{path}: the {'chat template' if tok.has_chat_template else 'tokenizer'} turns a prompt "
+                          f"into no tokens")
+    return tok
 
 
 @functools.lru_cache(maxsize=8)
