@@ -317,10 +317,13 @@ def check_documents(path, meta: dict[str, str], spec: ModelSpec) -> dict[str, di
         out[doc] = d
     if "tokenizer" not in meta:
         raise _fail(path, "no tokenizer in the metadata")
+    return out
+
+
+def check_checksum_field(path, meta: dict[str, str]) -> None:
     checksum = meta.get("checksum")
     if checksum is None or not _SHA256.fullmatch(checksum):
         raise _fail(path, f"malformed data checksum {_short(checksum, 24)} (want sha256:<64 hex digits>)")
-    return out
 
 
 # -- the data (with --verify) ----------------------------------------------------------------------

@@ -73,6 +73,11 @@ def expected_tensors(spec: ModelSpec, lm_head: str) -> list[TensorInfo]:
 
 
 # ---------------------------------------------------------------------------------------
+def temp_path(path: Path, pid: int | None = None) -> Path:
+    """Where the writer builds `path` before renaming it into place: PATH.tmp-<pid>."""
+    return path.with_name(f"{path.name}.tmp-{os.getpid() if pid is None else pid}")
+
+
 class FileWriter:
     """Streams tensors, in table order, into `path` via a temporary file.
 
@@ -86,7 +91,7 @@ class FileWriter:
         self.metadata = {k: str(v) for k, v in metadata.items()}
         self.metadata["checksum"] = _CHECKSUM_PLACEHOLDER
         self.metadata[filecheck.HEADER_CHECKSUM] = _CHECKSUM_PLACEHOLDER  # filled in by encode_header
-        self.tmp = self.path.with_name(f"{self.path.name}.tmp-{os.getpid()}")
+        self.tmp = temp_path(self.path)
         self._index = 0          # tensor being written
         self._written = 0        # bytes of it written so far
         self._hash = hashlib.sha256()
@@ -185,6 +190,7 @@ class AtomflowFile:
         self.spec = filecheck.spec_from_metadata(self.path, meta)
         self.quantization = filecheck.quantization_from_metadata(self.path, meta, self.spec)
         self.documents = filecheck.check_documents(self.path, meta, self.spec)
+        filecheck.check_checksum_field(self.path, meta)
         rows = filecheck.parse_table(self.path, header, {k: v.itemsize for k, v in DTYPES.items()})
         self.tensors = {name: TensorInfo(name, dtype, shape, self.data_offset + b) for name, dtype, shape, b, _ in rows}
         filecheck.check_quantization_against_tensors(self.path, self.quantization,
