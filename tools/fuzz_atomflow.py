@@ -73,9 +73,16 @@ class Parsed:
     data: bytes
 
 
+_parsed: dict[int, Parsed] = {}
+
+
 def parse(raw: bytes) -> Parsed:
-    (n,) = struct.unpack("<Q", raw[:8])
-    return Parsed(raw, n, json.loads(raw[8:8 + n]), raw[8 + n:])
+    """The base file's parts (cached: every variant starts from the same base; callers copy what they change)."""
+    p = _parsed.get(id(raw))
+    if p is None or p.raw is not raw:
+        (n,) = struct.unpack("<Q", raw[:8])
+        p = _parsed[id(raw)] = Parsed(raw, n, json.loads(raw[8:8 + n]), raw[8 + n:])
+    return p
 
 
 def pack(header: dict, data: bytes, resign: bool = True) -> bytes:
