@@ -40,7 +40,8 @@ def cmd_info(a) -> int:
                     spec=m.spec.to_dict(), quantization=m.quantization, tensors=len(m.tensors),
                     bytes_by_dtype=by_dtype, decode_bytes_per_token=m.weight_bytes,
                     kv_bytes_per_token=m.spec.kv_bytes_per_token(), checksum=m.checksum,
-                    checksum_verified=bool(a.verify), source=m.metadata_json("source", {}),
+                    checksum_verified=bool(a.verify), header_checksum_verified=m.header_checked,
+                    source=m.metadata_json("source", {}),
                     generation_config=m.metadata_json("generation_config", {}),
                     has_chat_template=bool(m.raw_metadata.get("chat_template")),
                     created_by=m.raw_metadata.get("created_by"))
@@ -64,6 +65,8 @@ def cmd_info(a) -> int:
         print(f"  source    {src.get('repo_id') or src.get('path')}" +
               (f" @ {src['revision']}" if src.get("revision") else ""))
         print(f"  checksum  {m.checksum}" + (" (verified)" if a.verify else ""))
+        print("  header    " + ("checksum verified" if m.header_checked else
+                                "unchecked: the file predates header checksums (re-quantize to add one)"))
     return 0
 
 
