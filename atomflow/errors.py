@@ -33,10 +33,19 @@ class OutputPathError(AtomflowError, ValueError):
     """An output path that cannot be written (a directory, an existing file without --force, ...)."""
 
 
-class InterruptedBySignal(AtomflowError):
-    """A catchable signal arrived during a job that cleans up after itself (quantize)."""
+class InterruptedBySignal(KeyboardInterrupt):
+    """A catchable signal arrived during a job that cleans up after itself (quantize). A
+    KeyboardInterrupt, not an AtomflowError, so that no `except Exception` on the way swallows it."""
 
     def __init__(self, signum: int):
-        import signal
         self.signum = signum
-        super().__init__(f"interrupted by {signal.Signals(signum).name}")
+        super().__init__(f"interrupted by {signal_name(signum)}")
+
+
+def signal_name(signum: int) -> str:
+    """SIGTERM, ..., and SIGRTMIN+n for the real-time signals (which signal.Signals does not name)."""
+    import signal
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"SIGRTMIN+{signum - signal.SIGRTMIN}"
