@@ -220,8 +220,8 @@ def _meta_op(p: Parsed, rng) -> tuple[str, dict, bytes]:
         if how == "layers":
             spec["num_layers"] = 10**9
             m["spec"] = json.dumps(spec)
-        elif how == "remove":
-            del spec[str(_pick(rng, sorted(spec)))]
+        elif how == "remove":  # a field without a default (lm_head_fp8 defaults to its usual value: still valid)
+            del spec[str(_pick(rng, sorted(k for k in spec if k != "lm_head_fp8")))]
             m["spec"] = json.dumps(spec)
         else:
             m["spec"] = {"notjson": "{num_layers: 1", "list": "[]", "null": "null"}[how]
