@@ -1,5 +1,5 @@
 """An interrupted quantize leaves nothing behind: each catchable signal that would end the process
-(quantize.CLEANUP_SIGNALS) makes it remove its OUT.tmp-<pid> and exit 128 + signum with one line;
+(quantize_io.CLEANUP_SIGNALS) makes it remove its OUT.tmp-<pid> and exit 128 + signum with one line;
 SIGKILL cannot be caught, so the next quantize to the same output sweeps the stale temporary.
 
 The writer is slowed (a sleep per write) so that the signal lands mid-file. Every signal runs in a
@@ -14,12 +14,12 @@ import time
 import pytest
 
 from atomflow.errors import signal_name
-from atomflow.model.quantize import CLEANUP_SIGNALS
+from atomflow.model.quantize_io import CLEANUP_SIGNALS
 
 SLOW_WRITER = """
 import signal, sys, time
 import atomflow.model.fileformat as ff
-from atomflow.model.quantize import CLEANUP_SIGNALS
+from atomflow.model.quantize_io import CLEANUP_SIGNALS
 write = ff.FileWriter.write
 def slow(self, name, a):
     time.sleep(0.05)

@@ -17,7 +17,7 @@ import re
 import numpy as np
 
 from atomflow.errors import FormatError, UnsupportedModelError
-from atomflow.model.spec import ModelSpec
+from atomflow.model.spec import QUANT_GROUP, ModelSpec
 
 HEADER_CHECKSUM = "header_checksum"
 _HEADER_CHECKSUM_KEY = b'"header_checksum":"sha256:'
@@ -267,7 +267,6 @@ def check_quantization_against_tensors(path, q: dict, tensors: dict[str, tuple[s
     if q["scheme"] not in SCHEMES:
         raise _fail(path, f"quantization scheme {q['scheme']!r} is not supported (this atomflow reads "
                           f"{', '.join(SCHEMES)})")
-    from atomflow.model.spec import QUANT_GROUP
     if q["group_size"] != QUANT_GROUP:
         raise _fail(path, f"quantization.group_size {q['group_size']} is not supported (this atomflow reads {QUANT_GROUP})")
     if q["scale_dtype"] not in SCALE_DTYPES:

@@ -9,24 +9,20 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import glob
 import json
 import os
 import re
-import signal
 import sys
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import ml_dtypes
 import numpy as np
-from safetensors import safe_open
 
 from atomflow import __version__
-from atomflow.errors import InterruptedBySignal, OutputPathError, UnsupportedModelError
-from atomflow.model import filecheck
+from atomflow.errors import UnsupportedModelError
+from atomflow.model import quantize_io
 from atomflow.model.fileformat import FORMAT_NAME, FORMAT_VERSION, FileWriter, expected_tensors, temp_path
 from atomflow.model.spec import QUANT_GROUP, ModelSpec
 
@@ -58,14 +54,14 @@ class _Source:
     def __init__(self, hf_dir: Path):
         index = hf_dir / "model.safetensors.index.json"
         if index.is_file():
-            weight_map = _weight_map(index)
+            weight_map = quantize_io.weight_map(index)
         else:
             shards = sorted(hf_dir.glob("*.safetensors"))
             if not shards:
                 raise FileNotFoundError(f"{hf_dir}: no *.safetensors weights (PyTorch .bin checkpoints are not supported)")
             weight_map = {}
             for shard in shards:
-                with _open_shard(shard) as f:
+                with quantize_io.open_shard(shard) as f:
                     weight_map.update({k: shard.name for k in f.keys()})
         self.dir, self.weight_map = hf_dir, weight_map
         self.dtypes: set[str] = set()
@@ -80,7 +76,7 @@ class _Source:
         path = self.dir / self.weight_map[name]
         if not path.is_file():
             raise FileNotFoundError(f"{path}: shard named in the index is missing")
-        with _open_shard(path) as f:
+        with quantize_io.open_shard(path) as f:
             sl = f.get_slice(name)
             dt = sl.get_dtype()
             if dt not in SOURCE_DTYPES:
@@ -109,44 +105,6 @@ class _Source:
             return np.asarray(sl[:], dtype=np.float32)
 
 
-def _weight_map(index: Path) -> dict[str, str]:
-    """The index's weight_map: tensor name -> a shard file in the same directory."""
-    d = read_json_object(index)
-    wm = d.get("weight_map")
-    if not isinstance(wm, dict) or not wm:
-        raise UnsupportedModelError(f"{index}: no weight_map (an object of tensor name -> shard file)")
-    for name, shard in wm.items():
-        if not isinstance(shard, str) or not shard or Path(shard).name != shard:
-            raise UnsupportedModelError(f"{index}: weight_map[{name!r}] must name a file in the same directory, "
-                                        f"got {shard!r:.60}")
-    return wm
-
-
-@contextlib.contextmanager
-def _open_shard(path: Path):
-    """safe_open, its errors (not safetensors, truncated, ...) one line naming the shard."""
-    try:
-        f = safe_open(path, "numpy")
-    except Exception as e:  # safetensors raises SafetensorError (an Exception) and OSError
-        msg = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise UnsupportedModelError(f"{path}: not a readable safetensors file ({msg[:120]})") from None
-    with f:
-        yield f
-
-
-def read_json_object(path: Path, missing_ok: bool = False) -> dict:
-    """A JSON object from `path` ({} when missing and missing_ok); else one-line UnsupportedModelError."""
-    if missing_ok and not path.is_file():
-        return {}
-    try:
-        d = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise UnsupportedModelError(f"{path}: not valid JSON ({str(e).splitlines()[0][:80]})") from None
-    if not isinstance(d, dict):
-        raise UnsupportedModelError(f"{path}: must hold a JSON object, got a {type(d).__name__}")
-    return d
-
-
 @dataclass
 class _ErrStats:
     """Relative quantization error ||W - W'|| / ||W|| of each matrix, accumulated over row blocks."""
@@ -169,7 +127,7 @@ class _ErrStats:
 
 def _metadata(hf_dir: Path, spec: ModelSpec, lm_head: str, source_dtype: str) -> dict[str, str]:
     def read_json(name: str) -> dict:
-        return read_json_object(hf_dir / name, missing_ok=True)
+        return quantize_io.read_json_object(hf_dir / name, missing_ok=True)
 
     tok = hf_dir / "tokenizer.json"
     if not tok.is_file():
@@ -178,7 +136,7 @@ def _metadata(hf_dir: Path, spec: ModelSpec, lm_head: str, source_dtype: str) ->
     chat_template = tok_cfg.get("chat_template") or ""
     template_src = "tokenizer_config.json" if chat_template else ""
     if (hf_dir / "chat_template.jinja").is_file():
-        chat_template, template_src = _read_text(hf_dir / "chat_template.jinja"), "chat_template.jinja"
+        chat_template, template_src = quantize_io.read_text(hf_dir / "chat_template.jinja"), "chat_template.jinja"
     if isinstance(chat_template, list):  # named templates: take the default one
         chat_template = next((t.get("template") for t in chat_template if isinstance(t, dict) and t.get("name") == "default"),
                              "")
@@ -194,7 +152,7 @@ def _metadata(hf_dir: Path, spec: ModelSpec, lm_head: str, source_dtype: str) ->
         return v
 
     config, gen = read_json("config.json"), read_json("generation_config.json")
-    generation = _generation_config(hf_dir, config, gen, spec.vocab_size)
+    generation = quantize_io.generation_config(hf_dir, config, gen, spec.vocab_size)
     source = read_json(SOURCE_FILE)
     return {
         "format": FORMAT_NAME,
@@ -202,7 +160,7 @@ def _metadata(hf_dir: Path, spec: ModelSpec, lm_head: str, source_dtype: str) ->
         "spec": spec.to_json(),
         "quantization": json.dumps(dict(scheme="fp8_e4m3fn_w8a16", group_size=QUANT_GROUP, scale_dtype="F32",
                                         lm_head=lm_head, source_dtype=source_dtype)),
-        "tokenizer": _read_text(tok),
+        "tokenizer": quantize_io.read_text(tok),
         "tokenizer_config": json.dumps(dict(bos_token=token_text("bos_token"),
                                             eos_token=token_text("eos_token"),
                                             add_bos_token=tok_cfg.get("add_bos_token") is True,
@@ -213,135 +171,6 @@ def _metadata(hf_dir: Path, spec: ModelSpec, lm_head: str, source_dtype: str) ->
                                   path=str(hf_dir.resolve()))),
         "created_by": f"atomflow {__version__}",
     }
-
-
-def _read_text(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise UnsupportedModelError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-
-
-def _generation_config(hf_dir: Path, config: dict, gen: dict, vocab: int) -> dict:
-    """The file's generation_config from generation_config.json (and config.json's ids): EOS and
-    BOS ids in the vocab, default sampling values the sampler takes, else a one-line error."""
-    def where(key: str) -> Path:
-        return hf_dir / ("generation_config.json" if key in gen else "config.json")
-
-    def token_id(key: str, v) -> int:
-        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < vocab:
-            raise UnsupportedModelError(f"{where(key)}: {key} must be token ids in [0, {vocab}), got {v!r:.60}")
-        return v
-
-    eos: list[int] = []
-    for src in (gen.get("eos_token_id"), config.get("eos_token_id")):
-        for e in (src if isinstance(src, list) else [] if src is None else [src]):
-            if token_id("eos_token_id", e) not in eos:
-                eos.append(e)
-    bos = gen.get("bos_token_id", config.get("bos_token_id"))
-    out = dict(bos_token_id=None if bos is None else token_id("bos_token_id", bos), eos_token_ids=eos)
-    for key, ok, want in (("temperature", lambda v: 0 <= v <= 1e6, "a number >= 0"),
-                          ("top_p", lambda v: 0 < v <= 1, "a number in (0, 1]"),
-                          ("top_k", lambda v: isinstance(v, int) and 0 <= v < 2**31, "an integer >= 0")):
-        v = gen.get(key)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not ok(v)):
-            raise UnsupportedModelError(f"{hf_dir / 'generation_config.json'}: {key} must be {want}, got {v!r:.60}")
-        out[key] = v
-    return out
-
-
-def _check_tokenizer(hf_dir: Path, meta: dict[str, str], spec: ModelSpec) -> None:
-    """What the reader will check of the file's metadata, checked now: the tokenizer loads and fits
-    the vocab, the chat template renders, the documents have their types."""
-    from atomflow.errors import FormatError
-    from atomflow.model.tokenizer import checked_tokenizer
-    try:
-        docs = filecheck.check_documents(hf_dir, meta, spec)
-        checked_tokenizer(hf_dir / "tokenizer.json", meta["tokenizer"], docs["tokenizer_config"],
-                          meta["chat_template"], docs["generation_config"], spec.vocab_size)
-    except FormatError as e:
-        raise UnsupportedModelError(str(e)) from None
-
-
-def check_output_path(out: str | Path, hf_dir: Path, force: bool = False) -> Path:
-    """Before any work: `out` must be a file path in a writable directory, not a file of the source
-    model, and not an existing file unless force."""
-    out = Path(out)
-    if out.is_dir():
-        raise OutputPathError(f"{out}: is a directory; name the output file (e.g. {out / 'model.atomflow'})")
-    parent = out.parent
-    if not parent.is_dir():
-        raise OutputPathError(f"{out}: directory {parent} does not exist")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise OutputPathError(f"{out}: directory {parent} is not writable")
-    if out.exists():
-        for f in hf_dir.iterdir():
-            with contextlib.suppress(OSError):
-                if f.is_file() and os.path.samefile(f, out):
-                    raise OutputPathError(f"{out}: is {f.name} of the source model {hf_dir}; choose another output path")
-        if not out.is_file():
-            raise OutputPathError(f"{out}: exists and is not a regular file")
-        if not force:
-            raise OutputPathError(f"{out}: exists; pass --force to overwrite it")
-    return out
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # EPERM: alive, someone else's
-        return True
-    return True
-
-
-def sweep_stale_temps(out: Path, log) -> list[Path]:
-    """Removes OUT.tmp-<pid> files left by quantize runs to the same output that are gone (killed
-    by SIGKILL, the machine lost power): nothing else can remove them."""
-    removed = []
-    for p in out.parent.glob(glob.escape(out.name) + ".tmp-*"):
-        pid = p.name.rsplit(".tmp-", 1)[1]
-        if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)) and p.is_file():
-            p.unlink(missing_ok=True)
-            removed.append(p)
-            log(f"atomflow: removed {p}, the temporary file of an interrupted quantize (pid {pid})")
-    return removed
-
-
-# Signals whose default action ends the process and that a handler can catch (SIGKILL and
-# SIGSTOP cannot be; SIGPIPE and SIGXFSZ Python ignores, so a write fails with an exception instead;
-# the synchronous faults SIGSEGV, SIGBUS, SIGILL, SIGFPE, SIGABRT are not for Python handlers).
-CLEANUP_SIGNALS = tuple(getattr(signal, n) for n in ("SIGHUP", "SIGINT", "SIGQUIT", "SIGTERM", "SIGUSR1", "SIGUSR2",
-                                                     "SIGALRM", "SIGXCPU", "SIGVTALRM", "SIGPROF", "SIGIO", "SIGPWR")
-                        if hasattr(signal, n)) + tuple(range(signal.SIGRTMIN, signal.SIGRTMAX + 1))
-
-
-@contextlib.contextmanager
-def _raise_on_signals():
-    """Inside: each catchable signal (CLEANUP_SIGNALS) that would end the process raises
-    InterruptedBySignal in the main thread instead, so the temporary file is removed on the way
-    out; after the first, the rest are ignored until the cleanup is done. Signals the caller
-    ignores (nohup) stay ignored. Only the main thread can install handlers: elsewhere, no-op."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    old = {}
-
-    def handler(signum, frame):
-        for s in old:
-            signal.signal(s, signal.SIG_IGN)
-        raise InterruptedBySignal(signum)
-
-    for s in CLEANUP_SIGNALS:
-        with contextlib.suppress(OSError, ValueError):
-            if signal.getsignal(s) in (signal.SIG_DFL, signal.default_int_handler):
-                old[s] = signal.signal(s, handler)
-    try:
-        yield
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
 
 
 def resolve_hf_dir(model: str | Path) -> Path:
@@ -371,9 +200,9 @@ def quantize(hf_dir: str | Path, out: str | Path, lm_head: str = "fp8", progress
     hf_dir = resolve_hf_dir(hf_dir)
     if lm_head not in ("fp8", "bf16"):
         raise ValueError(f"lm_head must be fp8 or bf16, got {lm_head!r}")
-    out = check_output_path(out, hf_dir, force)
-    sweep_stale_temps(out, log)
-    with _raise_on_signals():
+    out = quantize_io.check_output_path(out, hf_dir, force)
+    quantize_io.sweep_stale_temps(out, log)
+    with quantize_io.raise_on_signals():
         try:
             return _quantize(hf_dir, out, lm_head, progress, log)
         except BaseException:
@@ -385,7 +214,7 @@ def _quantize(hf_dir: Path, out: Path, lm_head: str, progress: bool, log) -> dic
     if not (hf_dir / "config.json").is_file():
         raise FileNotFoundError(f"no config.json in {hf_dir}")
     try:
-        spec = ModelSpec.from_hf_config(read_json_object(hf_dir / "config.json"), lm_head_fp8=(lm_head == "fp8"))
+        spec = ModelSpec.from_hf_config(quantize_io.read_json_object(hf_dir / "config.json"), lm_head_fp8=(lm_head == "fp8"))
     except UnsupportedModelError as e:
         raise UnsupportedModelError(e if str(e).startswith(str(hf_dir)) else f"{hf_dir}: {e}") from None
     src = _Source(hf_dir)
@@ -435,7 +264,7 @@ def _quantize(hf_dir: Path, out: Path, lm_head: str, progress: bool, log) -> dic
     pool = ThreadPoolExecutor(threads)
     try:
         meta = _metadata(hf_dir, spec, head_mode, SOURCE_DTYPES[first])
-        _check_tokenizer(hf_dir, meta, spec)
+        quantize_io.check_tokenizer(hf_dir, meta, spec)
         with FileWriter(out, tensors, meta) as w:
             write_bf16(w, "embed", "model.embed_tokens.weight", (spec.vocab_size, d))
             for i in range(spec.num_layers):

@@ -199,6 +199,7 @@ CONFIG_TYPES: dict[str, tuple[type, ...]] = {
 }
 
 _NOT_NULL = ("rms_norm_eps", "rope_theta", "max_position_embeddings")  # read through float() / int()
+_ROPE_NUMBERS = ("rope_theta", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
 def check_config_types(config) -> None:
@@ -218,11 +219,12 @@ def check_config_types(config) -> None:
         if isinstance(v, float) and not math.isfinite(v):
             raise UnsupportedModelError(f"config.json: {key} must be finite, got {v!r}")
     for key in ("rope_scaling", "rope_parameters"):
-        for k, v in (config.get(key) or {}).items():
-            if isinstance(v, dict):  # rope_parameters per layer type
-                continue
-            if k not in ("rope_type", "type") and v is not None and (isinstance(v, bool) or not isinstance(v, _NUMBER)):
-                raise UnsupportedModelError(f"config.json: {key}.{k} must be a number, got {v!r:.60}")
+        rope = config.get(key) or {}
+        for d in [rope] + [v for v in rope.values() if isinstance(v, dict)]:  # rope_parameters per layer type
+            for k in _ROPE_NUMBERS:
+                v = d.get(k)
+                if v is not None and (isinstance(v, bool) or not isinstance(v, _NUMBER)):
+                    raise UnsupportedModelError(f"config.json: {key}.{k} must be a number, got {v!r:.60}")
 
 
 def check_architecture(config: dict) -> None:
