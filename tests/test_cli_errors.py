@@ -106,6 +106,8 @@ FILE_CASES = [  # (argv with {f}=files dir / {m}=the valid model, needles; {path
     (["info", "{f}/flipped.atomflow", "--verify"], ["checksum mismatch", "{f}/flipped.atomflow"]),
     (["info", "{f}/dir.atomflow"], ["is a directory"]),
     (["info", "{f}/missing.atomflow"], ["no such model file"]),
+    (["info", ""], ["no model file given (the path is empty)"]),
+    (["run", "", *RUN], ["no model file given"]),
     (["info"], ["info: the following arguments are required: model"]),
     (["run", "{m}", *RUN, "--top-p", "1.5"], ["top_p must be in (0, 1]"]),
     (["run", "{m}", *RUN, "--top-p", "0"], ["top_p"]),
@@ -234,7 +236,7 @@ def test_bad_model_dir_is_one_line(capsys, hf_copy, tmp_path, case, edit, needle
 
 
 # -- the output path -------------------------------------------------------------------------------
-@pytest.mark.parametrize("case", ["directory", "no-parent", "exists", "source-shard", "source-shard-forced",
+@pytest.mark.parametrize("case", ["directory", "empty", "no-parent", "exists", "source-shard", "source-shard-forced",
                                   "source-config-forced"])
 def test_bad_output_path(capsys, hf_copy, tmp_path, case):
     outdir = tmp_path / "out"
@@ -243,6 +245,7 @@ def test_bad_output_path(capsys, hf_copy, tmp_path, case):
     existing.write_bytes(b"keep me")
     out, extra, needle = {
         "directory": (outdir, [], "is a directory"),
+        "empty": ("", [], "no output file given"),
         "no-parent": (tmp_path / "nope" / "m.atomflow", [], "does not exist"),
         "exists": (existing, [], "exists; pass --force to overwrite it"),
         "source-shard": (hf_copy / "model-00001-of-00002.safetensors", [], "of the source model"),

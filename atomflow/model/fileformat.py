@@ -163,6 +163,8 @@ class AtomflowFile:
     """A checked, memory-mapped .atomflow file. Raises FormatError on anything wrong with it."""
 
     def __init__(self, path: str | Path, verify: bool = False):
+        if not str(path).strip():
+            raise FileNotFoundError("no model file given (the path is empty)")
         self.path = Path(path)
         if self.path.is_dir():
             raise FormatError(f"{self.path}: is a directory, not a model file")

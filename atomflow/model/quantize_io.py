@@ -107,6 +107,8 @@ def check_tokenizer(hf_dir: Path, meta: dict[str, str], spec: ModelSpec) -> None
 def check_output_path(out: str | Path, hf_dir: Path, force: bool = False) -> Path:
     """Before any work: `out` must be a file path in a writable directory, not a file of the source
     model, and not an existing file unless force."""
+    if not str(out).strip():
+        raise OutputPathError("no output file given (the path is empty)")
     out = Path(out)
     if out.is_dir():
         raise OutputPathError(f"{out}: is a directory; name the output file (e.g. {out / 'model.atomflow'})")
