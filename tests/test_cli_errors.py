@@ -145,6 +145,17 @@ def test_subprocess_exit_code_and_no_traceback(files, name, args):
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr, r.stderr
 
 
+def test_template_that_never_ends_is_bounded(capsys, tiny_model_file, tmp_path, monkeypatch):
+    """jinja's sandbox bounds range(), not nested loops: the load-time render has a time limit."""
+    import atomflow.model.tokenizer as tokenizer
+    monkeypatch.setattr(tokenizer, "TEMPLATE_CHECK_S", 0.3)
+    p = tmp_path / "loop.atomflow"
+    loop = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    _edit_header(tiny_model_file, p, lambda h: h["__metadata__"].update(chat_template=loop))
+    rc, out, err = run_cli(capsys, "run", p, *RUN)
+    assert_one_line(rc, out, err, str(p), "did not render one user turn within 0.3 s")
+
+
 # -- bad model directories at quantize -------------------------------------------------------------
 def _json_edit(name, fn):
     def edit(hf):

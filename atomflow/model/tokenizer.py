@@ -5,9 +5,12 @@ Reads either an HF model directory or the strings stored in a .atomflow file's m
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import json
+import signal
+import threading
 from collections.abc import Iterable
 from datetime import datetime
 from pathlib import Path
@@ -123,6 +126,8 @@ class Tokenizer:
         template = _compile_checked(self.chat_template)
         try:
             return template.render(**context)
+        except ChatTemplateError:
+            raise
         except Exception as e:  # a template is code: raise_exception(), undefined names, 1 / 0, ...
             raise ChatTemplateError(f"the chat template failed to render: {_one_line(e)}") from None
 
@@ -147,6 +152,30 @@ def _compile_checked(template: str):
         raise ChatTemplateError(f"the chat template does not compile: {_one_line(e)}") from None
 
 
+TEMPLATE_CHECK_S = 5
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: float, message: str):
+    """Raises ChatTemplateError(message) if the body runs past `seconds` (a template is code and
+    can loop: jinja's sandbox bounds range() but not nested loops). Only in the main thread and
+    only when no other interval timer is set; elsewhere the body runs unbounded."""
+    if threading.current_thread() is not threading.main_thread() or signal.getitimer(signal.ITIMER_REAL) != (0.0, 0.0):
+        yield
+        return
+
+    def expired(signum, frame):
+        raise ChatTemplateError(message)
+
+    old = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
 def checked_tokenizer(path, tokenizer_json: str, tokenizer_config: dict, chat_template: str,
                       generation_config: dict, vocab_size: int) -> Tokenizer:
     """Tokenizer.from_metadata, with every failure a one-line FormatError naming `path`: the
@@ -161,7 +190,8 @@ def checked_tokenizer(path, tokenizer_json: str, tokenizer_config: dict, chat_te
     if tok.vocab_size > vocab_size:
         raise FormatError(f"{path}: the tokenizer knows {tok.vocab_size} ids, more than the model's vocab_size {vocab_size}")
     try:
-        ids = tok.encode_prompt("Hello", chat=tok.has_chat_template)
+        with _time_limit(TEMPLATE_CHECK_S, f"the chat template did not render one user turn within {TEMPLATE_CHECK_S} s"):
+            ids = tok.encode_prompt("Hello", chat=tok.has_chat_template)
     except ChatTemplateError as e:
         raise FormatError(f"{path}: {e}") from None
     except Exception as e:
