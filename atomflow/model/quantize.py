@@ -218,6 +218,7 @@ def _quantize(hf_dir: Path, out: Path, lm_head: str, progress: bool, log) -> dic
     except UnsupportedModelError as e:
         raise UnsupportedModelError(e if str(e).startswith(str(hf_dir)) else f"{hf_dir}: {e}") from None
     src = _Source(hf_dir)
+    quantize_io.check_spec(hf_dir, spec, src.weight_map)
     head_mode = "tied" if (lm_head == "bf16" and spec.tie_word_embeddings) else lm_head
     head_src = "model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"
     first = src.dtype("model.embed_tokens.weight")

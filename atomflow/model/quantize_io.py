@@ -185,3 +185,17 @@ def raise_on_signals():
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+
+
+def check_spec(hf_dir: Path, spec: ModelSpec, weight_map: dict[str, str]) -> None:
+    """Before a tensor table is built from config.json: its sizes within the reader's bounds (it
+    would refuse the file) and its layer count the checkpoint's, so an absurd config costs
+    nothing."""
+    for name, limit in filecheck.SPEC_LIMITS.items():
+        v = getattr(spec, name, None)
+        if isinstance(v, int) and v > limit:
+            raise UnsupportedModelError(f"{hf_dir / 'config.json'}: {name} {v} is past what atomflow reads ({limit})")
+    layers = {int(k.split(".")[2]) for k in weight_map if k.startswith("model.layers.") and k.split(".")[2].isdigit()}
+    if layers and (len(layers) != spec.num_layers or max(layers) != spec.num_layers - 1):
+        raise UnsupportedModelError(f"{hf_dir / 'config.json'}: num_hidden_layers {spec.num_layers}, but the checkpoint "
+                                    f"holds {len(layers)} layers")
