@@ -1,6 +1,6 @@
 """The reader cannot be crashed: a seeded mutation fuzz (tools/fuzz_atomflow.py) of a valid file,
-520 variants through `atomflow info --verify` and `atomflow run`, each in a forked child with a
-memory limit and a timer. Every variant that is not byte-for-byte the valid file must end in one
+520 variants through `atomflow info --verify` and `atomflow run`, in forked workers with a
+memory limit and a timer per command. Every variant that is not byte-for-byte the valid file must end in one
 clean error line (an AtomflowError) — no traceback, no hang, no memory blow-up, no answer (run,
 without --verify, may read a file whose damage lies only in weights the prompt does not reach).
 A sample goes through the real CLI in subprocesses: exit code 1, one stderr line, no traceback.

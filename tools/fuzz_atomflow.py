@@ -5,8 +5,9 @@ clean error line (an AtomflowError), in bounded time and memory, never a traceba
 
 Builds a one-layer tiny model (tools/make_tiny_model.py + the quantizer), derives variants from
 it (truncations, appended bytes, bit flips, header-length edits, tensor-table and metadata
-mutations re-signed with fresh checksums, NaN/Inf planted in the data), and runs each, in a
-forked child with an address-space limit and a timer, through the two paths a user takes:
+mutations re-signed with fresh checksums, NaN/Inf planted in the data), and runs each, in forked
+workers with an address-space limit (1 GiB over their size at fork) and a timer per command
+(10 s), through the two paths a user takes:
   info  `atomflow info --json --verify` (cli.cmd_info)
   run   `atomflow run --backend cpu` of a two-token generation (cli.cmd_run; no --verify)
 Each run ends in one outcome:
@@ -14,7 +15,7 @@ Each run ends in one outcome:
   generic    another ValueError / OSError / RuntimeError (one line, but not a statement about the file)
   traceback  any other exception (the CLI printed a Python traceback)
   accepted   no error: the damaged file was read (and, for run, generated from)
-  timeout    past the time limit;  oom  MemoryError or killed at the memory limit;  crash  the child died
+  timeout    past the time limit;  oom  MemoryError at the memory limit;  crash  the worker died
 Variants of kind `values` (NaN/Inf planted in the data, checksums re-signed) and bit flips of the
 data region may legitimately pass `run` (no --verify; only the weights used by the prompt are
 touched): for them `accepted` is allowed in run mode, nothing else is.
@@ -432,14 +433,12 @@ def classify(path: Path, mode: str, time_limit: float = TIME_LIMIT_S) -> tuple[s
     return "accepted", ""
 
 
-def _child(base: bytes, seed: int, index: int, workdir: Path, modes, wfd: int) -> None:
-    vm = int(open("/proc/self/statm").read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-    resource.setrlimit(resource.RLIMIT_AS, (vm + MEMORY_LIMIT, resource.RLIM_INFINITY))
+def _one(base: bytes, seed: int, index: int, workdir: Path, modes) -> dict:
     if index < 0:
         kind, name, blob = "base", "base", base
     else:
         kind, name, blob = make_variant(base, seed, index)
-    path = workdir / f"v{index}.atomflow"
+    path = workdir / f"v{os.getpid()}.atomflow"
     path.write_bytes(blob)
     res = dict(index=index, kind=kind, name=name, identical=blob == base)
     for mode in modes:
@@ -447,72 +446,95 @@ def _child(base: bytes, seed: int, index: int, workdir: Path, modes, wfd: int) -
         res[mode] = classify(path, mode)
         res[mode + "_s"] = time.perf_counter() - t0
     path.unlink()
-    os.write(wfd, (json.dumps(res) + "\n").encode())
+    return res
+
+
+def _worker(base: bytes, seed: int, indices: list[int], workdir: Path, modes, wfd: int) -> None:
+    """A forked worker: runs its variants one after another, each announced before it starts
+    ("start i") so that the parent can name the one that killed or hung it."""
+    vm = int(open("/proc/self/statm").read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    resource.setrlimit(resource.RLIMIT_AS, (vm + MEMORY_LIMIT, resource.RLIM_INFINITY))
+    for index in indices:
+        os.write(wfd, f"start {index}\n".encode())
+        os.write(wfd, (json.dumps(_one(base, seed, index, workdir, modes)) + "\n").encode())
 
 
 def run_variants(base: bytes, seed: int, indices, workdir: Path, modes=MODES, workers: int = 2,
                  hard_limit_s: float = 60.0) -> list[dict]:
-    """Each variant in its own forked child (at most `workers` at once); a child that dies or
-    overruns hard_limit_s is recorded as crash / timeout for the modes it did not finish."""
-    import atomflow.backends.cpu  # noqa: F401 - imported once here, not in every child
+    """The variants split over `workers` forked processes (a fork per worker, not per variant: a
+    fork of a big test process costs more than a variant). A worker that dies (memory limit, a
+    crash) or makes no progress for hard_limit_s has its current variant recorded as crash /
+    timeout, and a fresh worker takes the rest of its share."""
+    import atomflow.backends.cpu  # noqa: F401 - imported once here, not in every worker
     import atomflow.cli  # noqa: F401
     import atomflow.engine  # noqa: F401
     import atomflow.model.tokenizer  # noqa: F401
-    pending, running, results = collections.deque(indices), {}, []
-    while pending or running:
-        while pending and len(running) < workers:
-            index = pending.popleft()
-            r, w = os.pipe()
-            pid = os.fork()
-            if pid == 0:  # child
-                code = 0
-                try:
-                    os.close(r)
-                    _child(base, seed, index, workdir, modes, w)
-                except BaseException:  # noqa: B036
-                    code = 3
-                finally:
-                    os._exit(code)
-            os.close(w)
-            running[pid] = (index, r, time.monotonic(), bytearray())
-        fds = {v[1]: pid for pid, v in running.items()}
+    indices = list(indices)
+    shares = [indices[i::workers] for i in range(workers)]
+    running, results = {}, []
+
+    def start(share: list[int]) -> None:
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                os.close(r)
+                _worker(base, seed, share, workdir, modes, w)
+            except BaseException:  # noqa: B036
+                code = 3
+            finally:
+                os._exit(code)
+        os.close(w)
+        running[pid] = dict(fd=r, share=list(share), current=None, t=time.monotonic(), buf=b"")
+
+    def lost(pid: int, why: str, outcome: str) -> None:
+        st = running.pop(pid)
+        os.close(st["fd"])
+        if st["current"] is not None:
+            res = _result(st["current"], b"", 0, base, seed, modes)
+            for m in modes:
+                res[m] = (outcome, why)
+            results.append(res)
+            rest = st["share"][st["share"].index(st["current"]) + 1:]
+            if rest:
+                start(rest)
+
+    for share in shares:
+        if share:
+            start(share)
+    while running:
+        fds = {st["fd"]: pid for pid, st in running.items()}
         ready, _, _ = select.select(list(fds), [], [], 0.5)
         for fd in ready:
-            chunk = os.read(fd, 1 << 16)
-            running[fds[fd]][3].extend(chunk)
-            if chunk:
-                continue
             pid = fds[fd]
-            index, _, _, buf = running.pop(pid)
-            os.close(fd)
-            _, status = os.waitpid(pid, 0)
-            results.append(_result(index, buf, status, base, seed, modes))
-        for pid, (index, fd, t0, buf) in list(running.items()):
-            if time.monotonic() - t0 > hard_limit_s:
+            st = running[pid]
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:  # the worker ended: done, or killed mid-variant
+                _, status = os.waitpid(pid, 0)
+                why = f"killed by signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status) else f"exit status {status}"
+                lost(pid, why, "crash")
+                continue
+            st["buf"] += chunk
+            *lines, st["buf"] = st["buf"].split(b"\n")
+            for line in lines:
+                st["t"] = time.monotonic()
+                if line.startswith(b"start "):
+                    st["current"] = int(line.split()[1])
+                else:
+                    results.append(json.loads(line))
+                    st["current"] = None
+        for pid, st in list(running.items()):
+            if time.monotonic() - st["t"] > hard_limit_s:
                 os.kill(pid, signal.SIGKILL)
                 os.waitpid(pid, 0)
-                os.close(fd)
-                running.pop(pid)
-                res = _result(index, buf, 0, base, seed, modes)
-                for m in modes:
-                    if res[m][0] == "crash":
-                        res[m] = ("timeout", "killed past the hard limit")
-                results.append(res)
+                lost(pid, "killed past the hard limit", "timeout")
     return sorted(results, key=lambda r: r["index"])
 
 
 def _result(index, buf, status, base, seed, modes) -> dict:
-    try:
-        return json.loads(buf.decode())
-    except ValueError:
-        kind, name = ("base", "base") if index < 0 else make_variant(base, seed, index)[:2]
-        why = f"exit status {status}"
-        if os.WIFSIGNALED(status):
-            why = f"killed by signal {os.WTERMSIG(status)}"
-        res = dict(index=index, kind=kind, name=name, identical=False)
-        for m in modes:
-            res[m] = ("crash", why)
-        return res
+    kind, name = ("base", "base") if index < 0 else make_variant(base, seed, index)[:2]
+    return dict(index=index, kind=kind, name=name, identical=False, **{m: ("crash", f"status {status}") for m in modes})
 
 
 def failures(res: dict, modes=MODES) -> list[str]:
