@@ -204,10 +204,12 @@ def quantize(hf_dir: str | Path, out: str | Path, lm_head: str = "fp8", progress
     quantize_io.sweep_stale_temps(out, log)
     with quantize_io.raise_on_signals():
         try:
-            return _quantize(hf_dir, out, lm_head, progress, log)
+            summary = _quantize(hf_dir, out, lm_head, progress, log)
         except BaseException:
             temp_path(out).unlink(missing_ok=True)  # even if the signal came before the writer's `with`
             raise
+    _print_error_table(ModelSpec.from_dict(summary["spec"]), summary["errors"], log)  # the file is in place
+    return summary
 
 
 def _quantize(hf_dir: Path, out: Path, lm_head: str, progress: bool, log) -> dict:
@@ -291,7 +293,6 @@ def _quantize(hf_dir: Path, out: Path, lm_head: str, progress: bool, log) -> dic
 
     summary = dict(path=str(out), bytes=Path(out).stat().st_size, spec=spec.to_dict(), lm_head=head_mode,
                    source_dtypes=sorted(src.dtypes), errors={k: stats.rel(k) for k in stats.err})
-    _print_error_table(spec, summary["errors"], log)
     return summary
 
 
