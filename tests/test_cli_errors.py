@@ -70,7 +70,7 @@ def files(tiny_model_file, tiny_hf_dir, tmp_path):
     (d / "random.atomflow").write_bytes(np.random.default_rng(0).bytes(4096))
     (d / "dir.atomflow").mkdir()
     shutil.copyfile(tiny_hf_dir / "model-00001-of-00002.safetensors", d / "foreign.safetensors")
-    _edit_header(tiny_model_file, d / "v2.atomflow", lambda h: h["__metadata__"].update(format_version="2"))
+    _edit_header(tiny_model_file, d / "v2.atomflow", lambda h: h["__metadata__"].update(format_version="99"))
     _edit_header(tiny_model_file, d / "edited.atomflow",
                  lambda h: h["__metadata__"].update(chat_template="{{ messages }}"), reseal=False)
     _edit_header(tiny_model_file, d / "gap.atomflow",
@@ -94,7 +94,7 @@ FILE_CASES = [  # (argv with {f}=files dir / {m}=the valid model, needles; {path
     (["run", "{f}/dir.atomflow", *RUN], ["is a directory", "{f}/dir.atomflow"]),
     (["run", "{f}/random.atomflow", *RUN], ["not an atomflow file", "{f}/random.atomflow"]),
     (["run", "{f}/foreign.safetensors", *RUN], ["not an atomflow file", "{f}/foreign.safetensors"]),
-    (["run", "{f}/v2.atomflow", *RUN], ["format version '2' is not supported", "{f}/v2.atomflow"]),
+    (["run", "{f}/v2.atomflow", *RUN], ["format version '99' is not supported", "{f}/v2.atomflow"]),
     (["run", "{f}/edited.atomflow", *RUN], ["header checksum mismatch", "{f}/edited.atomflow"]),
     (["run", "{f}/gap.atomflow", *RUN], ["gap of 8 bytes", "{f}/gap.atomflow"]),
     (["run", "{f}/group.atomflow", *RUN], ["quantization.group_size says 64", "{f}/group.atomflow"]),

@@ -284,7 +284,7 @@ def _meta_op(p: Parsed, rng) -> tuple[str, dict, bytes]:
         if how == "name":
             m["format"] = "safetensors"
         elif how == "version":
-            m["format_version"] = _pick(rng, ["2", "0", "", "1.0"])
+            m["format_version"] = _pick(rng, ["99", "0", "", "1.0"])  # never a version a later reader takes
         elif how == "version-int":
             m["format_version"] = 1
         elif how == "no-version":
