@@ -172,6 +172,18 @@ def _write(name, data):
     return edit
 
 
+def _nan_in(tensor):
+    """A NaN as the first element of `tensor` in whichever shard holds it (bf16 checkpoint)."""
+    def edit(hf):
+        shard = hf / json.loads((hf / "model.safetensors.index.json").read_text())["weight_map"][tensor]
+        raw = bytearray(shard.read_bytes())
+        (n,) = struct.unpack("<Q", raw[:8])
+        begin = json.loads(raw[8:8 + n])[tensor]["data_offsets"][0]
+        raw[8 + n + begin:8 + n + begin + 2] = struct.pack("<H", 0x7FC0)
+        shard.write_bytes(bytes(raw))
+    return edit
+
+
 def _rm(name):
     return lambda hf: (hf / name).unlink()
 
@@ -229,6 +241,9 @@ QUANTIZE_CASES = [  # (id, edit of a copy of the tiny HF directory, needles; {hf
     ("index-not-json", _write("model.safetensors.index.json", "{"), ["model.safetensors.index.json: not valid JSON"]),
     ("shard-garbage", _write("model-00002-of-00002.safetensors", "garbage" * 100),
      ["model-00002-of-00002.safetensors: not a readable safetensors file"]),
+    ("nan-weight", _nan_in("model.layers.1.mlp.down_proj.weight"),
+     ["tensor 'model.layers.1.mlp.down_proj.weight' holds NaN or Inf (row 0)"]),
+    ("nan-norm", _nan_in("model.norm.weight"), ["tensor 'model.norm.weight' holds NaN or Inf"]),
     ("shard-missing", _rm("model-00002-of-00002.safetensors"), ["shard named in the index is missing"]),
 ]
 

@@ -96,13 +96,21 @@ class _Source:
                 raise UnsupportedModelError(f"{name}: shape {list(got)}, config.json implies {list(shape)}")
             step = max(1, CHUNK_BYTES // (4 * shape[-1]))
             for a in range(0, shape[0], step):
-                yield np.asarray(sl[a:min(a + step, shape[0])], dtype=np.float32)
+                yield self._finite(name, np.asarray(sl[a:min(a + step, shape[0])], dtype=np.float32), a)
 
     def vector(self, name: str, n: int) -> np.ndarray:
         with self.slice(name) as sl:
             if tuple(sl.get_shape()) != (n,):
                 raise UnsupportedModelError(f"{name}: shape {sl.get_shape()}, config.json implies [{n}]")
-            return np.asarray(sl[:], dtype=np.float32)
+            return self._finite(name, np.asarray(sl[:], dtype=np.float32), 0)
+
+    def _finite(self, name: str, block: np.ndarray, row0: int) -> np.ndarray:
+        """NaN / Inf in a source weight would quantize to NaN scales: a file no reader takes."""
+        if not np.isfinite(block).all():
+            row = row0 + int(np.argwhere(~np.isfinite(block))[0][0])
+            raise UnsupportedModelError(f"{self.dir / self.weight_map[name]}: tensor {name!r} holds NaN or Inf "
+                                        f"(row {row})")
+        return block
 
 
 @dataclass
