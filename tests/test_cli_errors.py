@@ -195,7 +195,7 @@ QUANTIZE_CASES = [  # (id, edit of a copy of the tiny HF directory, needles; {hf
     ("rope-scaling-str", _json_edit("config.json", lambda c: c.update(rope_scaling="llama3")),
      ["{hf}", "rope_scaling must be an object, got 'llama3'"]),
     ("rope-factor-str", _json_edit("config.json", lambda c: c["rope_scaling"].update(factor="8")),
-     ["rope_scaling.factor must be a number"]),
+     ["rope_scaling.factor must be a finite number"]),
     ("layers-huge", _json_edit("config.json", lambda c: c.update(num_hidden_layers=10**9)),
      ["{hf}/config.json: num_layers 1000000000 is past what atomflow reads (4096)"]),
     ("layers-more", _json_edit("config.json", lambda c: c.update(num_hidden_layers=5)),

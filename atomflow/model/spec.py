@@ -223,8 +223,8 @@ def check_config_types(config) -> None:
         for d in [rope] + [v for v in rope.values() if isinstance(v, dict)]:  # rope_parameters per layer type
             for k in _ROPE_NUMBERS:
                 v = d.get(k)
-                if v is not None and (isinstance(v, bool) or not isinstance(v, _NUMBER)):
-                    raise UnsupportedModelError(f"config.json: {key}.{k} must be a number, got {v!r:.60}")
+                if k in d and (isinstance(v, bool) or not isinstance(v, _NUMBER) or not math.isfinite(v)):  # null too
+                    raise UnsupportedModelError(f"config.json: {key}.{k} must be a finite number, got {v!r:.60}")
 
 
 def check_architecture(config: dict) -> None:
