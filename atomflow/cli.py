@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from atomflow import __version__
-from atomflow.errors import AtomflowError
+from atomflow.errors import AtomflowError, InterruptedBySignal
 
 
 def _err(msg: str) -> int:
@@ -14,10 +15,15 @@ def _err(msg: str) -> int:
     return 1
 
 
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else type(e).__name__
+
+
 # -- quantize -----------------------------------------------------------------------------
 def cmd_quantize(a) -> int:
     from atomflow.model.quantize import quantize
-    s = quantize(a.model, a.output, lm_head=a.lm_head, progress=not a.quiet)
+    s = quantize(a.model, a.output, lm_head=a.lm_head, progress=not a.quiet, force=a.force)
     print(f"wrote {s['path']} ({s['bytes'] / 2**30:.2f} GiB, lm_head {s['lm_head']}, "
           f"worst relative error {max(s['errors'].values()):.5f})")
     return 0
@@ -34,7 +40,8 @@ def cmd_info(a) -> int:
                     spec=m.spec.to_dict(), quantization=m.quantization, tensors=len(m.tensors),
                     bytes_by_dtype=by_dtype, decode_bytes_per_token=m.weight_bytes,
                     kv_bytes_per_token=m.spec.kv_bytes_per_token(), checksum=m.checksum,
-                    checksum_verified=bool(a.verify), source=m.metadata_json("source", {}),
+                    checksum_verified=bool(a.verify), header_checksum_verified=m.header_checked,
+                    source=m.metadata_json("source", {}),
                     generation_config=m.metadata_json("generation_config", {}),
                     has_chat_template=bool(m.raw_metadata.get("chat_template")),
                     created_by=m.raw_metadata.get("created_by"))
@@ -58,6 +65,8 @@ def cmd_info(a) -> int:
         print(f"  source    {src.get('repo_id') or src.get('path')}" +
               (f" @ {src['revision']}" if src.get("revision") else ""))
         print(f"  checksum  {m.checksum}" + (" (verified)" if a.verify else ""))
+        print("  header    " + ("checksum verified" if m.header_checked else
+                                "unchecked: the file predates header checksums (re-quantize to add one)"))
     return 0
 
 
@@ -154,10 +163,15 @@ def cmd_profile(a) -> int:
 
 
 def _one_line_errors(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Bad options of this subcommand: one line on stderr and exit 1 (argparse: usage and exit 2)."""
+    """Bad options of this parser and of every subcommand under it: one line on stderr and exit 1
+    (argparse: usage and exit 2). --help still prints the usage."""
     def error(message: str):
-        sys.exit(_err(message))
+        sys.exit(_err(f"{parser.prog.removeprefix('atomflow ')}: {message}" if parser.prog != "atomflow" else message))
     parser.error = error  # type: ignore[method-assign]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                _one_line_errors(sub)
     return parser
 
 
@@ -171,6 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("-o", "--output", required=True, help="output .atomflow file")
     q.add_argument("--lm-head", choices=["fp8", "bf16"], default="fp8", help="lm_head precision (default fp8)")
     q.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    q.add_argument("-f", "--force", action="store_true", help="overwrite an existing output file")
     q.set_defaults(fn=cmd_quantize)
 
     i = sub.add_parser("info", help="show a model file's spec, sizes and tensor summary")
@@ -250,21 +265,27 @@ def build_parser() -> argparse.ArgumentParser:
 
     from atomflow.sandbox.cli import register as register_sandbox
     register_sandbox(sub)
-    from .serve.cli import register as register_serve
+    from atomflow.serve.cli import register as register_serve
     register_serve(sub)
-    return p
+    return _one_line_errors(p)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
+    except InterruptedBySignal as e:  # quantize removed its temporary file on the way here
+        _err(f"{e}; nothing was written")
+        return 128 + e.signum
     except KeyboardInterrupt:
         _err("interrupted")
         return 130
-    except (AtomflowError, FileNotFoundError, ValueError, RuntimeError, OSError) as e:
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        return _err(msg)
+    except (AtomflowError, OSError, ValueError, RuntimeError, MemoryError) as e:
+        return _err(_first_line(e))
+    except Exception as e:  # a bug, still one line; ATOMFLOW_TRACEBACK=1 shows where
+        if os.environ.get("ATOMFLOW_TRACEBACK"):
+            raise
+        return _err(f"internal error: {type(e).__name__}: {_first_line(e)} (ATOMFLOW_TRACEBACK=1 shows where)")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from atomflow.backends import make_backend
+from atomflow.errors import FormatError, NonFiniteLogitsError
 from atomflow.model.fileformat import AtomflowFile
 from atomflow.model.tokenizer import IncrementalDecoder, Tokenizer
 from atomflow.sampling import SamplingParams, StopChecker
@@ -65,10 +66,8 @@ class Engine:
         if not isinstance(max_context, int) or not 1 <= max_context <= limit:
             raise ValueError(f"max_context must be an integer in [1, {limit}] (the model's "
                              f"max_position_embeddings), got {max_context!r}")
+        tok = model.tokenizer()  # checked before the (slow) backend load: parses, fits the vocab, template renders
         be = make_backend(backend, model, max_context, eager=eager, verbose=verbose)
-        tok = Tokenizer.from_metadata(model.raw_metadata["tokenizer"], model.metadata_json("tokenizer_config", {}),
-                                      model.raw_metadata.get("chat_template", ""),
-                                      model.metadata_json("generation_config", {}))
         return cls(model, be, tok, time.perf_counter() - t0)
 
     # -- low level: logits ---------------------------------------------------------------------
@@ -90,7 +89,7 @@ class Engine:
         self._cached = self.cached_ids  # what the cache held before (or [] if unknown)
         logits = self.backend.prefill(ids)
         self._cached += ids.tolist()
-        return logits
+        return self._finite(logits, self.position)
 
     def decode(self, token: int) -> np.ndarray:
         """Appends one token; its fp32 logits [vocab]."""
@@ -98,7 +97,17 @@ class Engine:
         self._cached = self.cached_ids
         logits = self.backend.decode(int(token))
         self._cached.append(int(token))
+        return self._finite(logits, self.position)
+
+    def _finite(self, logits: np.ndarray, position: int) -> np.ndarray:
+        if not np.isfinite(logits).all():
+            raise self._nonfinite(position)
         return logits
+
+    def _nonfinite(self, position: int) -> FormatError:
+        """Non-finite logits are the file's fault (a valid file cannot produce them): said so, never sampled."""
+        return FormatError(f"{self.model.path}: the file's weights produce NaN/Inf (logits after position "
+                           f"{position}); `atomflow info --verify` checks every value")
 
     def reset(self) -> None:
         self.backend.reset()
@@ -148,7 +157,7 @@ class Engine:
         sampled: list[int] = []  # every id the backend yielded (an EOS too): the cache keeps all but the last
         t0 = t_first = time.perf_counter()
         try:
-            for token in gen:
+            for token in _reraise_nonfinite(gen, self):
                 sampled.append(token)
                 now = time.perf_counter()
                 if stats.generated_tokens == 0:
@@ -195,3 +204,13 @@ class Engine:
         if not room and self.position + len(ids) > self.max_context:
             raise ValueError(f"{len(ids)} tokens at position {self.position} do not fit max_context {self.max_context}")
         return ids
+
+
+def _reraise_nonfinite(gen: Iterator[int], engine: Engine) -> Iterator[int]:
+    """The backend's sampler refuses non-finite logits (NonFiniteLogitsError): said as the file's fault.
+    The CPU backend samples through sampling.sample_numpy, which checks; the CUDA backend samples
+    on the device and does not (see docs/FORMAT.md)."""
+    try:
+        yield from gen
+    except NonFiniteLogitsError as e:
+        raise engine._nonfinite(engine.position if e.position is None else e.position) from None

@@ -15,3 +15,37 @@ class UnsupportedModelError(AtomflowError, ValueError):
 
 class BackendUnavailableError(AtomflowError, RuntimeError):
     """The requested backend cannot run here (no CUDA core built, no GPU)."""
+
+
+class ChatTemplateError(AtomflowError, ValueError):
+    """A model's chat template that does not compile or fails to render a conversation."""
+
+
+class NonFiniteLogitsError(AtomflowError, ValueError):
+    """Logits with NaN or Inf: the weights (or their scales) hold values the engine cannot use."""
+
+    def __init__(self, message: str, position: int | None = None):
+        super().__init__(message)
+        self.position = position
+
+
+class OutputPathError(AtomflowError, ValueError):
+    """An output path that cannot be written (a directory, an existing file without --force, ...)."""
+
+
+class InterruptedBySignal(KeyboardInterrupt):
+    """A catchable signal arrived during a job that cleans up after itself (quantize). A
+    KeyboardInterrupt, not an AtomflowError, so that no `except Exception` on the way swallows it."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(f"interrupted by {signal_name(signum)}")
+
+
+def signal_name(signum: int) -> str:
+    """SIGTERM, ..., and SIGRTMIN+n for the real-time signals (which signal.Signals does not name)."""
+    import signal
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"SIGRTMIN+{signum - signal.SIGRTMIN}"

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from atomflow.errors import NonFiniteLogitsError
+
 SEED_LIMIT = 2**63
 
 
@@ -93,7 +95,10 @@ def sample_numpy(logits: np.ndarray, params: SamplingParams, position: int) -> i
 
     temperature 0: argmax, the lowest index on ties.  Otherwise the allowed set above, its
     probabilities renormalized, and the inverse CDF in token-index order: the smallest kept i with
-    sum_{kept j <= i} w_j > u * sum_kept w, where w = exp(z - max z) and u = uniform(seed, position)."""
+    sum_{kept j <= i} w_j > u * sum_kept w, where w = exp(z - max z) and u = uniform(seed, position).
+    Logits with NaN or Inf are refused (NonFiniteLogitsError), never sampled."""
+    if not np.isfinite(logits).all():
+        raise NonFiniteLogitsError(f"non-finite logits at position {position}", position)
     if params.temperature == 0:
         return int(np.argmax(logits))
     keep, z = _filter(logits, params)

@@ -4,9 +4,9 @@ import json
 import shutil
 from pathlib import Path
 
-import jinja2
 import pytest
 
+from atomflow.errors import ChatTemplateError
 from atomflow.model.tokenizer import IncrementalDecoder, Tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -223,7 +223,7 @@ def test_template_raise_exception_surfaces(tiny_hf_dir):
     ours = Tokenizer.from_metadata((tiny_hf_dir / "tokenizer.json").read_text(), {"bos_token": "<|begin_of_text|>"},
                                    LLAMA_3_2_TEMPLATE, {})
     two_calls = [{"role": "assistant", "tool_calls": [{"function": {"name": "a", "arguments": {}}}] * 2}]
-    with pytest.raises(jinja2.TemplateError, match="single tool-calls"):
+    with pytest.raises(ChatTemplateError, match="failed to render: TemplateError: .*single tool-calls"):
         ours.apply_chat_template(two_calls)
 
 

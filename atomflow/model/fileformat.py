@@ -9,7 +9,6 @@ into place only when complete.
 from __future__ import annotations
 
 import hashlib
-import json
 import mmap
 import os
 import struct
@@ -20,6 +19,8 @@ import ml_dtypes
 import numpy as np
 
 from atomflow.errors import FormatError
+from atomflow.model import filecheck
+from atomflow.model.filecheck import encode_header  # noqa: F401 - the writer's header form, for tools and tests
 from atomflow.model.spec import QUANT_GROUP, ModelSpec
 
 FORMAT_NAME = "atomflow"
@@ -72,6 +73,11 @@ def expected_tensors(spec: ModelSpec, lm_head: str) -> list[TensorInfo]:
 
 
 # ---------------------------------------------------------------------------------------
+def temp_path(path: Path, pid: int | None = None) -> Path:
+    """Where the writer builds `path` before renaming it into place: PATH.tmp-<pid>."""
+    return path.with_name(f"{path.name}.tmp-{os.getpid() if pid is None else pid}")
+
+
 class FileWriter:
     """Streams tensors, in table order, into `path` via a temporary file.
 
@@ -84,7 +90,8 @@ class FileWriter:
         self.tensors = tensors
         self.metadata = {k: str(v) for k, v in metadata.items()}
         self.metadata["checksum"] = _CHECKSUM_PLACEHOLDER
-        self.tmp = self.path.with_name(f"{self.path.name}.tmp-{os.getpid()}")
+        self.metadata[filecheck.HEADER_CHECKSUM] = _CHECKSUM_PLACEHOLDER  # filled in by encode_header
+        self.tmp = temp_path(self.path)
         self._index = 0          # tensor being written
         self._written = 0        # bytes of it written so far
         self._hash = hashlib.sha256()
@@ -98,8 +105,7 @@ class FileWriter:
         for t in self.tensors:
             table[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [pos, pos + t.nbytes]}
             pos += t.nbytes
-        raw = json.dumps(table, separators=(",", ":")).encode()
-        return raw + b" " * (-(8 + len(raw)) % 8)  # data region 8-byte aligned, as safetensors pads
+        return encode_header(table)  # data region 8-byte aligned; header_checksum over the rest of the header
 
     def write(self, name: str, array: np.ndarray) -> None:
         if self._index >= len(self.tensors):
@@ -157,7 +163,11 @@ class AtomflowFile:
     """A checked, memory-mapped .atomflow file. Raises FormatError on anything wrong with it."""
 
     def __init__(self, path: str | Path, verify: bool = False):
+        if not str(path).strip():
+            raise FileNotFoundError("no model file given (the path is empty)")
         self.path = Path(path)
+        if self.path.is_dir():
+            raise FormatError(f"{self.path}: is a directory, not a model file")
         if not self.path.is_file():
             raise FileNotFoundError(f"no such model file: {self.path}")
         with open(self.path, "rb") as fh:
@@ -165,52 +175,42 @@ class AtomflowFile:
             if size < 8:
                 raise FormatError(f"{self.path}: not an atomflow file ({size} bytes, too short for a header)")
             (n,) = struct.unpack("<Q", fh.read(8))
-            if n > MAX_HEADER_BYTES or 8 + n > size:
+            if n < 2 or n > MAX_HEADER_BYTES or 8 + n > size:
                 raise FormatError(f"{self.path}: not an atomflow file (header length {n} does not fit a {size}-byte file)")
-            try:
-                header = json.loads(fh.read(n))
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                raise FormatError(f"{self.path}: not an atomflow file (header is not JSON)") from None
+            raw = fh.read(n)
+            if len(raw) != n:
+                raise FormatError(f"{self.path}: the file changed while it was read")
+            header, meta = filecheck.parse_header(self.path, raw)
             self._mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
         self.file_size = size
         self.data_offset = 8 + n
-        meta = header.pop("__metadata__", None) if isinstance(header, dict) else None
-        if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
-            raise FormatError(f"{self.path}: not an atomflow file (no \"format\": \"atomflow\" in its metadata)")
         if meta.get("format_version") != FORMAT_VERSION:
             raise FormatError(f"{self.path}: format version {meta.get('format_version')!r} is not supported "
                               f"(this atomflow reads version {FORMAT_VERSION}); re-quantize the model")
+        self.header_checked = filecheck.check_header_checksum(self.path, raw, meta)
         self.raw_metadata: dict[str, str] = meta
-        try:
-            self.spec = ModelSpec.from_dict(json.loads(meta["spec"]))
-            self.quantization = json.loads(meta["quantization"])
-        except (KeyError, json.JSONDecodeError, TypeError, ValueError) as e:
-            raise FormatError(f"{self.path}: bad spec/quantization metadata ({e})") from None
-        self.tensors = self._parse_table(header)
+        self.spec = filecheck.spec_from_metadata(self.path, meta)
+        self.quantization = filecheck.quantization_from_metadata(self.path, meta, self.spec)
+        self.documents = filecheck.check_documents(self.path, meta, self.spec)
+        filecheck.check_checksum_field(self.path, meta)
+        rows = filecheck.parse_table(self.path, header, {k: v.itemsize for k, v in DTYPES.items()})
+        self.tensors = {name: TensorInfo(name, dtype, shape, self.data_offset + b) for name, dtype, shape, b, _ in rows}
+        filecheck.check_quantization_against_tensors(self.path, self.quantization,
+                                                     {t.name: (t.dtype, t.shape) for t in self.tensors.values()})
         self._check_table()
+        filecheck.check_layout(self.path, rows, self.file_size - self.data_offset)
+        self._check_order()
+        self._tokenizer = None
         if verify:
-            self.verify_checksum()
-
-    def _parse_table(self, header: dict) -> dict[str, TensorInfo]:
-        tensors, data_len = {}, self.file_size - self.data_offset
-        for name, e in header.items():
-            try:
-                dtype, shape, (b, end) = e["dtype"], tuple(int(s) for s in e["shape"]), e["data_offsets"]
-            except (KeyError, TypeError, ValueError):
-                raise FormatError(f"{self.path}: malformed tensor entry {name!r}") from None
-            if dtype not in DTYPES:
-                raise FormatError(f"{self.path}: tensor {name!r} has unsupported dtype {dtype}")
-            t = TensorInfo(name, dtype, shape, self.data_offset + int(b))
-            if int(end) - int(b) != t.nbytes or int(b) < 0:
-                raise FormatError(f"{self.path}: tensor {name!r}: offsets {b}..{end} do not match shape {list(shape)} {dtype}")
-            if int(end) > data_len:
-                raise FormatError(f"{self.path}: truncated: tensor {name!r} ends at byte {end} of the data region, "
-                                  f"which holds only {data_len} bytes")
-            tensors[name] = t
-        return tensors
+            self.verify()
 
     def _check_table(self) -> None:
-        want = {t.name: t for t in expected_tensors(self.spec, self.quantization.get("lm_head", "fp8"))}
+        """The tensors the spec implies, each with its dtype and shape."""
+        if self.spec.num_layers > len(self.tensors):  # before building a table as long as the spec claims
+            raise FormatError(f"{self.path}: tensor table does not match the model spec ({self.spec.num_layers} "
+                              f"layers, {len(self.tensors)} tensors)")
+        order = expected_tensors(self.spec, self.quantization.get("lm_head", "fp8"))
+        want = {t.name: t for t in order}
         missing, extra = sorted(set(want) - set(self.tensors)), sorted(set(self.tensors) - set(want))
         if missing or extra:
             raise FormatError(f"{self.path}: tensor table does not match the model spec "
@@ -221,10 +221,41 @@ class AtomflowFile:
                 raise FormatError(f"{self.path}: tensor {name!r} is {t.dtype} {list(t.shape)}, "
                                   f"the spec needs {w.dtype} {list(w.shape)}")
 
+    def _check_order(self) -> None:
+        """Stored in the format's order (the table order of docs/FORMAT.md)."""
+        order = expected_tensors(self.spec, self.quantization["lm_head"])
+        stored = sorted(self.tensors, key=lambda k: self.tensors[k].offset)
+        for i, (got, w) in enumerate(zip(stored, order)):
+            if got != w.name:
+                raise FormatError(f"{self.path}: tensor {got!r} is stored at position {i} of the data region, "
+                                  f"where the format puts {w.name!r}")
+
+    def verify(self) -> None:
+        """--verify: the data checksum, the values (no NaN codes, finite norms, positive finite
+        scales) and the tokenizer and chat template (built and rendered once)."""
+        self.verify_checksum()
+        self.verify_values()
+        self.tokenizer()
+
     # -- access ------------------------------------------------------------------------------
     def metadata_json(self, key: str, default=None):
+        """A metadata document, parsed (the reader has checked generation_config, tokenizer_config
+        and source)."""
+        if key in self.documents:
+            return self.documents[key] if self.raw_metadata.get(key) else default
         raw = self.raw_metadata.get(key)
-        return default if raw in (None, "") else json.loads(raw)
+        return default if raw in (None, "") else filecheck.parse_json(raw, f"metadata {key!r}", self.path)
+
+    def tokenizer(self):
+        """The file's Tokenizer, built once and checked: tokenizer.json parses, its ids fit the
+        vocab, the chat template compiles and renders one user turn."""
+        if self._tokenizer is None:
+            from atomflow.model.tokenizer import checked_tokenizer
+            self._tokenizer = checked_tokenizer(self.path, self.raw_metadata["tokenizer"],
+                                                self.metadata_json("tokenizer_config", {}),
+                                                self.raw_metadata.get("chat_template", ""),
+                                                self.metadata_json("generation_config", {}), self.spec.vocab_size)
+        return self._tokenizer
 
     @property
     def checksum(self) -> str:
@@ -238,9 +269,22 @@ class AtomflowFile:
             h.update(view[off:min(off + step, self.file_size)])
         view.release()
         got = "sha256:" + h.hexdigest()
-        if got != self.checksum:
+        if got != self.checksum:  # the reader has checked its form
             raise FormatError(f"{self.path}: checksum mismatch: the data is corrupt "
                               f"(header says {self.checksum[:23]}..., data hashes to {got[:23]}...)")
+
+    def verify_values(self) -> None:
+        """Every tensor's values, in chunks: what the quantizer never writes and the engine
+        cannot compute with (filecheck.bad_values)."""
+        step = 16 << 20
+        for t in self.tensors.values():
+            flat = self.array(t.name).reshape(-1)
+            per = max(1, step // DTYPES[t.dtype].itemsize)
+            for a in range(0, flat.size, per):
+                why = filecheck.bad_values(t.dtype, t.name, flat[a:a + per])
+                if why:
+                    raise FormatError(f"{self.path}: tensor {t.name!r} holds {why} (the file's weights would "
+                                      f"produce NaN/Inf)")
 
     def array(self, name: str) -> np.ndarray:
         """Zero-copy read-only view of a tensor (ml_dtypes types for FP8 and bf16)."""

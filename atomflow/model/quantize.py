@@ -19,11 +19,11 @@ from pathlib import Path
 
 import ml_dtypes
 import numpy as np
-from safetensors import safe_open
 
 from atomflow import __version__
 from atomflow.errors import UnsupportedModelError
-from atomflow.model.fileformat import FORMAT_NAME, FORMAT_VERSION, FileWriter, expected_tensors
+from atomflow.model import quantize_io
+from atomflow.model.fileformat import FORMAT_NAME, FORMAT_VERSION, FileWriter, expected_tensors, temp_path
 from atomflow.model.spec import QUANT_GROUP, ModelSpec
 
 FP8_MAX = 448.0
@@ -54,14 +54,14 @@ class _Source:
     def __init__(self, hf_dir: Path):
         index = hf_dir / "model.safetensors.index.json"
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            weight_map = quantize_io.weight_map(index)
         else:
             shards = sorted(hf_dir.glob("*.safetensors"))
             if not shards:
                 raise FileNotFoundError(f"{hf_dir}: no *.safetensors weights (PyTorch .bin checkpoints are not supported)")
             weight_map = {}
             for shard in shards:
-                with safe_open(shard, "numpy") as f:
+                with quantize_io.open_shard(shard) as f:
                     weight_map.update({k: shard.name for k in f.keys()})
         self.dir, self.weight_map = hf_dir, weight_map
         self.dtypes: set[str] = set()
@@ -76,7 +76,7 @@ class _Source:
         path = self.dir / self.weight_map[name]
         if not path.is_file():
             raise FileNotFoundError(f"{path}: shard named in the index is missing")
-        with safe_open(path, "numpy") as f:
+        with quantize_io.open_shard(path) as f:
             sl = f.get_slice(name)
             dt = sl.get_dtype()
             if dt not in SOURCE_DTYPES:
@@ -96,13 +96,21 @@ class _Source:
                 raise UnsupportedModelError(f"{name}: shape {list(got)}, config.json implies {list(shape)}")
             step = max(1, CHUNK_BYTES // (4 * shape[-1]))
             for a in range(0, shape[0], step):
-                yield np.asarray(sl[a:min(a + step, shape[0])], dtype=np.float32)
+                yield self._finite(name, np.asarray(sl[a:min(a + step, shape[0])], dtype=np.float32), a)
 
     def vector(self, name: str, n: int) -> np.ndarray:
         with self.slice(name) as sl:
             if tuple(sl.get_shape()) != (n,):
                 raise UnsupportedModelError(f"{name}: shape {sl.get_shape()}, config.json implies [{n}]")
-            return np.asarray(sl[:], dtype=np.float32)
+            return self._finite(name, np.asarray(sl[:], dtype=np.float32), 0)
+
+    def _finite(self, name: str, block: np.ndarray, row0: int) -> np.ndarray:
+        """NaN / Inf in a source weight would quantize to NaN scales: a file no reader takes."""
+        if not np.isfinite(block).all():
+            row = row0 + int(np.argwhere(~np.isfinite(block))[0][0])
+            raise UnsupportedModelError(f"{self.dir / self.weight_map[name]}: tensor {name!r} holds NaN or Inf "
+                                        f"(row {row})")
+        return block
 
 
 @dataclass
@@ -127,8 +135,7 @@ class _ErrStats:
 
 def _metadata(hf_dir: Path, spec: ModelSpec, lm_head: str, source_dtype: str) -> dict[str, str]:
     def read_json(name: str) -> dict:
-        p = hf_dir / name
-        return json.loads(p.read_text()) if p.is_file() else {}
+        return quantize_io.read_json_object(hf_dir / name, missing_ok=True)
 
     tok = hf_dir / "tokenizer.json"
     if not tok.is_file():
@@ -137,21 +144,23 @@ def _metadata(hf_dir: Path, spec: ModelSpec, lm_head: str, source_dtype: str) ->
     chat_template = tok_cfg.get("chat_template") or ""
     template_src = "tokenizer_config.json" if chat_template else ""
     if (hf_dir / "chat_template.jinja").is_file():
-        chat_template, template_src = (hf_dir / "chat_template.jinja").read_text(), "chat_template.jinja"
+        chat_template, template_src = quantize_io.read_text(hf_dir / "chat_template.jinja"), "chat_template.jinja"
     if isinstance(chat_template, list):  # named templates: take the default one
-        chat_template = next((t["template"] for t in chat_template if t.get("name") == "default"), "")
+        chat_template = next((t.get("template") for t in chat_template if isinstance(t, dict) and t.get("name") == "default"),
+                             "")
+    if not isinstance(chat_template, str):
+        raise UnsupportedModelError(f"{hf_dir / 'tokenizer_config.json'}: chat_template must be a string or a list of "
+                                    f"named templates, got {chat_template!r:.60}")
 
-    def token_text(v):
-        return v.get("content") if isinstance(v, dict) else v
+    def token_text(key: str):
+        v = tok_cfg.get(key)
+        v = v.get("content") if isinstance(v, dict) else v
+        if v is not None and not isinstance(v, str):
+            raise UnsupportedModelError(f"{hf_dir / 'tokenizer_config.json'}: {key} must be a string, got {v!r:.60}")
+        return v
 
     config, gen = read_json("config.json"), read_json("generation_config.json")
-    eos: list[int] = []
-    for src in (gen.get("eos_token_id"), config.get("eos_token_id")):
-        for e in (src if isinstance(src, list) else [src]):
-            if isinstance(e, int) and e not in eos:
-                eos.append(e)
-    generation = dict(bos_token_id=gen.get("bos_token_id", config.get("bos_token_id")), eos_token_ids=eos,
-                      temperature=gen.get("temperature"), top_p=gen.get("top_p"), top_k=gen.get("top_k"))
+    generation = quantize_io.generation_config(hf_dir, config, gen, spec.vocab_size)
     source = read_json(SOURCE_FILE)
     return {
         "format": FORMAT_NAME,
@@ -159,10 +168,10 @@ def _metadata(hf_dir: Path, spec: ModelSpec, lm_head: str, source_dtype: str) ->
         "spec": spec.to_json(),
         "quantization": json.dumps(dict(scheme="fp8_e4m3fn_w8a16", group_size=QUANT_GROUP, scale_dtype="F32",
                                         lm_head=lm_head, source_dtype=source_dtype)),
-        "tokenizer": tok.read_text(encoding="utf-8"),
-        "tokenizer_config": json.dumps(dict(bos_token=token_text(tok_cfg.get("bos_token")),
-                                            eos_token=token_text(tok_cfg.get("eos_token")),
-                                            add_bos_token=tok_cfg.get("add_bos_token"),
+        "tokenizer": quantize_io.read_text(tok),
+        "tokenizer_config": json.dumps(dict(bos_token=token_text("bos_token"),
+                                            eos_token=token_text("eos_token"),
+                                            add_bos_token=tok_cfg.get("add_bos_token") is True,
                                             chat_template_source=template_src)),
         "chat_template": chat_template,
         "generation_config": json.dumps(generation),
@@ -188,15 +197,38 @@ def resolve_hf_dir(model: str | Path) -> Path:
 
 
 def quantize(hf_dir: str | Path, out: str | Path, lm_head: str = "fp8", progress: bool = True,
-             log=None) -> dict:
-    """Quantize `hf_dir` into `out`. lm_head: 'fp8' (default) or 'bf16'. Returns a summary dict
-    (per-matrix relative errors, bytes, checksum). Nothing is left at `out` on failure."""
+             log=None, force: bool = False) -> dict:
+    """Quantize `hf_dir` into `out`. lm_head: 'fp8' (default) or 'bf16'. force: overwrite an
+    existing `out`. Returns a summary dict (per-matrix relative errors, bytes, checksum).
+
+    The output path is checked before any work; temporaries of earlier runs to the same output
+    that were killed are removed; on any error or catchable signal (InterruptedBySignal) the
+    temporary file is removed and `out` is untouched."""
     log = log or (lambda s: print(s, file=sys.stderr))
     hf_dir = resolve_hf_dir(hf_dir)
     if lm_head not in ("fp8", "bf16"):
         raise ValueError(f"lm_head must be fp8 or bf16, got {lm_head!r}")
-    spec = ModelSpec.from_hf_dir(hf_dir, lm_head_fp8=(lm_head == "fp8"))
+    out = quantize_io.check_output_path(out, hf_dir, force)
+    quantize_io.sweep_stale_temps(out, log)
+    with quantize_io.raise_on_signals():
+        try:
+            summary = _quantize(hf_dir, out, lm_head, progress, log)
+        except BaseException:
+            temp_path(out).unlink(missing_ok=True)  # even if the signal came before the writer's `with`
+            raise
+    _print_error_table(ModelSpec.from_dict(summary["spec"]), summary["errors"], log)  # the file is in place
+    return summary
+
+
+def _quantize(hf_dir: Path, out: Path, lm_head: str, progress: bool, log) -> dict:
+    if not (hf_dir / "config.json").is_file():
+        raise FileNotFoundError(f"no config.json in {hf_dir}")
+    try:
+        spec = ModelSpec.from_hf_config(quantize_io.read_json_object(hf_dir / "config.json"), lm_head_fp8=(lm_head == "fp8"))
+    except UnsupportedModelError as e:
+        raise UnsupportedModelError(e if str(e).startswith(str(hf_dir)) else f"{hf_dir}: {e}") from None
     src = _Source(hf_dir)
+    quantize_io.check_spec(hf_dir, spec, src.weight_map)
     head_mode = "tied" if (lm_head == "bf16" and spec.tie_word_embeddings) else lm_head
     head_src = "model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"
     first = src.dtype("model.embed_tokens.weight")
@@ -242,7 +274,9 @@ def quantize(hf_dir: str | Path, out: str | Path, lm_head: str = "fp8", progress
     threads = max(1, min(MAX_THREADS, os.cpu_count() or 1))
     pool = ThreadPoolExecutor(threads)
     try:
-        with FileWriter(out, tensors, _metadata(hf_dir, spec, head_mode, SOURCE_DTYPES[first])) as w:
+        meta = _metadata(hf_dir, spec, head_mode, SOURCE_DTYPES[first])
+        quantize_io.check_tokenizer(hf_dir, meta, spec)
+        with FileWriter(out, tensors, meta) as w:
             write_bf16(w, "embed", "model.embed_tokens.weight", (spec.vocab_size, d))
             for i in range(spec.num_layers):
                 p, h = f"layers.{i}.", f"model.layers.{i}."
@@ -267,7 +301,6 @@ def quantize(hf_dir: str | Path, out: str | Path, lm_head: str = "fp8", progress
 
     summary = dict(path=str(out), bytes=Path(out).stat().st_size, spec=spec.to_dict(), lm_head=head_mode,
                    source_dtypes=sorted(src.dtypes), errors={k: stats.rel(k) for k in stats.err})
-    _print_error_table(spec, summary["errors"], log)
     return summary
 
 

@@ -106,11 +106,8 @@ class ModelSpec:
     def from_hf_config(cls, config: dict, lm_head_fp8: bool = True) -> ModelSpec:
         """Build from a transformers config.json (4.x `rope_theta`/`rope_scaling` or 5.x
         `rope_parameters`). Raises UnsupportedModelError for anything the engine cannot run."""
-        archs = config.get("architectures") or []
-        model_type = config.get("model_type")
-        if "LlamaForCausalLM" not in archs and not (not archs and model_type == "llama"):
-            what = ", ".join(archs) if archs else f"model_type {model_type!r}"
-            raise UnsupportedModelError(f"unsupported architecture {what}: atomflow runs LlamaForCausalLM only")
+        check_config_types(config)
+        check_architecture(config)
         if config.get("attention_bias"):
             raise UnsupportedModelError("unsupported: attention_bias=true (Llama-family models without biases only)")
         if config.get("mlp_bias"):
@@ -179,10 +176,70 @@ class ModelSpec:
         if not (self.rope_theta > 0 and math.isfinite(self.rope_theta)):
             bad(f"rope_theta {self.rope_theta}")
         if self.rope_type == "llama3":
-            if not self.rope_factor > 0 or not self.rope_original_max_position_embeddings > 0:
-                bad("llama3 rope scaling needs factor > 0 and original_max_position_embeddings > 0")
+            if not (self.rope_factor > 0 and self.rope_low_freq_factor > 0
+                    and self.rope_original_max_position_embeddings > 0):
+                bad("llama3 rope scaling needs factor > 0, low_freq_factor > 0 and original_max_position_embeddings > 0")
             if not self.rope_high_freq_factor > self.rope_low_freq_factor:
                 bad("llama3 rope scaling needs high_freq_factor > low_freq_factor")
+
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+_MODEL_TYPES = {"LlamaForCausalLM": "llama"}  # model_type of a config without `architectures`
+
+# config.json fields the spec reads, and the JSON types each may hold (null is always allowed:
+# transformers writes null for "the default").
+_NUMBER = (int, float)
+CONFIG_TYPES: dict[str, tuple[type, ...]] = {
+    "architectures": (list,), "model_type": (str,), "vocab_size": (int,), "hidden_size": (int,),
+    "intermediate_size": (int,), "num_hidden_layers": (int,), "num_attention_heads": (int,),
+    "num_key_value_heads": (int,), "head_dim": (int,), "rms_norm_eps": _NUMBER, "rope_theta": _NUMBER,
+    "rope_scaling": (dict,), "rope_parameters": (dict,), "max_position_embeddings": (int,),
+    "tie_word_embeddings": (bool,), "hidden_act": (str,), "attention_bias": (bool,), "mlp_bias": (bool,),
+    "sliding_window": (int,), "bos_token_id": (int,), "eos_token_id": (int, list),
+}
+
+_NOT_NULL = ("rms_norm_eps", "rope_theta", "max_position_embeddings")  # read through float() / int()
+_ROPE_NUMBERS = ("rope_theta", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def check_config_types(config) -> None:
+    """config.json is an object and each field the spec reads has its JSON type (a bool is not
+    a number here); else one UnsupportedModelError naming the field and its value."""
+    if not isinstance(config, dict):
+        raise UnsupportedModelError(f"config.json must hold a JSON object, got a {type(config).__name__}")
+    for key, types in CONFIG_TYPES.items():
+        v = config.get(key)
+        if v is None and (key not in _NOT_NULL or key not in config):
+            continue
+        if not isinstance(v, types) or (isinstance(v, bool) and bool not in types):
+            want = "a number" if types == _NUMBER else " or ".join(
+                {int: "an integer", str: "a string", list: "a list", dict: "an object", bool: "true or false"}[t]
+                for t in types)
+            raise UnsupportedModelError(f"config.json: {key} must be {want}, got {v!r:.60}")
+        if isinstance(v, float) and not math.isfinite(v):
+            raise UnsupportedModelError(f"config.json: {key} must be finite, got {v!r}")
+    for key in ("rope_scaling", "rope_parameters"):
+        rope = config.get(key) or {}
+        for d in [rope] + [v for v in rope.values() if isinstance(v, dict)]:  # rope_parameters per layer type
+            for k in _ROPE_NUMBERS:
+                v = d.get(k)
+                if k in d and (isinstance(v, bool) or not isinstance(v, _NUMBER) or not math.isfinite(v)):  # null too
+                    raise UnsupportedModelError(f"config.json: {key}.{k} must be a finite number, got {v!r:.60}")
+
+
+def check_architecture(config: dict) -> None:
+    """`architectures` names a supported class exactly (a list of strings); a config without it
+    needs the matching model_type."""
+    archs = config.get("architectures") or []
+    if not all(isinstance(a, str) for a in archs):
+        raise UnsupportedModelError(f"config.json: architectures must be a list of strings, got {archs!r:.60}")
+    model_type = config.get("model_type")
+    if any(a in SUPPORTED_ARCHITECTURES for a in archs):
+        return
+    if not archs and model_type in _MODEL_TYPES.values():
+        return
+    what = ", ".join(archs) if archs else f"model_type {model_type!r}"
+    raise UnsupportedModelError(f"unsupported architecture {what}: atomflow runs {', '.join(SUPPORTED_ARCHITECTURES)}")
 
 
 def _rope_settings(config: dict) -> dict:

@@ -5,14 +5,19 @@ Reads either an HF model directory or the strings stored in a .atomflow file's m
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import json
+import signal
+import threading
 from collections.abc import Iterable
 from datetime import datetime
 from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
+
+from atomflow.errors import ChatTemplateError, FormatError
 
 
 def _token_text(v) -> str | None:
@@ -118,7 +123,13 @@ class Tokenizer:
                    if self.config.get(k) is not None}
         context = {**special, "tools": None, "documents": None, **kwargs}
         context.update(messages=copy.deepcopy(list(messages)), add_generation_prompt=add_generation_prompt)
-        return _compile(self.chat_template).render(**context)
+        template = _compile_checked(self.chat_template)
+        try:
+            return template.render(**context)
+        except ChatTemplateError:
+            raise
+        except Exception as e:  # a template is code: raise_exception(), undefined names, 1 / 0, ...
+            raise ChatTemplateError(f"the chat template failed to render: {_one_line(e)}") from None
 
     def encode_prompt(self, prompt: str, chat: bool) -> list[int]:
         """chat: one user turn through the template, encoded without adding special tokens (the
@@ -127,6 +138,68 @@ class Tokenizer:
             text = self.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
             return self.encode(text, add_special_tokens=False)
         return self.encode(prompt, add_special_tokens=True)
+
+
+def _one_line(e: BaseException) -> str:
+    msg = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {msg[0][:200]}" if msg else type(e).__name__
+
+
+def _compile_checked(template: str):
+    try:
+        return _compile(template)
+    except Exception as e:  # jinja2.TemplateSyntaxError and anything a broken template raises while compiling
+        raise ChatTemplateError(f"the chat template does not compile: {_one_line(e)}") from None
+
+
+TEMPLATE_CHECK_S = 5
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: float, message: str):
+    """Raises ChatTemplateError(message) if the body runs past `seconds` (a template is code and
+    can loop: jinja's sandbox bounds range() but not nested loops). Only in the main thread and
+    only when no other interval timer is set; elsewhere the body runs unbounded."""
+    if threading.current_thread() is not threading.main_thread() or signal.getitimer(signal.ITIMER_REAL) != (0.0, 0.0):
+        yield
+        return
+
+    def expired(signum, frame):
+        raise ChatTemplateError(message)
+
+    old = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def checked_tokenizer(path, tokenizer_json: str, tokenizer_config: dict, chat_template: str,
+                      generation_config: dict, vocab_size: int) -> Tokenizer:
+    """Tokenizer.from_metadata, with every failure a one-line FormatError naming `path`: the
+    tokenizer must parse and know no more ids than the model's vocab, the chat template (if any)
+    must compile and render one user turn to at least one token."""
+    try:
+        tok = Tokenizer.from_metadata(tokenizer_json, tokenizer_config, chat_template, generation_config)
+    except BaseException as e:  # tokenizers raises Exception, and a Rust panic arrives as a BaseException
+        if isinstance(e, (KeyboardInterrupt, SystemExit, MemoryError)):
+            raise
+        raise FormatError(f"{path}: the tokenizer does not load ({_one_line(e)})") from None
+    if tok.vocab_size > vocab_size:
+        raise FormatError(f"{path}: the tokenizer knows {tok.vocab_size} ids, more than the model's vocab_size {vocab_size}")
+    try:
+        with _time_limit(TEMPLATE_CHECK_S, f"the chat template did not render one user turn within {TEMPLATE_CHECK_S} s"):
+            ids = tok.encode_prompt("Hello", chat=tok.has_chat_template)
+    except ChatTemplateError as e:
+        raise FormatError(f"{path}: {e}") from None
+    except Exception as e:
+        raise FormatError(f"{path}: the tokenizer fails to encode text ({_one_line(e)})") from None
+    if not ids:
+        raise FormatError(f"{path}: the {'chat template' if tok.has_chat_template else 'tokenizer'} turns a prompt "
+                          f"into no tokens")
+    return tok
 
 
 @functools.lru_cache(maxsize=8)
