@@ -16,11 +16,14 @@
 
 #include "atomflow/device.h"
 #include "atomflow/engine.h"
+#include "plan.h"
 
 namespace py = pybind11;
 using namespace atomflow;
 
 void register_ops(pybind11::module_& m);  // csrc/bindings/ops.cpp: the kernel test harness
+
+namespace atomflow::bindings {
 
 namespace {
 
@@ -36,7 +39,10 @@ T field(const py::dict& d, const char* what, const char* key) {
   }
 }
 
+}  // namespace
+
 // The dict of atomflow.spec.ModelSpec.to_dict(); keys the engine does not use are ignored.
+// (Also plan.cpp's.)
 ModelSpec spec_from_dict(const py::dict& d) {
   ModelSpec s;
   s.vocab_size = field<int32_t>(d, "spec", "vocab_size");
@@ -64,6 +70,13 @@ ModelSpec spec_from_dict(const py::dict& d) {
   s.lm_head_fp8 = d.contains("lm_head_fp8") ? field<bool>(d, "spec", "lm_head_fp8") : true;
   return s;
 }
+
+}  // namespace atomflow::bindings
+
+namespace {
+
+using atomflow::bindings::field;
+using atomflow::bindings::spec_from_dict;
 
 std::vector<TensorInfo> tensors_from_list(const py::list& list) {
   std::vector<TensorInfo> out;
@@ -180,7 +193,8 @@ PYBIND11_MODULE(_core, m) {
   py::class_<Engine>(m, "Engine")
       .def(py::init([](const std::string& path, const py::dict& spec, const py::list& tensors,
                        const py::array_t<float, py::array::c_style | py::array::forcecast>& inv_freq, int max_context,
-                       int prefill_chunk, bool eager, bool verbose) {
+                       int prefill_chunk, bool eager, bool verbose, bool f16_activations, bool fused_tail,
+                       bool short_steps, bool cluster_merge, bool staged_pair, bool tickets) {
              ModelSpec s = spec_from_dict(spec);
              std::vector<TensorInfo> table = tensors_from_list(tensors);
              if (inv_freq.ndim() != 1) throw py::value_error("inv_freq must be a 1-D float32 array");
@@ -188,13 +202,17 @@ PYBIND11_MODULE(_core, m) {
              EngineOptions opt;
              opt.max_context = max_context;
              opt.prefill_chunk = prefill_chunk;
-             opt.eager = eager;
              opt.verbose = verbose;
+             opt.plan = PlanOptions{eager, f16_activations, fused_tail, short_steps, cluster_merge, staged_pair, tickets};
              py::gil_scoped_release nogil;
              return std::make_unique<Engine>(path, s, table, freq, opt);
            }),
            py::arg("path"), py::arg("spec"), py::arg("tensors"), py::arg("inv_freq"), py::arg("max_context"),
-           py::arg("prefill_chunk") = 256, py::arg("eager") = false, py::arg("verbose") = true)
+           py::arg("prefill_chunk") = 256, py::arg("eager") = false, py::arg("verbose") = true,
+           py::arg("f16_activations") = true, py::arg("fused_tail") = true, py::arg("short_steps") = true,
+           py::arg("cluster_merge") = true, py::arg("staged_pair") = true, py::arg("tickets") = true,
+           "load the model and plan its decode step; eager and f16_activations are user settings, the other "
+           "options override the schedule (same bits) for comparisons (include/atomflow/step_plan.h)")
       .def("prefill", [](Engine& e, const py::array& ids) {
              std::vector<int32_t> v = ids_arg(ids, e.spec().vocab_size);
              py::array_t<float> logits = new_logits(e);
@@ -300,13 +318,17 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("load_seconds", &Engine::load_seconds)
       .def_property_readonly("graph_enabled", &Engine::graph_enabled)
       .def_property_readonly("f16_activations", &Engine::f16_activations,
-                             "whether decode steps write attention's and SwiGLU's outputs in fp16 (false with "
-                             "ATOMFLOW_BF16_ACTS=1 at load, or once a step passed fp16's range and ran again in bf16)")
+                             "whether decode steps write attention's and SwiGLU's outputs in fp16 (false when loaded "
+                             "with f16_activations=False, or once a step passed fp16's range and ran again in bf16)")
+      .def_property_readonly("step_plan", [](const Engine& e) { return atomflow::bindings::plan_to_dict(e.step_plan()); },
+                             "every launch decision of the decode step, made at load (atomflow info --plan)")
       .def_property_readonly("plan", [](const Engine& e) {
         py::dict d;
         for (const auto& [group, bytes] : e.plan()) d[py::str(group)] = bytes;
         return d;
       });
+
+  atomflow::bindings::register_plan(m);
 
   py::module_ ops = m.def_submodule("ops", "kernel test harness");
   register_ops(ops);

@@ -113,10 +113,11 @@ sb::ModelDims dims_from_dict(const py::dict& d) {
 }
 
 std::unique_ptr<sb::PagedModel> make_model(const py::dict& dims, int num_blocks, int block_size, int max_rows,
-                                           int max_seqs, int max_blocks_per_seq) {
+                                           int max_seqs, int max_blocks_per_seq, bool f16_activations) {
   require_gpu();
   return std::make_unique<sb::PagedModel>(dims_from_dict(dims),
-                                          sb::PoolConfig{num_blocks, block_size, max_rows, max_seqs, max_blocks_per_seq});
+                                          sb::PoolConfig{num_blocks, block_size, max_rows, max_seqs, max_blocks_per_seq},
+                                          f16_activations);
 }
 
 void upload(sb::PagedModel& model, const std::string& name, const py::array& a) {
@@ -178,8 +179,9 @@ void bind_model(py::module_& m) {
                              "The Llama forward pass over a paged KV pool for a batch of sequences (greedy). "
                              "Needs a GPU.")
       .def(py::init(&make_model), py::arg("dims"), py::arg("num_blocks"), py::arg("block_size"), py::arg("max_rows"),
-           py::arg("max_seqs"), py::arg("max_blocks_per_seq"),
-           "dims: ModelSpec.to_dict(); the pool holds num_blocks blocks of block_size tokens, all layers")
+           py::arg("max_seqs"), py::arg("max_blocks_per_seq"), py::arg("f16_activations") = true,
+           "dims: ModelSpec.to_dict(); the pool holds num_blocks blocks of block_size tokens, all layers; "
+           "f16_activations: steps of one row write attention's and SwiGLU's outputs in fp16 (bf16 after an overflow)")
       .def("upload", &upload, py::arg("name"), py::arg("array"), "one tensor of the .atomflow file, by name")
       .def("upload_inv_freq", [](sb::PagedModel& mdl, const py::array& f) {
         auto a = arg<float>(f, "inv_freq", {-1});

@@ -29,13 +29,13 @@ kernels::SamplingConfig greedy() { return kernels::SamplingConfig{0.0f, 0, 1.0f,
 
 // Throws when the arena does not fit, naming the largest max_context that would.
 void check_fits(const ModelSpec& spec, const ModelTensors& tensors, const Layout& layout, int max_context,
-                int prefill_chunk) {
+                int prefill_chunk, int head_blocks) {
   size_t free_bytes = 0, total_bytes = 0;
   AF_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
   const size_t needed = layout.plan.total() + kHeadroom;
   if (needed <= free_bytes) return;
   auto fits = [&](int ctx) {
-    return plan_layout(spec, tensors, ctx, prefill_chunk).plan.total() + kHeadroom <= free_bytes;
+    return plan_layout(spec, tensors, ctx, prefill_chunk, head_blocks).plan.total() + kHeadroom <= free_bytes;
   };
   std::string msg = "not enough GPU memory: max_context " + std::to_string(max_context) + " needs " +
                     format_bytes(needed) + " (" + layout.plan.summary() + ", plus " + format_bytes(kHeadroom) +
@@ -86,11 +86,13 @@ void Engine::init(const std::string& path, const std::vector<TensorInfo>& table,
 
   for (int i = 0; i < s.num_layers; ++i) layer_names_.push_back("layer " + std::to_string(i));  // NVTX
 
-  // Plan, check, allocate.
+  // Plan the launches, then the arena; check, allocate.
+  step_plan_ = make_step_plan(s, opt_.max_context, opt_.plan);
+  const int head_blocks = step_plan_.fp8_head ? step_plan_.head.blocks : 0;
   MappedFile file(path);
   const ModelTensors tensors = resolve_tensors(s, table, file.size());
-  const Layout layout = plan_layout(s, tensors, opt_.max_context, opt_.prefill_chunk);
-  check_fits(s, tensors, layout, opt_.max_context, opt_.prefill_chunk);
+  const Layout layout = plan_layout(s, tensors, opt_.max_context, opt_.prefill_chunk, head_blocks);
+  check_fits(s, tensors, layout, opt_.max_context, opt_.prefill_chunk, head_blocks);
   if (opt_.verbose) std::fprintf(stderr, "atomflow: %s\n", layout.plan.summary().c_str());
   arena_ = Arena(layout.plan.total());
   ++allocations_;
@@ -161,9 +163,7 @@ void Engine::init(const std::string& path, const std::vector<TensorInfo>& table,
   step::write_pos(buf_.pos, 0, stream_);
   step::write_sampling(buf_.sampling, greedy(), stream_);
 
-  short_steps_ = opt_.max_context > kShortKeys && !env_flag("ATOMFLOW_ONE_GRAPH");
-  fused_tail_ = !env_flag("ATOMFLOW_NO_FUSED_TAIL");
-  f16_acts_ = !env_flag("ATOMFLOW_BF16_ACTS");
+  f16_acts_ = step_plan_.options.f16_activations;
   // Warm-up: one eager step loads every kernel (lazy module loading cannot happen inside a
   // capture) and surfaces a failing kernel here, with its own error, not as a graph failure.
   try {
@@ -173,7 +173,7 @@ void Engine::init(const std::string& path, const std::vector<TensorInfo>& table,
     throw CudaError(std::string("the decode step failed on its warm-up run (CUDA_LAUNCH_BLOCKING=1 names the "
                                 "kernel): ") + e.what());
   }
-  if (!opt_.eager) capture_graph();
+  if (!step_plan_.options.eager) capture_graph();
   step::write_pos(buf_.pos, 0, stream_);
   set_token(0);
   AF_CUDA_CHECK(cudaStreamSynchronize(stream_));
@@ -181,15 +181,15 @@ void Engine::init(const std::string& path, const std::vector<TensorInfo>& table,
 }
 
 // Captures enqueue_decode_step(): once with the attention grid planned for max_context, and once
-// more for the steps whose keys fit kShortKeys (engine.h). Its launches read pos, token and sampling
+// more for the steps whose keys fit the plan's short_keys (engine.h). Its launches read pos, token and sampling
 // from device memory and write to fixed buffers, so replaying a graph is exactly one more step.
 void Engine::capture_graph() {
   graph_exec_ = capture_step(opt_.max_context);
-  if (short_steps_) short_graph_ = capture_step(kShortKeys);
+  if (step_plan_.short_keys > 0) short_graph_ = capture_step(step_plan_.short_keys);
 }
 
 cudaGraphExec_t Engine::capture_step(int attn_keys) {
-  const std::string what = "capturing the decode step as a CUDA graph failed (ATOMFLOW_EAGER=1 runs without it): ";
+  const std::string what = "capturing the decode step as a CUDA graph failed (eager=True or ATOMFLOW_EAGER=1 runs without it): ";
   cudaGraph_t graph = nullptr;
   AF_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
   try {
@@ -258,12 +258,12 @@ std::vector<std::pair<std::string, size_t>> Engine::plan() const { return plan_;
 void Engine::launch_step() {
   const bool graph = graph_exec_ != nullptr && probe_ == nullptr;
   NvtxRange range(graph ? "decode_step (graph)" : "decode_step");
-  const bool short_step = short_steps_ && host_pos_ < kShortKeys;
+  const bool short_step = step_plan_.short_keys > 0 && host_pos_ < step_plan_.short_keys;
   ++(short_step ? short_grid_steps_ : long_grid_steps_);
   if (graph)
     AF_CUDA_CHECK(cudaGraphLaunch(short_step ? short_graph_ : graph_exec_, stream_));
   else
-    enqueue_decode_step(short_step ? kShortKeys : opt_.max_context);
+    enqueue_decode_step(short_step ? step_plan_.short_keys : opt_.max_context);
 }
 
 bool Engine::step_overflowed(int position) const {
@@ -313,7 +313,7 @@ void Engine::check_token(int32_t token) const {
 void Engine::set_token(int32_t token) {
   step::write_int(buf_.token, token, stream_);
   // With the fused tail a step starts from the embedding the previous step's sampler wrote.
-  if (fused_tail_) kernels::embedding(buf_.embed, buf_.token, 1, spec_.hidden_size, spec_.vocab_size, buf_.x, stream_);
+  if (step_plan_.options.fused_tail) kernels::embedding(buf_.embed, buf_.token, 1, spec_.hidden_size, spec_.vocab_size, buf_.x, stream_);
 }
 
 void Engine::copy_logits_out(float* logits) {

@@ -93,7 +93,7 @@ ModelTensors resolve_tensors(const ModelSpec& s, const std::vector<TensorInfo>& 
   return m;
 }
 
-Layout plan_layout(const ModelSpec& s, const ModelTensors& t, int max_context, int prefill_chunk) {
+Layout plan_layout(const ModelSpec& s, const ModelTensors& t, int max_context, int prefill_chunk, int head_blocks) {
   Layout L;
   ArenaPlan& plan = L.plan;
 
@@ -149,7 +149,7 @@ Layout plan_layout(const ModelSpec& s, const ModelTensors& t, int max_context, i
   L.attn_scratch = plan.reserve("scratch", attn_scratch);
   L.sample_scratch = plan.reserve("scratch", kernels::sampling_scratch_bytes(s.vocab_size));
   L.gemv_tickets = plan.reserve("scratch", kernels::kGemvTicketBytes);
-  L.head_best_n = s.lm_head_fp8 ? kernels::gemv_argmax_blocks(s.vocab_size, s.hidden_size) : 0;
+  L.head_best_n = s.lm_head_fp8 ? head_blocks : 0;
   L.head_best = plan.reserve("scratch", std::max(L.head_best_n, 1) * sizeof(uint64_t));
   L.pos = plan.reserve("scratch", 2 * sizeof(int32_t));
   L.token = plan.reserve("scratch", sizeof(int32_t));

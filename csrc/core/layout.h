@@ -62,6 +62,8 @@ struct Layout {
 
 // Pure function of its arguments, so the engine can also search for the largest max_context
 // that fits the free memory.
-Layout plan_layout(const ModelSpec& spec, const ModelTensors& tensors, int max_context, int prefill_chunk);
+// head_blocks: the FP8 head GEMV's grid (the step plan's head.blocks), one argmax key per block.
+Layout plan_layout(const ModelSpec& spec, const ModelTensors& tensors, int max_context, int prefill_chunk,
+                   int head_blocks);
 
 }  // namespace atomflow

@@ -87,8 +87,8 @@ void run_attention_contiguous(const uint16_t* q, const uint16_t* k_cache, const 
   DeviceBuffer dpos = to_device(&pos, sizeof(int32_t));
   DeviceBuffer scratch = attention_scratch(k::attention_scratch_bytes(M, H, D, capacity));
   DeviceBuffer dout = DeviceBuffer::poisoned(qbytes);
-  k::attention(dq.get<bf16>(), dk.get<bf16>(), dv.get<bf16>(), dpos.get<int32_t>(), M, H, Hkv, D, capacity, scale,
-               scratch.get(), dout.get<bf16>(), nullptr);
+  k::attention(k::plan_attention(M, H, Hkv, D, capacity), dq.get<bf16>(), dk.get<bf16>(), dv.get<bf16>(),
+               dpos.get<int32_t>(), M, H, Hkv, D, capacity, scale, scratch.get(), dout.get<bf16>(), nullptr);
   sync();
   dout.download(out, qbytes);
 }
@@ -142,8 +142,9 @@ double time_attention(const std::string& layout, const std::vector<int32_t>& len
       const int32_t pos = lens[0] - 1;
       DeviceBuffer dpos = to_device(&pos, sizeof(pos));
       DeviceBuffer scratch = attention_scratch(k::attention_scratch_bytes(1, H, D, max_len));
+      const k::AttnPlan plan = k::plan_attention(1, H, Hkv, D, max_len);
       return median_us([&](int i) {
-        k::attention(q.get<bf16>(), k_at(i), k_at(i) + per_copy / 2, dpos.get<int32_t>(), 1, H, Hkv, D, max_len, scale,
+        k::attention(plan, q.get<bf16>(), k_at(i), k_at(i) + per_copy / 2, dpos.get<int32_t>(), 1, H, Hkv, D, max_len, scale,
                      scratch.get(), out.get<bf16>(), nullptr);
       }, iters, warmup);
     }

@@ -39,7 +39,8 @@ std::map<std::string, size_t> expected_bytes(const ModelDims& m) {
 
 }  // namespace
 
-PagedModel::PagedModel(const ModelDims& dims, const PoolConfig& pool) : dims_(dims), pool_cfg_(pool) {
+PagedModel::PagedModel(const ModelDims& dims, const PoolConfig& pool, bool f16_activations)
+    : dims_(dims), pool_cfg_(pool), f16_acts_(f16_activations) {
   const ModelDims& m = dims_;
   AF_CHECK(m.vocab >= 1 && m.d >= 128 && m.f >= 128 && m.layers >= 1 && m.H >= 1 && m.Hkv >= 1,
            "PagedModel: bad model dims");
@@ -76,7 +77,6 @@ PagedModel::PagedModel(const ModelDims& dims, const PoolConfig& pool) : dims_(di
   tickets_.fill(0);
   f16_overflow_ = DeviceBuffer(sizeof(int32_t));
   f16_overflow_.fill(0);
-  f16_acts_ = !env_flag("ATOMFLOW_BF16_ACTS");
   input_ints_ = 3 * R + L + pool.max_seqs + 1 + static_cast<size_t>(pool.max_seqs + 1) * pool.max_blocks_per_seq;
   inputs_ = DeviceBuffer(sizeof(int32_t) * input_ints_);
   AF_CUDA_CHECK(cudaMallocHost(&host_inputs_, sizeof(int32_t) * input_ints_));
@@ -212,7 +212,8 @@ void PagedModel::linear(const Linear& w, const void* x, bool x_f16, int rows, in
   const k::Act xt = x_f16 ? k::Act::F16 : k::Act::BF16;
   const k::Epilogue ep = static_cast<k::Epilogue>(epilogue);
   if (rows == 1)
-    k::gemv_w8a16(w.w, w.scales, x, xt, N, K, ep, out, stream_, tickets_.get<unsigned>());
+    k::gemv_w8a16(k::plan_gemv(ep, static_cast<k::GemvIn>(xt), N, K), w.w, w.scales, x, xt, N, K, ep, out, stream_,
+                  tickets_.get<unsigned>());
   else
     k::gemm_w8a16(w.w, w.scales, x, xt, rows, N, K, ep, out, stream_);
 }
@@ -221,8 +222,9 @@ void PagedModel::linear(const Linear& w, const void* x, bool x_f16, int rows, in
 void PagedModel::normed_linear(const bf16* norm, const Linear& w, int rows, int N, int epilogue, void* out,
                                int* f16_overflow) {
   if (rows == 1) {
-    k::gemv_w8a16_rmsnorm(w.w, w.scales, x_.get<float>(), norm, dims_.eps, N, dims_.d,
-                          static_cast<k::Epilogue>(epilogue), out, stream_, tickets_.get<unsigned>(), f16_overflow);
+    const k::Epilogue ep = static_cast<k::Epilogue>(epilogue);
+    k::gemv_w8a16_rmsnorm(k::plan_gemv(ep, k::GemvIn::NORM, N, dims_.d), w.w, w.scales, x_.get<float>(), norm,
+                          dims_.eps, N, dims_.d, ep, out, stream_, tickets_.get<unsigned>(), f16_overflow);
     return;
   }
   k::rmsnorm(x_.get<float>(), norm, rows, dims_.d, dims_.eps, xn_.get<f16>(), stream_);
@@ -286,7 +288,7 @@ void PagedModel::step(const StepInput& in, int32_t* next_tokens, float* logits) 
       linear(lw.w2, ffn_.get(), half, R, m.d, m.f, 1, x_.get());
     }
     if (L == 1) {  // the core's head: fused final norm + lm_head GEMV on the one row
-      k::gemv_w8a16_rmsnorm(lm_head_.w, lm_head_.scales, x_.get<float>() + static_cast<size_t>(in.logit_rows[0]) * m.d,
+      k::gemv_w8a16_rmsnorm(k::plan_gemv(k::Epilogue::Store, k::GemvIn::NORM, m.vocab, m.d), lm_head_.w, lm_head_.scales, x_.get<float>() + static_cast<size_t>(in.logit_rows[0]) * m.d,
                             final_norm_, m.eps, m.vocab, m.d, k::Epilogue::Store, logits_.get(), stream_);
     } else if (L > 1) {
       gather_rows(x_.get<float>(), d + o_logit, L, m.d, xg_.get<float>(), stream_);

@@ -55,7 +55,8 @@ struct StepInput {
 
 class PagedModel {
  public:
-  PagedModel(const ModelDims& dims, const PoolConfig& pool);
+  // f16_activations: steps of one row hand attention's and SwiGLU's outputs on in fp16 (below).
+  PagedModel(const ModelDims& dims, const PoolConfig& pool, bool f16_activations = true);
   ~PagedModel();
   PagedModel(const PagedModel&) = delete;
   PagedModel& operator=(const PagedModel&) = delete;
@@ -118,7 +119,7 @@ class PagedModel {
   DeviceBuffer x_, xn_, qkv_, q_, attn_, ffn_, xg_, logits_, next_, scratch_, inputs_;
   DeviceBuffer tickets_;  // the gate/up GEMV's counters (kernels.h), zeroed once
   // As the core's decode step: a step of one row hands attention's and SwiGLU's outputs on in fp16
-  // (kernels.h) and, if they overflow, runs again in bf16, which it keeps (ATOMFLOW_BF16_ACTS=1:
+  // (kernels.h) and, if they overflow, runs again in bf16, which it keeps (f16_activations = false:
   // bf16 from the start).
   DeviceBuffer f16_overflow_;
   bool f16_acts_ = true;

@@ -28,13 +28,6 @@ struct CudaError : std::runtime_error {
   throw std::invalid_argument(std::string(what) + ": " + msg + " (" + file + ":" + std::to_string(line) + ")");
 }
 
-// Whether the switch `name` is set in the environment: any value but empty or "0" (as Python's
-// ATOMFLOW_EAGER). The engine's kill switches (ATOMFLOW_NO_PDL, ...) read it once each.
-inline bool env_flag(const char* name) {
-  const char* v = std::getenv(name);
-  return v != nullptr && v[0] != '\0' && v[0] != '0';
-}
-
 }  // namespace atomflow
 
 // Wrap every CUDA runtime call and follow every launch with AF_CUDA_CHECK(cudaGetLastError()).

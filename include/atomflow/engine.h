@@ -11,7 +11,7 @@
 // its end copies the overflow flag into the ring beside the token. A step whose flag is set never
 // gives its token or logits: the engine switches to bf16 activations for good (recapturing the
 // graphs), rolls the position back to that step and runs it, and every step enqueued after it,
-// again. ATOMFLOW_BF16_ACTS=1 at load decodes in bf16 from the start.
+// again. PlanOptions::f16_activations = false decodes in bf16 from the start.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -26,14 +26,15 @@
 #include "atomflow/kernels.h"
 #include "atomflow/loader.h"
 #include "atomflow/spec.h"
+#include "atomflow/step_plan.h"
 
 namespace atomflow {
 
 struct EngineOptions {
   int max_context = 0;      // KV cache rows
   int prefill_chunk = 256;  // rows per prefill pass; sizes the activation buffers
-  bool eager = false;       // run the decode step's launches directly instead of the graph
   bool verbose = true;      // print the arena plan and the load time to stderr
+  PlanOptions plan;         // eager, activation precision and the schedule's overrides (step_plan.h)
 };
 
 class Engine {
@@ -98,11 +99,11 @@ class Engine {
   int position() const { return host_pos_; }
   int in_flight() const { return in_flight_; }
   // Decode steps launched so far (the load's warm-up step included) with the attention grid planned
-  // for kShortKeys keys (the short graph, or its launches when eager), and with the grid planned
+  // for StepPlan::kShortKeys keys (the short graph, or its launches when eager), and with the grid planned
   // for max_context.
   long long short_grid_steps() const { return short_grid_steps_; }
-  // Whether decode steps write fp16 activations (false from load with ATOMFLOW_BF16_ACTS=1, or once
-  // a step overflowed fp16).
+  // Whether decode steps write fp16 activations (false from load without PlanOptions::f16_activations,
+  // or once a step overflowed fp16).
   bool f16_activations() const { return f16_acts_; }
   long long long_grid_steps() const { return long_grid_steps_; }
   int device_allocations() const { return allocations_; }
@@ -110,6 +111,8 @@ class Engine {
   bool graph_enabled() const { return graph_exec_ != nullptr; }
   // (group, bytes) for weights, kv, activations, scratch, then ("total", bytes).
   std::vector<std::pair<std::string, size_t>> plan() const;
+  // Every launch decision of the decode step, made at load (step_plan.h).
+  const StepPlan& step_plan() const { return step_plan_; }
 
  private:
   // Device pointers carved out of the arena.
@@ -156,8 +159,9 @@ class Engine {
 
   // forward.cu: the launches, enqueued on stream_ (graph-capturable: no sync, no allocation).
   void enqueue_layers(int rows, int attn_keys);
-  void normed_linear(const bf16* norm, const char* probe_name, int layer, const uint8_t* w, const float* scales,
-                     int rows, int N, kernels::Epilogue ep, void* out, int* f16_overflow = nullptr);
+  void normed_linear(const bf16* norm, const char* probe_name, int layer, const kernels::GemvPlan& fused,
+                     const kernels::GemvPlan& probed, const uint8_t* w, const float* scales, int rows, int N,
+                     kernels::Epilogue ep, void* out, int* f16_overflow = nullptr);
   void enqueue_head(int row);
   void enqueue_decode_step(int attn_keys);  // the keys its attention grid is planned for
   void enqueue_prefill_chunk(int offset, int rows);
@@ -197,21 +201,13 @@ class Engine {
 
   cudaStream_t stream_ = nullptr;
   cudaGraphExec_t graph_exec_ = nullptr;   // the decode step; nullptr: eager
-  // Steps whose keys fit kShortKeys replay short_graph_, whose attention grid is planned for
-  // kShortKeys keys instead of max_context: fewer blocks that only exit, clusters that hold every
+  StepPlan step_plan_;  // made at load, before the arena (it sizes the head's argmax buffer)
+  // Steps whose keys fit step_plan_.short_keys replay short_graph_, whose attention grid is planned
+  // for that many keys instead of max_context: fewer blocks that only exit, clusters that hold every
   // split; the same split count per position, so the same bits (forward.cu). Eager steps plan their
-  // grid the same way. Off (one grid for every step) with a max_context of at most kShortKeys or
-  // ATOMFLOW_ONE_GRAPH=1 at load.
-  // 512 = 16 splits of 32 keys (attention_decode.cu): the most keys whose splits one 16-block cluster
-  // holds.
-  static constexpr int kShortKeys = 512;
+  // grid the same way.
   cudaGraphExec_t short_graph_ = nullptr;
   long long short_grid_steps_ = 0, long_grid_steps_ = 0;  // launch_step()'s choices
-  bool short_steps_ = false;  // steps of at most kShortKeys keys plan their grid for kShortKeys
-  // The sampler ends the step (kernels::sample_step: token ring, position, the next step's
-  // embedding), so a step is the layers, the head and one more launch. Off (separate embedding,
-  // sampler and finish launches) with ATOMFLOW_NO_FUSED_TAIL=1 at load.
-  bool fused_tail_ = true;
   bool f16_acts_ = true;  // decode steps write fp16 activations (engine comment at the top)
   // The input token of each step in flight (ring order), for a rerun in bf16; kUnknown: the output of
   // the step before it, filled in when wait() reads that one. next_input_: begin()'s token, for the

@@ -17,11 +17,13 @@
 //    a captured CUDA graph serves every position. Kernels read it; only the engine advances it.
 //  - KV cache per layer: K and V each [max_context, num_kv_heads, head_dim] bf16, contiguous.
 //  - Every launcher takes a cudaStream_t, checks its assumptions (AF_CHECK), and ends with
-//    AF_CUDA_CHECK(cudaGetLastError()). No launcher allocates memory: scratch comes from the
+//    AF_CUDA_CHECK(cudaGetLastError()). A launcher with choices (the GEMV, attention) takes them as
+//    its part of the step plan (plan_gemv, plan_attention; step_plan.h) and reads no environment. No launcher allocates memory: scratch comes from the
 //    caller (sizes from the *_scratch_bytes functions), so everything can be graph-captured.
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 #include "atomflow/common.h"
 
@@ -51,30 +53,64 @@ enum class Epilogue : int {
   Store = 0,        // out fp32 [M, N]:  out = y
   AddResidual = 1,  // out fp32 [M, N]:  out += y      (O and down projections)
   SwiGLU = 2,       // N = 2F, out bf16 [M, F]: out = silu(y[:, :F]) * y[:, F:]   (fused gate/up)
-};                  //   (the GEMVs: fp16 given f16_overflow, kF16Max)
+                    //   (the GEMVs: fp16 given f16_overflow, kF16Max)
+  RopeKV = 3,       // the decode QKV GEMV only (gemv_w8a16_rmsnorm_rope): RoPE + KV append
+};
+// What a GEMV reads as x: 16-bit activations (Act's values), or the fp32 residual stream that its
+// prologue normalizes (RMSNorm fused).
+enum class GemvIn : int { BF16 = 0, F16 = 1, NORM = 2 };
 
-// M = 1 decode. K % 128 == 0. Weights read exactly once with 16-byte register loads; each warp
-// loads its first iteration of weights into registers before the kernel waits for its predecessor
-// (PDL).
+// How one GEMV launch runs: its part of the step plan (include/atomflow/step_plan.h), computed by
+// plan_gemv (gemv_w8a16_plan.cpp) from the shape, the device and the knobs, printed by `atomflow
+// info --plan`. A launcher checks that its plan is of its own kind and shape; it decides nothing.
+struct GemvPlan {
+  Epilogue ep;
+  GemvIn in;
+  int N, K;
+  bool whole;        // K % 512 == 0: the instance whose loads need no clamp at a row's end
+  int blocks;        // grid: at most the blocks resident at once (2 per SM), fewer when there are
+                     // fewer row pairs than resident warps
+  int threads;       // per block (256: 8 warps)
+  int pre_warps;     // warps per block that load their first iteration before the PDL wait
+  int staged_warps;  // warps per block that copy their second row pair into shared memory early (QKV)
+  bool ticketed;     // SwiGLU: row pairs past the first round handed out by ticket (given counters)
+  size_t smem;       // dynamic shared memory per block
+};
+// The plan's overrides of the default schedule (each same bits, a comparison for the tests): the
+// QKV product's staged second pairs, and SwiGLU's tickets.
+struct GemvKnobs {
+  bool staged_pair = true;
+  bool tickets = true;
+};
+// Needs the device (occupancy): call with the GPU that will run the launch current.
+GemvPlan plan_gemv(Epilogue ep, GemvIn in, int N, int K, const GemvKnobs& knobs = {});
+// "gemv_w8a16<RopeKV, NORM, whole>": the kernel instance a plan launches.
+std::string gemv_variant_name(const GemvPlan& plan);
+
+// M = 1 decode. K % 128 == 0. Weights read exactly once with 16-byte register loads; the plan's
+// pre_warps load their first iteration of weights into registers before the kernel waits for its
+// predecessor (PDL). plan: plan_gemv(ep, GemvIn(x_type), N, K) (or the step plan's).
 //
 // tickets (SwiGLU only, may be null): kGemvTicketBytes of zeroed device memory, used by one stream.
-// With it, a launch with more row pairs than the grid has warps hands out the pairs past the first
-// round by atomic counters instead of a fixed stride (same bits), and leaves the counters at zero.
+// With it, a plan with `ticketed` hands out the pairs past the first round by atomic counters
+// instead of a fixed stride (same bits), and leaves the counters at zero.
 // f16_overflow (SwiGLU only, may be null): the output is fp16 instead of bf16, and
 // *f16_overflow = 1 when a value's magnitude passes kF16Max (its store is then inf).
 constexpr size_t kGemvTicketBytes = 64 * 128;
-void gemv_w8a16(const uint8_t* w, const float* scales, const void* x, Act x_type, int N, int K,
+void gemv_w8a16(const GemvPlan& plan, const uint8_t* w, const float* scales, const void* x, Act x_type, int N, int K,
                 Epilogue ep, void* out, cudaStream_t stream, unsigned* tickets = nullptr,
                 int* f16_overflow = nullptr);
 // The same with RMSNorm fused into the prologue: the GEMV's input is
 // f16(x * rsqrt(mean(x^2) + eps) * norm_w), x the fp32 residual stream [K] (bit-identical to
 // rmsnorm() followed by gemv_w8a16(..., Act::F16, ...), one launch and one round trip fewer).
-void gemv_w8a16_rmsnorm(const uint8_t* w, const float* scales, const float* x, const bf16* norm_w,
-                        float eps, int N, int K, Epilogue ep, void* out, cudaStream_t stream,
+// plan: plan_gemv(ep, GemvIn::NORM, N, K).
+void gemv_w8a16_rmsnorm(const GemvPlan& plan, const uint8_t* w, const float* scales, const float* x,
+                        const bf16* norm_w, float eps, int N, int K, Epilogue ep, void* out, cudaStream_t stream,
                         unsigned* tickets = nullptr, int* f16_overflow = nullptr);
 // The decode QKV product with RMSNorm in the prologue and RoPE + KV append in the epilogue: w is
 // the fused [(H + 2 Hkv) * D, K] qkv matrix; the output is what gemv_w8a16_rmsnorm(Store) followed
 // by rope_kv_append(M = 1) writes (q_out, the cache rows at *pos), bit-identical, in one launch.
+// plan: plan_gemv(Epilogue::RopeKV, GemvIn::NORM, (H + 2 Hkv) * D, K).
 struct RopeKVArgs {
   const float* inv_freq;  // [D / 2]
   const int32_t* pos;     // device: the token's position (the cache row it fills)
@@ -83,22 +119,15 @@ struct RopeKVArgs {
   bf16* k_cache;          // [max_context, Hkv, D]
   bf16* v_cache;
 };
-void gemv_w8a16_rmsnorm_rope(const uint8_t* w, const float* scales, const float* x, const bf16* norm_w,
-                             float eps, int K, const RopeKVArgs& rope, cudaStream_t stream);
-// Warps per block of that launch that copy their second row pair into shared memory while they sum
-// their first: rows of one iteration (K <= 4096, a multiple of 512) and 1-2 row pairs per resident
-// warp. 0: none (also with ATOMFLOW_NO_STAGED_PAIR=1).
-int gemv_qkv_staged_warps(int H, int Hkv, int D, int K);
+void gemv_w8a16_rmsnorm_rope(const GemvPlan& plan, const uint8_t* w, const float* scales, const float* x,
+                             const bf16* norm_w, float eps, int K, const RopeKVArgs& rope, cudaStream_t stream);
 // gemv_w8a16_rmsnorm(..., Epilogue::Store, ...) that also leaves, for the greedy sampler, the
 // largest (order key of out[r]) << 32 | ~r over the rows r each block wrote in block_best[block]
-// (gemv_argmax_blocks(N, K) entries): their maximum is the argmax of out, lowest index on ties.
-void gemv_w8a16_rmsnorm_argmax(const uint8_t* w, const float* scales, const float* x, const bf16* norm_w, float eps,
-                               int N, int K, float* out, uint64_t* block_best, cudaStream_t stream);
-int gemv_argmax_blocks(int N, int K);
-// Whether a SwiGLU launch of w [N, K] (norm: with the fused RMSNorm) given a ticket buffer hands
-// its row pairs past the first round out by ticket (more row pairs than the grid has warps; false
-// with ATOMFLOW_NO_TICKETS=1).
-bool gemv_swiglu_ticketed(int N, int K, bool norm);
+// (plan.blocks entries): their maximum is the argmax of out, lowest index on ties.
+// plan: plan_gemv(Epilogue::Store, GemvIn::NORM, N, K).
+void gemv_w8a16_rmsnorm_argmax(const GemvPlan& plan, const uint8_t* w, const float* scales, const float* x,
+                               const bf16* norm_w, float eps, int N, int K, float* out, uint64_t* block_best,
+                               cudaStream_t stream);
 // M > 1 prefill on tensor cores (FP8 converted exactly to the activation's 16-bit type in the
 // main loop). x [M, K] of x_type.
 void gemm_w8a16(const uint8_t* w, const float* scales, const void* x, Act x_type, int M, int N, int K,
@@ -123,21 +152,28 @@ void rope_kv_append(const float* qkv, const float* inv_freq, const int32_t* pos,
 // for all H / Hkv query heads of its group, and the groups' partials are merged in the shared
 // memory of a thread-block cluster (when one cluster holds every split a max_context can have: up to
 // 16) or by the last block of the group to finish. D in {64, 128}, Hkv <= 256.
-// ATOMFLOW_NO_CLUSTER_MERGE=1 turns the cluster merge off; attention_cluster_size tells the blocks
-// per cluster a call of that shape launches with (1: a plain launch, no cluster merge).
+// The grid is the call's plan (plan_attention): the splits s_max, fixed by M and the capacity the grid
+// is planned for, and the blocks per cluster (1: a plain launch, the splits merged through the
+// scratch; cluster_merge = false plans that for every shape, the same bits).
 // Scratch contract (every attention entry point): the scratch starts with merge counters that
 // must be ZERO before the first call; every call leaves them zero again (nothing to do between
 // calls or graph replays, and calls of any B, M and capacity may share one scratch sized for the
 // largest). A caller that allocates its own scratch clears it once with attention_scratch_clear
 // (zeroes the counters only, on `stream`; the rest needs no initial value).
 size_t attention_scratch_bytes(int M, int H, int D, int max_context);
-int attention_cluster_size(int M, int H, int Hkv, int D, int max_context);
+struct AttnPlan {
+  int M, H, Hkv, D, capacity;  // the call's shape; capacity: the keys the grid is planned for
+  int splits;                  // s_max: the most splits of one query row's keys (grid.y before padding)
+  int cluster;                 // blocks per thread-block cluster (1: no cluster, merge through the scratch)
+};
+AttnPlan plan_attention(int M, int H, int Hkv, int D, int capacity, bool cluster_merge = true);
+const char* attention_merge_name(const AttnPlan& plan);  // "cluster", "scratch" or "none" (one split)
 void attention_scratch_clear(void* scratch, size_t scratch_bytes, cudaStream_t stream);
 // early: the previous kernel lets this one launch only after its own PDL wait (the decode QKV GEMV
 // does), so *pos and the cache rows below it may be read before this kernel's wait (see the kernel).
 // f16_overflow (may be null): out is fp16 instead of bf16, and *f16_overflow = 1 when a value's
 // magnitude passes kF16Max.
-void attention(const bf16* q, const bf16* k_cache, const bf16* v_cache, const int32_t* pos, int M,
+void attention(const AttnPlan& plan, const bf16* q, const bf16* k_cache, const bf16* v_cache, const int32_t* pos, int M,
                int H, int Hkv, int D, int max_context, float scale, void* scratch, void* out,
                cudaStream_t stream, bool early = false, int* f16_overflow = nullptr);
 
