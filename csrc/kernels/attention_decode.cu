@@ -1,6 +1,8 @@
 // Causal GQA attention over a KV cache, contiguous or paged (flash-decoding), for decode (M = 1)
 // and prefill chunks (M > 1), one sequence or a batch, in ONE kernel launch (no separate merge
-// pass). Each block = (split of the keys, kv head, tile of QT query tokens of one sequence)
+// pass). One idea, hence one file past the usual size: the key loop and both merges share the
+// partials' layout and summation order, which is what makes their results bit-identical.
+// Each block = (split of the keys, kv head, tile of QT query tokens of one sequence)
 // streams its keys once for all G = H / Hkv query heads of the group and makes an unnormalized
 // partial (m, l, acc[D]) per query row. The splits' partials are merged in one of two ways:
 //  - In a cluster (short contexts). When one thread-block cluster holds every split of a group

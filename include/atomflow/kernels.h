@@ -7,8 +7,8 @@
 //    bf16 where the engine's error budget is largest), attention and SwiGLU outputs in bf16 (their
 //    range is not bounded), except in the decode step (M = 1), which writes them in fp16 and raises
 //    a flag (f16_overflow) when a value lies past fp16's range: the o and down GEMVs then copy x as
-//    it is instead of rescaling bf16 into fp16 behind a block-wide maximum (3B -4.9%, docs/PERF.md
-//    2026-11-24), and the engine reruns a flagged step with bf16 activations (engine.h). The
+//    it is instead of rescaling bf16 into fp16 behind a block-wide maximum (docs/design/gemv_w8a16.md),
+//    and the engine reruns a flagged step with bf16 activations (engine.h). The
 //    residual stream is fp32 (at M = 1 it is a few KB, so full precision costs nothing in
 //    bandwidth); accumulation is fp32.
 //  - Linear weights are FP8 E4M3 (OCP e4m3fn) stored row-major [N, K] (one output row is K
