@@ -1,4 +1,5 @@
 // Small elementwise ops the fused paths do not cover: x += y (fp32).
+// Contract: reads x and y only after its PDL wait (pdl_prologue); writes x[0, n).
 #include "atomflow/kernels.h"
 #include "atomflow/pdl.cuh"
 

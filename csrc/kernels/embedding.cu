@@ -1,4 +1,6 @@
 // Token embedding lookup: out[m, :] = float(table[tokens[m], :]), one block per token.
+// Contract: one block per token; reads the token ids only after its PDL wait (pdl_prologue), clamps
+// them into [0, vocab); writes out fp32 [M, d], every element.
 #include "atomflow/kernels.h"
 #include "atomflow/pdl.cuh"
 

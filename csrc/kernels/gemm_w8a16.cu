@@ -13,6 +13,12 @@
 //    dot products are unchanged; the lane then needs 16 B of x (LDS.128) and 8 B of w (LDS.64).
 //  - SwiGLU: a block's 64 columns are 32 gate rows and the 32 matching up rows, arranged so that the
 //    same lane holds gate (n-tiles 0, 1) and up (n-tiles 2, 3) of the same outputs.
+//
+// Contract of gemm_w8a16_kernel<EP, A>, grid (ceil(M / 128), N tiles of 64 columns) x 128 threads:
+//  Inputs   w fp8 e4m3 [N, K] row-major, scales fp32 [N, K / 128], x 16-bit [M, K] of type A; K % 128 == 0.
+//  Before its PDL wait nothing: pdl_prologue() lets the next kernel launch, then waits.
+//  Writes   Store: out fp32 [M, N]; AddResidual: out += y; SwiGLU: out 16-bit [M, N / 2]. Each element once.
+//  Leaves   nothing else; no scratch.
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 

@@ -1,5 +1,7 @@
 // RMSNorm, one block per row: out = f16(x * rsqrt(mean(x^2) + eps) * w), all in fp32 (HF
 // LlamaRMSNorm semantics with the weight applied to the fp32 normalized value).
+// Contract: one block per row of x fp32 [M, d]; reads x only after its PDL wait (pdl_prologue);
+// writes out fp16 [M, d], every element; the same reduction tree as the GEMV's fused prologue.
 #include "atomflow/kernels.h"
 #include "atomflow/pdl.cuh"
 #include "atomflow/rmsnorm.cuh"

@@ -3,6 +3,10 @@
 // Templated on a row policy (STYLE.md habit 11): where token m sits and which cache row it
 // fills. ContiguousRows is the core engine's (position *pos + m, row = position); SlotRows is the
 // sandbox's paged cache (position and destination row given per token by the host).
+//
+// Contract of rope_kv_append_kernel<Rows>, one block per token: reads qkv fp32 [M, (H + 2 Hkv) D],
+// inv_freq, and the position (or positions / slots) only after its PDL wait (pdl_prologue); writes
+// q bf16 [M, H, D] and the token's K / V cache rows (nothing for a row outside the cache).
 #include "atomflow/kernels.h"
 #include "atomflow/pdl.cuh"
 #include "atomflow/rope.cuh"

@@ -20,6 +20,15 @@
 // the head GEMV's per-block maxima (sample_step), one block reducing those (a few hundred). Sampling
 // caches the slice in shared memory (key + weight, 8 B per token); top-k / top-p each run an
 // 8-ary search over the 32-bit order-preserving key space (<= 11 rounds of one cluster reduction).
+//
+// Contract of sample_kernel, one cluster of 8 blocks x 1024 threads:
+//  Inputs   logits fp32 [vocab] (or, greedy with the FP8 head, block_best [n_best]), the settings
+//           *cfg and the position in device memory.
+//  Before its PDL wait, ending a decode step (sample_step) only: *cfg and pos[0], which no kernel of
+//           the step writes (see kernels.h, sample_step). It triggers its dependents first.
+//  Writes   the token (*token_out); ending a step also the ring slot (token and overflow flag,
+//           fenced stores to mapped host memory), pos[0..1] + 1, the next step's embedding row x,
+//           and clears the overflow flag. No scratch in global memory.
 #include <cooperative_groups.h>
 
 #include "atomflow/kernels.h"
