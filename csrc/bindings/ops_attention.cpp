@@ -33,8 +33,8 @@ py::object attention(const py::array& q_, const py::array& k_cache_, const py::a
   DeviceBuffer scratch = attention_scratch(k::attention_scratch_bytes(M, H, D, C));
   DeviceBuffer out = DeviceBuffer::poisoned(sizeof(bf16) * M * H * D);
   const k::AttnPlan plan = k::plan_attention(M, H, Hkv, D, C, cluster_merge);
-  k::attention(plan, dq.get<bf16>(), dk.get<bf16>(), dv.get<bf16>(), dpos.get<int32_t>(), M, H, Hkv, D, C, scale, scratch.get(),
-               out.get(), nullptr, early, o16.ptr());
+  k::attention(plan, dq.get<bf16>(), dk.get<bf16>(), dv.get<bf16>(), dpos.get<int32_t>(), M, H, Hkv, D, C, scale,
+               scratch.get(), out.get(), nullptr, early, o16.ptr());
   sync();
   return o16.result(to_host<uint16_t>(out, {M, H, D}));
 }
@@ -55,10 +55,12 @@ double time_attention(int context, int H, int Hkv, int D, int M, int iters, bool
   q.fill(0);
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   const k::AttnPlan plan = k::plan_attention(M, H, Hkv, D, C);
-  return median_us([&](int i) {
-    k::attention(plan, q.get<bf16>(), kv.at<bf16>(i), kv.at<bf16>(i, cache), pos.get<int32_t>(), M, H, Hkv, D, C, scale,
-                 scratch.get(), out.get<bf16>(), nullptr, early);
-  }, iters, std::min(kv.copies, 32));
+  return median_us(
+      [&](int i) {
+        k::attention(plan, q.get<bf16>(), kv.at<bf16>(i), kv.at<bf16>(i, cache), pos.get<int32_t>(), M, H, Hkv, D, C,
+                     scale, scratch.get(), out.get<bf16>(), nullptr, early);
+      },
+      iters, std::min(kv.copies, 32));
 }
 
 }  // namespace

@@ -65,8 +65,8 @@ struct NormedGemvInputs {
   DeviceBuffer w, scales, x, norm_w;
 };
 
-NormedGemvInputs normed_gemv_inputs(const py::array& w_, const py::array& s_, const py::array& x_,
-                                    const py::array& nw_, py::ssize_t rows = -1) {
+NormedGemvInputs normed_gemv_inputs(const py::array& w_, const py::array& s_, const py::array& x_, const py::array& nw_,
+                                    py::ssize_t rows = -1) {
   auto w = arg<uint8_t>(w_, "w", {rows, -1});
   const int N = static_cast<int>(w.shape(0)), K = static_cast<int>(w.shape(1));
   require(K % 128 == 0, "w: K = " + std::to_string(K) + " must be a multiple of 128");
@@ -86,9 +86,9 @@ py::object gemv_rmsnorm(const py::array& w_, const py::array& s_, const py::arra
   require(add == !out_init_.is_none(), "out_init is required with AddResidual and only with it");
   Out16 o16(out_dtype);
   require(!o16.f16 || ep == k::Epilogue::SwiGLU, "out_dtype 'f16' is SwiGLU's only");
-  DeviceBuffer out = add ? to_device(arg<float>(out_init_.cast<py::array>(), "out_init", {N}))
-                         : DeviceBuffer::poisoned(ep == k::Epilogue::SwiGLU ? sizeof(bf16) * (N / 2)
-                                                                           : sizeof(float) * N);
+  DeviceBuffer out =
+      add ? to_device(arg<float>(out_init_.cast<py::array>(), "out_init", {N}))
+          : DeviceBuffer::poisoned(ep == k::Epilogue::SwiGLU ? sizeof(bf16) * (N / 2) : sizeof(float) * N);
   k::gemv_w8a16_rmsnorm(k::plan_gemv(ep, k::GemvIn::NORM, N, K, {true, tickets}), in.w.get<uint8_t>(),
                         in.scales.get<float>(), in.x.get<float>(), in.norm_w.get<bf16>(), eps, N, K, ep, out.get(),
                         nullptr, gemv_tickets(), o16.ptr());
@@ -104,9 +104,10 @@ py::tuple gemv_rmsnorm_argmax(const py::array& w_, const py::array& s_, const py
   const int N = in.N, K = in.K;
   const k::GemvPlan plan = k::plan_gemv(k::Epilogue::Store, k::GemvIn::NORM, N, K);
   const int blocks = plan.blocks;
-  DeviceBuffer out = DeviceBuffer::poisoned(sizeof(float) * N), best = DeviceBuffer::poisoned(sizeof(uint64_t) * blocks);
-  k::gemv_w8a16_rmsnorm_argmax(plan, in.w.get<uint8_t>(), in.scales.get<float>(), in.x.get<float>(), in.norm_w.get<bf16>(),
-                               eps, N, K, out.get<float>(), best.get<uint64_t>(), nullptr);
+  DeviceBuffer out = DeviceBuffer::poisoned(sizeof(float) * N),
+               best = DeviceBuffer::poisoned(sizeof(uint64_t) * blocks);
+  k::gemv_w8a16_rmsnorm_argmax(plan, in.w.get<uint8_t>(), in.scales.get<float>(), in.x.get<float>(),
+                               in.norm_w.get<bf16>(), eps, N, K, out.get<float>(), best.get<uint64_t>(), nullptr);
   sync();
   return py::make_tuple(to_host<float>(out, {N}), to_host<uint64_t>(best, {blocks}));
 }
@@ -126,8 +127,8 @@ py::tuple gemv_rmsnorm_rope(const py::array& w_, const py::array& s_, const py::
   require(pos >= 0, "need pos >= 0");
   DeviceBuffer dfreq = to_device(inv_freq), dk = to_device(kc), dv = to_device(vc), dpos = device_int(pos);
   DeviceBuffer q = DeviceBuffer::poisoned(sizeof(bf16) * H * D);
-  const k::RopeKVArgs rope{dfreq.get<float>(), dpos.get<int32_t>(), H, Hkv, D, C, q.get<bf16>(), dk.get<bf16>(),
-                           dv.get<bf16>()};
+  const k::RopeKVArgs rope{dfreq.get<float>(), dpos.get<int32_t>(), H, Hkv, D, C, q.get<bf16>(),
+                           dk.get<bf16>(),     dv.get<bf16>()};
   const k::GemvPlan plan = k::plan_gemv(k::Epilogue::RopeKV, k::GemvIn::NORM, in.N, K, {staged_pair, true});
   k::gemv_w8a16_rmsnorm_rope(plan, in.w.get<uint8_t>(), in.scales.get<float>(), in.x.get<float>(),
                              in.norm_w.get<bf16>(), eps, K, rope, nullptr);
@@ -148,7 +149,6 @@ bool gemv_swiglu_ticketed(int N, int K, bool norm, bool tickets) {
 
 int gemv_argmax_blocks(int N, int K) { return k::plan_gemv(k::Epilogue::Store, k::GemvIn::NORM, N, K).blocks; }
 
-
 // Random-looking weight bytes are not needed for timing (no DRAM compression on cudaMalloc memory):
 // every byte 0x38 (1.0 in e4m3, and a finite fp32 scale) keeps every value finite.
 double time_gemv(int N, int K, int iters, int ep_) {
@@ -160,10 +160,12 @@ double time_gemv(int N, int K, int iters, int ep_) {
   x.fill(0);
   out.fill(0);
   const k::GemvPlan plan = k::plan_gemv(ep, k::GemvIn::BF16, N, K);
-  return median_us([&](int i) {
-    k::gemv_w8a16(plan, ws.at<uint8_t>(i), ws.at<float>(i, wbytes), x.get(), k::Act::BF16, N, K, ep, out.get(), nullptr,
-                  gemv_tickets());
-  }, iters, std::min(ws.copies, 32));
+  return median_us(
+      [&](int i) {
+        k::gemv_w8a16(plan, ws.at<uint8_t>(i), ws.at<float>(i, wbytes), x.get(), k::Act::BF16, N, K, ep, out.get(),
+                      nullptr, gemv_tickets());
+      },
+      iters, std::min(ws.copies, 32));
 }
 
 double time_gemm(int M, int N, int K, int iters, int ep_) {
@@ -174,9 +176,11 @@ double time_gemm(int M, int N, int K, int iters, int ep_) {
   s.fill(0);
   x.fill(0);
   out.fill(0);
-  return median_us([&](int) {
-    k::gemm_w8a16(w.get<uint8_t>(), s.get<float>(), x.get(), k::Act::BF16, M, N, K, ep, out.get(), nullptr);
-  }, iters, 2);
+  return median_us(
+      [&](int) {
+        k::gemm_w8a16(w.get<uint8_t>(), s.get<float>(), x.get(), k::Act::BF16, M, N, K, ep, out.get(), nullptr);
+      },
+      iters, 2);
 }
 
 }  // namespace
@@ -185,9 +189,8 @@ void register_gemv(py::module_& m) {
   m.def(
       "gemv",
       [](const py::array& w, const py::array& s, const py::array& x, int ep, const py::object& out_init,
-         const std::string& x_dtype, const std::string& out_dtype, bool tickets) {
-        return linear(w, s, x, ep, out_init, false, x_dtype, out_dtype, tickets);
-      },
+         const std::string& x_dtype, const std::string& out_dtype,
+         bool tickets) { return linear(w, s, x, ep, out_init, false, x_dtype, out_dtype, tickets); },
       py::arg("w"), py::arg("scales"), py::arg("x"), py::arg("epilogue") = 0, py::arg("out_init") = py::none(),
       py::arg("x_dtype") = "bf16", py::arg("out_dtype") = "bf16", py::arg("tickets") = true,
       "w u8 [N, K], scales f32 [N, K/128], x u16 [K] (bf16 or f16 bits, x_dtype); epilogue 0 Store -> f32 [N], "
@@ -201,8 +204,8 @@ void register_gemv(py::module_& m) {
         py::arg("tickets") = true,
         "whether a SwiGLU gemv of w [N, K] (norm: with the fused RMSNorm) hands its row pairs past the first round "
         "out by ticket");
-  m.def("gemv_rmsnorm", &gemv_rmsnorm, py::arg("w"), py::arg("scales"), py::arg("x"), py::arg("norm_w"),
-        py::arg("eps"), py::arg("epilogue") = 0, py::arg("out_init") = py::none(), py::arg("out_dtype") = "bf16",
+  m.def("gemv_rmsnorm", &gemv_rmsnorm, py::arg("w"), py::arg("scales"), py::arg("x"), py::arg("norm_w"), py::arg("eps"),
+        py::arg("epilogue") = 0, py::arg("out_init") = py::none(), py::arg("out_dtype") = "bf16",
         py::arg("tickets") = true,
         "gemv of bf16(rmsnorm(x f32 [K]) * norm_w u16 [K]); epilogues and out_dtype as gemv");
   m.def("gemv_rmsnorm_argmax", &gemv_rmsnorm_argmax, py::arg("w"), py::arg("scales"), py::arg("x"), py::arg("norm_w"),
@@ -216,8 +219,7 @@ void register_gemv(py::module_& m) {
       [](const py::array& w, const py::array& s, const py::array& x, int ep, const py::object& out_init,
          const std::string& x_dtype) { return linear(w, s, x, ep, out_init, true, x_dtype); },
       py::arg("w"), py::arg("scales"), py::arg("x"), py::arg("epilogue") = 0, py::arg("out_init") = py::none(),
-      py::arg("x_dtype") = "bf16",
-      "like gemv with x u16 [M, K] and outputs [M, ...]");
+      py::arg("x_dtype") = "bf16", "like gemv with x u16 [M, K] and outputs [M, ...]");
   m.def("gemv_rmsnorm_rope", &gemv_rmsnorm_rope, py::arg("w"), py::arg("scales"), py::arg("x"), py::arg("norm_w"),
         py::arg("eps"), py::arg("inv_freq"), py::arg("pos"), py::arg("H"), py::arg("Hkv"), py::arg("D"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("staged_pair") = true,

@@ -69,17 +69,20 @@ py::tuple sample_step(const py::array& logits_, float temperature, int top_k, fl
   const int32_t p[2] = {pos, pos + 1};
   DeviceBuffer dpos(sizeof(p));
   dpos.upload(p, sizeof(p));
-  DeviceBuffer ring = DeviceBuffer::poisoned(2 * sizeof(int32_t) * ring_size), x = DeviceBuffer::poisoned(sizeof(float) * d);
+  DeviceBuffer ring = DeviceBuffer::poisoned(2 * sizeof(int32_t) * ring_size),
+               x = DeviceBuffer::poisoned(sizeof(float) * d);
   DeviceBuffer flag(sizeof(int32_t));
   flag.upload(&f16_overflow, sizeof(int32_t));
   DeviceBuffer token = DeviceBuffer::poisoned(sizeof(int32_t));
-  k::sample_step(dl.get<float>(), vocab, n_best ? dbest.get<uint64_t>() : nullptr, n_best, dcfg.get<k::SamplingConfig>(),
-                 token.get<int32_t>(), k::StepEnd{dpos.get<int32_t>(), ring.get<int32_t>(), ring_size, flag.get<int32_t>(),
-                                                  de.get<bf16>(), d, x.get<float>()},
+  k::sample_step(dl.get<float>(), vocab, n_best ? dbest.get<uint64_t>() : nullptr, n_best,
+                 dcfg.get<k::SamplingConfig>(), token.get<int32_t>(),
+                 k::StepEnd{dpos.get<int32_t>(), ring.get<int32_t>(), ring_size, flag.get<int32_t>(), de.get<bf16>(), d,
+                            x.get<float>()},
                  nullptr);
   sync();
   return py::make_tuple(to_host<int32_t>(token, {1}).at(0), to_host<int32_t>(dpos, {2}),
-                        to_host<int32_t>(ring, {2 * ring_size}), to_host<float>(x, {d}), to_host<int32_t>(flag, {1}).at(0));
+                        to_host<int32_t>(ring, {2 * ring_size}), to_host<float>(x, {d}),
+                        to_host<int32_t>(flag, {1}).at(0));
 }
 
 double time_sample(int vocab, float temperature, int top_k, float top_p, int iters) {
@@ -92,10 +95,12 @@ double time_sample(int vocab, float temperature, int top_k, float top_p, int ite
   DeviceBuffer dcfg(sizeof(cfg));
   dcfg.upload(&cfg, sizeof(cfg));
   DeviceBuffer scratch(k::sampling_scratch_bytes(vocab));
-  return median_us([&](int) {
-    k::sample(logits.get<float>(), vocab, dcfg.get<k::SamplingConfig>(), pos.get<int32_t>(), scratch.get(),
-              token.get<int32_t>(), nullptr);
-  }, iters, 3);
+  return median_us(
+      [&](int) {
+        k::sample(logits.get<float>(), vocab, dcfg.get<k::SamplingConfig>(), pos.get<int32_t>(), scratch.get(),
+                  token.get<int32_t>(), nullptr);
+      },
+      iters, 3);
 }
 
 }  // namespace

@@ -76,15 +76,18 @@ double stream_read_bandwidth(size_t n_bytes, int iters) {
   DeviceBuffer data(n_bytes), sink(sizeof(uint32_t));
   data.fill(0x5A);
   sink.fill(0);
-  const double us = median_us([&](int) { k::stream_read(data.get(), n_bytes, sink.get<uint32_t>(), nullptr); }, iters, 3);
+  const double us =
+      median_us([&](int) { k::stream_read(data.get(), n_bytes, sink.get<uint32_t>(), nullptr); }, iters, 3);
   return static_cast<double>(n_bytes) / (us * 1e3);  // bytes / ns = GB/s
 }
 
 }  // namespace
 
 void register_small(py::module_& m) {
-  m.def("embedding", &embedding, py::arg("table"), py::arg("tokens"), "table u16 [vocab, d], tokens i32 [M] -> f32 [M, d]");
-  m.def("rmsnorm", &rmsnorm, py::arg("x"), py::arg("w"), py::arg("eps"), "x f32 [M, d], w u16 [d] (bf16) -> u16 [M, d] (f16)");
+  m.def("embedding", &embedding, py::arg("table"), py::arg("tokens"),
+        "table u16 [vocab, d], tokens i32 [M] -> f32 [M, d]");
+  m.def("rmsnorm", &rmsnorm, py::arg("x"), py::arg("w"), py::arg("eps"),
+        "x f32 [M, d], w u16 [d] (bf16) -> u16 [M, d] (f16)");
   m.def("add_inplace", &add_inplace, py::arg("x"), py::arg("y"), "x, y f32 [n] -> x + y");
   m.def("rope_kv_append", &rope_kv_append, py::arg("qkv"), py::arg("inv_freq"), py::arg("pos"), py::arg("H"),
         py::arg("Hkv"), py::arg("D"), py::arg("k_cache"), py::arg("v_cache"),

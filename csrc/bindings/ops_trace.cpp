@@ -75,7 +75,8 @@ py::tuple trace_read() {
 
 void register_trace(py::module_& m) {
   m.def("trace_built", &k::trace_built, "whether this build records the in-kernel trace (ATOMFLOW_TRACE)");
-  m.def("trace_arm", &trace_arm, py::arg("per_sm"), "point the decode kernels at a trace buffer of per_sm records "
+  m.def("trace_arm", &trace_arm, py::arg("per_sm"),
+        "point the decode kernels at a trace buffer of per_sm records "
         "per SM (0: off)");
   m.def("trace_reset", &trace_reset, "forget the records written so far");
   m.def("trace_read", &trace_read, "(bytes of 160-byte records since the last reset, records dropped)");

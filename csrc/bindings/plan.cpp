@@ -73,8 +73,8 @@ py::dict plan_to_dict(const StepPlan& p) {
   if (!o.eager) {
     graphs.append(py::dict(py::arg("keys") = p.max_context, py::arg("steps") = "the rest"));
     if (p.short_keys > 0)
-      graphs.append(py::dict(py::arg("keys") = p.short_keys,
-                             py::arg("steps") = "positions < " + std::to_string(p.short_keys)));
+      graphs.append(
+          py::dict(py::arg("keys") = p.short_keys, py::arg("steps") = "positions < " + std::to_string(p.short_keys)));
   }
   d["graphs"] = graphs;  // empty: eager
   d["tail"] = o.fused_tail ? "fused (sample_step)" : "embedding, sample, finish";

@@ -61,21 +61,21 @@ void Engine::enqueue_layers(int rows, int attn_keys) {
       if (fused_qkv) {
         // RMSNorm -> QKV -> RoPE + KV append in one launch (bit-identical to the three kernels).
         const kernels::RopeKVArgs rope{buf_.inv_freq, buf_.pos, H, Hkv, D, C, buf_.q, L.k_cache, L.v_cache};
-        kernels::gemv_w8a16_rmsnorm_rope(plan.qkv, L.wqkv, L.wqkv_scale, buf_.x, L.attn_norm, s.rms_norm_eps, d,
-                                         rope, stream_);
+        kernels::gemv_w8a16_rmsnorm_rope(plan.qkv, L.wqkv, L.wqkv_scale, buf_.x, L.attn_norm, s.rms_norm_eps, d, rope,
+                                         stream_);
         mark("gemv_qkv+norm+rope", li);
       } else {
         normed_linear(L.attn_norm, "attn_norm", li, plan.probe_qkv, plan.probe_qkv, L.wqkv, L.wqkv_scale, rows,
                       s.qkv_dim(), Epilogue::Store, buf_.qkv);
         mark("gemv_qkv+norm", li);
-        kernels::rope_kv_append(buf_.qkv, buf_.inv_freq, buf_.pos, rows, H, Hkv, D, C, buf_.q, L.k_cache,
-                                L.v_cache, stream_);
+        kernels::rope_kv_append(buf_.qkv, buf_.inv_freq, buf_.pos, rows, H, Hkv, D, C, buf_.q, L.k_cache, L.v_cache,
+                                stream_);
         mark("rope_kv_append", li);
       }
       // The split count of a query row is min(64, ceil(keys / 32)) on any grid that holds its keys, so
       // the bits do not depend on attn_keys (attention_decode.cu).
-      kernels::attention(attn_plan, buf_.q, L.k_cache, L.v_cache, buf_.pos, rows, H, Hkv, D, attn_keys, scale, buf_.attn_scratch,
-                         buf_.attn_out, stream_, /*early=*/fused_qkv, overflow);
+      kernels::attention(attn_plan, buf_.q, L.k_cache, L.v_cache, buf_.pos, rows, H, Hkv, D, attn_keys, scale,
+                         buf_.attn_scratch, buf_.attn_out, stream_, /*early=*/fused_qkv, overflow);
       mark("attention", li);
       if (probe_) probe_snapshot(rows);
       linear(o_plan, L.wo, L.wo_scale, buf_.attn_out, act, rows, d, s.q_dim(), Epilogue::AddResidual, buf_.x, stream_);
@@ -125,8 +125,8 @@ void Engine::enqueue_head(int row) {
   const float* xrow = buf_.x + static_cast<size_t>(row) * d;
   if (spec_.lm_head_fp8 && !probe_) {
     // Each block also leaves the argmax of its rows for a greedy sampler (sample_step).
-    kernels::gemv_w8a16_rmsnorm_argmax(step_plan_.head, static_cast<const uint8_t*>(buf_.lm_head), buf_.lm_head_scale, xrow,
-                                       buf_.final_norm, spec_.rms_norm_eps, vocab, d, buf_.logits, buf_.head_best,
+    kernels::gemv_w8a16_rmsnorm_argmax(step_plan_.head, static_cast<const uint8_t*>(buf_.lm_head), buf_.lm_head_scale,
+                                       xrow, buf_.final_norm, spec_.rms_norm_eps, vocab, d, buf_.logits, buf_.head_best,
                                        stream_);
     return;
   }
@@ -159,10 +159,9 @@ void Engine::enqueue_decode_step(int attn_keys) {
   NvtxRange range("sample");
   if (step_plan_.options.fused_tail) {
     const bool best = spec_.lm_head_fp8 && !probe_;  // enqueue_head left the per-block maxima
-    kernels::sample_step(buf_.logits, vocab, best ? buf_.head_best : nullptr, best ? buf_.head_best_n : 0,
-                         buf_.sampling, buf_.token,
-                         kernels::StepEnd{buf_.pos, ring_dev_, kRingSize, buf_.f16_overflow, buf_.embed, d, buf_.x},
-                         stream_);
+    kernels::sample_step(
+        buf_.logits, vocab, best ? buf_.head_best : nullptr, best ? buf_.head_best_n : 0, buf_.sampling, buf_.token,
+        kernels::StepEnd{buf_.pos, ring_dev_, kRingSize, buf_.f16_overflow, buf_.embed, d, buf_.x}, stream_);
     mark("sample", -1);  // with the ring, the position and the next embedding
     return;
   }

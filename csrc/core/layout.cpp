@@ -101,8 +101,8 @@ Layout plan_layout(const ModelSpec& s, const ModelTensors& t, int max_context, i
   std::vector<const TensorInfo*> weights = {t.embed, t.final_norm, t.lm_head};
   if (t.lm_head_scale) weights.push_back(t.lm_head_scale);
   for (const LayerTensors& l : t.layers)
-    weights.insert(weights.end(), {l.attn_norm, l.wqkv, l.wqkv_scale, l.wo, l.wo_scale, l.mlp_norm, l.w13,
-                                   l.w13_scale, l.w2, l.w2_scale});
+    weights.insert(weights.end(), {l.attn_norm, l.wqkv, l.wqkv_scale, l.wo, l.wo_scale, l.mlp_norm, l.w13, l.w13_scale,
+                                   l.w2, l.w2_scale});
   std::sort(weights.begin(), weights.end(), [](auto* a, auto* b) { return a->offset < b->offset; });
   weights.erase(std::unique(weights.begin(), weights.end()), weights.end());  // tied head == embed
   for (const TensorInfo* w : weights) L.weight_slot[w] = plan.reserve("weights", w->nbytes);
@@ -144,8 +144,7 @@ Layout plan_layout(const ModelSpec& s, const ModelTensors& t, int max_context, i
   // Chunks run with any row count from 1 to prefill_chunk: size for the largest need.
   size_t attn_scratch = 0;
   for (int m = 1; m <= prefill_chunk; ++m)
-    attn_scratch = std::max(attn_scratch,
-                            kernels::attention_scratch_bytes(m, s.num_heads, s.head_dim, max_context));
+    attn_scratch = std::max(attn_scratch, kernels::attention_scratch_bytes(m, s.num_heads, s.head_dim, max_context));
   L.attn_scratch = plan.reserve("scratch", attn_scratch);
   L.sample_scratch = plan.reserve("scratch", kernels::sampling_scratch_bytes(s.vocab_size));
   L.gemv_tickets = plan.reserve("scratch", kernels::kGemvTicketBytes);

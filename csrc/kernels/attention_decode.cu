@@ -82,9 +82,9 @@ enum AttnStamp { kAEntry, kAIssued, kAWaited, kALoop, kAPartial, kATicket, kAMer
 
 constexpr int kAttnThreads = 128;
 constexpr int kAttnWarps = kAttnThreads / 32;
-constexpr int kMinKeysPerSplit = 32;    // short contexts: many blocks, one K/V step each
-constexpr int kMaxSplits = 64;         // splits of one query row's keys
-constexpr int kMaxSplitBlocks = 128;   // splits x query rows of one call (prefill chunks, batches)
+constexpr int kMinKeysPerSplit = 32;  // short contexts: many blocks, one K/V step each
+constexpr int kMaxSplits = 64;        // splits of one query row's keys
+constexpr int kMaxSplitBlocks = 128;  // splits x query rows of one call (prefill chunks, batches)
 // The most splits per thread-block cluster, by the leader's buffer. A call runs in clusters only when
 // one holds all its splits (cluster_splits); a group's active splits then merge through the leader's
 // shared memory (below).
@@ -133,9 +133,7 @@ struct ContiguousKV {
   SeqStart seq;
   int capacity;
   __device__ __forceinline__ int entry(int, int) const { return 0; }
-  __device__ __forceinline__ size_t row(int b, int, int key) const {
-    return static_cast<size_t>(b) * capacity + key;
-  }
+  __device__ __forceinline__ size_t row(int b, int, int key) const { return static_cast<size_t>(b) * capacity + key; }
 };
 
 // Key p of sequence b lives in block tables[b, p >> shift], slot p & (bs - 1): k, v
@@ -176,9 +174,7 @@ static __device__ __forceinline__ SplitPlan plan_splits(int n_keys, int s_max) {
 
 static __device__ __forceinline__ uint4 ld_kv(const bf16* p) {
   uint4 v;
-  asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-      : "l"(p));
+  asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
   return v;
 }
 
@@ -263,20 +259,20 @@ template <class KV, int D, int G, int QT>
 static __global__ void __launch_bounds__(kAttnThreads)
     attention_kernel(const bf16* q, KV kv, int M, int H, int Hkv, int s_max, float q_scale, int* counters,
                      float* part_acc, float* part_ml, void* __restrict__ out, int* f16_overflow, bool early) {
-  constexpr int LPR = D / 8;                // lanes per key row
-  constexpr int GPW = 32 / LPR;             // key streams per warp
-  constexpr int NS = kAttnWarps * GPW;      // key streams per block
-  constexpr int R = G * QT;                 // query rows per block
-  constexpr int KT = R <= 2 ? 8 : (R <= 4 ? 4 : 2);  // keys per stream per step (registers: R x KT scores)
-  constexpr int C4 = D / 4;                 // float4 columns of a partial's acc
-  constexpr int NO = R * C4;                // float4 outputs of the merge
-  constexpr int IPT = CEIL_DIV(NO, kAttnThreads);                // merge outputs per thread
+  constexpr int LPR = D / 8;                                      // lanes per key row
+  constexpr int GPW = 32 / LPR;                                   // key streams per warp
+  constexpr int NS = kAttnWarps * GPW;                            // key streams per block
+  constexpr int R = G * QT;                                       // query rows per block
+  constexpr int KT = R <= 2 ? 8 : (R <= 4 ? 4 : 2);               // keys per stream per step (registers: R x KT scores)
+  constexpr int C4 = D / 4;                                       // float4 columns of a partial's acc
+  constexpr int NO = R * C4;                                      // float4 outputs of the merge
+  constexpr int IPT = CEIL_DIV(NO, kAttnThreads);                 // merge outputs per thread
   constexpr int SPL = NO < kAttnThreads ? kAttnThreads / NO : 1;  // merge threads per output
-  constexpr int CS = kClusterSplits<R, D>;  // the most splits per cluster (the leader's buffer)
+  constexpr int CS = kClusterSplits<R, D>;                        // the most splits per cluster (the leader's buffer)
   __shared__ float sm_m[kAttnWarps][R], sm_l[kAttnWarps][R];
   __shared__ float sm_acc[kAttnWarps][R][D];
   __shared__ float sm_w[R][kMaxSplits], sm_ls[R][kMaxSplits];  // merge: 2^(m_s - Mx) and l_s per split
-  __shared__ float4 sm_part_o[SPL > 1 ? kAttnThreads : 1];   // merge: the SPL threads' sums
+  __shared__ float4 sm_part_o[SPL > 1 ? kAttnThreads : 1];     // merge: the SPL threads' sums
   __shared__ float sm_part_l[SPL > 1 ? kAttnThreads : 1];
   __shared__ float4 cl_acc[CS][R][C4];  // the leader's: the cluster's partials (acc, then (m, l))
   __shared__ float2 cl_ml[CS][R];
@@ -346,7 +342,7 @@ static __global__ void __launch_bounds__(kAttnThreads)
       if (key < ke) ent[j] = kv.entry(b, key);
     }
   };
-  auto load_rows = [&](int base, int lo, int hi, uint4 (&kd)[KT], uint4 (&vd)[KT]) {
+  auto load_rows = [&](int base, int lo, int hi, uint4(&kd)[KT], uint4(&vd)[KT]) {
 #pragma unroll
     for (int j = 0; j < KT; ++j) {
       const int key = base + j * NS + stream;
@@ -404,7 +400,7 @@ static __global__ void __launch_bounds__(kAttnThreads)
   // One step's math on its rows (KT keys per stream from `base` on): scores, the causal / split
   // mask, the online softmax. A separate copy runs the first step, whose rows were loaded above
   // (consumed by the loop instead, they were carried into it and cost ~30 registers: G = 4).
-  auto step = [&](const uint4 (&kr)[KT], const uint4 (&vr)[KT], int base) {
+  auto step = [&](const uint4(&kr)[KT], const uint4(&vr)[KT], int base) {
     float s[KT][R];
 #pragma unroll
     for (int j = 0; j < KT; ++j) {
@@ -544,7 +540,7 @@ static __global__ void __launch_bounds__(kAttnThreads)
       return;  // exited threads do not hold up the cluster barrier
     }
     __cluster_barrier_wait();  // acquire: every active split's partial
-    stamp(kATicket);  // the leader: every partial in
+    stamp(kATicket);           // the leader: every partial in
     merge_in_cluster<R, D, G, SPL>(cl_acc, cl_ml, n_splits, b, M, m0, H, h, out, f16_overflow);
     stamp(kAMerged);
     flush(true);
@@ -750,9 +746,9 @@ static void launch_attention(const bf16* q, const KV& kv, int B, int M, int H, i
   // grid.y is padded to whole clusters; the padding's blocks are past every n_active and exit.
   const dim3 grid(Hkv, CEIL_DIV(s_max, cs) * cs, B * CEIL_DIV(M, QT));
   const float q_scale = scale * 1.4426950408889634f;  // scores in log2 units: exp2f in the softmax
-  early = early && std::is_same_v<KV, ContiguousKV>;   // a paged table is read with the rows: after the wait
-  af_launch_clusters(attention_kernel<KV, D, G, QT>, grid, dim3(kAttnThreads), dim3(1, cs, 1), 0, stream, q, kv, M,
-                     H, Hkv, s_max, q_scale, counters, part_acc, part_ml, out, f16_overflow, early);
+  early = early && std::is_same_v<KV, ContiguousKV>;  // a paged table is read with the rows: after the wait
+  af_launch_clusters(attention_kernel<KV, D, G, QT>, grid, dim3(kAttnThreads), dim3(1, cs, 1), 0, stream, q, kv, M, H,
+                     Hkv, s_max, q_scale, counters, part_acc, part_ml, out, f16_overflow, early);
 }
 
 // Decode uses one query token per block; prefill chunks tile QT tokens so that G * QT <= 8 query
@@ -800,8 +796,7 @@ static void dispatch(const AttnPlan* plan, const bf16* q, const KV& kv, int B, i
     AF_CHECK(static_cast<long long>(B) * M <= 65535, "attention: B * M too large for the grid");
     const int s_max = plan ? plan->splits : max_splits(B * M, kv.capacity);
     const int cs = plan ? plan->cluster : cluster_splits<KV, Dc, Gc, QTc>(s_max, true);
-    launch_attention<KV, Dc, Gc, QTc>(q, kv, B, M, H, Hkv, s_max, cs, scale, scratch, out, f16_overflow, stream,
-                                      early);
+    launch_attention<KV, Dc, Gc, QTc>(q, kv, B, M, H, Hkv, s_max, cs, scale, scratch, out, f16_overflow, stream, early);
   });
 }
 
@@ -811,7 +806,7 @@ AttnPlan plan_attention(int M, int H, int Hkv, int D, int capacity, bool cluster
   AttnPlan plan{M, H, Hkv, D, capacity, max_splits(M, capacity), 1};
   plan.cluster = for_shape(D, H / Hkv, M, [&](auto d, auto g, auto qt) {
     return cluster_splits<ContiguousKV, decltype(d)::value, decltype(g)::value, decltype(qt)::value>(plan.splits,
-                                                                                                      cluster_merge);
+                                                                                                     cluster_merge);
   });
   return plan;
 }
@@ -820,12 +815,13 @@ const char* attention_merge_name(const AttnPlan& plan) {
   return plan.cluster > 1 ? "cluster" : (plan.splits > 1 ? "scratch" : "none");
 }
 
-void attention(const AttnPlan& plan, const bf16* q, const bf16* k_cache, const bf16* v_cache, const int32_t* pos,
-               int M, int H, int Hkv, int D, int max_context, float scale, void* scratch, void* out,
-               cudaStream_t stream, bool early, int* f16_overflow) {
+void attention(const AttnPlan& plan, const bf16* q, const bf16* k_cache, const bf16* v_cache, const int32_t* pos, int M,
+               int H, int Hkv, int D, int max_context, float scale, void* scratch, void* out, cudaStream_t stream,
+               bool early, int* f16_overflow) {
   AF_CHECK(M >= 1 && H >= 1 && Hkv >= 1 && max_context >= 1, "attention: M, H, Hkv, max_context must be >= 1");
   AF_CHECK(M <= 65535, "attention: M too large for the grid");
-  AF_CHECK(static_cast<size_t>(max_context) * Hkv * D < (size_t{1} << 31), "attention: cache too large for int offsets");
+  AF_CHECK(static_cast<size_t>(max_context) * Hkv * D < (size_t{1} << 31),
+           "attention: cache too large for int offsets");
   AF_CHECK(plan.M == M && plan.H == H && plan.Hkv == Hkv && plan.D == D && plan.capacity == max_context,
            "attention: the plan is not this call's (plan_attention(M, H, Hkv, D, max_context))");
   const ContiguousKV kv{k_cache, v_cache, SeqStart{pos, 0}, max_context};
@@ -835,12 +831,14 @@ void attention(const AttnPlan& plan, const bf16* q, const bf16* k_cache, const b
 // ---- batched launchers (the sandbox): sequence b's M queries sit at lens[b] - M .. lens[b] - 1 ----
 
 size_t attention_batched_scratch_bytes(int B, int M, int H, int D, int capacity) {
-  AF_CHECK(B >= 1 && M >= 1 && H >= 1 && D >= 1 && capacity >= 1, "attention_batched_scratch_bytes: arguments must be >= 1");
+  AF_CHECK(B >= 1 && M >= 1 && H >= 1 && D >= 1 && capacity >= 1,
+           "attention_batched_scratch_bytes: arguments must be >= 1");
   return scratch_bytes(B * M, H, D, capacity);
 }
 
 void attention_batched(const bf16* q, const bf16* k_cache, const bf16* v_cache, const int32_t* lens, int B, int M,
-                       int H, int Hkv, int D, int capacity, float scale, void* scratch, bf16* out, cudaStream_t stream) {
+                       int H, int Hkv, int D, int capacity, float scale, void* scratch, bf16* out,
+                       cudaStream_t stream) {
   AF_CHECK(capacity >= 1, "attention_batched: capacity must be >= 1");
   const ContiguousKV kv{k_cache, v_cache, SeqStart{lens, -M}, capacity};
   dispatch(nullptr, q, kv, B, M, H, Hkv, D, scale, scratch, out, stream);
@@ -856,7 +854,8 @@ static int block_shift(int block_size) {
 
 size_t attention_paged_scratch_bytes(int B, int M, int H, int D, int max_blocks, int block_size) {
   AF_CHECK(max_blocks >= 1, "attention_paged_scratch_bytes: max_blocks must be >= 1");
-  AF_CHECK(static_cast<long long>(max_blocks) * block_size < (1LL << 31), "attention_paged: max_blocks * block_size overflows");
+  AF_CHECK(static_cast<long long>(max_blocks) * block_size < (1LL << 31),
+           "attention_paged: max_blocks * block_size overflows");
   return attention_batched_scratch_bytes(B, M, H, D, max_blocks << block_shift(block_size));
 }
 
@@ -864,9 +863,11 @@ void attention_paged(const bf16* q, const bf16* k_pool, const bf16* v_pool, cons
                      const int32_t* lens, int B, int M, int H, int Hkv, int D, int block_size, int num_blocks,
                      int max_blocks, float scale, void* scratch, void* out, cudaStream_t stream, int* f16_overflow) {
   AF_CHECK(num_blocks >= 1 && max_blocks >= 1, "attention_paged: num_blocks and max_blocks must be >= 1");
-  AF_CHECK(static_cast<long long>(max_blocks) * block_size < (1LL << 31), "attention_paged: max_blocks * block_size overflows");
+  AF_CHECK(static_cast<long long>(max_blocks) * block_size < (1LL << 31),
+           "attention_paged: max_blocks * block_size overflows");
   const int shift = block_shift(block_size);
-  const PagedKV kv{k_pool, v_pool, SeqStart{lens, -M}, max_blocks << shift, block_tables, max_blocks, shift, num_blocks};
+  const PagedKV kv{k_pool,     v_pool, SeqStart{lens, -M}, max_blocks << shift, block_tables,
+                   max_blocks, shift,  num_blocks};
   dispatch(nullptr, q, kv, B, M, H, Hkv, D, scale, scratch, out, stream, false, f16_overflow);
 }
 

@@ -4,7 +4,8 @@
 //
 //  - Block tile 128 (M) x 64 (N) x 128 (K = one scale group), 4 warps of 64 x 32, 2-stage cp.async
 //    pipeline (x tile 16-bit, weight tile fp8, both kept in their stored precision in shared memory).
-//  - The weight fragments are converted fp8 -> the activation's 16-bit type in registers (exact). Each k-tile is one scale
+//  - The weight fragments are converted fp8 -> the activation's 16-bit type in registers (exact). Each k-tile is one
+//  scale
 //    group, so its mma results go to a zeroed fp32 partial that is added to the accumulator times
 //    the per-column scale: products and sums stay fp32, as in the GEMV (no bf16 rounding of w * s).
 //  - K is permuted inside each 32-wide k-step so that every lane reads contiguous bytes: for mma j
@@ -96,8 +97,8 @@ static __device__ __forceinline__ int weight_row(int j, int n_tile, int N) {
 
 template <Epilogue EP, Act A>
 static __global__ void __launch_bounds__(kGemmThreads, 2)
-    gemm_w8a16_kernel(const uint8_t* __restrict__ w, const float* __restrict__ scales, const uint16_t* x,
-                      int M, int N, int K, void* __restrict__ out) {
+    gemm_w8a16_kernel(const uint8_t* __restrict__ w, const float* __restrict__ scales, const uint16_t* x, int M, int N,
+                      int K, void* __restrict__ out) {
   extern __shared__ __align__(16) uint8_t smem[];
   pdl_prologue();
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;

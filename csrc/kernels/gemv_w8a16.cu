@@ -234,8 +234,8 @@ static int resident_blocks(size_t smem) {
     AF_CUDA_CHECK(cudaFuncSetAttribute(gemv_w8a16_kernel<EP, IN, WHOLE>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        static_cast<int>(smem)));
   int per_sm = 0;
-  AF_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_w8a16_kernel<EP, IN, WHOLE>, kGemvThreads,
-                                                              smem));
+  AF_CUDA_CHECK(
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_w8a16_kernel<EP, IN, WHOLE>, kGemvThreads, smem));
   AF_CHECK(per_sm >= 1, "gemv_w8a16: kernel does not fit on an SM");
   seen.push_back({device, smem, sms * std::min(per_sm, 2)});
   return seen.back().blocks;
@@ -250,8 +250,10 @@ int gemv_resident_blocks(Epilogue ep, GemvIn in, bool whole, size_t smem) {
       return whole ? resident_blocks<EP, In::NORM, true>(smem) : resident_blocks<EP, In::NORM, false>(smem);
     } else {
       switch (in) {
-        case In::BF16: return whole ? resident_blocks<EP, In::BF16, true>(smem) : resident_blocks<EP, In::BF16, false>(smem);
-        case In::F16: return whole ? resident_blocks<EP, In::F16, true>(smem) : resident_blocks<EP, In::F16, false>(smem);
+        case In::BF16:
+          return whole ? resident_blocks<EP, In::BF16, true>(smem) : resident_blocks<EP, In::BF16, false>(smem);
+        case In::F16:
+          return whole ? resident_blocks<EP, In::F16, true>(smem) : resident_blocks<EP, In::F16, false>(smem);
         default: return whole ? resident_blocks<EP, In::NORM, true>(smem) : resident_blocks<EP, In::NORM, false>(smem);
       }
     }
@@ -279,10 +281,9 @@ static void launch_gemv_as(const GemvPlan& plan, Product P, float eps, const Rop
 }
 
 template <Ep EP, In IN>
-static void launch_gemv(const GemvPlan& plan, const uint8_t* w, const float* scales, const void* x,
-                        const bf16* norm_w, float eps, int N, int K, void* out, const RopeKVArgs& rope,
-                        cudaStream_t stream, unsigned* tickets = nullptr, uint64_t* best = nullptr,
-                        int* f16_overflow = nullptr) {
+static void launch_gemv(const GemvPlan& plan, const uint8_t* w, const float* scales, const void* x, const bf16* norm_w,
+                        float eps, int N, int K, void* out, const RopeKVArgs& rope, cudaStream_t stream,
+                        unsigned* tickets = nullptr, uint64_t* best = nullptr, int* f16_overflow = nullptr) {
   AF_CHECK(plan.ep == EP && plan.in == IN && plan.N == N && plan.K == K && plan.whole == gemv_whole_steps(K) &&
                plan.threads == kGemvThreads && plan.blocks >= 1,
            "gemv_w8a16: the plan is not this launch's (plan_gemv(ep, in, N, K))");
@@ -308,9 +309,7 @@ static void dispatch_gemv(const GemvPlan& plan, const uint8_t* w, const float* s
   AF_CHECK(f16_overflow == nullptr || ep == Epilogue::SwiGLU, "gemv_w8a16: an fp16 output is SwiGLU's only");
   const RopeKVArgs none{};
   switch (ep) {
-    case Epilogue::Store:
-      launch_gemv<Ep::Store, IN>(plan, w, scales, x, norm_w, eps, N, K, out, none, stream);
-      break;
+    case Epilogue::Store: launch_gemv<Ep::Store, IN>(plan, w, scales, x, norm_w, eps, N, K, out, none, stream); break;
     case Epilogue::AddResidual:
       launch_gemv<Ep::AddResidual, IN>(plan, w, scales, x, norm_w, eps, N, K, out, none, stream);
       break;
@@ -331,9 +330,9 @@ void gemv_w8a16(const GemvPlan& plan, const uint8_t* w, const float* scales, con
     dispatch_gemv<In::BF16>(plan, w, scales, x, nullptr, 0.f, N, K, ep, out, stream, tickets, f16_overflow);
 }
 
-void gemv_w8a16_rmsnorm(const GemvPlan& plan, const uint8_t* w, const float* scales, const float* x,
-                        const bf16* norm_w, float eps, int N, int K, Epilogue ep, void* out, cudaStream_t stream,
-                        unsigned* tickets, int* f16_overflow) {
+void gemv_w8a16_rmsnorm(const GemvPlan& plan, const uint8_t* w, const float* scales, const float* x, const bf16* norm_w,
+                        float eps, int N, int K, Epilogue ep, void* out, cudaStream_t stream, unsigned* tickets,
+                        int* f16_overflow) {
   AF_CHECK(norm_w != nullptr, "gemv_w8a16_rmsnorm: needs the norm weight");
   dispatch_gemv<In::NORM>(plan, w, scales, x, norm_w, eps, N, K, ep, out, stream, tickets, f16_overflow);
 }
@@ -355,7 +354,8 @@ void gemv_w8a16_rmsnorm_rope(const GemvPlan& plan, const uint8_t* w, const float
 void gemv_w8a16_rmsnorm_argmax(const GemvPlan& plan, const uint8_t* w, const float* scales, const float* x,
                                const bf16* norm_w, float eps, int N, int K, float* out, uint64_t* block_best,
                                cudaStream_t stream) {
-  AF_CHECK(norm_w != nullptr && block_best != nullptr, "gemv_w8a16_rmsnorm_argmax: needs the norm weight and block_best");
+  AF_CHECK(norm_w != nullptr && block_best != nullptr,
+           "gemv_w8a16_rmsnorm_argmax: needs the norm weight and block_best");
   check_args(w, x, N, K);
   launch_gemv<Ep::Store, In::NORM>(plan, w, scales, x, norm_w, eps, N, K, out, RopeKVArgs{}, stream, nullptr,
                                    block_best);

@@ -95,11 +95,11 @@ struct Product {
   const bf16* norm_w;  // In::NORM
   int N, K;
   void* out;
-  int staged_warps;  // warps per block whose second row pair is copied into shared memory early (0: none)
-  unsigned* tickets; // SwiGLU of several rounds: counters that hand out the row pairs past the first round (Tickets)
-  uint64_t* best;    // Store: each block's argmax key of the rows it wrote (gemv_w8a16_rmsnorm_argmax), or null
-  int* f16_overflow; // SwiGLU: fp16 output, flagged past kF16Max (act16.cuh); null: bf16
-  int pre_warps;     // warps per block that load their first iteration before the PDL wait (GemvPlan)
+  int staged_warps;   // warps per block whose second row pair is copied into shared memory early (0: none)
+  unsigned* tickets;  // SwiGLU of several rounds: counters that hand out the row pairs past the first round (Tickets)
+  uint64_t* best;     // Store: each block's argmax key of the rows it wrote (gemv_w8a16_rmsnorm_argmax), or null
+  int* f16_overflow;  // SwiGLU: fp16 output, flagged past kF16Max (act16.cuh); null: bf16
+  int pre_warps;      // warps per block that load their first iteration before the PDL wait (GemvPlan)
 };
 
 // Which rows row pair p covers. SwiGLU pairs gate row p with up row F + p; RopeKV pairs (i, i + D/2)
@@ -254,7 +254,9 @@ struct Staging {
   float* raw;
   bf16* norm_w;
   __device__ Staging(uint4* smem, int K)
-      : xs(smem), raw(reinterpret_cast<float*>(smem + gemv_x_padded(K) / 8)), norm_w(reinterpret_cast<bf16*>(raw + K)) {}
+      : xs(smem),
+        raw(reinterpret_cast<float*>(smem + gemv_x_padded(K) / 8)),
+        norm_w(reinterpret_cast<bf16*>(raw + K)) {}
 };
 template <In IN>
 __host__ __device__ static size_t staging_bytes(int K) {
@@ -332,7 +334,7 @@ static __device__ float stage_x(const Product& P, float eps, const Staging& st, 
     for (int v = threadIdx.x; v < K / 8; v += kGemvThreads) cp_async16(xs + x_slot(v / 2, v % 2), x8 + v);
     cp_async_wait_all();  // this thread's copies have landed; it reads only those below
     // This thread's pieces v0, v0 + 256, ... (up to kStageBatch of them) from their slots.
-    auto own_pieces = [&](int v0, uint4 (&q)[kStageBatch]) {
+    auto own_pieces = [&](int v0, uint4(&q)[kStageBatch]) {
 #pragma unroll
       for (int j = 0; j < kStageBatch; ++j) {
         const int v = v0 + j * kGemvThreads;
@@ -514,8 +516,9 @@ static __device__ __forceinline__ void finish_pair(const Product& P, const RowPa
 template <Ep EP, bool WHOLE>
 static __device__ __forceinline__ void finish_rows(const Product& P, const RowPairs<EP>& pairs, const RopeKVArgs& rope,
                                                    const Prior& pr, const uint4* xs, float x_scale, int p, int base,
-                                                   float acc0, float acc1, uint64_t policy, WarpTrace& tr, uint64_t& top,
-                                                   unsigned* grab = nullptr, unsigned* ticket = nullptr) {
+                                                   float acc0, float acc1, uint64_t policy, WarpTrace& tr,
+                                                   uint64_t& top, unsigned* grab = nullptr,
+                                                   unsigned* ticket = nullptr) {
   const int C = P.K / 16, lane = threadIdx.x % 32;
   int r0, r1;
   pairs.rows(p, r0, r1);

@@ -48,8 +48,8 @@ constexpr int calc_pre_warps(Epilogue ep, GemvIn in, bool whole, int K, int n_pa
 
 // The Llama 3 shapes on an H100 SXM (132 SMs, 264 resident blocks), as the table gives them: a check
 // of the rules above, not a source of them.
-static_assert(calc_blocks(1536, 264) == 192 && calc_pre_warps(Epilogue::AddResidual, GemvIn::F16, true, 3072, 1536,
-                                                              192, 0) == kGemvWarps,
+static_assert(calc_blocks(1536, 264) == 192 &&
+                  calc_pre_warps(Epilogue::AddResidual, GemvIn::F16, true, 3072, 1536, 192, 0) == kGemvWarps,
               "3B o: one pair per warp, every warp early");
 static_assert(calc_staged_warps(Epilogue::RopeKV, true, 3072, 2560, 264) == 2, "3B qkv: 2 staged warps per block");
 static_assert(calc_staged_warps(Epilogue::RopeKV, true, 4096, 3072, 264) == 4, "8B qkv: 4 staged warps per block");
@@ -79,7 +79,8 @@ const char* in_name(GemvIn in) {
 
 GemvPlan plan_gemv(Epilogue ep, GemvIn in, int N, int K, const GemvKnobs& knobs) {
   AF_CHECK(N >= 1 && K >= kQuantGroup && K % kQuantGroup == 0, "plan_gemv: N >= 1, K a multiple of 128");
-  AF_CHECK((ep != Epilogue::SwiGLU && ep != Epilogue::RopeKV) || N % 2 == 0, "plan_gemv: SwiGLU and RopeKV need an even N");
+  AF_CHECK((ep != Epilogue::SwiGLU && ep != Epilogue::RopeKV) || N % 2 == 0,
+           "plan_gemv: SwiGLU and RopeKV need an even N");
   AF_CHECK(ep != Epilogue::RopeKV || in == GemvIn::NORM, "plan_gemv: RopeKV needs the fused RMSNorm");
   GemvPlan plan{};
   plan.ep = ep;
@@ -106,7 +107,8 @@ GemvPlan plan_gemv(Epilogue ep, GemvIn in, int N, int K, const GemvKnobs& knobs)
 }
 
 std::string gemv_variant_name(const GemvPlan& plan) {
-  return std::string("gemv_w8a16<") + ep_name(plan.ep) + ", " + in_name(plan.in) + (plan.whole ? ", whole>" : ", tail>");
+  return std::string("gemv_w8a16<") + ep_name(plan.ep) + ", " + in_name(plan.in) +
+         (plan.whole ? ", whole>" : ", tail>");
 }
 
 }  // namespace atomflow::kernels

@@ -71,7 +71,6 @@ static_assert(sizeof(StagedPair) == kStagedPairBytes, "the plan sizes the staged
 // warps, and the warp that takes the last value sets the counter back to 0 for the next launch.
 // Every grab follows the PDL wait, so two launches never count on the same counters at once if they
 // share a stream.
-static_assert(kGemvTicketBytes == kTicketClasses * kTicketStride * sizeof(unsigned),
-              "one counter per 128-byte line");
+static_assert(kGemvTicketBytes == kTicketClasses * kTicketStride * sizeof(unsigned), "one counter per 128-byte line");
 
 }  // namespace atomflow::kernels

@@ -11,8 +11,7 @@ namespace atomflow::kernels {
 constexpr int kNormThreads = 256;  // the fused GEMV prologue (gemv_w8a16.cu) reduces the same way
 
 static __global__ void __launch_bounds__(kNormThreads)
-    rmsnorm_kernel(const float* x, const bf16* __restrict__ w, int d, float eps,
-                   f16* __restrict__ out) {
+    rmsnorm_kernel(const float* x, const bf16* __restrict__ w, int d, float eps, f16* __restrict__ out) {
   __shared__ float red[kNormThreads / 32];
   pdl_prologue();
   const float* xr = x + static_cast<size_t>(blockIdx.x) * d;

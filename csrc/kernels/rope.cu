@@ -95,8 +95,7 @@ void rope_kv_append_slots(const float* qkv, const float* inv_freq, const int32_t
                           int M, int H, int Hkv, int D, long long num_slots, bf16* q_out, bf16* k_pool, bf16* v_pool,
                           cudaStream_t stream) {
   AF_CHECK(M >= 1 && H >= 1 && Hkv >= 1 && num_slots >= 1, "rope_kv_append_slots: M, H, Hkv, num_slots must be >= 1");
-  AF_CHECK(D >= 2 && D % 2 == 0 && D <= kMaxRopeHeadDim,
-           "rope_kv_append_slots: head_dim must be even and <= 1024");
+  AF_CHECK(D >= 2 && D % 2 == 0 && D <= kMaxRopeHeadDim, "rope_kv_append_slots: head_dim must be even and <= 1024");
   const size_t smem = static_cast<size_t>(D) * sizeof(float);
   af_launch(rope_kv_append_kernel<SlotRows>, dim3(M), dim3(kRopeThreads), smem, stream, qkv, inv_freq,
             SlotRows{positions, slots, num_slots}, H, Hkv, D, q_out, k_pool, v_pool);

@@ -133,16 +133,16 @@ class Engine {
   struct Buffers {
     const bf16* embed;
     const bf16* final_norm;
-    const void* lm_head;        // uint8_t FP8 or bf16
-    const float* lm_head_scale; // FP8 head only
+    const void* lm_head;         // uint8_t FP8 or bf16
+    const float* lm_head_scale;  // FP8 head only
     const float* inv_freq;
     std::vector<LayerPtrs> layers;
     float* x;
-    f16* xn;           // RMSNorm output (fp16: kernels.h)
+    f16* xn;  // RMSNorm output (fp16: kernels.h)
     float* qkv;
     bf16* q;
-    void* attn_out;    // 16-bit: bf16 in prefill, in decode fp16 while f16_acts_ (kernels.h)
-    void* ffn;         // typed as attn_out
+    void* attn_out;  // 16-bit: bf16 in prefill, in decode fp16 while f16_acts_ (kernels.h)
+    void* ffn;       // typed as attn_out
     float* logits;
     int32_t* ids;
     void* attn_scratch;
@@ -150,10 +150,10 @@ class Engine {
     unsigned* gemv_tickets;  // the gate/up GEMV's counters (kernels.h), zeroed at load
     uint64_t* head_best;     // the FP8 head's per-block argmax keys, for the greedy sampler (kernels.h)
     int head_best_n;         // their count (0: no FP8 head)
-    int32_t* pos;         // [2]: pos[0] tokens in the cache, pos[1] = pos[0] + 1 (step_kernels.h)
-    int32_t* sample_pos;  // &pos[1]: the RNG counter of the token sampled after pos[0]
-    int32_t* token;       // the step's input token; its embedding is in x[0] when a step starts
-    int32_t* f16_overflow;  // set by a step's fp16 activations past fp16's range, cleared by its end
+    int32_t* pos;            // [2]: pos[0] tokens in the cache, pos[1] = pos[0] + 1 (step_kernels.h)
+    int32_t* sample_pos;     // &pos[1]: the RNG counter of the token sampled after pos[0]
+    int32_t* token;          // the step's input token; its embedding is in x[0] when a step starts
+    int32_t* f16_overflow;   // set by a step's fp16 activations past fp16's range, cleared by its end
     kernels::SamplingConfig* sampling;
   };
 
@@ -181,8 +181,8 @@ class Engine {
   void init(const std::string& path, const std::vector<TensorInfo>& tensors, const std::vector<float>& inv_freq);
   void capture_graph();
   cudaGraphExec_t capture_step(int attn_keys);
-  void launch_step();  // one decode step: the graph, or its launches when eager
-  void enqueue_steps(int n);  // enqueue() without the lock
+  void launch_step();                        // one decode step: the graph, or its launches when eager
+  void enqueue_steps(int n);                 // enqueue() without the lock
   bool step_overflowed(int position) const;  // the ring's flag of the step at `position` (it has run)
   // A step at `position` overflowed fp16: bf16 activations from now on, the position rolled back to
   // it and `input` set as its token. The caller runs the step (and any after it) again.
@@ -200,8 +200,8 @@ class Engine {
   Buffers buf_{};
 
   cudaStream_t stream_ = nullptr;
-  cudaGraphExec_t graph_exec_ = nullptr;   // the decode step; nullptr: eager
-  StepPlan step_plan_;  // made at load, before the arena (it sizes the head's argmax buffer)
+  cudaGraphExec_t graph_exec_ = nullptr;  // the decode step; nullptr: eager
+  StepPlan step_plan_;                    // made at load, before the arena (it sizes the head's argmax buffer)
   // Steps whose keys fit step_plan_.short_keys replay short_graph_, whose attention grid is planned
   // for that many keys instead of max_context: fewer blocks that only exit, clusters that hold every
   // split; the same split count per position, so the same bits (forward.cu). Eager steps plan their
@@ -222,14 +222,14 @@ class Engine {
   int32_t* ring_dev_ = nullptr;   // the same memory as the device sees it
   float* logits_host_ = nullptr;  // pinned [vocab], for the D2H of the logits
 
-  int host_pos_ = 0;              // position once every enqueued step has run
-  int in_flight_ = 0;             // enqueued steps not yet waited for
-  int oldest_ = 0;                // step_done_ index of the oldest of them
-  int oldest_pos_ = 0;            // the input position of the oldest of them
-  int allocations_ = 0;           // every cudaMalloc / cudaHostAlloc the engine made
+  int host_pos_ = 0;     // position once every enqueued step has run
+  int in_flight_ = 0;    // enqueued steps not yet waited for
+  int oldest_ = 0;       // step_done_ index of the oldest of them
+  int oldest_pos_ = 0;   // the input position of the oldest of them
+  int allocations_ = 0;  // every cudaMalloc / cudaHostAlloc the engine made
   double load_seconds_ = 0;
-  const ProbeSink* probe_ = nullptr;   // set only inside prefill_probed / decode_probed
-  std::vector<float> probe_x_;         // snapshot of x for the X_DELTA probes
+  const ProbeSink* probe_ = nullptr;  // set only inside prefill_probed / decode_probed
+  std::vector<float> probe_x_;        // snapshot of x for the X_DELTA probes
   // A probed decode step's points, given to the sink once it has succeeded: a step rerun in bf16
   // (rerun_in_bf16) drops those of its first run. nullptr: straight to the sink (prefill).
   struct ProbeRecord {
@@ -245,11 +245,11 @@ class Engine {
     const char* label;
     int layer;
   };
-  bool profiling_ = false;                 // set only inside profile_decode(Kernels)
-  std::vector<cudaEvent_t> prof_events_;   // [0] starts a step, [i + 1] ends prof_marks_[i]
+  bool profiling_ = false;                // set only inside profile_decode(Kernels)
+  std::vector<cudaEvent_t> prof_events_;  // [0] starts a step, [i + 1] ends prof_marks_[i]
   std::vector<ProfileMark> prof_marks_;
-  size_t prof_count_ = 0;                  // marks recorded in the current step
-  int32_t* gate_host_ = nullptr;           // mapped pinned: the host opens the gate here
+  size_t prof_count_ = 0;         // marks recorded in the current step
+  int32_t* gate_host_ = nullptr;  // mapped pinned: the host opens the gate here
   int32_t* gate_dev_ = nullptr;
   int32_t gate_ticket_ = 0;
   mutable std::mutex mu_;

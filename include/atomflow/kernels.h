@@ -18,8 +18,9 @@
 //  - KV cache per layer: K and V each [max_context, num_kv_heads, head_dim] bf16, contiguous.
 //  - Every launcher takes a cudaStream_t, checks its assumptions (AF_CHECK), and ends with
 //    AF_CUDA_CHECK(cudaGetLastError()). A launcher with choices (the GEMV, attention) takes them as
-//    its part of the step plan (plan_gemv, plan_attention; step_plan.h) and reads no environment. No launcher allocates memory: scratch comes from the
-//    caller (sizes from the *_scratch_bytes functions), so everything can be graph-captured.
+//    its part of the step plan (plan_gemv, plan_attention; step_plan.h) and reads no environment. No launcher allocates
+//    memory: scratch comes from the caller (sizes from the *_scratch_bytes functions), so everything can be
+//    graph-captured.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -33,8 +34,7 @@ namespace atomflow::kernels {
 // embedding.cu: out[m, :] = float(table[tokens[m], :]), m < M. table bf16 [vocab, d].
 // Token ids are checked on the host before they reach the device; the kernel clamps to
 // [0, vocab) so a bad id can never read out of bounds.
-void embedding(const bf16* table, const int32_t* tokens, int M, int d, int vocab, float* out,
-               cudaStream_t stream);
+void embedding(const bf16* table, const int32_t* tokens, int M, int d, int vocab, float* out, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------
 // rmsnorm.cu: out[m, :] = f16(x[m, :] * rsqrt(mean(x[m, :]^2) + eps) * w), x fp32 [M, d],
@@ -98,14 +98,13 @@ std::string gemv_variant_name(const GemvPlan& plan);
 // *f16_overflow = 1 when a value's magnitude passes kF16Max (its store is then inf).
 constexpr size_t kGemvTicketBytes = 64 * 128;
 void gemv_w8a16(const GemvPlan& plan, const uint8_t* w, const float* scales, const void* x, Act x_type, int N, int K,
-                Epilogue ep, void* out, cudaStream_t stream, unsigned* tickets = nullptr,
-                int* f16_overflow = nullptr);
+                Epilogue ep, void* out, cudaStream_t stream, unsigned* tickets = nullptr, int* f16_overflow = nullptr);
 // The same with RMSNorm fused into the prologue: the GEMV's input is
 // f16(x * rsqrt(mean(x^2) + eps) * norm_w), x the fp32 residual stream [K] (bit-identical to
 // rmsnorm() followed by gemv_w8a16(..., Act::F16, ...), one launch and one round trip fewer).
 // plan: plan_gemv(ep, GemvIn::NORM, N, K).
-void gemv_w8a16_rmsnorm(const GemvPlan& plan, const uint8_t* w, const float* scales, const float* x,
-                        const bf16* norm_w, float eps, int N, int K, Epilogue ep, void* out, cudaStream_t stream,
+void gemv_w8a16_rmsnorm(const GemvPlan& plan, const uint8_t* w, const float* scales, const float* x, const bf16* norm_w,
+                        float eps, int N, int K, Epilogue ep, void* out, cudaStream_t stream,
                         unsigned* tickets = nullptr, int* f16_overflow = nullptr);
 // The decode QKV product with RMSNorm in the prologue and RoPE + KV append in the epilogue: w is
 // the fused [(H + 2 Hkv) * D, K] qkv matrix; the output is what gemv_w8a16_rmsnorm(Store) followed
@@ -115,8 +114,8 @@ struct RopeKVArgs {
   const float* inv_freq;  // [D / 2]
   const int32_t* pos;     // device: the token's position (the cache row it fills)
   int H, Hkv, D, max_context;
-  bf16* q_out;            // [H, D]
-  bf16* k_cache;          // [max_context, Hkv, D]
+  bf16* q_out;    // [H, D]
+  bf16* k_cache;  // [max_context, Hkv, D]
   bf16* v_cache;
 };
 void gemv_w8a16_rmsnorm_rope(const GemvPlan& plan, const uint8_t* w, const float* scales, const float* x,
@@ -130,8 +129,8 @@ void gemv_w8a16_rmsnorm_argmax(const GemvPlan& plan, const uint8_t* w, const flo
                                cudaStream_t stream);
 // M > 1 prefill on tensor cores (FP8 converted exactly to the activation's 16-bit type in the
 // main loop). x [M, K] of x_type.
-void gemm_w8a16(const uint8_t* w, const float* scales, const void* x, Act x_type, int M, int N, int K,
-                Epilogue ep, void* out, cudaStream_t stream);
+void gemm_w8a16(const uint8_t* w, const float* scales, const void* x, Act x_type, int M, int N, int K, Epilogue ep,
+                void* out, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------
 // rope.cu: RoPE (HF rotate-half convention) on q and k of a fused qkv row, then the KV append.
@@ -139,9 +138,8 @@ void gemm_w8a16(const uint8_t* w, const float* scales, const void* x, Act x_type
 //   token m sits at position p = *pos + m; angle_i = p * inv_freq[i], i < D / 2
 //   (inv_freq computed on the host by atomflow/spec.py, llama3 scaling included, fp32).
 //   q_out bf16 [M, H, D] = rope(q); k_cache[p] = bf16(rope(k)); v_cache[p] = bf16(v).
-void rope_kv_append(const float* qkv, const float* inv_freq, const int32_t* pos, int M, int H,
-                    int Hkv, int D, int max_context, bf16* q_out, bf16* k_cache, bf16* v_cache,
-                    cudaStream_t stream);
+void rope_kv_append(const float* qkv, const float* inv_freq, const int32_t* pos, int M, int H, int Hkv, int D,
+                    int max_context, bf16* q_out, bf16* k_cache, bf16* v_cache, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------
 // attention_decode.cu: causal GQA attention over the contiguous cache, for decode (M = 1) and
@@ -174,8 +172,8 @@ void attention_scratch_clear(void* scratch, size_t scratch_bytes, cudaStream_t s
 // f16_overflow (may be null): out is fp16 instead of bf16, and *f16_overflow = 1 when a value's
 // magnitude passes kF16Max.
 void attention(const AttnPlan& plan, const bf16* q, const bf16* k_cache, const bf16* v_cache, const int32_t* pos, int M,
-               int H, int Hkv, int D, int max_context, float scale, void* scratch, void* out,
-               cudaStream_t stream, bool early = false, int* f16_overflow = nullptr);
+               int H, int Hkv, int D, int max_context, float scale, void* scratch, void* out, cudaStream_t stream,
+               bool early = false, int* f16_overflow = nullptr);
 
 // ---------------------------------------------------------------------------------------
 // Paged and batched decode attention (the sandbox, docs/SANDBOX.md): the same kernel as
@@ -214,26 +212,26 @@ void add_inplace(float* x, const float* y, int n, cudaStream_t stream);  // x +=
 // sampling.cu: one token from fp32 logits [vocab], entirely on the device.
 // Parameters live in device memory so one captured graph serves any settings.
 struct SamplingConfig {
-  float temperature;   // 0 = greedy (argmax, lowest index on ties)
-  int32_t top_k;       // 0 = off
-  float top_p;         // 1 = off
+  float temperature;  // 0 = greedy (argmax, lowest index on ties)
+  int32_t top_k;      // 0 = off
+  float top_p;        // 1 = off
   uint32_t pad_;
-  uint64_t seed;       // with the position, keys a counter-based RNG: same seed, same tokens
+  uint64_t seed;  // with the position, keys a counter-based RNG: same seed, same tokens
 };
 size_t sampling_scratch_bytes(int vocab);
 // Reads *pos (device) as the RNG counter; writes the token to *token_out (device).
-void sample(const float* logits, int vocab, const SamplingConfig* cfg, const int32_t* pos,
-            void* scratch, int32_t* token_out, cudaStream_t stream);
+void sample(const float* logits, int vocab, const SamplingConfig* cfg, const int32_t* pos, void* scratch,
+            int32_t* token_out, cudaStream_t stream);
 // The end of a decode step, done by the sampler once the token is drawn: ring[pos[0] % ring_size] =
 // token and ring[ring_size + pos[0] % ring_size] = *f16_overflow (stores to mapped host memory,
 // fenced; the flag then cleared), pos[0..1] advanced by one, and the next step's input row
 // x[0..d) = float(embed[token]).
 struct StepEnd {
-  int32_t* pos;  // [2]: pos[0] tokens in the cache, pos[1] = pos[0] + 1 (the RNG counter)
+  int32_t* pos;   // [2]: pos[0] tokens in the cache, pos[1] = pos[0] + 1 (the RNG counter)
   int32_t* ring;  // [2 ring_size]
   int ring_size;
   int32_t* f16_overflow;  // the step's flag (kF16Max)
-  const bf16* embed;  // [vocab, d]
+  const bf16* embed;      // [vocab, d]
   int d;
   float* x;
 };

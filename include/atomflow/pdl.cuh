@@ -85,8 +85,7 @@ void af_launch_clusters(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, di
 
 // kernel<<<grid, block, smem, stream>>>(args...), with the PDL attribute when enabled; checked.
 template <typename... KernelArgs, typename... Args>
-void af_launch(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
-               Args&&... args) {
+void af_launch(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, Args&&... args) {
   af_launch_clusters(kernel, grid, block, dim3(1, 1, 1), smem, stream, std::forward<Args>(args)...);
 }
 

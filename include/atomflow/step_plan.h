@@ -17,13 +17,13 @@ namespace atomflow {
 // others change the schedule, never the bits, and exist so that tests compare both ways in one
 // process (tests/test_engine_gpu.py, tests/test_kernels_gpu.py).
 struct PlanOptions {
-  bool eager = false;            // run the decode step's launches directly instead of a CUDA graph
-  bool f16_activations = true;   // decode steps write attention's and SwiGLU's outputs in fp16 (engine.h)
-  bool fused_tail = true;        // the sampler ends the step: token ring, position, next embedding
-  bool short_steps = true;       // steps of at most kShortKeys keys replay a grid planned for them
-  bool cluster_merge = true;     // attention merges its splits in a thread-block cluster when one holds them
-  bool staged_pair = true;       // the QKV GEMV copies its warps' second row pairs to shared memory early
-  bool tickets = true;           // the gate/up GEMV hands out its row pairs past the first round by ticket
+  bool eager = false;           // run the decode step's launches directly instead of a CUDA graph
+  bool f16_activations = true;  // decode steps write attention's and SwiGLU's outputs in fp16 (engine.h)
+  bool fused_tail = true;       // the sampler ends the step: token ring, position, next embedding
+  bool short_steps = true;      // steps of at most kShortKeys keys replay a grid planned for them
+  bool cluster_merge = true;    // attention merges its splits in a thread-block cluster when one holds them
+  bool staged_pair = true;      // the QKV GEMV copies its warps' second row pairs to shared memory early
+  bool tickets = true;          // the gate/up GEMV hands out its row pairs past the first round by ticket
 };
 
 struct StepPlan {
@@ -49,7 +49,7 @@ struct StepPlan {
   kernels::GemvPlan gate_up;              // RMSNorm + gate/up + SwiGLU (SwiGLU, NORM)
   kernels::GemvPlan down_f16, down_bf16;  // AddResidual on SwiGLU's output
   bool fp8_head = false;
-  kernels::GemvPlan head;                 // final RMSNorm + lm_head + per-block argmax (Store, NORM): FP8 head
+  kernels::GemvPlan head;  // final RMSNorm + lm_head + per-block argmax (Store, NORM): FP8 head
   // The validator's decode step (probes between the norms and the products): the same products
   // with the norms apart.
   kernels::GemvPlan probe_qkv, probe_gate_up, probe_head;
