@@ -75,7 +75,7 @@ def cmd_plan(a) -> int:
 
 def cmd_info(a) -> int:
     from atomflow.model.fileformat import AtomflowFile
-    if a.plan:
+    if getattr(a, "plan", False):  # programmatic callers (tools/fuzz_atomflow.py) pass no --plan
         return cmd_plan(a)
     with AtomflowFile(a.model, verify=a.verify) as m:
         by_dtype: dict[str, int] = {}
