@@ -30,8 +30,53 @@ def cmd_quantize(a) -> int:
 
 
 # -- info ---------------------------------------------------------------------------------
+def _print_plan(p: dict) -> None:
+    """The step plan (_core.plan_for / Engine.step_plan) as a table."""
+    dev, o = p["device"], p["options"]
+    print(f"step plan for {dev['name']} ({dev['sm_count']} SMs, sm_{dev['capability'][0]}{dev['capability'][1]}), "
+          f"max_context {p['max_context']}")
+    graphs = " + ".join(f"{g['keys']} keys ({g['steps']})" for g in p["graphs"]) or "none (eager)"
+    print(f"  activations {p['activations']}; graphs: {graphs}; tail: {p['tail']}; PDL {'on' if o['pdl'] else 'off'}")
+    print("  options     " + ", ".join(f"{k}={v}" for k, v in o.items() if k != "pdl"))
+    head = ("product", "when", "kernel", "N", "K", "blocks", "warps", "early", "staged", "tickets", "smem")
+    rows = [(r["product"], r["when"], r["kernel"], r["N"], r["K"], r["blocks"], r["warps"], r["pre_warps"],
+             r["staged_warps"], "yes" if r["tickets"] else "-", r["smem"]) for r in p["products"]]
+    _table(head, rows)
+    head = ("product", "when", "kernel", "keys", "splits", "cluster", "merge", "blocks")
+    rows = [(r["product"], r["when"], r["kernel"], r["keys"], r["splits"], r["cluster"], r["merge"], r["blocks"])
+            for r in p["attention"]]
+    _table(head, rows)
+
+
+def _table(head: tuple, rows: list[tuple]) -> None:
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
+    for r in (head, *rows):
+        print("  " + "  ".join(str(x).ljust(w) if i < 3 else str(x).rjust(w) for i, (x, w) in enumerate(zip(r, widths))))
+
+
+def cmd_plan(a) -> int:
+    """`atomflow info MODEL --plan`: the step plan an engine of this model would make on this GPU."""
+    from atomflow.backends.cuda import plan_for
+    from atomflow.engine import DEFAULT_MAX_CONTEXT
+    from atomflow.errors import BackendUnavailableError
+    from atomflow.model.fileformat import AtomflowFile
+    with AtomflowFile(a.model) as m:
+        ctx = a.max_context or min(DEFAULT_MAX_CONTEXT, m.spec.max_position_embeddings)
+        try:
+            p = plan_for(m, ctx)
+        except BackendUnavailableError as e:
+            return _err(f"--plan needs the CUDA core and a GPU to plan for: {e}")
+    if a.json:
+        print(json.dumps(p, indent=2))
+    else:
+        _print_plan(p)
+    return 0
+
+
 def cmd_info(a) -> int:
     from atomflow.model.fileformat import AtomflowFile
+    if getattr(a, "plan", False):  # programmatic callers (tools/fuzz_atomflow.py) pass no --plan
+        return cmd_plan(a)
     with AtomflowFile(a.model, verify=a.verify) as m:
         by_dtype: dict[str, int] = {}
         for t in m.tensors.values():
@@ -192,6 +237,10 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("model")
     i.add_argument("--json", action="store_true", help="machine-readable output")
     i.add_argument("--verify", action="store_true", help="also verify the data checksum")
+    i.add_argument("--plan", action="store_true",
+                   help="print the step plan for this GPU instead: every launch decision of the decode step")
+    i.add_argument("--max-context", type=int, default=None,
+                   help="with --plan: the KV cache length to plan for (default min(8192, the model's limit))")
     i.set_defaults(fn=cmd_info)
 
     r = sub.add_parser("run", help="generate text from a prompt")

@@ -83,10 +83,10 @@ if command -v nvidia-smi > /dev/null; then
   case "$cap" in
     [0-9]*.[0-9]*)
       [ "${cap%.*}" -gt 8 ] || { [ "${cap%.*}" -eq 8 ] && [ "${cap#*.}" -ge 9 ]; } ||
-        die "GPU $name has compute capability $cap; atomflow needs >= 8.9 (FP8: Ada, Hopper or newer)"
-      echo "gpu: $name (compute capability $cap)"
-      # Build for this GPU unless told otherwise (the default, sm_90, runs on Hopper only).
-      export ATOMFLOW_CUDA_ARCH=${ATOMFLOW_CUDA_ARCH:-${cap/./}} ;;
+        die "GPU $name has compute capability $cap; atomflow needs >= 8.9 (FP8), and is built for sm_90 only"
+      [ "${cap%.*}" -eq 9 ] ||
+        die "GPU $name has compute capability $cap; atomflow is built for sm_90 (H100/H200) only"
+      echo "gpu: $name (compute capability $cap)" ;;
     *) echo "gpu: nvidia-smi gave no compute capability ($gpu): checked after the build" ;;
   esac
 else
@@ -103,7 +103,7 @@ else
   else
     cmd=("$PYTHON" -m pip install -e .)
   fi
-  echo "${cmd[*]} (log: $WORKDIR/build.log, sm_${ATOMFLOW_CUDA_ARCH:-90})"
+  echo "${cmd[*]} (log: $WORKDIR/build.log, sm_90)"
   "${cmd[@]}" > "$WORKDIR/build.log" 2>&1 || { tail -30 "$WORKDIR/build.log"; die "build failed (log: $WORKDIR/build.log)"; }
 fi
 # From here on Python runs outside the checkout: with a non-editable install (pip install .) the

@@ -83,3 +83,16 @@ def test_download_offline_from_cache(tiny_hf_dir, tmp_path):
 
     r = atomflow("download", "org/absent", "--dir", tmp_path / "x", env=env, check=False)
     assert "not in the local cache" in _error_line(r)
+
+
+def test_info_plan_without_gpu_is_one_line(tiny_model_file):
+    """`atomflow info MODEL --plan` plans for the GPU at hand: without the CUDA core or a GPU it says so
+    in one line and exits 1 (with --json too)."""
+    from atomflow.device import cuda_status
+    if cuda_status()[0]:
+        pytest.skip("a usable GPU is present: tests/test_engine_gpu.py checks the plan")
+    for extra in ([], ["--json"]):
+        r = atomflow("info", tiny_model_file, "--plan", *extra, check=False)
+        line = _error_line(r)
+        assert "--plan needs the CUDA core and a GPU" in line and r.stdout == ""
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr

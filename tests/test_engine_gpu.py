@@ -157,11 +157,11 @@ def test_graph_and_eager_agree(tiny):
     assert rel <= 1e-5
 
 
-def test_short_steps_graph_has_the_same_bits(tiny, monkeypatch):
+def test_short_steps_graph_has_the_same_bits(tiny):
     """Steps of at most 512 keys replay a second graph whose attention grid is planned for 512 keys
-    (engine.h, kShortKeys); eager steps plan theirs the same way. The split count per position does not
-    depend on the grid, so the logits across the switch (keys 501 .. 530) have the same bits as with
-    one grid planned for max_context (ATOMFLOW_ONE_GRAPH=1)."""
+    (step_plan.h, kShortKeys); eager steps plan theirs the same way. The split count per position does
+    not depend on the grid, so the logits across the switch (keys 501 .. 530) have the same bits as with
+    one grid planned for max_context (the plan's short_steps=False, in the same process)."""
     ids = prompt(500, tiny.spec.vocab_size, seed=5)
 
     def run(grids, **kw):
@@ -174,8 +174,7 @@ def test_short_steps_graph_has_the_same_bits(tiny, monkeypatch):
         return np.stack(out)
 
     two, eager = run((13, 18)), run((13, 18), eager=True)  # 0 and 500..511 short, 512..529 long
-    monkeypatch.setenv("ATOMFLOW_ONE_GRAPH", "1")
-    one, one_eager = run((0, 31)), run((0, 31), eager=True)
+    one, one_eager = run((0, 31), short_steps=False), run((0, 31), eager=True, short_steps=False)
     np.testing.assert_array_equal(two, one, err_msg="graph: short-steps grid != max_context grid")
     np.testing.assert_array_equal(eager, one_eager, err_msg="eager: short-steps grid != max_context grid")
     _, rel = cos_rel(eager[-1], two[-1])
@@ -183,10 +182,11 @@ def test_short_steps_graph_has_the_same_bits(tiny, monkeypatch):
 
 
 @pytest.mark.parametrize("lm_head", ["fp8", "bf16"])
-def test_fused_tail_has_the_same_tokens(model_files, lm_head, monkeypatch):
+def test_fused_tail_has_the_same_tokens(model_files, lm_head):
     """The sampler that ends the step (token ring, position, the next step's embedding; greedy from
     the FP8 head's per-block maxima) gives the tokens and logits of the separate embedding, sample
-    and finish launches (ATOMFLOW_NO_FUSED_TAIL=1), greedy and sampled, graph and eager."""
+    and finish launches (the plan's fused_tail=False, in the same process), greedy and sampled, graph
+    and eager."""
     model = model_files("tiny", lm_head)
     ids = prompt(40, model.spec.vocab_size, seed=13)
     sampled_params = SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=5, max_new_tokens=48)
@@ -198,8 +198,7 @@ def test_fused_tail_has_the_same_tokens(model_files, lm_head, monkeypatch):
         return out, eng.decode(out[0][5])
 
     fused, fused_eager = run(), run(eager=True)
-    monkeypatch.setenv("ATOMFLOW_NO_FUSED_TAIL", "1")
-    split, split_eager = run(), run(eager=True)
+    split, split_eager = run(fused_tail=False), run(eager=True, fused_tail=False)
     assert fused[0][0] == split[0][0] == fused_eager[0][0] == split_eager[0][0], "greedy tokens"
     assert fused[0][1] == split[0][1] == fused_eager[0][1] == split_eager[0][1], "sampled tokens"
     np.testing.assert_array_equal(fused[1], split[1])
@@ -230,12 +229,16 @@ def loud(tmp_path_factory, make_tiny_model) -> AtomflowFile:
 
 def test_f16_and_bf16_activations_match_reference(tiny, monkeypatch):
     """Decode steps write attention's and SwiGLU's outputs in fp16 by default, bf16 with
-    ATOMFLOW_BF16_ACTS=1: both within the reference's bound at every step."""
+    ATOMFLOW_BF16_ACTS=1 (or the plan's f16_activations=False): both within the reference's bound at
+    every step."""
     ids = prompt(64, tiny.spec.vocab_size, seed=21)
     assert cuda(tiny, 256).engine.f16_activations
     compare_run(tiny, ids, 64, 256)
+    assert not cuda(tiny, 256, f16_activations=False).engine.f16_activations
+    compare_run(tiny, ids, 64, 256, f16_activations=False)
     monkeypatch.setenv("ATOMFLOW_BF16_ACTS", "1")
     assert not cuda(tiny, 256).engine.f16_activations
+    assert cuda(tiny, 256, f16_activations=True).engine.f16_activations  # an explicit option wins
     compare_run(tiny, ids, 64, 256)
 
 
@@ -543,3 +546,91 @@ def test_load_time_3b(model_files):
     gc.collect()
     eng = cuda(model, 256)
     assert eng.engine.load_seconds <= 1.0, f"load took {eng.engine.load_seconds:.2f} s"
+
+
+# ----------------------------------------------------------------------------- the step plan
+
+PLAN_PRODUCT_FIELDS = {"product", "when", "kernel", "N", "K", "blocks", "warps", "pre_warps", "staged_warps",
+                       "tickets", "smem"}
+PLAN_ATTENTION_FIELDS = {"product", "when", "kernel", "keys", "splits", "cluster", "merge", "blocks", "warps"}
+
+
+def test_info_plan_lists_every_product(tiny):
+    """`atomflow info MODEL --plan --json` is the plan an engine of that model makes on this GPU: every
+    GEMV product of the decode step (and of the probed step) with its kernel, grid and per-warp
+    choices, attention's grids, the options; the table form names the same products."""
+    import json
+    import subprocess
+    import sys
+
+    def info(*extra):
+        r = subprocess.run([sys.executable, "-m", "atomflow.cli", "info", str(tiny.path), "--plan",
+                            "--max-context", "2048", *extra], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+
+    plan = json.loads(info("--json"))
+    s = tiny.spec
+    want = {("qkv", "decode"): (s.qkv_dim, s.hidden_size), ("o", "decode, f16 activations"): (s.hidden_size, s.q_dim),
+            ("o", "decode, bf16 activations"): (s.hidden_size, s.q_dim),
+            ("gate_up", "decode"): (2 * s.intermediate_size, s.hidden_size),
+            ("down", "decode, f16 activations"): (s.hidden_size, s.intermediate_size),
+            ("down", "decode, bf16 activations"): (s.hidden_size, s.intermediate_size),
+            ("lm_head", "decode"): (s.vocab_size, s.hidden_size),
+            ("qkv", "probed decode"): (s.qkv_dim, s.hidden_size),
+            ("gate_up", "probed decode"): (2 * s.intermediate_size, s.hidden_size),
+            ("lm_head", "probed decode"): (s.vocab_size, s.hidden_size)}
+    got = {(r["product"], r["when"]): r for r in plan["products"]}
+    assert set(got) == set(want)
+    for key, (N, K) in want.items():
+        r = got[key]
+        assert set(r) == PLAN_PRODUCT_FIELDS, key
+        assert (r["N"], r["K"]) == (N, K) and r["kernel"].startswith("gemv_w8a16<"), key
+        assert 1 <= r["blocks"] <= 2 * plan["device"]["sm_count"] and r["warps"] == 8, key
+        assert 0 <= r["pre_warps"] <= 8 and 0 <= r["staged_warps"] <= 8 and r["smem"] > 0, key
+    assert [a["when"] for a in plan["attention"]] == ["decode", "decode, short steps"]
+    for a in plan["attention"]:
+        assert set(a) == PLAN_ATTENTION_FIELDS
+        assert a["merge"] in ("cluster", "scratch", "none") and (a["cluster"] > 1) == (a["merge"] == "cluster")
+    assert [a["keys"] for a in plan["attention"]] == [2048, 512]
+    assert plan["max_context"] == 2048 and plan["activations"] == "f16" and len(plan["graphs"]) == 2
+    assert plan["options"] == dict(eager=False, f16_activations=True, fused_tail=True, short_steps=True,
+                                   cluster_merge=True, staged_pair=True, tickets=True, pdl=plan["options"]["pdl"])
+    # The engine's own plan is the same.
+    eng = cuda(tiny, 2048)
+    assert json.loads(json.dumps(eng.step_plan)) == plan
+    table = info()
+    for product, when in want:
+        assert product in table and when in table
+
+
+def test_plan_overrides_in_one_process(tiny):
+    """Engines built with plan overrides in one process: every override but f16_activations changes the
+    schedule only, so the tokens and logits are those of the default engine bit for bit; the plan says
+    what each engine was built with."""
+    ids = prompt(40, tiny.spec.vocab_size, seed=17)
+
+    def run(**kw):
+        eng = cuda(tiny, 1024, **kw)
+        tokens = list(eng.generate_ids(ids, greedy(24)))
+        eng.rollback(50)
+        return eng.step_plan, tokens, eng.decode(tokens[5])
+
+    plan, tokens, logits = run()
+    for kw in (dict(fused_tail=False), dict(short_steps=False), dict(cluster_merge=False), dict(staged_pair=False),
+               dict(tickets=False), dict(fused_tail=False, short_steps=False, cluster_merge=False, staged_pair=False,
+                                        tickets=False, eager=True)):
+        p, t, lg = run(**kw)
+        assert all(p["options"][k] == v for k, v in kw.items()), kw
+        assert t == tokens, kw
+        np.testing.assert_array_equal(lg, logits, err_msg=str(kw))
+    p, _, _ = run(short_steps=False)
+    assert len(p["graphs"]) == 1 and len(p["attention"]) == 1
+    p, _, _ = run(cluster_merge=False)
+    assert all(a["cluster"] == 1 for a in p["attention"])
+    p, _, _ = run(staged_pair=False, tickets=False)
+    assert all(r["staged_warps"] == 0 and not r["tickets"] for r in p["products"])
+    p, t, _ = run(f16_activations=False)
+    assert p["activations"] == "bf16" and len(t) == len(tokens)
+    with pytest.raises(ValueError, match="unknown engine option"):
+        cuda(tiny, 64, one_graph=True)

@@ -247,32 +247,10 @@ def resident_warps() -> int:
     return 16 * _core.device_info()["sm_count"]  # the GEMV: 2 blocks of 8 warps per SM
 
 
-def switch_set(name: str) -> bool:
-    """Whether the core's kill switch `name` is on in this process (env_flag, common.h)."""
-    import os
-    return os.environ.get(name, "")[:1] not in ("", "0")
-
-
-def staging_off() -> bool:
-    return switch_set("ATOMFLOW_NO_STAGED_PAIR")
-
-
-def assert_same_bits_with_switch(tmp_path, switch: str, inputs: dict, got: dict, body: str, what: str):
-    """Runs `body` in a fresh process with the kill switch `switch` set: Python source that reads the
-    arrays of `inputs` as z[name] (np, ops and llama_inv_freq imported) and fills the dict out. Its
-    outputs must be `got`, bit for bit."""
-    import os
-    import subprocess
-    np.savez(tmp_path / "in.npz", **inputs)
-    script = ("import sys, numpy as np\n"
-              "sys.path.insert(0, sys.argv[3])\n"
-              "from test_kernels_gpu import ops, llama_inv_freq\n"
-              "z, out = np.load(sys.argv[1]), {}\n" + body + "np.savez(sys.argv[2], **out)\n")
-    env = dict(os.environ, **{switch: "1"})
-    subprocess.run([sys.executable, "-c", script, str(tmp_path / "in.npz"), str(tmp_path / "out.npz"),
-                    str(Path(__file__).parent)], env=env, check=True, timeout=300)
-    plain = np.load(tmp_path / "out.npz")
-    assert sorted(plain.files) == sorted(got)
+def assert_same_bits(got: dict, plain: dict, what: str):
+    """The outputs of the default schedule (`got`) and of the schedule a plan override gives (`plain`,
+    computed in the same process), bit for bit."""
+    assert sorted(plain) == sorted(got)
     for name, want in got.items():
         np.testing.assert_array_equal(want, plain[name], err_msg=f"{what}: {name}")
 
@@ -280,7 +258,8 @@ def assert_same_bits_with_switch(tmp_path, switch: str, inputs: dict, got: dict,
 def test_gemv_qkv_staged_warps_plan():
     """Which decode QKV launches copy a warp's second row pair into shared memory early: rows of
     one iteration (K a multiple of 512, at most 4096) with more row pairs than resident warps and at
-    most twice as many; the count is the warps of a block that have a second pair."""
+    most twice as many; the count is the warps of a block that have a second pair. None with the plan's
+    staged_pair=False."""
     W = resident_warps()
     blocks = W // 8
     cases = [(24, 8, 128, 3072), (32, 8, 128, 4096),  # 3B, 8B
@@ -292,19 +271,17 @@ def test_gemv_qkv_staged_warps_plan():
     for H, Hkv, D, K in cases:
         pairs = (H + 2 * Hkv) * D // 2
         want = 0
-        if K % 512 == 0 and K <= 4096 and W < pairs <= 2 * W and not staging_off():
+        if K % 512 == 0 and K <= 4096 and W < pairs <= 2 * W:
             want = -(-(pairs - W) // blocks)
         assert ops.gemv_qkv_staged_warps(H, Hkv, D, K) == want, (H, Hkv, D, K)
-    if not staging_off():
-        assert ops.gemv_qkv_staged_warps(24, 8, 128, 3072) > 0
+        assert ops.gemv_qkv_staged_warps(H, Hkv, D, K, staged_pair=False) == 0, (H, Hkv, D, K)
+    assert ops.gemv_qkv_staged_warps(24, 8, 128, 3072) > 0
 
 
-def test_gemv_qkv_staged_pair_same_bits(rng, tmp_path):
+def test_gemv_qkv_staged_pair_same_bits(rng):
     """The second row pair summed from shared memory is the register path's arithmetic: the QKV
-    launch writes the same q and cache rows as with the copies off (ATOMFLOW_NO_STAGED_PAIR=1, in a
-    fresh process), on shapes that stage."""
-    if staging_off():
-        pytest.skip("ATOMFLOW_NO_STAGED_PAIR is set: nothing to compare")
+    launch writes the same q and cache rows as with the copies off (the plan's staged_pair=False, in
+    the same process), on shapes that stage."""
     # H, Hkv, D, K, position; the last stages warps that did not load early (kQkvPreWarps) on 132 SMs
     cases = [(24, 8, 128, 3072, 77), (32, 8, 128, 4096, 5), (30, 6, 128, 2560, 1000), (28, 4, 128, 3584, 0),
              (56, 8, 64, 3072, 31), (48, 8, 128, 2048, 9)]
@@ -322,20 +299,16 @@ def test_gemv_qkv_staged_pair_same_bits(rng, tmp_path):
         q, k, v = ops.gemv_rmsnorm_rope(w, s, xf, nw, 1e-5, llama_inv_freq(D), pos, H, Hkv, D, kc.copy(), vc.copy())
         got.update({f"q{j}": q, f"k{j}": k, f"v{j}": v})
     assert "q0" in got, "the 3B QKV shape does not stage on this GPU"
-    body = (
-        f"cases = {cases!r}\n"
-        "assert ops.gemv_qkv_staged_warps(24, 8, 128, 3072) == 0\n"
-        "for j, (H, Hkv, D, K, pos) in enumerate(cases):\n"
-        "    if f'w{j}' not in z.files:\n"
-        "        continue\n"
-        "    q, k, v = ops.gemv_rmsnorm_rope(z[f'w{j}'], z[f's{j}'], z[f'x{j}'], z[f'n{j}'], 1e-5,\n"
-        "                                    llama_inv_freq(D), pos, H, Hkv, D, z[f'k{j}'], z[f'v{j}'])\n"
-        "    out.update({f'q{j}': q, f'k{j}': k, f'v{j}': v})\n")
-    assert_same_bits_with_switch(tmp_path, "ATOMFLOW_NO_STAGED_PAIR", inputs, got, body, "staged != register path")
-
-
-def tickets_off() -> bool:
-    return switch_set("ATOMFLOW_NO_TICKETS")
+    assert ops.gemv_qkv_staged_warps(24, 8, 128, 3072, staged_pair=False) == 0
+    plain = {}
+    for j, (H, Hkv, D, _K, pos) in enumerate(cases):
+        if f"w{j}" not in inputs:
+            continue
+        z = {name[0]: inputs[name] for name in (f"w{j}", f"s{j}", f"x{j}", f"n{j}", f"k{j}", f"v{j}")}
+        q, k, v = ops.gemv_rmsnorm_rope(z["w"], z["s"], z["x"], z["n"], 1e-5, llama_inv_freq(D), pos, H, Hkv, D,
+                                        z["k"].copy(), z["v"].copy(), staged_pair=False)
+        plain.update({f"q{j}": q, f"k{j}": k, f"v{j}": v})
+    assert_same_bits(got, plain, "staged != register path")
 
 
 # SwiGLU shapes with more row pairs than resident warps: the gate/up products of 3B, 8B and 1B, a K
@@ -345,22 +318,22 @@ TICKET_SHAPES = [(16384, 3072), (28672, 4096), (16384, 2048), (2 * 9001, 4224), 
 
 def test_gemv_swiglu_ticketed_plan():
     """Which SwiGLU launches hand their row pairs past the first round out by ticket: those with more
-    row pairs than the grid's warps, with or without the fused RMSNorm."""
+    row pairs than the grid's warps, with or without the fused RMSNorm; none with the plan's
+    tickets=False."""
     W = resident_warps()
     for N, K in TICKET_SHAPES + [(258, 640), (2 * W, 3072), (2 * W + 2, 3072)]:
         for norm in (False, True):
-            want = N // 2 > W and not tickets_off()
+            want = N // 2 > W
             assert ops.gemv_swiglu_ticketed(N, K, norm) == want, (N, K, norm)
+            assert not ops.gemv_swiglu_ticketed(N, K, norm, tickets=False), (N, K, norm)
     with pytest.raises(ValueError):
         ops.gemv_swiglu_ticketed(257, 640)
 
 
-def test_gemv_swiglu_tickets_same_bits(rng, tmp_path):
+def test_gemv_swiglu_tickets_same_bits(rng):
     """A row pair's sums do not depend on which warp takes it: the ticketed SwiGLU launches write the
-    same bits as the fixed schedule (ATOMFLOW_NO_TICKETS=1, in a fresh process), for bf16, fp16 and
+    same bits as the fixed schedule (the plan's tickets=False, in the same process), for bf16, fp16 and
     RMSNorm inputs."""
-    if tickets_off():
-        pytest.skip("ATOMFLOW_NO_TICKETS is set: nothing to compare")
     inputs, got = {}, {}
     for j, (N, K) in enumerate(TICKET_SHAPES):
         assert ops.gemv_swiglu_ticketed(N, K, True) == (N // 2 > resident_warps())
@@ -373,15 +346,14 @@ def test_gemv_swiglu_tickets_same_bits(rng, tmp_path):
         got[f"b{j}"] = ops.gemv(w, s, xb, 2, None, "bf16")
         got[f"h{j}"] = ops.gemv(w, s, xh, 2, None, "f16")
         got[f"r{j}"] = ops.gemv_rmsnorm(w, s, xf, nw, 1e-5, 2)
-    body = (
-        f"shapes = {TICKET_SHAPES!r}\n"
-        "assert not ops.gemv_swiglu_ticketed(16384, 3072, True)\n"
-        "for j, (N, K) in enumerate(shapes):\n"
-        "    w, s = z[f'w{j}'], z[f's{j}']\n"
-        "    out[f'b{j}'] = ops.gemv(w, s, z[f'xb{j}'], 2, None, 'bf16')\n"
-        "    out[f'h{j}'] = ops.gemv(w, s, z[f'xh{j}'], 2, None, 'f16')\n"
-        "    out[f'r{j}'] = ops.gemv_rmsnorm(w, s, z[f'xf{j}'], z[f'n{j}'], 1e-5, 2)\n")
-    assert_same_bits_with_switch(tmp_path, "ATOMFLOW_NO_TICKETS", inputs, got, body, "tickets != fixed schedule")
+    assert not ops.gemv_swiglu_ticketed(16384, 3072, True, tickets=False)
+    plain = {}
+    for j in range(len(TICKET_SHAPES)):
+        w, s = inputs[f"w{j}"], inputs[f"s{j}"]
+        plain[f"b{j}"] = ops.gemv(w, s, inputs[f"xb{j}"], 2, None, "bf16", tickets=False)
+        plain[f"h{j}"] = ops.gemv(w, s, inputs[f"xh{j}"], 2, None, "f16", tickets=False)
+        plain[f"r{j}"] = ops.gemv_rmsnorm(w, s, inputs[f"xf{j}"], inputs[f"n{j}"], 1e-5, 2, tickets=False)
+    assert_same_bits(got, plain, "tickets != fixed schedule")
 
 
 def test_gemv_swiglu_tickets_every_launch(rng):
@@ -541,10 +513,10 @@ CLUSTER_MERGE_CASES = [  # (M, context, cache rows, Hkv, G, D): splits merged in
 ]
 
 
-def test_attention_cluster_merge_equals_scratch_merge(rng, tmp_path):
+def test_attention_cluster_merge_equals_scratch_merge(rng):
     """The two merges of the splits' partials (the leader's shared memory within a thread-block
     cluster; the scratch and a ticket otherwise) add the same terms in the same order: the same bits.
-    The scratch merge runs in a fresh process with ATOMFLOW_NO_CLUSTER_MERGE=1."""
+    The scratch merge runs in the same process with the plan's cluster_merge=False."""
     inputs, got = {}, {}
     for i, (M, context, C, Hkv, G, D) in enumerate(CLUSTER_MERGE_CASES):
         q = bf16_bits(rng.standard_normal((M, Hkv * G, D)) * 2.0)
@@ -554,11 +526,12 @@ def test_attention_cluster_merge_equals_scratch_merge(rng, tmp_path):
         got[f"o{i}"] = ops.attention(q, kc, vc, context - M, 1.0 / np.sqrt(D))
         want = reference_attention(q, kc, vc, context - M, 1.0 / np.sqrt(D))
         assert_close(from_bf16(got[f"o{i}"]), want, 6e-3, f"cluster merge, case {CLUSTER_MERGE_CASES[i]}")
-    body = (
-        f"cases = {CLUSTER_MERGE_CASES!r}\n"
-        "for i, (M, c, C, Hkv, G, D) in enumerate(cases):\n"
-        "    out[f'o{i}'] = ops.attention(z[f'q{i}'], z[f'k{i}'], z[f'v{i}'], c - M, 1.0 / np.sqrt(D))\n")
-    assert_same_bits_with_switch(tmp_path, "ATOMFLOW_NO_CLUSTER_MERGE", inputs, got, body, "cluster != scratch merge")
+    plain = {}
+    for i, (M, context, C, Hkv, G, D) in enumerate(CLUSTER_MERGE_CASES):
+        assert ops.attention_cluster_size(M, Hkv * G, Hkv, D, C, cluster_merge=False) == 1
+        plain[f"o{i}"] = ops.attention(inputs[f"q{i}"], inputs[f"k{i}"], inputs[f"v{i}"], context - M,
+                                       1.0 / np.sqrt(D), cluster_merge=False)
+    assert_same_bits(got, plain, "cluster != scratch merge")
 
 
 @pytest.mark.parametrize("M,H,Hkv,D,max_context,want", [
@@ -574,10 +547,10 @@ def test_attention_cluster_merge_equals_scratch_merge(rng, tmp_path):
 ])
 def test_attention_clusters_only_when_one_holds_every_split(M, H, Hkv, D, max_context, want):
     """The launch uses thread-block clusters only when one cluster holds every split a call of that
-    shape can have; a grid of several clusters per group cost a 3B step at 32768 keys 24%."""
-    if switch_set("ATOMFLOW_NO_CLUSTER_MERGE"):
-        pytest.skip("cluster merge turned off in this process")
+    shape can have; a grid of several clusters per group cost a 3B step at 32768 keys 24%. None
+    with the plan's cluster_merge=False."""
     assert ops.attention_cluster_size(M, H, Hkv, D, max_context) == want
+    assert ops.attention_cluster_size(M, H, Hkv, D, max_context, cluster_merge=False) == 1
 
 
 # (context, cache rows): one split; 10 splits in a cluster; 16 of 16; a cache of 63 splits merged

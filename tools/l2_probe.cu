@@ -16,13 +16,13 @@
 #include <cstdio>
 #include <vector>
 
-#define CHECK(x)                                                          \
-  do {                                                                    \
-    cudaError_t e = (x);                                                  \
-    if (e != cudaSuccess) {                                               \
-      std::fprintf(stderr, "%s: %s\n", #x, cudaGetErrorString(e));        \
-      return 1;                                                           \
-    }                                                                     \
+#define CHECK(x)                                                   \
+  do {                                                             \
+    cudaError_t e = (x);                                           \
+    if (e != cudaSuccess) {                                        \
+      std::fprintf(stderr, "%s: %s\n", #x, cudaGetErrorString(e)); \
+      return 1;                                                    \
+    }                                                              \
   } while (0)
 
 // The engine's weight load: non-coherent, no L1 allocation, optionally marked evict-first in L2.
@@ -33,10 +33,12 @@ __device__ __forceinline__ uint4 load16(const uint4* p) {
     uint64_t policy;
     asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
     asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p), "l"(policy));
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p), "l"(policy));
   } else {
     asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
   }
   return v;
 }
@@ -91,8 +93,9 @@ __global__ void copy_to_shared(const char* p, size_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(b), "r"(total));
   for (size_t i = blockIdx.x * kPiece; i < bytes; i += gridDim.x * kPiece) {
     const unsigned n = static_cast<unsigned>(kPiece < bytes - i ? kPiece : bytes - i);
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                 ::"r"(d), "l"(p + i), "r"(n), "r"(b) : "memory");
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(d),
+                 "l"(p + i), "r"(n), "r"(b)
+                 : "memory");
   }
   asm volatile("{ .reg .pred P; W: mbarrier.try_wait.parity.shared::cta.b64 P, [%0], 0; @!P bra W; }" ::"r"(b)
                : "memory");
@@ -112,7 +115,7 @@ int main() {
   cudaEvent_t t0, t1;
   CHECK(cudaEventCreate(&t0));
   CHECK(cudaEventCreate(&t1));
-  const char* modes[] = {"cold (after an L2 flush)", "after a plain read", "after bulk L2 prefetch, 128 KB",
+  const char* modes[] = {"cold (after an L2 flush)",      "after a plain read",       "after bulk L2 prefetch, 128 KB",
                          "after bulk L2 prefetch, 16 KB", "after prefetch.global.L2", "after bulk copy to smem"};
   const uint4* b16 = reinterpret_cast<const uint4*>(buf);
   std::printf("32 MB streaming read (ld.global.nc), median of 9, us\n%-34s %10s %12s\n", "", "plain", "evict-first");

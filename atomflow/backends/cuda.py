@@ -20,9 +20,41 @@ from atomflow.tokens import check_ids, generation_budget
 IN_FLIGHT = 4  # decode steps enqueued ahead of the one being read (the engine's ring holds 8)
 
 
-def eager_from_env() -> bool:
-    """ATOMFLOW_EAGER set to anything but empty or 0: the default of every eager argument."""
-    return os.environ.get("ATOMFLOW_EAGER", "0") not in ("", "0")
+# The step plan's options (include/atomflow/step_plan.h): f16_activations is a user setting (default
+# from ATOMFLOW_BF16_ACTS); the others change the schedule, never the bits, and are for comparisons.
+PLAN_OPTIONS = ("f16_activations", "fused_tail", "short_steps", "cluster_merge", "staged_pair", "tickets")
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "0") not in ("", "0")
+
+
+def options_from_env() -> dict[str, bool]:
+    """The environment, read in this one place and passed down as options: ATOMFLOW_EAGER=1 runs the
+    decode step without the CUDA graph, ATOMFLOW_BF16_ACTS=1 decodes with bf16 activations from the
+    start (any value but empty or 0 sets a switch). They are the defaults of the eager argument and
+    the f16_activations option. (The core reads one debug switch itself: ATOMFLOW_NO_PDL.)"""
+    return {"eager": _flag("ATOMFLOW_EAGER"), "f16_activations": not _flag("ATOMFLOW_BF16_ACTS")}
+
+
+def engine_options(eager: bool | None = None, **plan) -> dict[str, bool]:
+    """options_from_env() with the explicit arguments on top: eager (None: from the environment) and
+    any of PLAN_OPTIONS; anything else is a ValueError."""
+    unknown = sorted(set(plan) - set(PLAN_OPTIONS))
+    if unknown:
+        raise ValueError(f"unknown engine option(s) {', '.join(unknown)}; known: {', '.join(PLAN_OPTIONS)}")
+    opts = options_from_env()
+    if eager is not None:
+        opts["eager"] = bool(eager)
+    opts.update({k: bool(v) for k, v in plan.items()})
+    return opts
+
+
+def plan_for(model: AtomflowFile, max_context: int, eager: bool | None = None, **plan) -> dict:
+    """The step plan an engine of this model and options would make on this GPU (`atomflow info
+    --plan`), without loading the weights. BackendUnavailableError without a usable GPU."""
+    core = _core_module()
+    return core.plan_for(model.spec.to_dict(), int(max_context), **engine_options(eager, **plan))
 
 
 class _Run:
@@ -47,21 +79,23 @@ def _core_module():
 class CudaBackend:
     """The _core engine over one .atomflow file: weights, KV cache for max_context tokens, one
     CUDA graph per decode step. eager runs the step without the graph; None (the default) takes it
-    from the ATOMFLOW_EAGER environment variable (eager_from_env)."""
+    from the ATOMFLOW_EAGER environment variable. plan: overrides of the step plan (PLAN_OPTIONS),
+    e.g. f16_activations=False (default from ATOMFLOW_BF16_ACTS) or fused_tail=False."""
 
     name = "cuda"
 
-    def __init__(self, model: AtomflowFile, max_context: int, eager: bool | None = None, verbose: bool = True):
+    def __init__(self, model: AtomflowFile, max_context: int, eager: bool | None = None, verbose: bool = True,
+                 **plan: bool):
         core = _core_module()
         if isinstance(max_context, bool) or not isinstance(max_context, (int, np.integer)) or max_context < 1:
             raise ValueError(f"max_context must be a positive integer, got {max_context!r}")
-        eager = eager_from_env() if eager is None else bool(eager)
+        options = engine_options(eager, **plan)
         self.spec = model.spec
         self.max_context = int(max_context)
         self._run: _Run | None = None  # the generate_ids() run that drives the pipeline now
         self.engine = core.Engine(str(model.path), model.spec.to_dict(), model.tensor_table(),
                                   np.ascontiguousarray(model.spec.rope_inv_freq(), dtype=np.float32),
-                                  self.max_context, eager=eager, verbose=verbose)
+                                  self.max_context, verbose=verbose, **options)
 
     # -- the backend contract -------------------------------------------------------------------
     @property
@@ -71,6 +105,11 @@ class CudaBackend:
     @property
     def eager(self) -> bool:
         return not self.engine.graph_enabled
+
+    @property
+    def step_plan(self) -> dict:
+        """Every launch decision of the decode step, made at load (as `atomflow info --plan`)."""
+        return self.engine.step_plan
 
     # -- what the core reports about itself ------------------------------------------------------
     @property

@@ -22,8 +22,8 @@ from atomflow.model.fileformat import AtomflowFile
 from atomflow.sampling import SamplingParams
 
 # The launch groups of a decode step: the layers' five, the head, and the sampler that ends the step
-# (ring, position, next embedding). With ATOMFLOW_NO_FUSED_TAIL=1 the step also has "embedding" and
-# "finish" groups.
+# (ring, position, next embedding). An engine planned with fused_tail=False (include/atomflow/step_plan.h)
+# also has "embedding" and "finish" groups.
 LABELS = ("gemv_qkv+norm+rope", "attention", "gemv_o", "gemv_gate_up+norm", "gemv_down", "lm_head", "sample")
 WARMUP_STEPS = 3
 GRAPH_TOKENS = 64  # tokens of the pipelined run that gives the graph TPOT

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from atomflow.backends.cuda import options_from_env
 from atomflow.errors import BackendUnavailableError, UnsupportedModelError
 
 
@@ -76,7 +77,9 @@ class SandboxModel:
                                         f"(this one is {model.quantization.get('lm_head')}); re-quantize with --lm-head fp8")
         max_blocks = math.ceil(max_context / block_size)
         num_blocks = num_blocks or max_batch * max_blocks
-        impl = ext().PagedModel(spec.to_dict(), num_blocks, block_size, max_batch + prefill_chunk, max_batch, max_blocks)
+        f16 = options_from_env()["f16_activations"]  # ATOMFLOW_BF16_ACTS, read where the core engine's is
+        impl = ext().PagedModel(spec.to_dict(), num_blocks, block_size, max_batch + prefill_chunk, max_batch, max_blocks,
+                                f16_activations=f16)
         for t in model.tensor_table():
             impl.upload(t["name"], model.array(t["name"]).view(np.uint8))
         impl.upload_inv_freq(spec.rope_inv_freq())

@@ -15,15 +15,25 @@ namespace py = pybind11;
 template <class T>
 const char* dtype_name();
 template <>
-inline const char* dtype_name<float>() { return "float32"; }
+inline const char* dtype_name<float>() {
+  return "float32";
+}
 template <>
-inline const char* dtype_name<uint16_t>() { return "uint16 (bf16 or fp16 bit patterns)"; }
+inline const char* dtype_name<uint16_t>() {
+  return "uint16 (bf16 or fp16 bit patterns)";
+}
 template <>
-inline const char* dtype_name<uint8_t>() { return "uint8 (fp8 e4m3 bytes)"; }
+inline const char* dtype_name<uint8_t>() {
+  return "uint8 (fp8 e4m3 bytes)";
+}
 template <>
-inline const char* dtype_name<int32_t>() { return "int32"; }
+inline const char* dtype_name<int32_t>() {
+  return "int32";
+}
 template <>
-inline const char* dtype_name<uint64_t>() { return "uint64"; }
+inline const char* dtype_name<uint64_t>() {
+  return "uint64";
+}
 
 inline std::string shape_str(const std::vector<py::ssize_t>& s) {
   std::string out = "(";

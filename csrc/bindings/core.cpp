@@ -16,11 +16,14 @@
 
 #include "atomflow/device.h"
 #include "atomflow/engine.h"
+#include "plan.h"
 
 namespace py = pybind11;
 using namespace atomflow;
 
 void register_ops(pybind11::module_& m);  // csrc/bindings/ops.cpp: the kernel test harness
+
+namespace atomflow::bindings {
 
 namespace {
 
@@ -31,12 +34,15 @@ T field(const py::dict& d, const char* what, const char* key) {
   try {
     return value.cast<T>();
   } catch (const py::cast_error&) {
-    throw py::value_error(std::string(what) + "['" + key + "'] has the wrong type: " +
-                          std::string(py::str(py::type::of(value).attr("__name__"))));
+    throw py::value_error(std::string(what) + "['" + key +
+                          "'] has the wrong type: " + std::string(py::str(py::type::of(value).attr("__name__"))));
   }
 }
 
+}  // namespace
+
 // The dict of atomflow.spec.ModelSpec.to_dict(); keys the engine does not use are ignored.
+// (Also plan.cpp's.)
 ModelSpec spec_from_dict(const py::dict& d) {
   ModelSpec s;
   s.vocab_size = field<int32_t>(d, "spec", "vocab_size");
@@ -64,6 +70,13 @@ ModelSpec spec_from_dict(const py::dict& d) {
   s.lm_head_fp8 = d.contains("lm_head_fp8") ? field<bool>(d, "spec", "lm_head_fp8") : true;
   return s;
 }
+
+}  // namespace atomflow::bindings
+
+namespace {
+
+using atomflow::bindings::field;
+using atomflow::bindings::spec_from_dict;
 
 std::vector<TensorInfo> tensors_from_list(const py::list& list) {
   std::vector<TensorInfo> out;
@@ -99,7 +112,8 @@ std::vector<int32_t> ids_arg(const py::array& ids, int vocab) {
   if (ids.ndim() != 1) throw py::value_error("ids must be a 1-D array, got " + std::to_string(ids.ndim()) + " dims");
   if (ids.size() == 0) throw py::value_error("prefill: the prompt is empty");
   const char kind = ids.dtype().kind();
-  if (kind != 'i' && kind != 'u') throw py::value_error("ids must be integers, got dtype " + std::string(py::str(ids.dtype())));
+  if (kind != 'i' && kind != 'u')
+    throw py::value_error("ids must be integers, got dtype " + std::string(py::str(ids.dtype())));
   if (ids.size() > INT_MAX) throw py::value_error("ids: too many tokens");
   auto wide = py::array_t<int64_t, py::array::c_style | py::array::forcecast>::ensure(ids);
   if (!wide) throw py::error_already_set();
@@ -145,32 +159,41 @@ struct ProbeRows {
 PYBIND11_MODULE(_core, m) {
   m.doc() = "atomflow CUDA core: the single-stream FP8 decode engine";
 
-  m.def("cuda_available", [] {
-    Availability a = cuda_available();
-    return py::make_tuple(a.ok, a.reason);
-  }, "(ok, reason): whether a usable GPU of compute capability >= 8.9 is present, and why not");
+  m.def(
+      "cuda_available",
+      [] {
+        Availability a = cuda_available();
+        return py::make_tuple(a.ok, a.reason);
+      },
+      "(ok, reason): whether a usable GPU of compute capability >= 8.9 is present, and why not");
 
-  m.def("device_info", [] {
-    DeviceInfo i = device_info();
-    py::dict d;
-    d["index"] = i.index;
-    d["name"] = i.name;
-    d["capability"] = py::make_tuple(i.major, i.minor);
-    d["total_memory"] = i.total_memory;
-    d["free_memory"] = i.free_memory;
-    d["sm_count"] = i.sm_count;
-    d["l2_bytes"] = i.l2_bytes;
-    return d;
-  }, "the current GPU: name, capability (major, minor), total/free memory, SM count, L2 bytes");
+  m.def(
+      "device_info",
+      [] {
+        DeviceInfo i = device_info();
+        py::dict d;
+        d["index"] = i.index;
+        d["name"] = i.name;
+        d["capability"] = py::make_tuple(i.major, i.minor);
+        d["total_memory"] = i.total_memory;
+        d["free_memory"] = i.free_memory;
+        d["sm_count"] = i.sm_count;
+        d["l2_bytes"] = i.l2_bytes;
+        return d;
+      },
+      "the current GPU: name, capability (major, minor), total/free memory, SM count, L2 bytes");
 
-  m.def("build_info", [] {
-    BuildInfo b = build_info();
-    py::dict d;
-    d["cuda_arch"] = b.cuda_arch;
-    d["cuda_runtime_version"] = b.runtime_version;
-    d["cuda_driver_version"] = b.driver_version;
-    return d;
-  }, "the CUDA architectures this build targets and the runtime/driver versions");
+  m.def(
+      "build_info",
+      [] {
+        BuildInfo b = build_info();
+        py::dict d;
+        d["cuda_arch"] = b.cuda_arch;
+        d["cuda_runtime_version"] = b.runtime_version;
+        d["cuda_driver_version"] = b.driver_version;
+        return d;
+      },
+      "the CUDA architectures this build targets and the runtime/driver versions");
 
   // Nsight capture range (scripts/profile.sh: ncu --profile-from-start off, nsys
   // --capture-range=cudaProfilerApi): only the steps between the two calls are recorded.
@@ -180,7 +203,8 @@ PYBIND11_MODULE(_core, m) {
   py::class_<Engine>(m, "Engine")
       .def(py::init([](const std::string& path, const py::dict& spec, const py::list& tensors,
                        const py::array_t<float, py::array::c_style | py::array::forcecast>& inv_freq, int max_context,
-                       int prefill_chunk, bool eager, bool verbose) {
+                       int prefill_chunk, bool eager, bool verbose, bool f16_activations, bool fused_tail,
+                       bool short_steps, bool cluster_merge, bool staged_pair, bool tickets) {
              ModelSpec s = spec_from_dict(spec);
              std::vector<TensorInfo> table = tensors_from_list(tensors);
              if (inv_freq.ndim() != 1) throw py::value_error("inv_freq must be a 1-D float32 array");
@@ -188,105 +212,139 @@ PYBIND11_MODULE(_core, m) {
              EngineOptions opt;
              opt.max_context = max_context;
              opt.prefill_chunk = prefill_chunk;
-             opt.eager = eager;
              opt.verbose = verbose;
+             opt.plan =
+                 PlanOptions{eager, f16_activations, fused_tail, short_steps, cluster_merge, staged_pair, tickets};
              py::gil_scoped_release nogil;
              return std::make_unique<Engine>(path, s, table, freq, opt);
            }),
            py::arg("path"), py::arg("spec"), py::arg("tensors"), py::arg("inv_freq"), py::arg("max_context"),
-           py::arg("prefill_chunk") = 256, py::arg("eager") = false, py::arg("verbose") = true)
-      .def("prefill", [](Engine& e, const py::array& ids) {
-             std::vector<int32_t> v = ids_arg(ids, e.spec().vocab_size);
-             py::array_t<float> logits = new_logits(e);
-             float* out = logits.mutable_data();
-             py::gil_scoped_release nogil;
-             e.prefill(v.data(), static_cast<int>(v.size()), out);
-             return logits;
-           }, py::arg("ids"), "append ids at the current position; fp32 logits [vocab] of the last one")
-      .def("decode", [](Engine& e, long long token) {
-             const int32_t t = token_arg(token, e.spec().vocab_size);
-             py::array_t<float> logits = new_logits(e);
-             float* out = logits.mutable_data();
-             py::gil_scoped_release nogil;
-             e.decode(t, out);
-             return logits;
-           }, py::arg("token"), "feed one token at the current position; its fp32 logits [vocab]")
-      .def("prefill_probed", [](Engine& e, const py::array& ids) {
-             std::vector<int32_t> v = ids_arg(ids, e.spec().vocab_size);
-             ProbeRows rows;
-             py::array_t<float> logits = new_logits(e);
-             float* out = logits.mutable_data();
-             {
-               py::gil_scoped_release nogil;
-               e.prefill_probed(v.data(), static_cast<int>(v.size()), out, rows.sink());
-             }
-             return rows.to_dict();
-           }, py::arg("ids"), "prefill (eager) returning the validator's probes: name -> fp32 [rows, dim]")
-      .def("decode_probed", [](Engine& e, long long token) {
-             const int32_t t = token_arg(token, e.spec().vocab_size);
-             ProbeRows rows;
-             py::array_t<float> logits = new_logits(e);
-             float* out = logits.mutable_data();
-             {
-               py::gil_scoped_release nogil;
-               e.decode_probed(t, out, rows.sink());
-             }
-             return rows.to_dict();
-           }, py::arg("token"), "one eager decode step returning the validator's probes")
-      .def("profile_decode", [](Engine& e, long long token, int steps, const std::string& mode) {
-             const int32_t t = token_arg(token, e.spec().vocab_size);
-             Engine::ProfileMode m;
-             if (mode == "kernels")
-               m = Engine::ProfileMode::Kernels;
-             else if (mode == "eager")
-               m = Engine::ProfileMode::EagerStep;
-             else if (mode == "graph")
-               m = Engine::ProfileMode::GraphStep;
-             else
-               throw py::value_error("mode must be 'kernels', 'eager' or 'graph', got '" + mode + "'");
-             std::vector<Engine::ProfileEntry> entries;
-             {
-               py::gil_scoped_release nogil;
-               entries = e.profile_decode(t, steps, m);
-             }
-             py::list out;
-             for (const auto& x : entries) out.append(py::make_tuple(std::string(x.label), x.layer, x.us));
-             return out;
-           }, py::arg("token"), py::arg("steps"), py::arg("mode") = "kernels",
-           "steps decode steps from token (they advance the position), timed on the device: "
-           "[(label, layer, microseconds)]; mode 'kernels' = eager, one entry per launch group; "
-           "'eager' / 'graph' = one ('step', -1, us) per step")
-      .def("set_position", [](Engine& e, int position) { e.set_position(position); }, py::arg("position"),
-           "roll back to 0 <= position <= current position")
+           py::arg("prefill_chunk") = 256, py::arg("eager") = false, py::arg("verbose") = true,
+           py::arg("f16_activations") = true, py::arg("fused_tail") = true, py::arg("short_steps") = true,
+           py::arg("cluster_merge") = true, py::arg("staged_pair") = true, py::arg("tickets") = true,
+           "load the model and plan its decode step; eager and f16_activations are user settings, the other "
+           "options override the schedule (same bits) for comparisons (include/atomflow/step_plan.h)")
+      .def(
+          "prefill",
+          [](Engine& e, const py::array& ids) {
+            std::vector<int32_t> v = ids_arg(ids, e.spec().vocab_size);
+            py::array_t<float> logits = new_logits(e);
+            float* out = logits.mutable_data();
+            py::gil_scoped_release nogil;
+            e.prefill(v.data(), static_cast<int>(v.size()), out);
+            return logits;
+          },
+          py::arg("ids"), "append ids at the current position; fp32 logits [vocab] of the last one")
+      .def(
+          "decode",
+          [](Engine& e, long long token) {
+            const int32_t t = token_arg(token, e.spec().vocab_size);
+            py::array_t<float> logits = new_logits(e);
+            float* out = logits.mutable_data();
+            py::gil_scoped_release nogil;
+            e.decode(t, out);
+            return logits;
+          },
+          py::arg("token"), "feed one token at the current position; its fp32 logits [vocab]")
+      .def(
+          "prefill_probed",
+          [](Engine& e, const py::array& ids) {
+            std::vector<int32_t> v = ids_arg(ids, e.spec().vocab_size);
+            ProbeRows rows;
+            py::array_t<float> logits = new_logits(e);
+            float* out = logits.mutable_data();
+            {
+              py::gil_scoped_release nogil;
+              e.prefill_probed(v.data(), static_cast<int>(v.size()), out, rows.sink());
+            }
+            return rows.to_dict();
+          },
+          py::arg("ids"), "prefill (eager) returning the validator's probes: name -> fp32 [rows, dim]")
+      .def(
+          "decode_probed",
+          [](Engine& e, long long token) {
+            const int32_t t = token_arg(token, e.spec().vocab_size);
+            ProbeRows rows;
+            py::array_t<float> logits = new_logits(e);
+            float* out = logits.mutable_data();
+            {
+              py::gil_scoped_release nogil;
+              e.decode_probed(t, out, rows.sink());
+            }
+            return rows.to_dict();
+          },
+          py::arg("token"), "one eager decode step returning the validator's probes")
+      .def(
+          "profile_decode",
+          [](Engine& e, long long token, int steps, const std::string& mode) {
+            const int32_t t = token_arg(token, e.spec().vocab_size);
+            Engine::ProfileMode m;
+            if (mode == "kernels")
+              m = Engine::ProfileMode::Kernels;
+            else if (mode == "eager")
+              m = Engine::ProfileMode::EagerStep;
+            else if (mode == "graph")
+              m = Engine::ProfileMode::GraphStep;
+            else
+              throw py::value_error("mode must be 'kernels', 'eager' or 'graph', got '" + mode + "'");
+            std::vector<Engine::ProfileEntry> entries;
+            {
+              py::gil_scoped_release nogil;
+              entries = e.profile_decode(t, steps, m);
+            }
+            py::list out;
+            for (const auto& x : entries) out.append(py::make_tuple(std::string(x.label), x.layer, x.us));
+            return out;
+          },
+          py::arg("token"), py::arg("steps"), py::arg("mode") = "kernels",
+          "steps decode steps from token (they advance the position), timed on the device: "
+          "[(label, layer, microseconds)]; mode 'kernels' = eager, one entry per launch group; "
+          "'eager' / 'graph' = one ('step', -1, us) per step")
+      .def(
+          "set_position", [](Engine& e, int position) { e.set_position(position); }, py::arg("position"),
+          "roll back to 0 <= position <= current position")
       .def("reset", [](Engine& e) { e.reset(); })
-      .def("set_sampling", [](Engine& e, float temperature, int top_k, float top_p, const py::int_& seed) {
-             uint64_t s = 0;
-             try {
-               s = seed.cast<uint64_t>();
-             } catch (const py::cast_error&) {
-               throw py::value_error("seed must be an integer in [0, 2**64)");
-             }
-             e.set_sampling(temperature, top_k, top_p, s);
-           }, py::arg("temperature"), py::arg("top_k"), py::arg("top_p"), py::arg("seed"),
-           "device sampling settings: temperature 0 = greedy, top_k 0 = off, top_p 1 = off")
-      .def("begin", [](Engine& e, long long token) { e.begin(token_arg(token, e.spec().vocab_size)); },
-           py::arg("token"), "set the input token of the next enqueued step")
-      .def("enqueue", [](Engine& e, int n) {
-             py::gil_scoped_release nogil;
-             e.enqueue(n);
-           }, py::arg("n"), "enqueue n decode steps without waiting")
-      .def("wait", [](Engine& e, int n) {
-             std::vector<int32_t> tokens;
-             {
-               py::gil_scoped_release nogil;
-               tokens = e.wait(n);
-             }
-             return tokens;
-           }, py::arg("n"), "block until the oldest n enqueued steps are done; their sampled tokens")
-      .def("synchronize", [](Engine& e) {
-             py::gil_scoped_release nogil;
-             e.synchronize();
-           }, "wait for all device work; enqueued steps not yet waited for are dropped")
+      .def(
+          "set_sampling",
+          [](Engine& e, float temperature, int top_k, float top_p, const py::int_& seed) {
+            uint64_t s = 0;
+            try {
+              s = seed.cast<uint64_t>();
+            } catch (const py::cast_error&) {
+              throw py::value_error("seed must be an integer in [0, 2**64)");
+            }
+            e.set_sampling(temperature, top_k, top_p, s);
+          },
+          py::arg("temperature"), py::arg("top_k"), py::arg("top_p"), py::arg("seed"),
+          "device sampling settings: temperature 0 = greedy, top_k 0 = off, top_p 1 = off")
+      .def(
+          "begin", [](Engine& e, long long token) { e.begin(token_arg(token, e.spec().vocab_size)); }, py::arg("token"),
+          "set the input token of the next enqueued step")
+      .def(
+          "enqueue",
+          [](Engine& e, int n) {
+            py::gil_scoped_release nogil;
+            e.enqueue(n);
+          },
+          py::arg("n"), "enqueue n decode steps without waiting")
+      .def(
+          "wait",
+          [](Engine& e, int n) {
+            std::vector<int32_t> tokens;
+            {
+              py::gil_scoped_release nogil;
+              tokens = e.wait(n);
+            }
+            return tokens;
+          },
+          py::arg("n"), "block until the oldest n enqueued steps are done; their sampled tokens")
+      .def(
+          "synchronize",
+          [](Engine& e) {
+            py::gil_scoped_release nogil;
+            e.synchronize();
+          },
+          "wait for all device work; enqueued steps not yet waited for are dropped")
       .def_property_readonly("position", &Engine::position)
       .def_property_readonly("max_context", &Engine::max_context)
       .def_property_readonly("vocab_size", [](const Engine& e) { return e.spec().vocab_size; })
@@ -300,13 +358,18 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("load_seconds", &Engine::load_seconds)
       .def_property_readonly("graph_enabled", &Engine::graph_enabled)
       .def_property_readonly("f16_activations", &Engine::f16_activations,
-                             "whether decode steps write attention's and SwiGLU's outputs in fp16 (false with "
-                             "ATOMFLOW_BF16_ACTS=1 at load, or once a step passed fp16's range and ran again in bf16)")
+                             "whether decode steps write attention's and SwiGLU's outputs in fp16 (false when loaded "
+                             "with f16_activations=False, or once a step passed fp16's range and ran again in bf16)")
+      .def_property_readonly(
+          "step_plan", [](const Engine& e) { return atomflow::bindings::plan_to_dict(e.step_plan()); },
+          "every launch decision of the decode step, made at load (atomflow info --plan)")
       .def_property_readonly("plan", [](const Engine& e) {
         py::dict d;
         for (const auto& [group, bytes] : e.plan()) d[py::str(group)] = bytes;
         return d;
       });
+
+  atomflow::bindings::register_plan(m);
 
   py::module_ ops = m.def_submodule("ops", "kernel test harness");
   register_ops(ops);

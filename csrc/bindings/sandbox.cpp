@@ -64,7 +64,8 @@ void bind_block_manager(py::module_& m) {
       .def_property_readonly("num_blocks", &sb::BlockManager::num_blocks)
       .def_property_readonly("block_size", &sb::BlockManager::block_size)
       .def_property_readonly("prefix_caching", &sb::BlockManager::prefix_caching)
-      .def_property_readonly("num_available", &sb::BlockManager::num_available, "free + cached blocks no sequence holds")
+      .def_property_readonly("num_available", &sb::BlockManager::num_available,
+                             "free + cached blocks no sequence holds")
       .def_property_readonly("num_cached_idle", &sb::BlockManager::num_cached_idle)
       .def_property_readonly("num_used", &sb::BlockManager::num_used)
       .def_property_readonly("stats", [](const sb::BlockManager& b) { return stats_dict(b.stats()); })
@@ -72,8 +73,9 @@ void bind_block_manager(py::module_& m) {
            "new sequence holding `tokens`; returns how many leading tokens were found in the prefix cache")
       .def("blocks_needed", &sb::BlockManager::blocks_needed, py::arg("tokens"))
       .def("can_allocate", &sb::BlockManager::can_allocate, py::arg("tokens"))
-      .def("append", [](sb::BlockManager& b, int64_t seq, int32_t token) { return append_result(b.append(seq, token)); },
-           py::arg("seq"), py::arg("token"), "reserve the next token's slot -> (slot, (src, dst) copy or None)")
+      .def(
+          "append", [](sb::BlockManager& b, int64_t seq, int32_t token) { return append_result(b.append(seq, token)); },
+          py::arg("seq"), py::arg("token"), "reserve the next token's slot -> (slot, (src, dst) copy or None)")
       .def("append_cost", &sb::BlockManager::append_cost, py::arg("seq"))
       .def("fork", &sb::BlockManager::fork, py::arg("parent"), py::arg("child"))
       .def("free", &sb::BlockManager::free, py::arg("seq"))
@@ -113,10 +115,11 @@ sb::ModelDims dims_from_dict(const py::dict& d) {
 }
 
 std::unique_ptr<sb::PagedModel> make_model(const py::dict& dims, int num_blocks, int block_size, int max_rows,
-                                           int max_seqs, int max_blocks_per_seq) {
+                                           int max_seqs, int max_blocks_per_seq, bool f16_activations) {
   require_gpu();
-  return std::make_unique<sb::PagedModel>(dims_from_dict(dims),
-                                          sb::PoolConfig{num_blocks, block_size, max_rows, max_seqs, max_blocks_per_seq});
+  return std::make_unique<sb::PagedModel>(
+      dims_from_dict(dims), sb::PoolConfig{num_blocks, block_size, max_rows, max_seqs, max_blocks_per_seq},
+      f16_activations);
 }
 
 void upload(sb::PagedModel& model, const std::string& name, const py::array& a) {
@@ -178,13 +181,17 @@ void bind_model(py::module_& m) {
                              "The Llama forward pass over a paged KV pool for a batch of sequences (greedy). "
                              "Needs a GPU.")
       .def(py::init(&make_model), py::arg("dims"), py::arg("num_blocks"), py::arg("block_size"), py::arg("max_rows"),
-           py::arg("max_seqs"), py::arg("max_blocks_per_seq"),
-           "dims: ModelSpec.to_dict(); the pool holds num_blocks blocks of block_size tokens, all layers")
+           py::arg("max_seqs"), py::arg("max_blocks_per_seq"), py::arg("f16_activations") = true,
+           "dims: ModelSpec.to_dict(); the pool holds num_blocks blocks of block_size tokens, all layers; "
+           "f16_activations: steps of one row write attention's and SwiGLU's outputs in fp16 (bf16 after an overflow)")
       .def("upload", &upload, py::arg("name"), py::arg("array"), "one tensor of the .atomflow file, by name")
-      .def("upload_inv_freq", [](sb::PagedModel& mdl, const py::array& f) {
-        auto a = arg<float>(f, "inv_freq", {-1});
-        mdl.upload_inv_freq(a.data(), static_cast<int>(a.shape(0)));
-      }, py::arg("inv_freq"))
+      .def(
+          "upload_inv_freq",
+          [](sb::PagedModel& mdl, const py::array& f) {
+            auto a = arg<float>(f, "inv_freq", {-1});
+            mdl.upload_inv_freq(a.data(), static_cast<int>(a.shape(0)));
+          },
+          py::arg("inv_freq"))
       .def_property_readonly("ready", &sb::PagedModel::ready)
       .def("copy_blocks", &copy_blocks, py::arg("copies"), "int32 [n, 2] (src, dst) block copies, run in order")
       .def("step", &step, py::arg("tokens"), py::arg("positions"), py::arg("slots"), py::arg("n_decode"),
@@ -326,18 +333,21 @@ PYBIND11_MODULE(_sandbox, m) {
   m.doc() = "atomflow sandbox: paged KV attention, block manager, batched forward (docs/SANDBOX.md)";
   py::register_exception<sb::OutOfBlocks>(m, "OutOfBlocks", PyExc_RuntimeError);
   m.def("cuda_available", &sb::cuda_available, "(ok, reason): a usable GPU of compute capability >= 8.9");
-  m.def("device_info", [] {
-    require_gpu();
-    return sb::device_info();
-  }, "(name, total bytes, free bytes) of the current GPU");
+  m.def(
+      "device_info",
+      [] {
+        require_gpu();
+        return sb::device_info();
+      },
+      "(name, total bytes, free bytes) of the current GPU");
   bind_block_manager(m);
   bind_model(m);
   m.def("attention_paged", &attention_paged, py::arg("q"), py::arg("k_pool"), py::arg("v_pool"),
         py::arg("block_tables"), py::arg("lens"), py::arg("scale") = py::none(),
         "q u16 [B, M, H, D], pools u16 [num_blocks, block_size, Hkv, D], block_tables i32 [B, max_blocks], "
         "lens i32 [B] (keys including the M queries) -> u16 [B * M, H, D]");
-  m.def("attention_batched", &attention_batched, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
-        py::arg("lens"), py::arg("scale") = py::none(),
+  m.def("attention_batched", &attention_batched, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("lens"),
+        py::arg("scale") = py::none(),
         "q u16 [B, M, H, D], caches u16 [B, capacity, Hkv, D], lens i32 [B] -> u16 [B * M, H, D]");
   m.def("attention_batched_calls", &attention_batched_calls, py::arg("calls"), py::arg("scale") = py::none(),
         "[(q, k_cache, v_cache, lens), ...] as attention_batched, in order on ONE scratch -> [out, ...]");
@@ -347,15 +357,21 @@ PYBIND11_MODULE(_sandbox, m) {
         py::arg("slots"), py::arg("H"), py::arg("Hkv"), py::arg("D"), py::arg("k_pool"), py::arg("v_pool"),
         "qkv f32 [M, (H + 2 Hkv) D], pools u16 [num_slots, Hkv, D] -> (q u16 [M, H, D], k_pool, v_pool)");
   m.def("argmax_rows", &argmax_rows, py::arg("logits"), "f32 [L, vocab] -> i32 [L] (lowest index on ties)");
-  m.def("time_attention", [](const std::string& layout, const std::vector<int32_t>& lens, int H, int Hkv, int D,
-                             int block_size, bool scatter, int iters, uint64_t seed) {
-    require_gpu();
-    return sb::time_attention(layout, lens, H, Hkv, D, block_size, scatter, iters, seed);
-  }, py::arg("layout"), py::arg("lens"), py::arg("H"), py::arg("Hkv"), py::arg("D"), py::arg("block_size") = 16,
-        py::arg("scatter") = true, py::arg("iters") = 20, py::arg("seed") = 0,
-        "us per decode-attention call for sequences of lengths `lens`, layout 'contiguous' or 'paged'");
-  m.def("stream_read_gbs", [](size_t n, int iters) {
-    require_gpu();
-    return sb::stream_read_gbs(n, iters);
-  }, py::arg("n_bytes") = size_t{1} << 30, py::arg("iters") = 10, "GB/s of the streaming-read kernel");
+  m.def(
+      "time_attention",
+      [](const std::string& layout, const std::vector<int32_t>& lens, int H, int Hkv, int D, int block_size,
+         bool scatter, int iters, uint64_t seed) {
+        require_gpu();
+        return sb::time_attention(layout, lens, H, Hkv, D, block_size, scatter, iters, seed);
+      },
+      py::arg("layout"), py::arg("lens"), py::arg("H"), py::arg("Hkv"), py::arg("D"), py::arg("block_size") = 16,
+      py::arg("scatter") = true, py::arg("iters") = 20, py::arg("seed") = 0,
+      "us per decode-attention call for sequences of lengths `lens`, layout 'contiguous' or 'paged'");
+  m.def(
+      "stream_read_gbs",
+      [](size_t n, int iters) {
+        require_gpu();
+        return sb::stream_read_gbs(n, iters);
+      },
+      py::arg("n_bytes") = size_t{1} << 30, py::arg("iters") = 10, "GB/s of the streaming-read kernel");
 }

@@ -56,7 +56,7 @@ Availability cuda_available() {
   const int built = lowest_built_arch(ATOMFLOW_CUDA_ARCH);
   if (built != INT_MAX && cc < built)
     return {false, "GPU " + std::string(p.name) + " has compute capability " + ccs + " but this build targets sm_" +
-                       ATOMFLOW_CUDA_ARCH + "; rebuild with ATOMFLOW_CUDA_ARCH=" + std::to_string(cc)};
+                       ATOMFLOW_CUDA_ARCH + ", and atomflow supports sm_90 (H100/H200) only"};
   if ((err = cudaFree(nullptr)) != cudaSuccess) {  // creates the context: the device is usable
     cudaGetLastError();
     return {false, "GPU " + std::string(p.name) + " is not usable: " + cudaGetErrorString(err)};

@@ -29,13 +29,13 @@ kernels::SamplingConfig greedy() { return kernels::SamplingConfig{0.0f, 0, 1.0f,
 
 // Throws when the arena does not fit, naming the largest max_context that would.
 void check_fits(const ModelSpec& spec, const ModelTensors& tensors, const Layout& layout, int max_context,
-                int prefill_chunk) {
+                int prefill_chunk, int head_blocks) {
   size_t free_bytes = 0, total_bytes = 0;
   AF_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
   const size_t needed = layout.plan.total() + kHeadroom;
   if (needed <= free_bytes) return;
   auto fits = [&](int ctx) {
-    return plan_layout(spec, tensors, ctx, prefill_chunk).plan.total() + kHeadroom <= free_bytes;
+    return plan_layout(spec, tensors, ctx, prefill_chunk, head_blocks).plan.total() + kHeadroom <= free_bytes;
   };
   std::string msg = "not enough GPU memory: max_context " + std::to_string(max_context) + " needs " +
                     format_bytes(needed) + " (" + layout.plan.summary() + ", plus " + format_bytes(kHeadroom) +
@@ -76,8 +76,8 @@ void Engine::init(const std::string& path, const std::vector<TensorInfo>& table,
   if (inv_freq.size() != static_cast<size_t>(s.head_dim / 2))
     throw std::invalid_argument("inv_freq must hold head_dim / 2 = " + std::to_string(s.head_dim / 2) +
                                 " values, got " + std::to_string(inv_freq.size()));
-  AF_CHECK(s.vocab_size > 0 && s.hidden_size > 0 && s.intermediate_size > 0 && s.num_layers > 0 &&
-               s.num_heads > 0 && s.num_kv_heads > 0,
+  AF_CHECK(s.vocab_size > 0 && s.hidden_size > 0 && s.intermediate_size > 0 && s.num_layers > 0 && s.num_heads > 0 &&
+               s.num_kv_heads > 0,
            "every size in the model spec must be positive");
   AF_CHECK(s.num_heads % s.num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
   AF_CHECK(s.head_dim == 64 || s.head_dim == 128, "head_dim must be 64 or 128");
@@ -86,11 +86,13 @@ void Engine::init(const std::string& path, const std::vector<TensorInfo>& table,
 
   for (int i = 0; i < s.num_layers; ++i) layer_names_.push_back("layer " + std::to_string(i));  // NVTX
 
-  // Plan, check, allocate.
+  // Plan the launches, then the arena; check, allocate.
+  step_plan_ = make_step_plan(s, opt_.max_context, opt_.plan);
+  const int head_blocks = step_plan_.fp8_head ? step_plan_.head.blocks : 0;
   MappedFile file(path);
   const ModelTensors tensors = resolve_tensors(s, table, file.size());
-  const Layout layout = plan_layout(s, tensors, opt_.max_context, opt_.prefill_chunk);
-  check_fits(s, tensors, layout, opt_.max_context, opt_.prefill_chunk);
+  const Layout layout = plan_layout(s, tensors, opt_.max_context, opt_.prefill_chunk, head_blocks);
+  check_fits(s, tensors, layout, opt_.max_context, opt_.prefill_chunk, head_blocks);
   if (opt_.verbose) std::fprintf(stderr, "atomflow: %s\n", layout.plan.summary().c_str());
   arena_ = Arena(layout.plan.total());
   ++allocations_;
@@ -104,11 +106,11 @@ void Engine::init(const std::string& path, const std::vector<TensorInfo>& table,
   buf_.lm_head_scale = s.lm_head_fp8 ? arena_.at<float>(layout.lm_head_scale) : nullptr;
   buf_.inv_freq = arena_.at<float>(layout.inv_freq);
   for (const LayerSlots& l : layout.layers) {
-    buf_.layers.push_back(LayerPtrs{
-        arena_.at<bf16>(l.attn_norm), arena_.at<uint8_t>(l.wqkv), arena_.at<float>(l.wqkv_scale),
-        arena_.at<uint8_t>(l.wo), arena_.at<float>(l.wo_scale), arena_.at<bf16>(l.mlp_norm),
-        arena_.at<uint8_t>(l.w13), arena_.at<float>(l.w13_scale), arena_.at<uint8_t>(l.w2),
-        arena_.at<float>(l.w2_scale), arena_.at<bf16>(l.k_cache), arena_.at<bf16>(l.v_cache)});
+    buf_.layers.push_back(
+        LayerPtrs{arena_.at<bf16>(l.attn_norm), arena_.at<uint8_t>(l.wqkv), arena_.at<float>(l.wqkv_scale),
+                  arena_.at<uint8_t>(l.wo), arena_.at<float>(l.wo_scale), arena_.at<bf16>(l.mlp_norm),
+                  arena_.at<uint8_t>(l.w13), arena_.at<float>(l.w13_scale), arena_.at<uint8_t>(l.w2),
+                  arena_.at<float>(l.w2_scale), arena_.at<bf16>(l.k_cache), arena_.at<bf16>(l.v_cache)});
   }
   buf_.x = arena_.at<float>(layout.x);
   buf_.xn = arena_.at<f16>(layout.xn);
@@ -132,10 +134,12 @@ void Engine::init(const std::string& path, const std::vector<TensorInfo>& table,
   // Load the weights. load_seconds counts file -> device only (staging buffers included).
   const auto t_load = std::chrono::steady_clock::now();
   std::vector<CopyJob> jobs;
-  for (const auto& [t, offset] : layout.weight_slot) jobs.push_back(CopyJob{t->offset, t->nbytes, arena_.at<void>(offset)});
+  for (const auto& [t, offset] : layout.weight_slot)
+    jobs.push_back(CopyJob{t->offset, t->nbytes, arena_.at<void>(offset)});
   copy_to_device(file, jobs, LoadOptions{}, allocations_);
   load_seconds_ = seconds_since(t_load);
-  AF_CUDA_CHECK(cudaMemcpy(arena_.at<float>(layout.inv_freq), inv_freq.data(), inv_freq.size() * sizeof(float), cudaMemcpyHostToDevice));
+  AF_CUDA_CHECK(cudaMemcpy(arena_.at<float>(layout.inv_freq), inv_freq.data(), inv_freq.size() * sizeof(float),
+                           cudaMemcpyHostToDevice));
   if (opt_.verbose) {
     const size_t w = layout.plan.group_bytes("weights");
     std::fprintf(stderr, "atomflow: loaded %s of weights in %.2f s (%.2f GB/s)\n", format_bytes(w).c_str(),
@@ -145,12 +149,13 @@ void Engine::init(const std::string& path, const std::vector<TensorInfo>& table,
   // The stream every launch goes to, the per-step events, the pinned token ring and logits.
   AF_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   for (cudaEvent_t& e : step_done_) AF_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-  AF_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&ring_host_), 2 * kRingSize * sizeof(int32_t), cudaHostAllocMapped));
+  AF_CUDA_CHECK(
+      cudaHostAlloc(reinterpret_cast<void**>(&ring_host_), 2 * kRingSize * sizeof(int32_t), cudaHostAllocMapped));
   ++allocations_;
   std::memset(ring_host_, 0, 2 * kRingSize * sizeof(int32_t));
   AF_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&ring_dev_), ring_host_, 0));
-  AF_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&logits_host_), s.vocab_size * sizeof(float),
-                              cudaHostAllocDefault));
+  AF_CUDA_CHECK(
+      cudaHostAlloc(reinterpret_cast<void**>(&logits_host_), s.vocab_size * sizeof(float), cudaHostAllocDefault));
   ++allocations_;
   init_profiler();
 
@@ -161,9 +166,7 @@ void Engine::init(const std::string& path, const std::vector<TensorInfo>& table,
   step::write_pos(buf_.pos, 0, stream_);
   step::write_sampling(buf_.sampling, greedy(), stream_);
 
-  short_steps_ = opt_.max_context > kShortKeys && !env_flag("ATOMFLOW_ONE_GRAPH");
-  fused_tail_ = !env_flag("ATOMFLOW_NO_FUSED_TAIL");
-  f16_acts_ = !env_flag("ATOMFLOW_BF16_ACTS");
+  f16_acts_ = step_plan_.options.f16_activations;
   // Warm-up: one eager step loads every kernel (lazy module loading cannot happen inside a
   // capture) and surfaces a failing kernel here, with its own error, not as a graph failure.
   try {
@@ -171,9 +174,10 @@ void Engine::init(const std::string& path, const std::vector<TensorInfo>& table,
     AF_CUDA_CHECK(cudaStreamSynchronize(stream_));
   } catch (const CudaError& e) {
     throw CudaError(std::string("the decode step failed on its warm-up run (CUDA_LAUNCH_BLOCKING=1 names the "
-                                "kernel): ") + e.what());
+                                "kernel): ") +
+                    e.what());
   }
-  if (!opt_.eager) capture_graph();
+  if (!step_plan_.options.eager) capture_graph();
   step::write_pos(buf_.pos, 0, stream_);
   set_token(0);
   AF_CUDA_CHECK(cudaStreamSynchronize(stream_));
@@ -181,15 +185,16 @@ void Engine::init(const std::string& path, const std::vector<TensorInfo>& table,
 }
 
 // Captures enqueue_decode_step(): once with the attention grid planned for max_context, and once
-// more for the steps whose keys fit kShortKeys (engine.h). Its launches read pos, token and sampling
+// more for the steps whose keys fit the plan's short_keys (engine.h). Its launches read pos, token and sampling
 // from device memory and write to fixed buffers, so replaying a graph is exactly one more step.
 void Engine::capture_graph() {
   graph_exec_ = capture_step(opt_.max_context);
-  if (short_steps_) short_graph_ = capture_step(kShortKeys);
+  if (step_plan_.short_keys > 0) short_graph_ = capture_step(step_plan_.short_keys);
 }
 
 cudaGraphExec_t Engine::capture_step(int attn_keys) {
-  const std::string what = "capturing the decode step as a CUDA graph failed (ATOMFLOW_EAGER=1 runs without it): ";
+  const std::string what =
+      "capturing the decode step as a CUDA graph failed (eager=True or ATOMFLOW_EAGER=1 runs without it): ";
   cudaGraph_t graph = nullptr;
   AF_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
   try {
@@ -258,12 +263,12 @@ std::vector<std::pair<std::string, size_t>> Engine::plan() const { return plan_;
 void Engine::launch_step() {
   const bool graph = graph_exec_ != nullptr && probe_ == nullptr;
   NvtxRange range(graph ? "decode_step (graph)" : "decode_step");
-  const bool short_step = short_steps_ && host_pos_ < kShortKeys;
+  const bool short_step = step_plan_.short_keys > 0 && host_pos_ < step_plan_.short_keys;
   ++(short_step ? short_grid_steps_ : long_grid_steps_);
   if (graph)
     AF_CUDA_CHECK(cudaGraphLaunch(short_step ? short_graph_ : graph_exec_, stream_));
   else
-    enqueue_decode_step(short_step ? kShortKeys : opt_.max_context);
+    enqueue_decode_step(short_step ? step_plan_.short_keys : opt_.max_context);
 }
 
 bool Engine::step_overflowed(int position) const {
@@ -277,8 +282,10 @@ void Engine::rerun_in_bf16(int position, int32_t input) {
   oldest_ = 0;
   f16_acts_ = false;
   if (opt_.verbose)
-    std::fprintf(stderr, "atomflow: an activation of the decode step at position %d passed fp16's range; "
-                 "decoding on with bf16 activations\n", position);
+    std::fprintf(stderr,
+                 "atomflow: an activation of the decode step at position %d passed fp16's range; "
+                 "decoding on with bf16 activations\n",
+                 position);
   if (graph_exec_ != nullptr) {
     cudaGraphExecDestroy(graph_exec_);
     graph_exec_ = nullptr;
@@ -313,7 +320,8 @@ void Engine::check_token(int32_t token) const {
 void Engine::set_token(int32_t token) {
   step::write_int(buf_.token, token, stream_);
   // With the fused tail a step starts from the embedding the previous step's sampler wrote.
-  if (fused_tail_) kernels::embedding(buf_.embed, buf_.token, 1, spec_.hidden_size, spec_.vocab_size, buf_.x, stream_);
+  if (step_plan_.options.fused_tail)
+    kernels::embedding(buf_.embed, buf_.token, 1, spec_.hidden_size, spec_.vocab_size, buf_.x, stream_);
 }
 
 void Engine::copy_logits_out(float* logits) {
@@ -340,8 +348,8 @@ void Engine::prefill(const int32_t* ids, int n, float* logits) {
                                   " is out of range [0, " + std::to_string(spec_.vocab_size) + ")");
   }
   // From pageable memory: returns once the ids are staged, so the caller's array may go.
-  AF_CUDA_CHECK(cudaMemcpyAsync(buf_.ids, ids, static_cast<size_t>(n) * sizeof(int32_t), cudaMemcpyHostToDevice,
-                                stream_));
+  AF_CUDA_CHECK(
+      cudaMemcpyAsync(buf_.ids, ids, static_cast<size_t>(n) * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
   int last_rows = 0;
   for (int offset = 0; offset < n; offset += opt_.prefill_chunk) {
     last_rows = std::min(opt_.prefill_chunk, n - offset);
@@ -380,8 +388,8 @@ void Engine::set_position(int position) {
   std::lock_guard<std::mutex> lock(mu_);
   require_idle("set_position");
   if (position < 0 || position > host_pos_)
-    throw std::invalid_argument("set_position(" + std::to_string(position) + "): a position can only roll back, to [0, " +
-                                std::to_string(host_pos_) + "]");
+    throw std::invalid_argument("set_position(" + std::to_string(position) +
+                                "): a position can only roll back, to [0, " + std::to_string(host_pos_) + "]");
   step::write_pos(buf_.pos, position, stream_);
   host_pos_ = position;
 }

@@ -16,12 +16,13 @@ namespace {
 
 using kernels::Epilogue;
 
-// One row streams the weights once through the GEMV; more rows go to the tensor-core GEMM.
-// tickets: the engine's counters for SwiGLU GEMVs; f16_overflow: SwiGLU's fp16 output (kernels.h).
-void linear(const uint8_t* w, const float* scales, const void* x, kernels::Act xt, int rows, int N, int K,
-            Epilogue ep, void* out, cudaStream_t stream, unsigned* tickets = nullptr, int* f16_overflow = nullptr) {
+// One row streams the weights once through the GEMV (as `plan` says); more rows go to the tensor-core
+// GEMM. tickets: the engine's counters for SwiGLU GEMVs; f16_overflow: SwiGLU's fp16 output (kernels.h).
+void linear(const kernels::GemvPlan& plan, const uint8_t* w, const float* scales, const void* x, kernels::Act xt,
+            int rows, int N, int K, Epilogue ep, void* out, cudaStream_t stream, unsigned* tickets = nullptr,
+            int* f16_overflow = nullptr) {
   if (rows == 1)
-    kernels::gemv_w8a16(w, scales, x, xt, N, K, ep, out, stream, tickets, f16_overflow);
+    kernels::gemv_w8a16(plan, w, scales, x, xt, N, K, ep, out, stream, tickets, f16_overflow);
   else
     kernels::gemm_w8a16(w, scales, x, xt, rows, N, K, ep, out, stream);
 }
@@ -43,6 +44,14 @@ void Engine::enqueue_layers(int rows, int attn_keys) {
   const bool half = rows == 1 && f16_acts_;
   const kernels::Act act = half ? kernels::Act::F16 : kernels::Act::BF16;
   int* const overflow = half ? buf_.f16_overflow : nullptr;
+  const StepPlan& plan = step_plan_;
+  const kernels::GemvPlan& o_plan = half ? plan.o_f16 : plan.o_bf16;
+  const kernels::GemvPlan& down_plan = half ? plan.down_f16 : plan.down_bf16;
+  // A decode step's attention grid is the plan's for attn_keys; a prefill chunk's is planned for its
+  // M with the plan's options.
+  const kernels::AttnPlan attn_plan =
+      rows == 1 ? plan.decode_attention(attn_keys)
+                : kernels::plan_attention(rows, H, Hkv, D, attn_keys, plan.options.cluster_merge);
   for (size_t i = 0; i < buf_.layers.size(); ++i) {
     const LayerPtrs& L = buf_.layers[i];
     const int li = static_cast<int>(i);
@@ -52,24 +61,24 @@ void Engine::enqueue_layers(int rows, int attn_keys) {
       if (fused_qkv) {
         // RMSNorm -> QKV -> RoPE + KV append in one launch (bit-identical to the three kernels).
         const kernels::RopeKVArgs rope{buf_.inv_freq, buf_.pos, H, Hkv, D, C, buf_.q, L.k_cache, L.v_cache};
-        kernels::gemv_w8a16_rmsnorm_rope(L.wqkv, L.wqkv_scale, buf_.x, L.attn_norm, s.rms_norm_eps, d, rope,
+        kernels::gemv_w8a16_rmsnorm_rope(plan.qkv, L.wqkv, L.wqkv_scale, buf_.x, L.attn_norm, s.rms_norm_eps, d, rope,
                                          stream_);
         mark("gemv_qkv+norm+rope", li);
       } else {
-        normed_linear(L.attn_norm, "attn_norm", li, L.wqkv, L.wqkv_scale, rows, s.qkv_dim(), Epilogue::Store,
-                      buf_.qkv);
+        normed_linear(L.attn_norm, "attn_norm", li, plan.probe_qkv, plan.probe_qkv, L.wqkv, L.wqkv_scale, rows,
+                      s.qkv_dim(), Epilogue::Store, buf_.qkv);
         mark("gemv_qkv+norm", li);
-        kernels::rope_kv_append(buf_.qkv, buf_.inv_freq, buf_.pos, rows, H, Hkv, D, C, buf_.q, L.k_cache,
-                                L.v_cache, stream_);
+        kernels::rope_kv_append(buf_.qkv, buf_.inv_freq, buf_.pos, rows, H, Hkv, D, C, buf_.q, L.k_cache, L.v_cache,
+                                stream_);
         mark("rope_kv_append", li);
       }
       // The split count of a query row is min(64, ceil(keys / 32)) on any grid that holds its keys, so
       // the bits do not depend on attn_keys (attention_decode.cu).
-      kernels::attention(buf_.q, L.k_cache, L.v_cache, buf_.pos, rows, H, Hkv, D, attn_keys, scale, buf_.attn_scratch,
-                         buf_.attn_out, stream_, /*early=*/fused_qkv, overflow);
+      kernels::attention(attn_plan, buf_.q, L.k_cache, L.v_cache, buf_.pos, rows, H, Hkv, D, attn_keys, scale,
+                         buf_.attn_scratch, buf_.attn_out, stream_, /*early=*/fused_qkv, overflow);
       mark("attention", li);
       if (probe_) probe_snapshot(rows);
-      linear(L.wo, L.wo_scale, buf_.attn_out, act, rows, d, s.q_dim(), Epilogue::AddResidual, buf_.x, stream_);
+      linear(o_plan, L.wo, L.wo_scale, buf_.attn_out, act, rows, d, s.q_dim(), Epilogue::AddResidual, buf_.x, stream_);
       mark("gemv_o", li);
     }
     if (probe_) {
@@ -78,10 +87,11 @@ void Engine::enqueue_layers(int rows, int attn_keys) {
     }
     {
       NvtxRange r("mlp_block");
-      normed_linear(L.mlp_norm, nullptr, li, L.w13, L.w13_scale, rows, 2 * f, Epilogue::SwiGLU, buf_.ffn, overflow);
+      normed_linear(L.mlp_norm, nullptr, li, plan.gate_up, plan.probe_gate_up, L.w13, L.w13_scale, rows, 2 * f,
+                    Epilogue::SwiGLU, buf_.ffn, overflow);
       mark("gemv_gate_up+norm", li);
       if (probe_) probe_snapshot(rows);
-      linear(L.w2, L.w2_scale, buf_.ffn, act, rows, d, f, Epilogue::AddResidual, buf_.x, stream_);
+      linear(down_plan, L.w2, L.w2_scale, buf_.ffn, act, rows, d, f, Epilogue::AddResidual, buf_.x, stream_);
       mark("gemv_down", li);
     }
     if (probe_) {
@@ -92,18 +102,20 @@ void Engine::enqueue_layers(int rows, int attn_keys) {
 }
 
 // RMSNorm of the residual stream, then a linear layer. At M = 1 the norm is fused into the GEMV's
-// prologue (bit-identical to the two kernels); probe mode keeps them apart to see the norm.
-void Engine::normed_linear(const bf16* norm, const char* probe_name, int layer, const uint8_t* w, const float* scales,
-                           int rows, int N, Epilogue ep, void* out, int* f16_overflow) {
+// prologue (bit-identical to the two kernels, as the plan `fused` says); probe mode keeps them apart
+// to see the norm (the GEMV as the plan `probed` says).
+void Engine::normed_linear(const bf16* norm, const char* probe_name, int layer, const kernels::GemvPlan& fused,
+                           const kernels::GemvPlan& probed, const uint8_t* w, const float* scales, int rows, int N,
+                           Epilogue ep, void* out, int* f16_overflow) {
   const int d = spec_.hidden_size;
   if (rows == 1 && !probe_) {
-    kernels::gemv_w8a16_rmsnorm(w, scales, buf_.x, norm, spec_.rms_norm_eps, N, d, ep, out, stream_, buf_.gemv_tickets,
-                                f16_overflow);
+    kernels::gemv_w8a16_rmsnorm(fused, w, scales, buf_.x, norm, spec_.rms_norm_eps, N, d, ep, out, stream_,
+                                buf_.gemv_tickets, f16_overflow);
     return;
   }
   kernels::rmsnorm(buf_.x, norm, rows, d, spec_.rms_norm_eps, buf_.xn, stream_);
   if (probe_ && probe_name) probe_point(probe_name, layer, ProbeSrc::XN, rows);
-  linear(w, scales, buf_.xn, kernels::Act::F16, rows, N, d, ep, out, stream_, buf_.gemv_tickets, f16_overflow);
+  linear(probed, w, scales, buf_.xn, kernels::Act::F16, rows, N, d, ep, out, stream_, buf_.gemv_tickets, f16_overflow);
 }
 
 // Final norm and lm_head on one row of the residual stream -> buf_.logits fp32 [vocab].
@@ -113,17 +125,16 @@ void Engine::enqueue_head(int row) {
   const float* xrow = buf_.x + static_cast<size_t>(row) * d;
   if (spec_.lm_head_fp8 && !probe_) {
     // Each block also leaves the argmax of its rows for a greedy sampler (sample_step).
-    kernels::gemv_w8a16_rmsnorm_argmax(static_cast<const uint8_t*>(buf_.lm_head), buf_.lm_head_scale, xrow,
-                                       buf_.final_norm, spec_.rms_norm_eps, vocab, d, buf_.logits, buf_.head_best,
+    kernels::gemv_w8a16_rmsnorm_argmax(step_plan_.head, static_cast<const uint8_t*>(buf_.lm_head), buf_.lm_head_scale,
+                                       xrow, buf_.final_norm, spec_.rms_norm_eps, vocab, d, buf_.logits, buf_.head_best,
                                        stream_);
     return;
   }
   kernels::rmsnorm(xrow, buf_.final_norm, 1, d, spec_.rms_norm_eps, buf_.xn, stream_);
   if (probe_) probe_point("final_norm", -1, ProbeSrc::XN, 1);
   if (spec_.lm_head_fp8)
-    kernels::gemv_w8a16(static_cast<const uint8_t*>(buf_.lm_head), buf_.lm_head_scale, buf_.xn, kernels::Act::F16,
-                        vocab, d,
-                        Epilogue::Store, buf_.logits, stream_);
+    kernels::gemv_w8a16(step_plan_.probe_head, static_cast<const uint8_t*>(buf_.lm_head), buf_.lm_head_scale, buf_.xn,
+                        kernels::Act::F16, vocab, d, Epilogue::Store, buf_.logits, stream_);
   else
     bf16_gemv(static_cast<const bf16*>(buf_.lm_head), buf_.xn, vocab, d, buf_.logits, stream_);
   if (probe_) probe_point("logits", -1, ProbeSrc::LOGITS, 1);
@@ -131,12 +142,12 @@ void Engine::enqueue_head(int row) {
 
 // One token: *token at position *pos in, logits and the sampled token (in *token and the ring)
 // out, *pos advanced. Reads all its inputs from device memory, so one graph serves every step whose
-// keys fit attn_keys (launch_step: max_context, or kShortKeys for a short step). With the fused tail
+// keys fit attn_keys (launch_step: max_context, or the plan's short_keys for a short step). With the fused tail
 // (engine.h) the input's embedding is already in x (set_token, or the step before), and the sampler
 // writes the next one there once the head has read x.
 void Engine::enqueue_decode_step(int attn_keys) {
   const int d = spec_.hidden_size, vocab = spec_.vocab_size;
-  if (!fused_tail_) {
+  if (!step_plan_.options.fused_tail) {
     kernels::embedding(buf_.embed, buf_.token, 1, d, vocab, buf_.x, stream_);
     mark("embedding", -1);
   }
@@ -146,12 +157,11 @@ void Engine::enqueue_decode_step(int attn_keys) {
   // The embedding has read *token, so the sample may overwrite it with the next input.
   // Its RNG counter is the position after this token (sample_pos), as on the CPU.
   NvtxRange range("sample");
-  if (fused_tail_) {
+  if (step_plan_.options.fused_tail) {
     const bool best = spec_.lm_head_fp8 && !probe_;  // enqueue_head left the per-block maxima
-    kernels::sample_step(buf_.logits, vocab, best ? buf_.head_best : nullptr, best ? buf_.head_best_n : 0,
-                         buf_.sampling, buf_.token,
-                         kernels::StepEnd{buf_.pos, ring_dev_, kRingSize, buf_.f16_overflow, buf_.embed, d, buf_.x},
-                         stream_);
+    kernels::sample_step(
+        buf_.logits, vocab, best ? buf_.head_best : nullptr, best ? buf_.head_best_n : 0, buf_.sampling, buf_.token,
+        kernels::StepEnd{buf_.pos, ring_dev_, kRingSize, buf_.f16_overflow, buf_.embed, d, buf_.x}, stream_);
     mark("sample", -1);  // with the ring, the position and the next embedding
     return;
   }

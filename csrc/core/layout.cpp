@@ -93,7 +93,7 @@ ModelTensors resolve_tensors(const ModelSpec& s, const std::vector<TensorInfo>& 
   return m;
 }
 
-Layout plan_layout(const ModelSpec& s, const ModelTensors& t, int max_context, int prefill_chunk) {
+Layout plan_layout(const ModelSpec& s, const ModelTensors& t, int max_context, int prefill_chunk, int head_blocks) {
   Layout L;
   ArenaPlan& plan = L.plan;
 
@@ -101,8 +101,8 @@ Layout plan_layout(const ModelSpec& s, const ModelTensors& t, int max_context, i
   std::vector<const TensorInfo*> weights = {t.embed, t.final_norm, t.lm_head};
   if (t.lm_head_scale) weights.push_back(t.lm_head_scale);
   for (const LayerTensors& l : t.layers)
-    weights.insert(weights.end(), {l.attn_norm, l.wqkv, l.wqkv_scale, l.wo, l.wo_scale, l.mlp_norm, l.w13,
-                                   l.w13_scale, l.w2, l.w2_scale});
+    weights.insert(weights.end(), {l.attn_norm, l.wqkv, l.wqkv_scale, l.wo, l.wo_scale, l.mlp_norm, l.w13, l.w13_scale,
+                                   l.w2, l.w2_scale});
   std::sort(weights.begin(), weights.end(), [](auto* a, auto* b) { return a->offset < b->offset; });
   weights.erase(std::unique(weights.begin(), weights.end()), weights.end());  // tied head == embed
   for (const TensorInfo* w : weights) L.weight_slot[w] = plan.reserve("weights", w->nbytes);
@@ -144,12 +144,11 @@ Layout plan_layout(const ModelSpec& s, const ModelTensors& t, int max_context, i
   // Chunks run with any row count from 1 to prefill_chunk: size for the largest need.
   size_t attn_scratch = 0;
   for (int m = 1; m <= prefill_chunk; ++m)
-    attn_scratch = std::max(attn_scratch,
-                            kernels::attention_scratch_bytes(m, s.num_heads, s.head_dim, max_context));
+    attn_scratch = std::max(attn_scratch, kernels::attention_scratch_bytes(m, s.num_heads, s.head_dim, max_context));
   L.attn_scratch = plan.reserve("scratch", attn_scratch);
   L.sample_scratch = plan.reserve("scratch", kernels::sampling_scratch_bytes(s.vocab_size));
   L.gemv_tickets = plan.reserve("scratch", kernels::kGemvTicketBytes);
-  L.head_best_n = s.lm_head_fp8 ? kernels::gemv_argmax_blocks(s.vocab_size, s.hidden_size) : 0;
+  L.head_best_n = s.lm_head_fp8 ? head_blocks : 0;
   L.head_best = plan.reserve("scratch", std::max(L.head_best_n, 1) * sizeof(uint64_t));
   L.pos = plan.reserve("scratch", 2 * sizeof(int32_t));
   L.token = plan.reserve("scratch", sizeof(int32_t));

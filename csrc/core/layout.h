@@ -54,14 +54,16 @@ struct Layout {
   size_t attn_scratch, sample_scratch, gemv_tickets;
   size_t head_best;  // uint64 [head_best_n]: the FP8 head's per-block argmax keys (kernels.h)
   int head_best_n;
-  size_t pos;       // int32[2] = {tokens in the KV cache, that + 1: the sampler's RNG counter}
-  size_t token;     // int32: the decode step's input token (the sampled one after the step)
+  size_t pos;           // int32[2] = {tokens in the KV cache, that + 1: the sampler's RNG counter}
+  size_t token;         // int32: the decode step's input token (the sampled one after the step)
   size_t f16_overflow;  // int32: set by a decode step whose fp16 activations overflowed (kernels.h)
-  size_t sampling;  // kernels::SamplingConfig
+  size_t sampling;      // kernels::SamplingConfig
 };
 
 // Pure function of its arguments, so the engine can also search for the largest max_context
 // that fits the free memory.
-Layout plan_layout(const ModelSpec& spec, const ModelTensors& tensors, int max_context, int prefill_chunk);
+// head_blocks: the FP8 head GEMV's grid (the step plan's head.blocks), one argmax key per block.
+Layout plan_layout(const ModelSpec& spec, const ModelTensors& tensors, int max_context, int prefill_chunk,
+                   int head_blocks);
 
 }  // namespace atomflow

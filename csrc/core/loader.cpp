@@ -21,7 +21,7 @@ namespace atomflow {
 MappedFile::MappedFile(const std::string& path) : path_(path) {
   fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd_ < 0) throw std::runtime_error("cannot open " + path + ": " + std::strerror(errno));
-  struct stat st {};
+  struct stat st{};
   if (::fstat(fd_, &st) != 0) {
     int e = errno;
     ::close(fd_);
@@ -100,8 +100,8 @@ void copy_to_device(const MappedFile& file, const std::vector<CopyJob>& jobs, co
   AF_CHECK(opt.staging_bytes >= (size_t(1) << 20), "staging buffers must be at least 1 MiB");
   for (const CopyJob& j : jobs) {
     if (j.file_offset > file.size() || j.nbytes > file.size() - j.file_offset)
-      throw std::runtime_error(file.path() + ": truncated: a tensor at bytes " + std::to_string(j.file_offset) +
-                               ".." + std::to_string(j.file_offset + j.nbytes) + " lies past the end of the " +
+      throw std::runtime_error(file.path() + ": truncated: a tensor at bytes " + std::to_string(j.file_offset) + ".." +
+                               std::to_string(j.file_offset + j.nbytes) + " lies past the end of the " +
                                std::to_string(file.size()) + "-byte file");
   }
   int threads = opt.memcpy_threads;

@@ -19,7 +19,7 @@ constexpr uint64_t kGateTimeoutNs = 2'000'000'000ull;  // far beyond the time to
 
 void Engine::init_profiler() {
   // Launch groups per step: 5 per layer + lm_head + sample (+ embedding and finish with
-  // ATOMFLOW_NO_FUSED_TAIL=1); room to spare so a new launch in forward.cu cannot overflow it
+  // a plan without the fused tail); room to spare so a new launch in forward.cu cannot overflow it
   // silently (mark() checks).
   const size_t n = 8 * static_cast<size_t>(spec_.num_layers) + 16;
   prof_marks_.resize(n);

@@ -1,6 +1,8 @@
 // Causal GQA attention over a KV cache, contiguous or paged (flash-decoding), for decode (M = 1)
 // and prefill chunks (M > 1), one sequence or a batch, in ONE kernel launch (no separate merge
-// pass). Each block = (split of the keys, kv head, tile of QT query tokens of one sequence)
+// pass). One idea, hence one file past the usual size: the key loop and both merges share the
+// partials' layout and summation order, which is what makes their results bit-identical.
+// Each block = (split of the keys, kv head, tile of QT query tokens of one sequence)
 // streams its keys once for all G = H / Hkv query heads of the group and makes an unnormalized
 // partial (m, l, acc[D]) per query row. The splits' partials are merged in one of two ways:
 //  - In a cluster (short contexts). When one thread-block cluster holds every split of a group
@@ -8,7 +10,7 @@
 //    group's splits. Each
 //    writes its partial into the shared memory of the cluster's leader (split 0), arrives on the
 //    cluster barrier and exits; the leader waits on the barrier and merges. No scratch, no ticket,
-//    no round trip through L2: 3B decode -2.5% at 128-384 keys (docs/PERF.md 2026-11-21).
+//    no round trip through L2.
 //  - Through the scratch (more splits than a cluster holds). Each block writes its partial to the
 //    scratch and takes a ticket from its group's counter (one per query tile x kv head, in the
 //    scratch); the group's last block merges the partials of all the active splits for its
@@ -24,13 +26,11 @@
 // core, B = 1), then rounds their length up to whole K/V steps of the block (32 keys for the Llama
 // 3 shapes): chunk = ceil(ceil(n_keys / n) / step) * step, n_active = ceil(n_keys / chunk). Short
 // contexts spread over splits of one step each (latency stays low); long ones use up to 64 splits
-// of several steps each (M = 1, Hkv = 8: 512 blocks, one wave at 4 per SM on 132 SMs). More
-// splits lose at depth: the group's last block reads every split's partial, and at 128 splits that
-// merge cost more than the longer key loops (docs/PERF.md 2026-11-21: 3B at 8192 keys 22.0 ->
-// 16.3 us); a split with a step of one key (2049 keys in 64 splits of 33) costs a round trip for
-// nothing. Blocks past n_active exit. n depends on the capacity only through s_max >= min(64,
-// ceil(n_keys / 32)), so any capacity that holds the keys gives the same splits and the same bits:
-// the core plans the grid of steps of at most 512 keys for 512 (engine.h, kShortKeys).
+// of several steps each (M = 1, Hkv = 8: 512 blocks, one wave at 4 per SM on 132 SMs). Blocks past
+// n_active exit. n depends on the capacity only through s_max >= min(64, ceil(n_keys / 32)), so any
+// capacity that holds the keys gives the same splits and the same bits: the core plans the grid of
+// steps of at most 512 keys for 512 (step_plan.h, kShortKeys). Why 64 and 32, and what more splits
+// cost: docs/design/attention_decode.md.
 //
 // Inside a block: D / 8 lanes hold one key row (16 B each), so a warp covers 32 / (D / 8) keys per
 // load; each such lane group is an independent "key stream" with its own online softmax (scores
@@ -43,6 +43,22 @@
 // slot p % bs, of a [num_blocks, bs, Hkv, D] pool). Batching = grid.z walks (sequence, query tile);
 // each sequence has its own length. For the same keys and split count every policy does the same
 // arithmetic in the same order (bit-identical results).
+//
+// Contract of attention_kernel<KV, D, G, QT>, grid (Hkv, splits padded to whole clusters, B x query
+// tiles) x 128 threads, in clusters of (1, plan.cluster, 1) when plan.cluster > 1:
+//  Inputs   q bf16 [B * M, H, D]; K / V bf16 rows as the policy addresses them ([capacity, Hkv, D]
+//           per sequence for ContiguousKV); the sequence's start (*pos, or lens[b] - M) in device
+//           memory; scale folded into q with log2 e. D in {64, 128}, G = H / Hkv in {1,2,3,4,6,8}.
+//  Before its PDL wait (pdl.cuh) only with `early` (the core's decode, whose QKV GEMV triggers after
+//           its own wait): *pos and the cached K / V rows below it (earlier steps' rows). Otherwise
+//           nothing: the wait comes first.
+//  Triggers its dependents (the o GEMV) after its key loop, not at its start.
+//  Scratch  the merge counters (zero on entry, zero again on exit: attention_scratch_clear once),
+//           then each split's unnormalized partials; a cluster merge uses the leader's shared memory.
+//  Writes   out [B * M, H, D], bf16, or fp16 given f16_overflow (set to 1 when a value passes
+//           kF16Max). Every output row is written once, by the group's last block or its leader.
+//  Invariants  the splits' partials are summed in an order fixed by the shapes alone, so the output
+//           does not depend on timing, on the merge path, or on the capacity the grid is planned for.
 #include <cooperative_groups.h>
 #include <algorithm>
 #include <type_traits>
@@ -66,9 +82,9 @@ enum AttnStamp { kAEntry, kAIssued, kAWaited, kALoop, kAPartial, kATicket, kAMer
 
 constexpr int kAttnThreads = 128;
 constexpr int kAttnWarps = kAttnThreads / 32;
-constexpr int kMinKeysPerSplit = 32;    // short contexts: many blocks, one K/V step each
-constexpr int kMaxSplits = 64;         // splits of one query row's keys
-constexpr int kMaxSplitBlocks = 128;   // splits x query rows of one call (prefill chunks, batches)
+constexpr int kMinKeysPerSplit = 32;  // short contexts: many blocks, one K/V step each
+constexpr int kMaxSplits = 64;        // splits of one query row's keys
+constexpr int kMaxSplitBlocks = 128;  // splits x query rows of one call (prefill chunks, batches)
 // The most splits per thread-block cluster, by the leader's buffer. A call runs in clusters only when
 // one holds all its splits (cluster_splits); a group's active splits then merge through the leader's
 // shared memory (below).
@@ -117,9 +133,7 @@ struct ContiguousKV {
   SeqStart seq;
   int capacity;
   __device__ __forceinline__ int entry(int, int) const { return 0; }
-  __device__ __forceinline__ size_t row(int b, int, int key) const {
-    return static_cast<size_t>(b) * capacity + key;
-  }
+  __device__ __forceinline__ size_t row(int b, int, int key) const { return static_cast<size_t>(b) * capacity + key; }
 };
 
 // Key p of sequence b lives in block tables[b, p >> shift], slot p & (bs - 1): k, v
@@ -160,9 +174,7 @@ static __device__ __forceinline__ SplitPlan plan_splits(int n_keys, int s_max) {
 
 static __device__ __forceinline__ uint4 ld_kv(const bf16* p) {
   uint4 v;
-  asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-      : "l"(p));
+  asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
   return v;
 }
 
@@ -247,20 +259,20 @@ template <class KV, int D, int G, int QT>
 static __global__ void __launch_bounds__(kAttnThreads)
     attention_kernel(const bf16* q, KV kv, int M, int H, int Hkv, int s_max, float q_scale, int* counters,
                      float* part_acc, float* part_ml, void* __restrict__ out, int* f16_overflow, bool early) {
-  constexpr int LPR = D / 8;                // lanes per key row
-  constexpr int GPW = 32 / LPR;             // key streams per warp
-  constexpr int NS = kAttnWarps * GPW;      // key streams per block
-  constexpr int R = G * QT;                 // query rows per block
-  constexpr int KT = R <= 2 ? 8 : (R <= 4 ? 4 : 2);  // keys per stream per step (registers: R x KT scores)
-  constexpr int C4 = D / 4;                 // float4 columns of a partial's acc
-  constexpr int NO = R * C4;                // float4 outputs of the merge
-  constexpr int IPT = CEIL_DIV(NO, kAttnThreads);                // merge outputs per thread
+  constexpr int LPR = D / 8;                                      // lanes per key row
+  constexpr int GPW = 32 / LPR;                                   // key streams per warp
+  constexpr int NS = kAttnWarps * GPW;                            // key streams per block
+  constexpr int R = G * QT;                                       // query rows per block
+  constexpr int KT = R <= 2 ? 8 : (R <= 4 ? 4 : 2);               // keys per stream per step (registers: R x KT scores)
+  constexpr int C4 = D / 4;                                       // float4 columns of a partial's acc
+  constexpr int NO = R * C4;                                      // float4 outputs of the merge
+  constexpr int IPT = CEIL_DIV(NO, kAttnThreads);                 // merge outputs per thread
   constexpr int SPL = NO < kAttnThreads ? kAttnThreads / NO : 1;  // merge threads per output
-  constexpr int CS = kClusterSplits<R, D>;  // the most splits per cluster (the leader's buffer)
+  constexpr int CS = kClusterSplits<R, D>;                        // the most splits per cluster (the leader's buffer)
   __shared__ float sm_m[kAttnWarps][R], sm_l[kAttnWarps][R];
   __shared__ float sm_acc[kAttnWarps][R][D];
   __shared__ float sm_w[R][kMaxSplits], sm_ls[R][kMaxSplits];  // merge: 2^(m_s - Mx) and l_s per split
-  __shared__ float4 sm_part_o[SPL > 1 ? kAttnThreads : 1];   // merge: the SPL threads' sums
+  __shared__ float4 sm_part_o[SPL > 1 ? kAttnThreads : 1];     // merge: the SPL threads' sums
   __shared__ float sm_part_l[SPL > 1 ? kAttnThreads : 1];
   __shared__ float4 cl_acc[CS][R][C4];  // the leader's: the cluster's partials (acc, then (m, l))
   __shared__ float2 cl_ml[CS][R];
@@ -289,7 +301,7 @@ static __global__ void __launch_bounds__(kAttnThreads)
 
   // The next kernel (the o GEMV) may launch only once this block's keys are in: launched at the
   // start, its early weight loads compete with the K/V loads on this kernel's critical path
-  // (docs/PERF.md 2026-11-21: 8B 2.74 -> 2.69 ms, 3B 1.533 -> 1.524 ms).
+  // (docs/design/attention_decode.md).
   if (!early) pdl_wait();
   const int tiles = CEIL_DIV(M, QT);
   const int h = blockIdx.x, split = blockIdx.y, b = blockIdx.z / tiles, m0 = (blockIdx.z % tiles) * QT;
@@ -330,7 +342,7 @@ static __global__ void __launch_bounds__(kAttnThreads)
       if (key < ke) ent[j] = kv.entry(b, key);
     }
   };
-  auto load_rows = [&](int base, int lo, int hi, uint4 (&kd)[KT], uint4 (&vd)[KT]) {
+  auto load_rows = [&](int base, int lo, int hi, uint4(&kd)[KT], uint4(&vd)[KT]) {
 #pragma unroll
     for (int j = 0; j < KT; ++j) {
       const int key = base + j * NS + stream;
@@ -388,7 +400,7 @@ static __global__ void __launch_bounds__(kAttnThreads)
   // One step's math on its rows (KT keys per stream from `base` on): scores, the causal / split
   // mask, the online softmax. A separate copy runs the first step, whose rows were loaded above
   // (consumed by the loop instead, they were carried into it and cost ~30 registers: G = 4).
-  auto step = [&](const uint4 (&kr)[KT], const uint4 (&vr)[KT], int base) {
+  auto step = [&](const uint4(&kr)[KT], const uint4(&vr)[KT], int base) {
     float s[KT][R];
 #pragma unroll
     for (int j = 0; j < KT; ++j) {
@@ -528,7 +540,7 @@ static __global__ void __launch_bounds__(kAttnThreads)
       return;  // exited threads do not hold up the cluster barrier
     }
     __cluster_barrier_wait();  // acquire: every active split's partial
-    stamp(kATicket);  // the leader: every partial in
+    stamp(kATicket);           // the leader: every partial in
     merge_in_cluster<R, D, G, SPL>(cl_acc, cl_ml, n_splits, b, M, m0, H, h, out, f16_overflow);
     stamp(kAMerged);
     flush(true);
@@ -539,7 +551,7 @@ static __global__ void __launch_bounds__(kAttnThreads)
   // block's partials are complete at the barrier; thread 0 takes a ticket with an acquire-release
   // add (release: the partials the barrier ordered before it, cumulatively; acquire: the partials
   // of the blocks that counted before, for its threads after the next barrier). One fence instead of
-  // the two sequentially consistent ones of __threadfence (docs/PERF.md).
+  // the two sequentially consistent ones of __threadfence (docs/design/attention_decode.md).
   __syncthreads();
   stamp(kAPartial);
   if (n_splits > 1) {
@@ -683,21 +695,15 @@ void attention_scratch_clear(void* scratch, size_t scratch_bytes, cudaStream_t s
   AF_CUDA_CHECK(cudaMemsetAsync(scratch, 0, kCounterBytes, stream));
 }
 
-// Kill switch: ATOMFLOW_NO_CLUSTER_MERGE=1 merges every group with 2+ splits through the scratch.
-static bool cluster_merge_enabled() {
-  static const bool on = !env_flag("ATOMFLOW_NO_CLUSTER_MERGE");
-  return on;
-}
-
 // Splits per cluster: the smallest power of two that holds s_max, when kClusterSplits<R, D> (16 for
 // the Llama decode shapes; 8, the portable maximum, where the GPU cannot run a 16-block cluster of
-// this kernel) does; otherwise 1, a plain launch. A grid of several clusters per group only paid
-// for them: a group that spans clusters merges through the scratch anyway, and the clusters cost
-// the deep key loops their wave (3B at 32768 keys in 8-block clusters 2.994 ms against 2.413 ms
-// without; the kernel alone 61.8 against 42.7 us; docs/PERF.md 2026-11-23). Short steps of a large
-// cache keep their cluster merge through the core's grid planned for 512 keys (engine.h, kShortKeys).
+// this kernel) does and `merge` allows clusters; otherwise 1, a plain launch. A grid of several
+// clusters per group only pays for them: a group that spans clusters merges through the scratch
+// anyway, and the clusters cost the deep key loops their wave (docs/design/attention_decode.md).
+// Short steps of a large cache keep their cluster merge through the core's grid planned for 512 keys
+// (step_plan.h, kShortKeys).
 template <class KV, int D, int G, int QT>
-static int cluster_splits(int s_max) {
+static int cluster_splits(int s_max, bool merge) {
   constexpr int R = G * QT;
   static const int most = [] {
     int n = kClusterSplits<R, D>;
@@ -720,16 +726,17 @@ static int cluster_splits(int s_max) {
     cudaGetLastError();  // a refusal above only means: no 16-block clusters
     return clusters >= 1 ? n : 8;
   }();
-  if (!cluster_merge_enabled() || s_max > most) return 1;
+  if (!merge || s_max > most) return 1;
   int cs = 1;
   while (cs < s_max) cs *= 2;
   return cs;
 }
 
 template <class KV, int D, int G, int QT>
-static void launch_attention(const bf16* q, const KV& kv, int B, int M, int H, int Hkv, float scale, void* scratch,
-                             void* out, int* f16_overflow, cudaStream_t stream, bool early) {
-  const int s_max = max_splits(B * M, kv.capacity);
+static void launch_attention(const bf16* q, const KV& kv, int B, int M, int H, int Hkv, int s_max, int cs, float scale,
+                             void* scratch, void* out, int* f16_overflow, cudaStream_t stream, bool early) {
+  AF_CHECK(s_max == max_splits(B * M, kv.capacity) && cs >= 1 && (cs == 1 || cs >= s_max),
+           "attention: the plan's splits are not this call's");
   int* counters = static_cast<int*>(scratch);
   float* part_acc = reinterpret_cast<float*>(static_cast<char*>(scratch) + kCounterBytes);
   float* part_ml = part_acc + static_cast<size_t>(B) * M * H * s_max * D;
@@ -737,12 +744,11 @@ static void launch_attention(const bf16* q, const KV& kv, int B, int M, int H, i
   // (split < n_active) come before the ones past it, which only wait for the previous kernel and exit
   // (with the capacity of a default context, 8192 keys, 64 splits: 7 in 8 blocks at 256 keys).
   // grid.y is padded to whole clusters; the padding's blocks are past every n_active and exit.
-  const int cs = cluster_splits<KV, D, G, QT>(s_max);
   const dim3 grid(Hkv, CEIL_DIV(s_max, cs) * cs, B * CEIL_DIV(M, QT));
   const float q_scale = scale * 1.4426950408889634f;  // scores in log2 units: exp2f in the softmax
-  early = early && std::is_same_v<KV, ContiguousKV>;   // a paged table is read with the rows: after the wait
-  af_launch_clusters(attention_kernel<KV, D, G, QT>, grid, dim3(kAttnThreads), dim3(1, cs, 1), 0, stream, q, kv, M,
-                     H, Hkv, s_max, q_scale, counters, part_acc, part_ml, out, f16_overflow, early);
+  early = early && std::is_same_v<KV, ContiguousKV>;  // a paged table is read with the rows: after the wait
+  af_launch_clusters(attention_kernel<KV, D, G, QT>, grid, dim3(kAttnThreads), dim3(1, cs, 1), 0, stream, q, kv, M, H,
+                     Hkv, s_max, q_scale, counters, part_acc, part_ml, out, f16_overflow, early);
 }
 
 // Decode uses one query token per block; prefill chunks tile QT tokens so that G * QT <= 8 query
@@ -776,52 +782,66 @@ static decltype(auto) for_shape(int D, int G, int M, Fn&& fn) {
   return D == 64 ? group(std::integral_constant<int, 64>{}) : group(std::integral_constant<int, 128>{});
 }
 
+// plan: the contiguous core's (attention()); null for the sandbox's batched and paged calls, which
+// plan here with the cluster merge on.
 template <class KV>
-static void dispatch(const bf16* q, const KV& kv, int B, int M, int H, int Hkv, int D, float scale, void* scratch,
-                     void* out, cudaStream_t stream, bool early = false, int* f16_overflow = nullptr) {
+static void dispatch(const AttnPlan* plan, const bf16* q, const KV& kv, int B, int M, int H, int Hkv, int D,
+                     float scale, void* scratch, void* out, cudaStream_t stream, bool early = false,
+                     int* f16_overflow = nullptr) {
   AF_CHECK(B >= 1 && M >= 1 && H >= 1 && Hkv >= 1, "attention: B, M, H, Hkv must be >= 1");
   AF_CHECK(H % Hkv == 0, "attention: H must be a multiple of Hkv");
   AF_CHECK(Hkv <= kMaxKvHeads, "attention: at most 256 kv heads (the scratch's counters)");
   for_shape(D, H / Hkv, M, [&](auto d, auto g, auto qt) {
+    constexpr int Dc = decltype(d)::value, Gc = decltype(g)::value, QTc = decltype(qt)::value;
     AF_CHECK(static_cast<long long>(B) * M <= 65535, "attention: B * M too large for the grid");
-    launch_attention<KV, decltype(d)::value, decltype(g)::value, decltype(qt)::value>(q, kv, B, M, H, Hkv, scale,
-                                                                                      scratch, out, f16_overflow,
-                                                                                      stream, early);
+    const int s_max = plan ? plan->splits : max_splits(B * M, kv.capacity);
+    const int cs = plan ? plan->cluster : cluster_splits<KV, Dc, Gc, QTc>(s_max, true);
+    launch_attention<KV, Dc, Gc, QTc>(q, kv, B, M, H, Hkv, s_max, cs, scale, scratch, out, f16_overflow, stream, early);
   });
 }
 
-// The blocks per cluster that launch_attention picks for a contiguous-cache call of this shape.
-int attention_cluster_size(int M, int H, int Hkv, int D, int max_context) {
-  AF_CHECK(M >= 1 && H >= 1 && Hkv >= 1 && max_context >= 1 && H % Hkv == 0,
-           "attention_cluster_size: M, H, Hkv, max_context must be >= 1, H a multiple of Hkv");
-  return for_shape(D, H / Hkv, M, [&](auto d, auto g, auto qt) {
-    return cluster_splits<ContiguousKV, decltype(d)::value, decltype(g)::value, decltype(qt)::value>(
-        max_splits(M, max_context));
+AttnPlan plan_attention(int M, int H, int Hkv, int D, int capacity, bool cluster_merge) {
+  AF_CHECK(M >= 1 && H >= 1 && Hkv >= 1 && capacity >= 1 && H % Hkv == 0,
+           "plan_attention: M, H, Hkv, capacity must be >= 1, H a multiple of Hkv");
+  AttnPlan plan{M, H, Hkv, D, capacity, max_splits(M, capacity), 1};
+  plan.cluster = for_shape(D, H / Hkv, M, [&](auto d, auto g, auto qt) {
+    return cluster_splits<ContiguousKV, decltype(d)::value, decltype(g)::value, decltype(qt)::value>(plan.splits,
+                                                                                                     cluster_merge);
   });
+  return plan;
 }
 
-void attention(const bf16* q, const bf16* k_cache, const bf16* v_cache, const int32_t* pos, int M, int H, int Hkv,
-               int D, int max_context, float scale, void* scratch, void* out, cudaStream_t stream, bool early,
-               int* f16_overflow) {
+const char* attention_merge_name(const AttnPlan& plan) {
+  return plan.cluster > 1 ? "cluster" : (plan.splits > 1 ? "scratch" : "none");
+}
+
+void attention(const AttnPlan& plan, const bf16* q, const bf16* k_cache, const bf16* v_cache, const int32_t* pos, int M,
+               int H, int Hkv, int D, int max_context, float scale, void* scratch, void* out, cudaStream_t stream,
+               bool early, int* f16_overflow) {
   AF_CHECK(M >= 1 && H >= 1 && Hkv >= 1 && max_context >= 1, "attention: M, H, Hkv, max_context must be >= 1");
   AF_CHECK(M <= 65535, "attention: M too large for the grid");
-  AF_CHECK(static_cast<size_t>(max_context) * Hkv * D < (size_t{1} << 31), "attention: cache too large for int offsets");
+  AF_CHECK(static_cast<size_t>(max_context) * Hkv * D < (size_t{1} << 31),
+           "attention: cache too large for int offsets");
+  AF_CHECK(plan.M == M && plan.H == H && plan.Hkv == Hkv && plan.D == D && plan.capacity == max_context,
+           "attention: the plan is not this call's (plan_attention(M, H, Hkv, D, max_context))");
   const ContiguousKV kv{k_cache, v_cache, SeqStart{pos, 0}, max_context};
-  dispatch(q, kv, 1, M, H, Hkv, D, scale, scratch, out, stream, early, f16_overflow);
+  dispatch(&plan, q, kv, 1, M, H, Hkv, D, scale, scratch, out, stream, early, f16_overflow);
 }
 
 // ---- batched launchers (the sandbox): sequence b's M queries sit at lens[b] - M .. lens[b] - 1 ----
 
 size_t attention_batched_scratch_bytes(int B, int M, int H, int D, int capacity) {
-  AF_CHECK(B >= 1 && M >= 1 && H >= 1 && D >= 1 && capacity >= 1, "attention_batched_scratch_bytes: arguments must be >= 1");
+  AF_CHECK(B >= 1 && M >= 1 && H >= 1 && D >= 1 && capacity >= 1,
+           "attention_batched_scratch_bytes: arguments must be >= 1");
   return scratch_bytes(B * M, H, D, capacity);
 }
 
 void attention_batched(const bf16* q, const bf16* k_cache, const bf16* v_cache, const int32_t* lens, int B, int M,
-                       int H, int Hkv, int D, int capacity, float scale, void* scratch, bf16* out, cudaStream_t stream) {
+                       int H, int Hkv, int D, int capacity, float scale, void* scratch, bf16* out,
+                       cudaStream_t stream) {
   AF_CHECK(capacity >= 1, "attention_batched: capacity must be >= 1");
   const ContiguousKV kv{k_cache, v_cache, SeqStart{lens, -M}, capacity};
-  dispatch(q, kv, B, M, H, Hkv, D, scale, scratch, out, stream);
+  dispatch(nullptr, q, kv, B, M, H, Hkv, D, scale, scratch, out, stream);
 }
 
 static int block_shift(int block_size) {
@@ -834,7 +854,8 @@ static int block_shift(int block_size) {
 
 size_t attention_paged_scratch_bytes(int B, int M, int H, int D, int max_blocks, int block_size) {
   AF_CHECK(max_blocks >= 1, "attention_paged_scratch_bytes: max_blocks must be >= 1");
-  AF_CHECK(static_cast<long long>(max_blocks) * block_size < (1LL << 31), "attention_paged: max_blocks * block_size overflows");
+  AF_CHECK(static_cast<long long>(max_blocks) * block_size < (1LL << 31),
+           "attention_paged: max_blocks * block_size overflows");
   return attention_batched_scratch_bytes(B, M, H, D, max_blocks << block_shift(block_size));
 }
 
@@ -842,10 +863,12 @@ void attention_paged(const bf16* q, const bf16* k_pool, const bf16* v_pool, cons
                      const int32_t* lens, int B, int M, int H, int Hkv, int D, int block_size, int num_blocks,
                      int max_blocks, float scale, void* scratch, void* out, cudaStream_t stream, int* f16_overflow) {
   AF_CHECK(num_blocks >= 1 && max_blocks >= 1, "attention_paged: num_blocks and max_blocks must be >= 1");
-  AF_CHECK(static_cast<long long>(max_blocks) * block_size < (1LL << 31), "attention_paged: max_blocks * block_size overflows");
+  AF_CHECK(static_cast<long long>(max_blocks) * block_size < (1LL << 31),
+           "attention_paged: max_blocks * block_size overflows");
   const int shift = block_shift(block_size);
-  const PagedKV kv{k_pool, v_pool, SeqStart{lens, -M}, max_blocks << shift, block_tables, max_blocks, shift, num_blocks};
-  dispatch(q, kv, B, M, H, Hkv, D, scale, scratch, out, stream, false, f16_overflow);
+  const PagedKV kv{k_pool,     v_pool, SeqStart{lens, -M}, max_blocks << shift, block_tables,
+                   max_blocks, shift,  num_blocks};
+  dispatch(nullptr, q, kv, B, M, H, Hkv, D, scale, scratch, out, stream, false, f16_overflow);
 }
 
 }  // namespace atomflow::kernels

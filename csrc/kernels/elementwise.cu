@@ -1,4 +1,5 @@
 // Small elementwise ops the fused paths do not cover: x += y (fp32).
+// Contract: reads x and y only after its PDL wait (pdl_prologue); writes x[0, n).
 #include "atomflow/kernels.h"
 #include "atomflow/pdl.cuh"
 
@@ -6,8 +7,7 @@ namespace atomflow::kernels {
 
 constexpr int kAddThreads = 256;
 
-static __global__ void __launch_bounds__(kAddThreads)
-    add_inplace_kernel(float* __restrict__ x, const float* y, int n) {
+static __global__ void __launch_bounds__(kAddThreads) add_inplace_kernel(float* __restrict__ x, const float* y, int n) {
   pdl_prologue();
   const int stride = gridDim.x * kAddThreads;
   for (int i = blockIdx.x * kAddThreads + threadIdx.x; i < n; i += stride) x[i] += y[i];

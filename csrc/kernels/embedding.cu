@@ -1,4 +1,6 @@
 // Token embedding lookup: out[m, :] = float(table[tokens[m], :]), one block per token.
+// Contract: one block per token; reads the token ids only after its PDL wait (pdl_prologue), clamps
+// them into [0, vocab); writes out fp32 [M, d], every element.
 #include "atomflow/kernels.h"
 #include "atomflow/pdl.cuh"
 
@@ -8,8 +10,7 @@ constexpr int kEmbedThreads = 256;
 
 // d is small (a few thousand): coalesced 2-byte loads are plenty, and any d works.
 static __global__ void __launch_bounds__(kEmbedThreads)
-    embedding_kernel(const bf16* __restrict__ table, const int32_t* tokens, int d, int vocab,
-                     float* __restrict__ out) {
+    embedding_kernel(const bf16* __restrict__ table, const int32_t* tokens, int d, int vocab, float* __restrict__ out) {
   pdl_prologue();
   const int m = blockIdx.x;
   // The host validates ids; clamping keeps a bad id from ever reading out of bounds.

@@ -4,7 +4,8 @@
 //
 //  - Block tile 128 (M) x 64 (N) x 128 (K = one scale group), 4 warps of 64 x 32, 2-stage cp.async
 //    pipeline (x tile 16-bit, weight tile fp8, both kept in their stored precision in shared memory).
-//  - The weight fragments are converted fp8 -> the activation's 16-bit type in registers (exact). Each k-tile is one scale
+//  - The weight fragments are converted fp8 -> the activation's 16-bit type in registers (exact). Each k-tile is one
+//  scale
 //    group, so its mma results go to a zeroed fp32 partial that is added to the accumulator times
 //    the per-column scale: products and sums stay fp32, as in the GEMV (no bf16 rounding of w * s).
 //  - K is permuted inside each 32-wide k-step so that every lane reads contiguous bytes: for mma j
@@ -13,6 +14,12 @@
 //    dot products are unchanged; the lane then needs 16 B of x (LDS.128) and 8 B of w (LDS.64).
 //  - SwiGLU: a block's 64 columns are 32 gate rows and the 32 matching up rows, arranged so that the
 //    same lane holds gate (n-tiles 0, 1) and up (n-tiles 2, 3) of the same outputs.
+//
+// Contract of gemm_w8a16_kernel<EP, A>, grid (ceil(M / 128), N tiles of 64 columns) x 128 threads:
+//  Inputs   w fp8 e4m3 [N, K] row-major, scales fp32 [N, K / 128], x 16-bit [M, K] of type A; K % 128 == 0.
+//  Before its PDL wait nothing: pdl_prologue() lets the next kernel launch, then waits.
+//  Writes   Store: out fp32 [M, N]; AddResidual: out += y; SwiGLU: out 16-bit [M, N / 2]. Each element once.
+//  Leaves   nothing else; no scratch.
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
@@ -90,8 +97,8 @@ static __device__ __forceinline__ int weight_row(int j, int n_tile, int N) {
 
 template <Epilogue EP, Act A>
 static __global__ void __launch_bounds__(kGemmThreads, 2)
-    gemm_w8a16_kernel(const uint8_t* __restrict__ w, const float* __restrict__ scales, const uint16_t* x,
-                      int M, int N, int K, void* __restrict__ out) {
+    gemm_w8a16_kernel(const uint8_t* __restrict__ w, const float* __restrict__ scales, const uint16_t* x, int M, int N,
+                      int K, void* __restrict__ out) {
   extern __shared__ __align__(16) uint8_t smem[];
   pdl_prologue();
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;

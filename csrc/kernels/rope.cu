@@ -3,6 +3,10 @@
 // Templated on a row policy (STYLE.md habit 11): where token m sits and which cache row it
 // fills. ContiguousRows is the core engine's (position *pos + m, row = position); SlotRows is the
 // sandbox's paged cache (position and destination row given per token by the host).
+//
+// Contract of rope_kv_append_kernel<Rows>, one block per token: reads qkv fp32 [M, (H + 2 Hkv) D],
+// inv_freq, and the position (or positions / slots) only after its PDL wait (pdl_prologue); writes
+// q bf16 [M, H, D] and the token's K / V cache rows (nothing for a row outside the cache).
 #include "atomflow/kernels.h"
 #include "atomflow/pdl.cuh"
 #include "atomflow/rope.cuh"
@@ -91,8 +95,7 @@ void rope_kv_append_slots(const float* qkv, const float* inv_freq, const int32_t
                           int M, int H, int Hkv, int D, long long num_slots, bf16* q_out, bf16* k_pool, bf16* v_pool,
                           cudaStream_t stream) {
   AF_CHECK(M >= 1 && H >= 1 && Hkv >= 1 && num_slots >= 1, "rope_kv_append_slots: M, H, Hkv, num_slots must be >= 1");
-  AF_CHECK(D >= 2 && D % 2 == 0 && D <= kMaxRopeHeadDim,
-           "rope_kv_append_slots: head_dim must be even and <= 1024");
+  AF_CHECK(D >= 2 && D % 2 == 0 && D <= kMaxRopeHeadDim, "rope_kv_append_slots: head_dim must be even and <= 1024");
   const size_t smem = static_cast<size_t>(D) * sizeof(float);
   af_launch(rope_kv_append_kernel<SlotRows>, dim3(M), dim3(kRopeThreads), smem, stream, qkv, inv_freq,
             SlotRows{positions, slots, num_slots}, H, Hkv, D, q_out, k_pool, v_pool);

@@ -20,6 +20,15 @@
 // the head GEMV's per-block maxima (sample_step), one block reducing those (a few hundred). Sampling
 // caches the slice in shared memory (key + weight, 8 B per token); top-k / top-p each run an
 // 8-ary search over the 32-bit order-preserving key space (<= 11 rounds of one cluster reduction).
+//
+// Contract of sample_kernel, one cluster of 8 blocks x 1024 threads:
+//  Inputs   logits fp32 [vocab] (or, greedy with the FP8 head, block_best [n_best]), the settings
+//           *cfg and the position in device memory.
+//  Before its PDL wait, ending a decode step (sample_step) only: *cfg and pos[0], which no kernel of
+//           the step writes (see kernels.h, sample_step). It triggers its dependents first.
+//  Writes   the token (*token_out); ending a step also the ring slot (token and overflow flag,
+//           fenced stores to mapped host memory), pos[0..1] + 1, the next step's embedding row x,
+//           and clears the overflow flag. No scratch in global memory.
 #include <cooperative_groups.h>
 
 #include "atomflow/kernels.h"
@@ -34,7 +43,7 @@ namespace atomflow::kernels {
 constexpr int kSampleBlocks = 8;  // the cluster: portable maximum size
 constexpr int kSampleThreads = 1024;
 constexpr int kSampleWarps = kSampleThreads / 32;
-constexpr int kProbes = 7;  // thresholds per search round: an 8-ary search
+constexpr int kProbes = 7;                     // thresholds per search round: an 8-ary search
 constexpr float kFixedOne = 1099511627776.0f;  // 2^40: weights in (0, 1] -> fixed point
 
 struct SampleShared {
@@ -181,9 +190,8 @@ static __device__ void end_step(const StepEnd& end, int32_t token, int32_t p, in
 }
 
 static __global__ void __cluster_dims__(kSampleBlocks, 1, 1) __launch_bounds__(kSampleThreads, 1)
-    sample_kernel(const float* logits, int vocab, const uint64_t* block_best, int n_best,
-                  const SamplingConfig* cfg_ptr, const int32_t* pos_ptr, int32_t* __restrict__ token_out,
-                  const StepEnd end) {
+    sample_kernel(const float* logits, int vocab, const uint64_t* block_best, int n_best, const SamplingConfig* cfg_ptr,
+                  const int32_t* pos_ptr, int32_t* __restrict__ token_out, const StepEnd end) {
   extern __shared__ uint32_t cache[];  // sampling only: keys [chunk], then weights (float) [chunk]
   __shared__ SampleShared sh;
   // Ending a decode step, the settings and the position are read before the wait: no kernel of
@@ -364,12 +372,12 @@ static void launch_sample(const float* logits, int vocab, const uint64_t* block_
     AF_CUDA_CHECK(cudaFuncGetAttributes(&attr, sample_kernel));
     AF_CHECK(smem + attr.sharedSizeBytes <= static_cast<size_t>(smem_optin),
              "sample: vocab too large (the 8-block cluster caches 8 bytes per token in shared memory)");
-    AF_CUDA_CHECK(cudaFuncSetAttribute(sample_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       static_cast<int>(smem)));
+    AF_CUDA_CHECK(
+        cudaFuncSetAttribute(sample_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
     configured = smem;
   }
-  af_launch(sample_kernel, dim3(kSampleBlocks), dim3(kSampleThreads), smem, stream, logits, vocab, block_best,
-            n_best, cfg, pos, token_out, end);
+  af_launch(sample_kernel, dim3(kSampleBlocks), dim3(kSampleThreads), smem, stream, logits, vocab, block_best, n_best,
+            cfg, pos, token_out, end);
 }
 
 void sample(const float* logits, int vocab, const SamplingConfig* cfg, const int32_t* pos, void* scratch,

@@ -1,5 +1,6 @@
 // The read-bandwidth ceiling: every byte read once with 16-byte streaming loads (the same load
 // the GEMV uses for weights), folded into a checksum so the reads cannot be elided.
+// Contract: a plain launch (no PDL); reads n_bytes of data once, writes sink[0] only.
 #include "atomflow/kernels.h"
 #include "atomflow/loads.cuh"
 

@@ -328,7 +328,8 @@ void BlockManager::check() const {
   for (size_t b = 0; b < n; ++b) {
     const Block& blk = blocks_[b];
     const std::string name = "block " + std::to_string(b);
-    if (blk.ref != refs[b]) fail(name + ": refcount " + std::to_string(blk.ref) + " but " + std::to_string(refs[b]) + " tables hold it");
+    if (blk.ref != refs[b])
+      fail(name + ": refcount " + std::to_string(blk.ref) + " but " + std::to_string(refs[b]) + " tables hold it");
     const bool want_free = blk.ref == 0 && !blk.registered, want_idle = blk.ref == 0 && blk.registered;
     if (static_cast<bool>(in_free[b]) != want_free) fail(name + ": free-list membership wrong");
     if (static_cast<bool>(in_idle[b]) != want_idle) fail(name + ": idle-list membership wrong");

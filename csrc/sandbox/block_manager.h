@@ -107,10 +107,10 @@ class BlockManager {
  private:
   struct Block {
     int ref = 0;
-    bool registered = false;       // in the prefix cache under `hash`
+    bool registered = false;        // in the prefix cache under `hash`
     uint64_t hash = 0, parent = 0;  // chained hash of the prefix ending here, and the parent's
-    std::vector<int32_t> tokens;   // the block's token ids, compared on every hit (no false hits)
-    uint64_t idle_tick = 0;        // when it became CACHED-IDLE (LRU order)
+    std::vector<int32_t> tokens;    // the block's token ids, compared on every hit (no false hits)
+    uint64_t idle_tick = 0;         // when it became CACHED-IDLE (LRU order)
   };
   struct Seq {
     std::vector<int32_t> tokens;
@@ -122,17 +122,17 @@ class BlockManager {
   const Seq& get(int64_t seq) const;
   Seq& get(int64_t seq);
   std::vector<int32_t> prefix_hits(const std::vector<int32_t>& tokens) const;
-  int32_t take_block();          // throws OutOfBlocks with nothing changed
-  void retain(int32_t block);    // ref++ (takes a CACHED-IDLE block out of the LRU)
-  void release(int32_t block);   // ref--, to FREE or CACHED-IDLE at 0
+  int32_t take_block();         // throws OutOfBlocks with nothing changed
+  void retain(int32_t block);   // ref++ (takes a CACHED-IDLE block out of the LRU)
+  void release(int32_t block);  // ref--, to FREE or CACHED-IDLE at 0
   void unregister(int32_t block);
 
   int block_size_;
   bool prefix_caching_;
   std::vector<Block> blocks_;
-  std::vector<int32_t> free_;                        // FREE blocks (a stack)
-  std::set<std::pair<uint64_t, int32_t>> idle_;      // CACHED-IDLE blocks by idle_tick (LRU first)
-  std::unordered_map<uint64_t, int32_t> index_;      // prefix hash -> registered block
+  std::vector<int32_t> free_;                    // FREE blocks (a stack)
+  std::set<std::pair<uint64_t, int32_t>> idle_;  // CACHED-IDLE blocks by idle_tick (LRU first)
+  std::unordered_map<uint64_t, int32_t> index_;  // prefix hash -> registered block
   std::unordered_map<int64_t, Seq> seqs_;
   uint64_t tick_ = 0;
   BlockStats stats_;

@@ -34,7 +34,8 @@ void sync() {
 // at least 256 MB in all, at most 64 copies, one copy when a single one is already that large.
 int rotation_copies(size_t bytes_per_copy) {
   const size_t target = size_t{256} << 20;
-  return static_cast<int>(std::min<size_t>(64, std::max<size_t>(1, CEIL_DIV(target, std::max<size_t>(bytes_per_copy, 1)))));
+  return static_cast<int>(
+      std::min<size_t>(64, std::max<size_t>(1, CEIL_DIV(target, std::max<size_t>(bytes_per_copy, 1)))));
 }
 
 }  // namespace
@@ -87,8 +88,8 @@ void run_attention_contiguous(const uint16_t* q, const uint16_t* k_cache, const 
   DeviceBuffer dpos = to_device(&pos, sizeof(int32_t));
   DeviceBuffer scratch = attention_scratch(k::attention_scratch_bytes(M, H, D, capacity));
   DeviceBuffer dout = DeviceBuffer::poisoned(qbytes);
-  k::attention(dq.get<bf16>(), dk.get<bf16>(), dv.get<bf16>(), dpos.get<int32_t>(), M, H, Hkv, D, capacity, scale,
-               scratch.get(), dout.get<bf16>(), nullptr);
+  k::attention(k::plan_attention(M, H, Hkv, D, capacity), dq.get<bf16>(), dk.get<bf16>(), dv.get<bf16>(),
+               dpos.get<int32_t>(), M, H, Hkv, D, capacity, scale, scratch.get(), dout.get<bf16>(), nullptr);
   sync();
   dout.download(out, qbytes);
 }
@@ -128,7 +129,8 @@ double time_attention(const std::string& layout, const std::vector<int32_t>& len
   const int max_len = *std::max_element(lens.begin(), lens.end());
   const size_t row = static_cast<size_t>(Hkv) * D;  // elements per cache row
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  DeviceBuffer q(sizeof(bf16) * B * H * D), out(sizeof(bf16) * B * H * D), dlens = to_device(lens.data(), sizeof(int32_t) * B);
+  DeviceBuffer q(sizeof(bf16) * B * H * D), out(sizeof(bf16) * B * H * D),
+      dlens = to_device(lens.data(), sizeof(int32_t) * B);
   q.fill(0x3C);  // bf16 0x3C3C ~ 0.0115: finite; the values do not change the time
   const int warmup = 3;
 
@@ -142,16 +144,21 @@ double time_attention(const std::string& layout, const std::vector<int32_t>& len
       const int32_t pos = lens[0] - 1;
       DeviceBuffer dpos = to_device(&pos, sizeof(pos));
       DeviceBuffer scratch = attention_scratch(k::attention_scratch_bytes(1, H, D, max_len));
-      return median_us([&](int i) {
-        k::attention(q.get<bf16>(), k_at(i), k_at(i) + per_copy / 2, dpos.get<int32_t>(), 1, H, Hkv, D, max_len, scale,
-                     scratch.get(), out.get<bf16>(), nullptr);
-      }, iters, warmup);
+      const k::AttnPlan plan = k::plan_attention(1, H, Hkv, D, max_len);
+      return median_us(
+          [&](int i) {
+            k::attention(plan, q.get<bf16>(), k_at(i), k_at(i) + per_copy / 2, dpos.get<int32_t>(), 1, H, Hkv, D,
+                         max_len, scale, scratch.get(), out.get<bf16>(), nullptr);
+          },
+          iters, warmup);
     }
     DeviceBuffer scratch = attention_scratch(k::attention_batched_scratch_bytes(B, 1, H, D, max_len));
-    return median_us([&](int i) {
-      k::attention_batched(q.get<bf16>(), k_at(i), k_at(i) + per_copy / 2, dlens.get<int32_t>(), B, 1, H, Hkv, D,
-                           max_len, scale, scratch.get(), out.get<bf16>(), nullptr);
-    }, iters, warmup);
+    return median_us(
+        [&](int i) {
+          k::attention_batched(q.get<bf16>(), k_at(i), k_at(i) + per_copy / 2, dlens.get<int32_t>(), B, 1, H, Hkv, D,
+                               max_len, scale, scratch.get(), out.get<bf16>(), nullptr);
+        },
+        iters, warmup);
   }
 
   // Paged: every copy has its own blocks and tables; scatter = blocks in a random order of the pool.
@@ -176,11 +183,14 @@ double time_attention(const std::string& layout, const std::vector<int32_t>& len
   const bf16* k_pool = kv.get<bf16>();
   const bf16* v_pool = k_pool + static_cast<size_t>(num_blocks) * block_elems;
   DeviceBuffer scratch = attention_scratch(k::attention_paged_scratch_bytes(B, 1, H, D, max_blocks, block_size));
-  return median_us([&](int i) {
-    k::attention_paged(q.get<bf16>(), k_pool, v_pool, dtables.get<int32_t>() + static_cast<size_t>(i % copies) * B * max_blocks,
-                       dlens.get<int32_t>(), B, 1, H, Hkv, D, block_size, num_blocks, max_blocks, scale, scratch.get(),
-                       out.get<bf16>(), nullptr);
-  }, iters, warmup);
+  return median_us(
+      [&](int i) {
+        k::attention_paged(q.get<bf16>(), k_pool, v_pool,
+                           dtables.get<int32_t>() + static_cast<size_t>(i % copies) * B * max_blocks,
+                           dlens.get<int32_t>(), B, 1, H, Hkv, D, block_size, num_blocks, max_blocks, scale,
+                           scratch.get(), out.get<bf16>(), nullptr);
+      },
+      iters, warmup);
 }
 
 double stream_read_gbs(size_t n_bytes, int iters) {
@@ -188,7 +198,8 @@ double stream_read_gbs(size_t n_bytes, int iters) {
   DeviceBuffer data(n_bytes), sink(sizeof(uint32_t));
   data.fill(0x5A);
   sink.fill(0);
-  const double us = median_us([&](int) { k::stream_read(data.get(), n_bytes, sink.get<uint32_t>(), nullptr); }, iters, 3);
+  const double us =
+      median_us([&](int) { k::stream_read(data.get(), n_bytes, sink.get<uint32_t>(), nullptr); }, iters, 3);
   return static_cast<double>(n_bytes) / (us * 1e3);
 }
 

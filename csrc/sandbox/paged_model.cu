@@ -39,11 +39,13 @@ std::map<std::string, size_t> expected_bytes(const ModelDims& m) {
 
 }  // namespace
 
-PagedModel::PagedModel(const ModelDims& dims, const PoolConfig& pool) : dims_(dims), pool_cfg_(pool) {
+PagedModel::PagedModel(const ModelDims& dims, const PoolConfig& pool, bool f16_activations)
+    : dims_(dims), pool_cfg_(pool), f16_acts_(f16_activations) {
   const ModelDims& m = dims_;
   AF_CHECK(m.vocab >= 1 && m.d >= 128 && m.f >= 128 && m.layers >= 1 && m.H >= 1 && m.Hkv >= 1,
            "PagedModel: bad model dims");
-  AF_CHECK(m.d % 128 == 0 && m.f % 128 == 0 && m.q_dim() % 128 == 0, "PagedModel: d, f and H * D must be multiples of 128");
+  AF_CHECK(m.d % 128 == 0 && m.f % 128 == 0 && m.q_dim() % 128 == 0,
+           "PagedModel: d, f and H * D must be multiples of 128");
   AF_CHECK(m.D == 64 || m.D == 128, "PagedModel: head_dim must be 64 or 128");
   AF_CHECK(pool.num_blocks >= 1 && pool.max_rows >= 1 && pool.max_seqs >= 1 && pool.max_blocks_per_seq >= 1,
            "PagedModel: pool sizes must be >= 1");
@@ -68,15 +70,16 @@ PagedModel::PagedModel(const ModelDims& dims, const PoolConfig& pool) : dims_(di
   // Scratch for the largest decode batch and the largest prefill chunk (B * s_max is not monotone in B).
   size_t scratch = 0;
   for (int b = 1; b <= pool.max_seqs; ++b)
-    scratch = std::max(scratch, k::attention_paged_scratch_bytes(b, 1, m.H, m.D, pool.max_blocks_per_seq, pool.block_size));
+    scratch =
+        std::max(scratch, k::attention_paged_scratch_bytes(b, 1, m.H, m.D, pool.max_blocks_per_seq, pool.block_size));
   for (int r = 1; r <= pool.max_rows; ++r)
-    scratch = std::max(scratch, k::attention_paged_scratch_bytes(1, r, m.H, m.D, pool.max_blocks_per_seq, pool.block_size));
+    scratch =
+        std::max(scratch, k::attention_paged_scratch_bytes(1, r, m.H, m.D, pool.max_blocks_per_seq, pool.block_size));
   scratch_ = DeviceBuffer(scratch);
   tickets_ = DeviceBuffer(k::kGemvTicketBytes);
   tickets_.fill(0);
   f16_overflow_ = DeviceBuffer(sizeof(int32_t));
   f16_overflow_.fill(0);
-  f16_acts_ = !env_flag("ATOMFLOW_BF16_ACTS");
   input_ints_ = 3 * R + L + pool.max_seqs + 1 + static_cast<size_t>(pool.max_seqs + 1) * pool.max_blocks_per_seq;
   inputs_ = DeviceBuffer(sizeof(int32_t) * input_ints_);
   AF_CUDA_CHECK(cudaMallocHost(&host_inputs_, sizeof(int32_t) * input_ints_));
@@ -152,8 +155,8 @@ void PagedModel::resolve() {
   std::vector<Layer> layers;
   for (int l = 0; l < dims_.layers; ++l) {
     const std::string p = "layers." + std::to_string(l) + ".";
-    layers.push_back(Layer{ptr<bf16>(p + "attn_norm"), linear_of(p + "wqkv"), linear_of(p + "wo"), ptr<bf16>(p + "mlp_norm"),
-                           linear_of(p + "w13"), linear_of(p + "w2")});
+    layers.push_back(Layer{ptr<bf16>(p + "attn_norm"), linear_of(p + "wqkv"), linear_of(p + "wo"),
+                           ptr<bf16>(p + "mlp_norm"), linear_of(p + "w13"), linear_of(p + "w2")});
   }
   layers_ = std::move(layers);
 }
@@ -190,7 +193,8 @@ void PagedModel::check_step(const StepInput& in) const {
     for (int i = 0; i < n; ++i) AF_CHECK(t[i] >= 0 && t[i] < p.num_blocks, "step: block table entry outside the pool");
   };
   if (in.n_decode > 0) {
-    AF_CHECK(in.decode_stride >= 1 && in.decode_stride <= p.max_blocks_per_seq, "step: decode table stride out of range");
+    AF_CHECK(in.decode_stride >= 1 && in.decode_stride <= p.max_blocks_per_seq,
+             "step: decode table stride out of range");
     for (int b = 0; b < in.n_decode; ++b) {
       const int len = in.decode_lens[b];
       AF_CHECK(len >= 1 && len <= in.decode_stride * p.block_size, "step: decode length outside its table");
@@ -199,12 +203,14 @@ void PagedModel::check_step(const StepInput& in) const {
     }
   }
   if (n_prefill > 0) {
-    AF_CHECK(in.prefill_stride >= 1 && in.prefill_stride <= p.max_blocks_per_seq, "step: prefill table stride out of range");
+    AF_CHECK(in.prefill_stride >= 1 && in.prefill_stride <= p.max_blocks_per_seq,
+             "step: prefill table stride out of range");
     AF_CHECK(in.prefill_len >= n_prefill && in.prefill_len <= in.prefill_stride * p.block_size,
              "step: prefill length must cover the chunk and fit its table");
     check_table(in.prefill_table, CEIL_DIV(in.prefill_len, p.block_size));
   }
-  for (int i = 0; i < in.n_logits; ++i) AF_CHECK(in.logit_rows[i] >= 0 && in.logit_rows[i] < in.rows, "step: logit row out of range");
+  for (int i = 0; i < in.n_logits; ++i)
+    AF_CHECK(in.logit_rows[i] >= 0 && in.logit_rows[i] < in.rows, "step: logit row out of range");
 }
 
 // As the core: one row streams the weights through the GEMV, more rows go to the tensor-core GEMM.
@@ -212,7 +218,8 @@ void PagedModel::linear(const Linear& w, const void* x, bool x_f16, int rows, in
   const k::Act xt = x_f16 ? k::Act::F16 : k::Act::BF16;
   const k::Epilogue ep = static_cast<k::Epilogue>(epilogue);
   if (rows == 1)
-    k::gemv_w8a16(w.w, w.scales, x, xt, N, K, ep, out, stream_, tickets_.get<unsigned>());
+    k::gemv_w8a16(k::plan_gemv(ep, static_cast<k::GemvIn>(xt), N, K), w.w, w.scales, x, xt, N, K, ep, out, stream_,
+                  tickets_.get<unsigned>());
   else
     k::gemm_w8a16(w.w, w.scales, x, xt, rows, N, K, ep, out, stream_);
 }
@@ -221,8 +228,9 @@ void PagedModel::linear(const Linear& w, const void* x, bool x_f16, int rows, in
 void PagedModel::normed_linear(const bf16* norm, const Linear& w, int rows, int N, int epilogue, void* out,
                                int* f16_overflow) {
   if (rows == 1) {
-    k::gemv_w8a16_rmsnorm(w.w, w.scales, x_.get<float>(), norm, dims_.eps, N, dims_.d,
-                          static_cast<k::Epilogue>(epilogue), out, stream_, tickets_.get<unsigned>(), f16_overflow);
+    const k::Epilogue ep = static_cast<k::Epilogue>(epilogue);
+    k::gemv_w8a16_rmsnorm(k::plan_gemv(ep, k::GemvIn::NORM, N, dims_.d), w.w, w.scales, x_.get<float>(), norm,
+                          dims_.eps, N, dims_.d, ep, out, stream_, tickets_.get<unsigned>(), f16_overflow);
     return;
   }
   k::rmsnorm(x_.get<float>(), norm, rows, dims_.d, dims_.eps, xn_.get<f16>(), stream_);
@@ -286,13 +294,14 @@ void PagedModel::step(const StepInput& in, int32_t* next_tokens, float* logits) 
       linear(lw.w2, ffn_.get(), half, R, m.d, m.f, 1, x_.get());
     }
     if (L == 1) {  // the core's head: fused final norm + lm_head GEMV on the one row
-      k::gemv_w8a16_rmsnorm(lm_head_.w, lm_head_.scales, x_.get<float>() + static_cast<size_t>(in.logit_rows[0]) * m.d,
-                            final_norm_, m.eps, m.vocab, m.d, k::Epilogue::Store, logits_.get(), stream_);
+      k::gemv_w8a16_rmsnorm(k::plan_gemv(k::Epilogue::Store, k::GemvIn::NORM, m.vocab, m.d), lm_head_.w,
+                            lm_head_.scales, x_.get<float>() + static_cast<size_t>(in.logit_rows[0]) * m.d, final_norm_,
+                            m.eps, m.vocab, m.d, k::Epilogue::Store, logits_.get(), stream_);
     } else if (L > 1) {
       gather_rows(x_.get<float>(), d + o_logit, L, m.d, xg_.get<float>(), stream_);
       k::rmsnorm(xg_.get<float>(), final_norm_, L, m.d, m.eps, xn_.get<f16>(), stream_);
-      k::gemm_w8a16(lm_head_.w, lm_head_.scales, xn_.get(), k::Act::F16, L, m.vocab, m.d,
-                    k::Epilogue::Store, logits_.get(), stream_);
+      k::gemm_w8a16(lm_head_.w, lm_head_.scales, xn_.get(), k::Act::F16, L, m.vocab, m.d, k::Epilogue::Store,
+                    logits_.get(), stream_);
     }
     if (L > 0) argmax_rows(logits_.get<float>(), L, m.vocab, next_.get<int32_t>(), stream_);
     AF_CUDA_CHECK(cudaEventRecord(ev_stop_, stream_));
@@ -306,7 +315,8 @@ void PagedModel::step(const StepInput& in, int32_t* next_tokens, float* logits) 
   if (L > 0) {
     AF_CUDA_CHECK(cudaMemcpyAsync(next_tokens, next_.get(), sizeof(int32_t) * L, cudaMemcpyDeviceToHost, stream_));
     if (logits)
-      AF_CUDA_CHECK(cudaMemcpyAsync(logits, logits_.get(), sizeof(float) * L * m.vocab, cudaMemcpyDeviceToHost, stream_));
+      AF_CUDA_CHECK(
+          cudaMemcpyAsync(logits, logits_.get(), sizeof(float) * L * m.vocab, cudaMemcpyDeviceToHost, stream_));
   }
   AF_CUDA_CHECK(cudaStreamSynchronize(stream_));
   AF_CUDA_CHECK(cudaEventElapsedTime(&last_ms_, ev_start_, ev_stop_));

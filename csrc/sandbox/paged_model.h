@@ -38,24 +38,25 @@ struct PoolConfig {
 
 // One iteration, all arrays on the host. Tables are row-major [n, table_stride] / [table_stride].
 struct StepInput {
-  int rows = 0;                     // tokens this step
-  const int32_t* tokens = nullptr;  // [rows] token ids
-  const int32_t* positions = nullptr;  // [rows] position of each token in its sequence
-  const int32_t* slots = nullptr;   // [rows] pool row (block * block_size + offset) its K/V go to
-  int n_decode = 0;                 // rows [0, n_decode): one token of each decode sequence
+  int rows = 0;                            // tokens this step
+  const int32_t* tokens = nullptr;         // [rows] token ids
+  const int32_t* positions = nullptr;      // [rows] position of each token in its sequence
+  const int32_t* slots = nullptr;          // [rows] pool row (block * block_size + offset) its K/V go to
+  int n_decode = 0;                        // rows [0, n_decode): one token of each decode sequence
   const int32_t* decode_tables = nullptr;  // [n_decode, decode_stride]
   const int32_t* decode_lens = nullptr;    // [n_decode] keys including this step's token
   int decode_stride = 0;
   const int32_t* prefill_table = nullptr;  // [prefill_stride]: the chunk's sequence
   int prefill_len = 0;                     // its keys including this chunk
   int prefill_stride = 0;
-  int n_logits = 0;                        // rows whose next token is wanted
-  const int32_t* logit_rows = nullptr;     // [n_logits]
+  int n_logits = 0;                     // rows whose next token is wanted
+  const int32_t* logit_rows = nullptr;  // [n_logits]
 };
 
 class PagedModel {
  public:
-  PagedModel(const ModelDims& dims, const PoolConfig& pool);
+  // f16_activations: steps of one row hand attention's and SwiGLU's outputs on in fp16 (below).
+  PagedModel(const ModelDims& dims, const PoolConfig& pool, bool f16_activations = true);
   ~PagedModel();
   PagedModel(const PagedModel&) = delete;
   PagedModel& operator=(const PagedModel&) = delete;
@@ -118,7 +119,7 @@ class PagedModel {
   DeviceBuffer x_, xn_, qkv_, q_, attn_, ffn_, xg_, logits_, next_, scratch_, inputs_;
   DeviceBuffer tickets_;  // the gate/up GEMV's counters (kernels.h), zeroed once
   // As the core's decode step: a step of one row hands attention's and SwiGLU's outputs on in fp16
-  // (kernels.h) and, if they overflow, runs again in bf16, which it keeps (ATOMFLOW_BF16_ACTS=1:
+  // (kernels.h) and, if they overflow, runs again in bf16, which it keeps (f16_activations = false:
   // bf16 from the start).
   DeviceBuffer f16_overflow_;
   bool f16_acts_ = true;

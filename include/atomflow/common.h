@@ -20,33 +20,26 @@ struct CudaError : std::runtime_error {
 };
 
 [[noreturn]] inline void cuda_fail(cudaError_t err, const char* call, const char* file, int line) {
-  throw CudaError(std::string("CUDA error: ") + cudaGetErrorString(err) + " (" + cudaGetErrorName(err) +
-                  ") in " + call + " at " + file + ":" + std::to_string(line));
+  throw CudaError(std::string("CUDA error: ") + cudaGetErrorString(err) + " (" + cudaGetErrorName(err) + ") in " +
+                  call + " at " + file + ":" + std::to_string(line));
 }
 
 [[noreturn]] inline void check_fail(const char* what, const std::string& msg, const char* file, int line) {
   throw std::invalid_argument(std::string(what) + ": " + msg + " (" + file + ":" + std::to_string(line) + ")");
 }
 
-// Whether the switch `name` is set in the environment: any value but empty or "0" (as Python's
-// ATOMFLOW_EAGER). The engine's kill switches (ATOMFLOW_NO_PDL, ...) read it once each.
-inline bool env_flag(const char* name) {
-  const char* v = std::getenv(name);
-  return v != nullptr && v[0] != '\0' && v[0] != '0';
-}
-
 }  // namespace atomflow
 
 // Wrap every CUDA runtime call and follow every launch with AF_CUDA_CHECK(cudaGetLastError()).
-#define AF_CUDA_CHECK(call)                                                         \
-  do {                                                                              \
-    cudaError_t af_err_ = (call);                                                   \
+#define AF_CUDA_CHECK(call)                                                                \
+  do {                                                                                     \
+    cudaError_t af_err_ = (call);                                                          \
     if (af_err_ != cudaSuccess) ::atomflow::cuda_fail(af_err_, #call, __FILE__, __LINE__); \
   } while (0)
 
 // A launcher's assumption about its arguments; throws std::invalid_argument (Python ValueError).
-#define AF_CHECK(cond, msg)                                                          \
-  do {                                                                               \
+#define AF_CHECK(cond, msg)                                                                 \
+  do {                                                                                      \
     if (!(cond)) ::atomflow::check_fail("check failed: " #cond, (msg), __FILE__, __LINE__); \
   } while (0)
 

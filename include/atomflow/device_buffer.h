@@ -27,7 +27,9 @@ class DeviceBuffer {
   }
 
   template <class T = void>
-  T* get() const { return static_cast<T*>(ptr_); }
+  T* get() const {
+    return static_cast<T*>(ptr_);
+  }
   size_t bytes() const { return bytes_; }
 
   void upload(const void* src, size_t n) {

@@ -11,7 +11,7 @@
 // its end copies the overflow flag into the ring beside the token. A step whose flag is set never
 // gives its token or logits: the engine switches to bf16 activations for good (recapturing the
 // graphs), rolls the position back to that step and runs it, and every step enqueued after it,
-// again. ATOMFLOW_BF16_ACTS=1 at load decodes in bf16 from the start.
+// again. PlanOptions::f16_activations = false decodes in bf16 from the start.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -26,14 +26,15 @@
 #include "atomflow/kernels.h"
 #include "atomflow/loader.h"
 #include "atomflow/spec.h"
+#include "atomflow/step_plan.h"
 
 namespace atomflow {
 
 struct EngineOptions {
   int max_context = 0;      // KV cache rows
   int prefill_chunk = 256;  // rows per prefill pass; sizes the activation buffers
-  bool eager = false;       // run the decode step's launches directly instead of the graph
   bool verbose = true;      // print the arena plan and the load time to stderr
+  PlanOptions plan;         // eager, activation precision and the schedule's overrides (step_plan.h)
 };
 
 class Engine {
@@ -98,11 +99,11 @@ class Engine {
   int position() const { return host_pos_; }
   int in_flight() const { return in_flight_; }
   // Decode steps launched so far (the load's warm-up step included) with the attention grid planned
-  // for kShortKeys keys (the short graph, or its launches when eager), and with the grid planned
+  // for StepPlan::kShortKeys keys (the short graph, or its launches when eager), and with the grid planned
   // for max_context.
   long long short_grid_steps() const { return short_grid_steps_; }
-  // Whether decode steps write fp16 activations (false from load with ATOMFLOW_BF16_ACTS=1, or once
-  // a step overflowed fp16).
+  // Whether decode steps write fp16 activations (false from load without PlanOptions::f16_activations,
+  // or once a step overflowed fp16).
   bool f16_activations() const { return f16_acts_; }
   long long long_grid_steps() const { return long_grid_steps_; }
   int device_allocations() const { return allocations_; }
@@ -110,6 +111,8 @@ class Engine {
   bool graph_enabled() const { return graph_exec_ != nullptr; }
   // (group, bytes) for weights, kv, activations, scratch, then ("total", bytes).
   std::vector<std::pair<std::string, size_t>> plan() const;
+  // Every launch decision of the decode step, made at load (step_plan.h).
+  const StepPlan& step_plan() const { return step_plan_; }
 
  private:
   // Device pointers carved out of the arena.
@@ -130,16 +133,16 @@ class Engine {
   struct Buffers {
     const bf16* embed;
     const bf16* final_norm;
-    const void* lm_head;        // uint8_t FP8 or bf16
-    const float* lm_head_scale; // FP8 head only
+    const void* lm_head;         // uint8_t FP8 or bf16
+    const float* lm_head_scale;  // FP8 head only
     const float* inv_freq;
     std::vector<LayerPtrs> layers;
     float* x;
-    f16* xn;           // RMSNorm output (fp16: kernels.h)
+    f16* xn;  // RMSNorm output (fp16: kernels.h)
     float* qkv;
     bf16* q;
-    void* attn_out;    // 16-bit: bf16 in prefill, in decode fp16 while f16_acts_ (kernels.h)
-    void* ffn;         // typed as attn_out
+    void* attn_out;  // 16-bit: bf16 in prefill, in decode fp16 while f16_acts_ (kernels.h)
+    void* ffn;       // typed as attn_out
     float* logits;
     int32_t* ids;
     void* attn_scratch;
@@ -147,17 +150,18 @@ class Engine {
     unsigned* gemv_tickets;  // the gate/up GEMV's counters (kernels.h), zeroed at load
     uint64_t* head_best;     // the FP8 head's per-block argmax keys, for the greedy sampler (kernels.h)
     int head_best_n;         // their count (0: no FP8 head)
-    int32_t* pos;         // [2]: pos[0] tokens in the cache, pos[1] = pos[0] + 1 (step_kernels.h)
-    int32_t* sample_pos;  // &pos[1]: the RNG counter of the token sampled after pos[0]
-    int32_t* token;       // the step's input token; its embedding is in x[0] when a step starts
-    int32_t* f16_overflow;  // set by a step's fp16 activations past fp16's range, cleared by its end
+    int32_t* pos;            // [2]: pos[0] tokens in the cache, pos[1] = pos[0] + 1 (step_kernels.h)
+    int32_t* sample_pos;     // &pos[1]: the RNG counter of the token sampled after pos[0]
+    int32_t* token;          // the step's input token; its embedding is in x[0] when a step starts
+    int32_t* f16_overflow;   // set by a step's fp16 activations past fp16's range, cleared by its end
     kernels::SamplingConfig* sampling;
   };
 
   // forward.cu: the launches, enqueued on stream_ (graph-capturable: no sync, no allocation).
   void enqueue_layers(int rows, int attn_keys);
-  void normed_linear(const bf16* norm, const char* probe_name, int layer, const uint8_t* w, const float* scales,
-                     int rows, int N, kernels::Epilogue ep, void* out, int* f16_overflow = nullptr);
+  void normed_linear(const bf16* norm, const char* probe_name, int layer, const kernels::GemvPlan& fused,
+                     const kernels::GemvPlan& probed, const uint8_t* w, const float* scales, int rows, int N,
+                     kernels::Epilogue ep, void* out, int* f16_overflow = nullptr);
   void enqueue_head(int row);
   void enqueue_decode_step(int attn_keys);  // the keys its attention grid is planned for
   void enqueue_prefill_chunk(int offset, int rows);
@@ -177,8 +181,8 @@ class Engine {
   void init(const std::string& path, const std::vector<TensorInfo>& tensors, const std::vector<float>& inv_freq);
   void capture_graph();
   cudaGraphExec_t capture_step(int attn_keys);
-  void launch_step();  // one decode step: the graph, or its launches when eager
-  void enqueue_steps(int n);  // enqueue() without the lock
+  void launch_step();                        // one decode step: the graph, or its launches when eager
+  void enqueue_steps(int n);                 // enqueue() without the lock
   bool step_overflowed(int position) const;  // the ring's flag of the step at `position` (it has run)
   // A step at `position` overflowed fp16: bf16 activations from now on, the position rolled back to
   // it and `input` set as its token. The caller runs the step (and any after it) again.
@@ -196,22 +200,14 @@ class Engine {
   Buffers buf_{};
 
   cudaStream_t stream_ = nullptr;
-  cudaGraphExec_t graph_exec_ = nullptr;   // the decode step; nullptr: eager
-  // Steps whose keys fit kShortKeys replay short_graph_, whose attention grid is planned for
-  // kShortKeys keys instead of max_context: fewer blocks that only exit, clusters that hold every
+  cudaGraphExec_t graph_exec_ = nullptr;  // the decode step; nullptr: eager
+  StepPlan step_plan_;                    // made at load, before the arena (it sizes the head's argmax buffer)
+  // Steps whose keys fit step_plan_.short_keys replay short_graph_, whose attention grid is planned
+  // for that many keys instead of max_context: fewer blocks that only exit, clusters that hold every
   // split; the same split count per position, so the same bits (forward.cu). Eager steps plan their
-  // grid the same way. Off (one grid for every step) with a max_context of at most kShortKeys or
-  // ATOMFLOW_ONE_GRAPH=1 at load.
-  // 512 = 16 splits of 32 keys (attention_decode.cu): the most keys whose splits one 16-block cluster
-  // holds.
-  static constexpr int kShortKeys = 512;
+  // grid the same way.
   cudaGraphExec_t short_graph_ = nullptr;
   long long short_grid_steps_ = 0, long_grid_steps_ = 0;  // launch_step()'s choices
-  bool short_steps_ = false;  // steps of at most kShortKeys keys plan their grid for kShortKeys
-  // The sampler ends the step (kernels::sample_step: token ring, position, the next step's
-  // embedding), so a step is the layers, the head and one more launch. Off (separate embedding,
-  // sampler and finish launches) with ATOMFLOW_NO_FUSED_TAIL=1 at load.
-  bool fused_tail_ = true;
   bool f16_acts_ = true;  // decode steps write fp16 activations (engine comment at the top)
   // The input token of each step in flight (ring order), for a rerun in bf16; kUnknown: the output of
   // the step before it, filled in when wait() reads that one. next_input_: begin()'s token, for the
@@ -226,14 +222,14 @@ class Engine {
   int32_t* ring_dev_ = nullptr;   // the same memory as the device sees it
   float* logits_host_ = nullptr;  // pinned [vocab], for the D2H of the logits
 
-  int host_pos_ = 0;              // position once every enqueued step has run
-  int in_flight_ = 0;             // enqueued steps not yet waited for
-  int oldest_ = 0;                // step_done_ index of the oldest of them
-  int oldest_pos_ = 0;            // the input position of the oldest of them
-  int allocations_ = 0;           // every cudaMalloc / cudaHostAlloc the engine made
+  int host_pos_ = 0;     // position once every enqueued step has run
+  int in_flight_ = 0;    // enqueued steps not yet waited for
+  int oldest_ = 0;       // step_done_ index of the oldest of them
+  int oldest_pos_ = 0;   // the input position of the oldest of them
+  int allocations_ = 0;  // every cudaMalloc / cudaHostAlloc the engine made
   double load_seconds_ = 0;
-  const ProbeSink* probe_ = nullptr;   // set only inside prefill_probed / decode_probed
-  std::vector<float> probe_x_;         // snapshot of x for the X_DELTA probes
+  const ProbeSink* probe_ = nullptr;  // set only inside prefill_probed / decode_probed
+  std::vector<float> probe_x_;        // snapshot of x for the X_DELTA probes
   // A probed decode step's points, given to the sink once it has succeeded: a step rerun in bf16
   // (rerun_in_bf16) drops those of its first run. nullptr: straight to the sink (prefill).
   struct ProbeRecord {
@@ -249,11 +245,11 @@ class Engine {
     const char* label;
     int layer;
   };
-  bool profiling_ = false;                 // set only inside profile_decode(Kernels)
-  std::vector<cudaEvent_t> prof_events_;   // [0] starts a step, [i + 1] ends prof_marks_[i]
+  bool profiling_ = false;                // set only inside profile_decode(Kernels)
+  std::vector<cudaEvent_t> prof_events_;  // [0] starts a step, [i + 1] ends prof_marks_[i]
   std::vector<ProfileMark> prof_marks_;
-  size_t prof_count_ = 0;                  // marks recorded in the current step
-  int32_t* gate_host_ = nullptr;           // mapped pinned: the host opens the gate here
+  size_t prof_count_ = 0;         // marks recorded in the current step
+  int32_t* gate_host_ = nullptr;  // mapped pinned: the host opens the gate here
   int32_t* gate_dev_ = nullptr;
   int32_t gate_ticket_ = 0;
   mutable std::mutex mu_;

@@ -7,8 +7,8 @@
 //    bf16 where the engine's error budget is largest), attention and SwiGLU outputs in bf16 (their
 //    range is not bounded), except in the decode step (M = 1), which writes them in fp16 and raises
 //    a flag (f16_overflow) when a value lies past fp16's range: the o and down GEMVs then copy x as
-//    it is instead of rescaling bf16 into fp16 behind a block-wide maximum (3B -4.9%, docs/PERF.md
-//    2026-11-24), and the engine reruns a flagged step with bf16 activations (engine.h). The
+//    it is instead of rescaling bf16 into fp16 behind a block-wide maximum (docs/design/gemv_w8a16.md),
+//    and the engine reruns a flagged step with bf16 activations (engine.h). The
 //    residual stream is fp32 (at M = 1 it is a few KB, so full precision costs nothing in
 //    bandwidth); accumulation is fp32.
 //  - Linear weights are FP8 E4M3 (OCP e4m3fn) stored row-major [N, K] (one output row is K
@@ -17,11 +17,14 @@
 //    a captured CUDA graph serves every position. Kernels read it; only the engine advances it.
 //  - KV cache per layer: K and V each [max_context, num_kv_heads, head_dim] bf16, contiguous.
 //  - Every launcher takes a cudaStream_t, checks its assumptions (AF_CHECK), and ends with
-//    AF_CUDA_CHECK(cudaGetLastError()). No launcher allocates memory: scratch comes from the
-//    caller (sizes from the *_scratch_bytes functions), so everything can be graph-captured.
+//    AF_CUDA_CHECK(cudaGetLastError()). A launcher with choices (the GEMV, attention) takes them as
+//    its part of the step plan (plan_gemv, plan_attention; step_plan.h) and reads no environment. No launcher allocates
+//    memory: scratch comes from the caller (sizes from the *_scratch_bytes functions), so everything can be
+//    graph-captured.
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 #include "atomflow/common.h"
 
@@ -31,8 +34,7 @@ namespace atomflow::kernels {
 // embedding.cu: out[m, :] = float(table[tokens[m], :]), m < M. table bf16 [vocab, d].
 // Token ids are checked on the host before they reach the device; the kernel clamps to
 // [0, vocab) so a bad id can never read out of bounds.
-void embedding(const bf16* table, const int32_t* tokens, int M, int d, int vocab, float* out,
-               cudaStream_t stream);
+void embedding(const bf16* table, const int32_t* tokens, int M, int d, int vocab, float* out, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------
 // rmsnorm.cu: out[m, :] = f16(x[m, :] * rsqrt(mean(x[m, :]^2) + eps) * w), x fp32 [M, d],
@@ -51,58 +53,84 @@ enum class Epilogue : int {
   Store = 0,        // out fp32 [M, N]:  out = y
   AddResidual = 1,  // out fp32 [M, N]:  out += y      (O and down projections)
   SwiGLU = 2,       // N = 2F, out bf16 [M, F]: out = silu(y[:, :F]) * y[:, F:]   (fused gate/up)
-};                  //   (the GEMVs: fp16 given f16_overflow, kF16Max)
+                    //   (the GEMVs: fp16 given f16_overflow, kF16Max)
+  RopeKV = 3,       // the decode QKV GEMV only (gemv_w8a16_rmsnorm_rope): RoPE + KV append
+};
+// What a GEMV reads as x: 16-bit activations (Act's values), or the fp32 residual stream that its
+// prologue normalizes (RMSNorm fused).
+enum class GemvIn : int { BF16 = 0, F16 = 1, NORM = 2 };
 
-// M = 1 decode. K % 128 == 0. Weights read exactly once with 16-byte register loads; each warp
-// loads its first iteration of weights into registers before the kernel waits for its predecessor
-// (PDL).
+// How one GEMV launch runs: its part of the step plan (include/atomflow/step_plan.h), computed by
+// plan_gemv (gemv_w8a16_plan.cpp) from the shape, the device and the knobs, printed by `atomflow
+// info --plan`. A launcher checks that its plan is of its own kind and shape; it decides nothing.
+struct GemvPlan {
+  Epilogue ep;
+  GemvIn in;
+  int N, K;
+  bool whole;        // K % 512 == 0: the instance whose loads need no clamp at a row's end
+  int blocks;        // grid: at most the blocks resident at once (2 per SM), fewer when there are
+                     // fewer row pairs than resident warps
+  int threads;       // per block (256: 8 warps)
+  int pre_warps;     // warps per block that load their first iteration before the PDL wait
+  int staged_warps;  // warps per block that copy their second row pair into shared memory early (QKV)
+  bool ticketed;     // SwiGLU: row pairs past the first round handed out by ticket (given counters)
+  size_t smem;       // dynamic shared memory per block
+};
+// The plan's overrides of the default schedule (each same bits, a comparison for the tests): the
+// QKV product's staged second pairs, and SwiGLU's tickets.
+struct GemvKnobs {
+  bool staged_pair = true;
+  bool tickets = true;
+};
+// Needs the device (occupancy): call with the GPU that will run the launch current.
+GemvPlan plan_gemv(Epilogue ep, GemvIn in, int N, int K, const GemvKnobs& knobs = {});
+// "gemv_w8a16<RopeKV, NORM, whole>": the kernel instance a plan launches.
+std::string gemv_variant_name(const GemvPlan& plan);
+
+// M = 1 decode. K % 128 == 0. Weights read exactly once with 16-byte register loads; the plan's
+// pre_warps load their first iteration of weights into registers before the kernel waits for its
+// predecessor (PDL). plan: plan_gemv(ep, GemvIn(x_type), N, K) (or the step plan's).
 //
 // tickets (SwiGLU only, may be null): kGemvTicketBytes of zeroed device memory, used by one stream.
-// With it, a launch with more row pairs than the grid has warps hands out the pairs past the first
-// round by atomic counters instead of a fixed stride (same bits), and leaves the counters at zero.
+// With it, a plan with `ticketed` hands out the pairs past the first round by atomic counters
+// instead of a fixed stride (same bits), and leaves the counters at zero.
 // f16_overflow (SwiGLU only, may be null): the output is fp16 instead of bf16, and
 // *f16_overflow = 1 when a value's magnitude passes kF16Max (its store is then inf).
 constexpr size_t kGemvTicketBytes = 64 * 128;
-void gemv_w8a16(const uint8_t* w, const float* scales, const void* x, Act x_type, int N, int K,
-                Epilogue ep, void* out, cudaStream_t stream, unsigned* tickets = nullptr,
-                int* f16_overflow = nullptr);
+void gemv_w8a16(const GemvPlan& plan, const uint8_t* w, const float* scales, const void* x, Act x_type, int N, int K,
+                Epilogue ep, void* out, cudaStream_t stream, unsigned* tickets = nullptr, int* f16_overflow = nullptr);
 // The same with RMSNorm fused into the prologue: the GEMV's input is
 // f16(x * rsqrt(mean(x^2) + eps) * norm_w), x the fp32 residual stream [K] (bit-identical to
 // rmsnorm() followed by gemv_w8a16(..., Act::F16, ...), one launch and one round trip fewer).
-void gemv_w8a16_rmsnorm(const uint8_t* w, const float* scales, const float* x, const bf16* norm_w,
+// plan: plan_gemv(ep, GemvIn::NORM, N, K).
+void gemv_w8a16_rmsnorm(const GemvPlan& plan, const uint8_t* w, const float* scales, const float* x, const bf16* norm_w,
                         float eps, int N, int K, Epilogue ep, void* out, cudaStream_t stream,
                         unsigned* tickets = nullptr, int* f16_overflow = nullptr);
 // The decode QKV product with RMSNorm in the prologue and RoPE + KV append in the epilogue: w is
 // the fused [(H + 2 Hkv) * D, K] qkv matrix; the output is what gemv_w8a16_rmsnorm(Store) followed
 // by rope_kv_append(M = 1) writes (q_out, the cache rows at *pos), bit-identical, in one launch.
+// plan: plan_gemv(Epilogue::RopeKV, GemvIn::NORM, (H + 2 Hkv) * D, K).
 struct RopeKVArgs {
   const float* inv_freq;  // [D / 2]
   const int32_t* pos;     // device: the token's position (the cache row it fills)
   int H, Hkv, D, max_context;
-  bf16* q_out;            // [H, D]
-  bf16* k_cache;          // [max_context, Hkv, D]
+  bf16* q_out;    // [H, D]
+  bf16* k_cache;  // [max_context, Hkv, D]
   bf16* v_cache;
 };
-void gemv_w8a16_rmsnorm_rope(const uint8_t* w, const float* scales, const float* x, const bf16* norm_w,
-                             float eps, int K, const RopeKVArgs& rope, cudaStream_t stream);
-// Warps per block of that launch that copy their second row pair into shared memory while they sum
-// their first: rows of one iteration (K <= 4096, a multiple of 512) and 1-2 row pairs per resident
-// warp. 0: none (also with ATOMFLOW_NO_STAGED_PAIR=1).
-int gemv_qkv_staged_warps(int H, int Hkv, int D, int K);
+void gemv_w8a16_rmsnorm_rope(const GemvPlan& plan, const uint8_t* w, const float* scales, const float* x,
+                             const bf16* norm_w, float eps, int K, const RopeKVArgs& rope, cudaStream_t stream);
 // gemv_w8a16_rmsnorm(..., Epilogue::Store, ...) that also leaves, for the greedy sampler, the
 // largest (order key of out[r]) << 32 | ~r over the rows r each block wrote in block_best[block]
-// (gemv_argmax_blocks(N, K) entries): their maximum is the argmax of out, lowest index on ties.
-void gemv_w8a16_rmsnorm_argmax(const uint8_t* w, const float* scales, const float* x, const bf16* norm_w, float eps,
-                               int N, int K, float* out, uint64_t* block_best, cudaStream_t stream);
-int gemv_argmax_blocks(int N, int K);
-// Whether a SwiGLU launch of w [N, K] (norm: with the fused RMSNorm) given a ticket buffer hands
-// its row pairs past the first round out by ticket (more row pairs than the grid has warps; false
-// with ATOMFLOW_NO_TICKETS=1).
-bool gemv_swiglu_ticketed(int N, int K, bool norm);
+// (plan.blocks entries): their maximum is the argmax of out, lowest index on ties.
+// plan: plan_gemv(Epilogue::Store, GemvIn::NORM, N, K).
+void gemv_w8a16_rmsnorm_argmax(const GemvPlan& plan, const uint8_t* w, const float* scales, const float* x,
+                               const bf16* norm_w, float eps, int N, int K, float* out, uint64_t* block_best,
+                               cudaStream_t stream);
 // M > 1 prefill on tensor cores (FP8 converted exactly to the activation's 16-bit type in the
 // main loop). x [M, K] of x_type.
-void gemm_w8a16(const uint8_t* w, const float* scales, const void* x, Act x_type, int M, int N, int K,
-                Epilogue ep, void* out, cudaStream_t stream);
+void gemm_w8a16(const uint8_t* w, const float* scales, const void* x, Act x_type, int M, int N, int K, Epilogue ep,
+                void* out, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------
 // rope.cu: RoPE (HF rotate-half convention) on q and k of a fused qkv row, then the KV append.
@@ -110,9 +138,8 @@ void gemm_w8a16(const uint8_t* w, const float* scales, const void* x, Act x_type
 //   token m sits at position p = *pos + m; angle_i = p * inv_freq[i], i < D / 2
 //   (inv_freq computed on the host by atomflow/spec.py, llama3 scaling included, fp32).
 //   q_out bf16 [M, H, D] = rope(q); k_cache[p] = bf16(rope(k)); v_cache[p] = bf16(v).
-void rope_kv_append(const float* qkv, const float* inv_freq, const int32_t* pos, int M, int H,
-                    int Hkv, int D, int max_context, bf16* q_out, bf16* k_cache, bf16* v_cache,
-                    cudaStream_t stream);
+void rope_kv_append(const float* qkv, const float* inv_freq, const int32_t* pos, int M, int H, int Hkv, int D,
+                    int max_context, bf16* q_out, bf16* k_cache, bf16* v_cache, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------
 // attention_decode.cu: causal GQA attention over the contiguous cache, for decode (M = 1) and
@@ -123,23 +150,30 @@ void rope_kv_append(const float* qkv, const float* inv_freq, const int32_t* pos,
 // for all H / Hkv query heads of its group, and the groups' partials are merged in the shared
 // memory of a thread-block cluster (when one cluster holds every split a max_context can have: up to
 // 16) or by the last block of the group to finish. D in {64, 128}, Hkv <= 256.
-// ATOMFLOW_NO_CLUSTER_MERGE=1 turns the cluster merge off; attention_cluster_size tells the blocks
-// per cluster a call of that shape launches with (1: a plain launch, no cluster merge).
+// The grid is the call's plan (plan_attention): the splits s_max, fixed by M and the capacity the grid
+// is planned for, and the blocks per cluster (1: a plain launch, the splits merged through the
+// scratch; cluster_merge = false plans that for every shape, the same bits).
 // Scratch contract (every attention entry point): the scratch starts with merge counters that
 // must be ZERO before the first call; every call leaves them zero again (nothing to do between
 // calls or graph replays, and calls of any B, M and capacity may share one scratch sized for the
 // largest). A caller that allocates its own scratch clears it once with attention_scratch_clear
 // (zeroes the counters only, on `stream`; the rest needs no initial value).
 size_t attention_scratch_bytes(int M, int H, int D, int max_context);
-int attention_cluster_size(int M, int H, int Hkv, int D, int max_context);
+struct AttnPlan {
+  int M, H, Hkv, D, capacity;  // the call's shape; capacity: the keys the grid is planned for
+  int splits;                  // s_max: the most splits of one query row's keys (grid.y before padding)
+  int cluster;                 // blocks per thread-block cluster (1: no cluster, merge through the scratch)
+};
+AttnPlan plan_attention(int M, int H, int Hkv, int D, int capacity, bool cluster_merge = true);
+const char* attention_merge_name(const AttnPlan& plan);  // "cluster", "scratch" or "none" (one split)
 void attention_scratch_clear(void* scratch, size_t scratch_bytes, cudaStream_t stream);
 // early: the previous kernel lets this one launch only after its own PDL wait (the decode QKV GEMV
 // does), so *pos and the cache rows below it may be read before this kernel's wait (see the kernel).
 // f16_overflow (may be null): out is fp16 instead of bf16, and *f16_overflow = 1 when a value's
 // magnitude passes kF16Max.
-void attention(const bf16* q, const bf16* k_cache, const bf16* v_cache, const int32_t* pos, int M,
-               int H, int Hkv, int D, int max_context, float scale, void* scratch, void* out,
-               cudaStream_t stream, bool early = false, int* f16_overflow = nullptr);
+void attention(const AttnPlan& plan, const bf16* q, const bf16* k_cache, const bf16* v_cache, const int32_t* pos, int M,
+               int H, int Hkv, int D, int max_context, float scale, void* scratch, void* out, cudaStream_t stream,
+               bool early = false, int* f16_overflow = nullptr);
 
 // ---------------------------------------------------------------------------------------
 // Paged and batched decode attention (the sandbox, docs/SANDBOX.md): the same kernel as
@@ -178,26 +212,26 @@ void add_inplace(float* x, const float* y, int n, cudaStream_t stream);  // x +=
 // sampling.cu: one token from fp32 logits [vocab], entirely on the device.
 // Parameters live in device memory so one captured graph serves any settings.
 struct SamplingConfig {
-  float temperature;   // 0 = greedy (argmax, lowest index on ties)
-  int32_t top_k;       // 0 = off
-  float top_p;         // 1 = off
+  float temperature;  // 0 = greedy (argmax, lowest index on ties)
+  int32_t top_k;      // 0 = off
+  float top_p;        // 1 = off
   uint32_t pad_;
-  uint64_t seed;       // with the position, keys a counter-based RNG: same seed, same tokens
+  uint64_t seed;  // with the position, keys a counter-based RNG: same seed, same tokens
 };
 size_t sampling_scratch_bytes(int vocab);
 // Reads *pos (device) as the RNG counter; writes the token to *token_out (device).
-void sample(const float* logits, int vocab, const SamplingConfig* cfg, const int32_t* pos,
-            void* scratch, int32_t* token_out, cudaStream_t stream);
+void sample(const float* logits, int vocab, const SamplingConfig* cfg, const int32_t* pos, void* scratch,
+            int32_t* token_out, cudaStream_t stream);
 // The end of a decode step, done by the sampler once the token is drawn: ring[pos[0] % ring_size] =
 // token and ring[ring_size + pos[0] % ring_size] = *f16_overflow (stores to mapped host memory,
 // fenced; the flag then cleared), pos[0..1] advanced by one, and the next step's input row
 // x[0..d) = float(embed[token]).
 struct StepEnd {
-  int32_t* pos;  // [2]: pos[0] tokens in the cache, pos[1] = pos[0] + 1 (the RNG counter)
+  int32_t* pos;   // [2]: pos[0] tokens in the cache, pos[1] = pos[0] + 1 (the RNG counter)
   int32_t* ring;  // [2 ring_size]
   int ring_size;
   int32_t* f16_overflow;  // the step's flag (kF16Max)
-  const bf16* embed;  // [vocab, d]
+  const bf16* embed;      // [vocab, d]
   int d;
   float* x;
 };

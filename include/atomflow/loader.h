@@ -11,9 +11,9 @@ namespace atomflow {
 // One entry of the file's tensor table, as Python's reader hands it over.
 struct TensorInfo {
   std::string name;
-  std::string dtype;            // "F8_E4M3", "BF16", "F32"
+  std::string dtype;  // "F8_E4M3", "BF16", "F32"
   std::vector<int64_t> shape;
-  uint64_t offset = 0;          // ABSOLUTE byte offset in the file
+  uint64_t offset = 0;  // ABSOLUTE byte offset in the file
   uint64_t nbytes = 0;
 };
 
@@ -52,7 +52,6 @@ struct LoadOptions {
 // Copies every job (checked against the file size) and returns when the last byte is on the
 // device. The pinned staging buffers are allocated here and freed before returning;
 // `allocations` is incremented once per buffer. Throws on a job past the end of the file.
-void copy_to_device(const MappedFile& file, const std::vector<CopyJob>& jobs, const LoadOptions& opt,
-                    int& allocations);
+void copy_to_device(const MappedFile& file, const std::vector<CopyJob>& jobs, const LoadOptions& opt, int& allocations);
 
 }  // namespace atomflow

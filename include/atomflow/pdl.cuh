@@ -19,6 +19,7 @@
 // Graph capture keeps the programmatic edges. Kill switch: ATOMFLOW_NO_PDL=1. On GPUs before
 // sm_90 both calls compile to nothing and launches are ordinary.
 #pragma once
+#include <cstdlib>
 #include <utility>
 
 #include "atomflow/common.h"
@@ -43,8 +44,13 @@ __device__ __forceinline__ void pdl_prologue() {
   pdl_wait();
 }
 
+// The one switch the core reads from the environment: a coarse debug switch (is a failure or a
+// timing PDL's doing?), read once. Every other choice is the step plan's (step_plan.h).
 inline bool pdl_enabled() {
-  static const bool on = !env_flag("ATOMFLOW_NO_PDL");
+  static const bool on = [] {
+    const char* v = std::getenv("ATOMFLOW_NO_PDL");  // any value but empty or "0" turns PDL off
+    return v == nullptr || v[0] == '\0' || v[0] == '0';
+  }();
   return on;
 }
 
@@ -79,8 +85,7 @@ void af_launch_clusters(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, di
 
 // kernel<<<grid, block, smem, stream>>>(args...), with the PDL attribute when enabled; checked.
 template <typename... KernelArgs, typename... Args>
-void af_launch(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
-               Args&&... args) {
+void af_launch(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, Args&&... args) {
   af_launch_clusters(kernel, grid, block, dim3(1, 1, 1), smem, stream, std::forward<Args>(args)...);
 }
 

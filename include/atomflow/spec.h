@@ -12,9 +12,9 @@ struct ModelSpec {
   int32_t hidden_size = 0;        // d
   int32_t intermediate_size = 0;  // ffn
   int32_t num_layers = 0;
-  int32_t num_heads = 0;          // query heads
-  int32_t num_kv_heads = 0;       // GQA: num_heads % num_kv_heads == 0
-  int32_t head_dim = 0;           // 64 or 128
+  int32_t num_heads = 0;     // query heads
+  int32_t num_kv_heads = 0;  // GQA: num_heads % num_kv_heads == 0
+  int32_t head_dim = 0;      // 64 or 128
   float rms_norm_eps = 1e-5f;
   float rope_theta = 10000.0f;
   RopeType rope_type = RopeType::Default;
@@ -24,7 +24,7 @@ struct ModelSpec {
   int32_t rope_original_max_position_embeddings = 0;
   int32_t max_position_embeddings = 0;
   bool tie_word_embeddings = false;
-  bool lm_head_fp8 = true;        // false: lm_head is bf16 (or the embedding itself when tied)
+  bool lm_head_fp8 = true;  // false: lm_head is bf16 (or the embedding itself when tied)
 
   int32_t q_dim() const { return num_heads * head_dim; }
   int32_t kv_dim() const { return num_kv_heads * head_dim; }

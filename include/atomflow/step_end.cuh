@@ -1,5 +1,5 @@
 // The last writes of a decode step, shared by the sampler that ends it (sampling.cu, sample_step)
-// and the separate finish launch (csrc/core/step_kernels.cu, ATOMFLOW_NO_FUSED_TAIL=1).
+// and the separate finish launch (csrc/core/step_kernels.cu, a step plan with fused_tail = false).
 #pragma once
 #include <cstdint>
 

@@ -25,13 +25,13 @@ constexpr unsigned kMaxSms = 256;
 
 // One warp (GEMV) or one block (attention). Stamps not taken are 0.
 struct Rec {
-  uint64_t id;      // which launch: the weight matrix (GEMV) or the layer's K cache (attention)
-  uint32_t kind;    // GEMV: Ep | In << 4; attention: 0x100 | merged << 4 (this block merged its group)
-  uint32_t block;   // blockIdx.x | blockIdx.y << 16
-  uint32_t warp;    // GEMV: warp in the block; attention: n_active
+  uint64_t id;     // which launch: the weight matrix (GEMV) or the layer's K cache (attention)
+  uint32_t kind;   // GEMV: Ep | In << 4; attention: 0x100 | merged << 4 (this block merged its group)
+  uint32_t block;  // blockIdx.x | blockIdx.y << 16
+  uint32_t warp;   // GEMV: warp in the block; attention: n_active
   uint32_t smid;
-  uint32_t K;       // GEMV: K; attention: keys of the call
-  uint32_t n;       // GEMV: iterations summed (their stamps: GemvStamp below)
+  uint32_t K;  // GEMV: K; attention: keys of the call
+  uint32_t n;  // GEMV: iterations summed (their stamps: GemvStamp below)
   uint64_t t[kStamps];
 };
 static_assert(sizeof(Rec) == 160, "Rec layout is read by tools/trace_step.py");
@@ -48,8 +48,16 @@ struct Buf {
 // comes next); kReduced: the norm's reduction is done; kConverted: this warp has written its share of x. The
 // first kIterSlots iterations summed get a slot each from kIter0 on, the later ones share kIterLast.
 enum GemvStamp {
-  kEntry = 0, kLanded = 1, kWaited = 2, kStaged = 3, kIter0 = 4, kBarrier = 10, kReduced = 11, kConverted = 12,
-  kIterLast = 13, kExit = 15
+  kEntry = 0,
+  kLanded = 1,
+  kWaited = 2,
+  kStaged = 3,
+  kIter0 = 4,
+  kBarrier = 10,
+  kReduced = 11,
+  kConverted = 12,
+  kIterLast = 13,
+  kExit = 15
 };
 constexpr int kIterSlots = kBarrier - kIter0;
 

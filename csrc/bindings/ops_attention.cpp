@@ -1,0 +1,84 @@
+// _core.ops: decode / prefill attention over a contiguous cache (attention_decode.cu), its plan, its timer.
+// cluster_merge is the step plan's override (the scratch merge for every shape, the same bits).
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+#include "atomflow/attention_scratch.h"
+#include "atomflow/timing.h"
+#include "ops_common.h"
+
+namespace atomflow::bindings::ops {
+
+namespace {
+
+using atomflow::attention_scratch;
+using atomflow::median_us;
+
+py::object attention(const py::array& q_, const py::array& k_cache_, const py::array& v_cache_, int pos,
+                     const py::object& scale_, bool early, const std::string& out_dtype, bool cluster_merge) {
+  Out16 o16(out_dtype);
+  auto q = arg<uint16_t>(q_, "q", {-1, -1, -1});
+  const int M = static_cast<int>(q.shape(0)), H = static_cast<int>(q.shape(1)), D = static_cast<int>(q.shape(2));
+  auto kc = arg<uint16_t>(k_cache_, "k_cache", {-1, -1, D});
+  const int C = static_cast<int>(kc.shape(0)), Hkv = static_cast<int>(kc.shape(1));
+  auto vc = arg<uint16_t>(v_cache_, "v_cache", {C, Hkv, D});
+  require(M >= 1 && pos >= 0 && pos + M <= C, "need M >= 1, pos >= 0 and pos + M <= cache rows");
+  const float scale = scale_.is_none() ? 1.0f / std::sqrt(static_cast<float>(D)) : scale_.cast<float>();
+  DeviceBuffer dq = to_device(q), dk = to_device(kc), dv = to_device(vc), dpos = device_int(pos);
+  DeviceBuffer scratch = attention_scratch(k::attention_scratch_bytes(M, H, D, C));
+  DeviceBuffer out = DeviceBuffer::poisoned(sizeof(bf16) * M * H * D);
+  const k::AttnPlan plan = k::plan_attention(M, H, Hkv, D, C, cluster_merge);
+  k::attention(plan, dq.get<bf16>(), dk.get<bf16>(), dv.get<bf16>(), dpos.get<int32_t>(), M, H, Hkv, D, C, scale,
+               scratch.get(), out.get(), nullptr, early, o16.ptr());
+  sync();
+  return o16.result(to_host<uint16_t>(out, {M, H, D}));
+}
+
+int attention_cluster_size(int M, int H, int Hkv, int D, int max_context, bool cluster_merge) {
+  return k::plan_attention(M, H, Hkv, D, max_context, cluster_merge).cluster;
+}
+
+// Attention of M query tokens whose last one sees `context` keys (pos = context - M).
+double time_attention(int context, int H, int Hkv, int D, int M, int iters, bool early) {
+  require(context >= M && M >= 1, "need context >= M >= 1");
+  const int C = context;
+  const size_t cache = static_cast<size_t>(C) * Hkv * D * sizeof(bf16);
+  Rotating kv(2 * cache);  // K then V of one copy
+  kv.buf.fill(0);
+  DeviceBuffer q(sizeof(bf16) * M * H * D), out(sizeof(bf16) * M * H * D), pos = device_int(context - M);
+  DeviceBuffer scratch = attention_scratch(k::attention_scratch_bytes(M, H, D, C));
+  q.fill(0);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  const k::AttnPlan plan = k::plan_attention(M, H, Hkv, D, C);
+  return median_us(
+      [&](int i) {
+        k::attention(plan, q.get<bf16>(), kv.at<bf16>(i), kv.at<bf16>(i, cache), pos.get<int32_t>(), M, H, Hkv, D, C,
+                     scale, scratch.get(), out.get<bf16>(), nullptr, early);
+      },
+      iters, std::min(kv.copies, 32));
+}
+
+}  // namespace
+
+void register_attention(py::module_& m) {
+  m.def("attention", &attention, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("pos"),
+        py::arg("scale") = py::none(), py::arg("early") = false, py::arg("out_dtype") = "bf16",
+        py::arg("cluster_merge") = true,
+        "q u16 [M, H, D], caches u16 [C, Hkv, D], pos -> u16 [M, H, D] (bf16; out_dtype 'f16': (f16 bits, overflow "
+        "flag)); early: the cached rows read before the PDL wait (the decode path's mode)");
+  m.def("attention_cluster_size", &attention_cluster_size, py::arg("M"), py::arg("H"), py::arg("Hkv"), py::arg("D"),
+        py::arg("max_context"), py::arg("cluster_merge") = true,
+        "blocks per thread-block cluster of an attention call of this shape (1: a plain launch, merged through the "
+        "scratch)");
+  m.def("time_attention", &time_attention, py::arg("context"), py::arg("H"), py::arg("Hkv"), py::arg("D"),
+        py::arg("M") = 1, py::arg("iters") = 50, py::arg("early") = false,
+        "us per attention call (split + merge) for M queries, the last seeing `context` keys; caches rotated past L2; "
+        "early: the decode step's mode (cached rows read before the PDL wait)");
+}
+
+}  // namespace atomflow::bindings::ops

@@ -1,0 +1,109 @@
+// Shared by the _core.ops harness files (ops_*.cpp): device copies of numpy arrays, the harness's
+// ticket counters, synchronization, timing rotations and the 16-bit output type.
+#pragma once
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "args.h"
+#include "atomflow/device_buffer.h"
+#include "atomflow/kernels.h"
+
+namespace atomflow::bindings::ops {
+
+namespace py = pybind11;
+namespace k = atomflow::kernels;
+using atomflow::DeviceBuffer;
+
+inline k::Epilogue epilogue_arg(int ep) {
+  require(ep >= 0 && ep <= 2, "epilogue must be 0 (Store), 1 (AddResidual) or 2 (SwiGLU), got " + std::to_string(ep));
+  return static_cast<k::Epilogue>(ep);
+}
+
+// ------------------------------------------------------------------ device copies
+
+template <class T>
+inline DeviceBuffer to_device(const py::array_t<T>& a) {
+  DeviceBuffer d(static_cast<size_t>(a.nbytes()));
+  d.upload(a.data(), static_cast<size_t>(a.nbytes()));
+  return d;
+}
+
+inline DeviceBuffer device_int(int32_t v) {
+  DeviceBuffer d(sizeof(int32_t));
+  d.upload(&v, sizeof(v));
+  return d;
+}
+
+// The SwiGLU GEMV's ticket counters (kernels.h) for every launch of this module: zeroed once, and
+// each launch leaves them zeroed. Never freed (a static's destructor could run after the driver).
+inline unsigned* gemv_tickets() {
+  static unsigned* const t = [] {
+    auto* b = new DeviceBuffer(k::kGemvTicketBytes);
+    b->fill(0);
+    return b->get<unsigned>();
+  }();
+  return t;
+}
+
+inline void sync() {
+  AF_CUDA_CHECK(cudaGetLastError());
+  AF_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+template <class T>
+inline py::array_t<T> to_host(const DeviceBuffer& d, const std::vector<py::ssize_t>& shape) {
+  py::array_t<T> out(shape);
+  d.download(out.mutable_data(), static_cast<size_t>(out.nbytes()));
+  return out;
+}
+
+// ------------------------------------------------------------------ timing
+
+// Copies of a working set, carved out of one allocation, so that consecutive launches never find
+// their data in L2 (60 MB on an H200): at least 256 MB in all and at least 2 copies.
+struct Rotating {
+  size_t stride = 0;
+  int copies = 0;
+  DeviceBuffer buf;
+  explicit Rotating(size_t bytes_per_copy) : stride((std::max<size_t>(bytes_per_copy, 1) + 255) / 256 * 256) {
+    copies = static_cast<int>(std::max<size_t>(2, (size_t{256} << 20) / stride + 1));
+    buf = DeviceBuffer(stride * copies);
+  }
+  template <class T>
+  T* at(int i, size_t offset = 0) const {
+    return reinterpret_cast<T*>(buf.get<uint8_t>() + stride * static_cast<size_t>(i % copies) + offset);
+  }
+};
+
+// A 16-bit activation output's type (out_dtype): "bf16", or "f16" with an overflow flag (kernels.h)
+// on the device, zeroed; the call then returns (out, flag).
+struct Out16 {
+  DeviceBuffer flag;
+  bool f16;
+  explicit Out16(const std::string& out_dtype) : f16(out_dtype == "f16") {
+    require(out_dtype == "bf16" || f16, "out_dtype must be 'bf16' or 'f16', got '" + out_dtype + "'");
+    if (f16) {
+      flag = DeviceBuffer(sizeof(int32_t));
+      flag.fill(0);
+    }
+  }
+  int* ptr() { return f16 ? flag.get<int>() : nullptr; }
+  py::object result(py::array out) const {
+    if (!f16) return std::move(out);
+    return py::make_tuple(out, to_host<int32_t>(flag, {1}).at(0));
+  }
+};
+
+// Registration of each harness file (ops.cpp calls them in turn).
+void register_gemv(py::module_& m);
+void register_attention(py::module_& m);
+void register_small(py::module_& m);
+void register_sampling(py::module_& m);
+void register_trace(py::module_& m);
+
+}  // namespace atomflow::bindings::ops

@@ -1,0 +1,118 @@
+// The step plan for Python: plan_to_dict (Engine.step_plan, _core.plan_for) and _core.plan_for,
+// which plans a model's step on this GPU without loading it (`atomflow info MODEL --plan`).
+#include "plan.h"
+
+#include <pybind11/stl.h>
+
+#include <string>
+
+#include "atomflow/spec.h"
+
+namespace py = pybind11;
+
+namespace atomflow::bindings {
+
+ModelSpec spec_from_dict(const py::dict& d);  // core.cpp
+
+namespace {
+
+py::dict gemv_row(const char* product, const char* when, const kernels::GemvPlan& g) {
+  py::dict r;
+  r["product"] = product;
+  r["when"] = when;
+  r["kernel"] = kernels::gemv_variant_name(g);
+  r["N"] = g.N;
+  r["K"] = g.K;
+  r["blocks"] = g.blocks;
+  r["warps"] = g.threads / 32;
+  r["pre_warps"] = g.pre_warps;
+  r["staged_warps"] = g.staged_warps;
+  r["tickets"] = g.ticketed;
+  r["smem"] = g.smem;
+  return r;
+}
+
+py::dict attention_row(const char* when, const kernels::AttnPlan& a) {
+  py::dict r;
+  r["product"] = "attention";
+  r["when"] = when;
+  r["kernel"] = std::string("attention_kernel<ContiguousKV, D=") + std::to_string(a.D) +
+                ", G=" + std::to_string(a.H / a.Hkv) + ", QT=1>";
+  r["keys"] = a.capacity;
+  r["splits"] = a.splits;
+  r["cluster"] = a.cluster;
+  r["merge"] = kernels::attention_merge_name(a);
+  r["blocks"] = a.Hkv * ((a.splits + a.cluster - 1) / a.cluster) * a.cluster;
+  r["warps"] = 4;
+  return r;
+}
+
+}  // namespace
+
+py::dict plan_to_dict(const StepPlan& p) {
+  py::dict d;
+  py::dict dev;
+  dev["name"] = p.device;
+  dev["sm_count"] = p.sm_count;
+  dev["capability"] = py::make_tuple(p.cc_major, p.cc_minor);
+  d["device"] = dev;
+  const PlanOptions& o = p.options;
+  py::dict opt;
+  opt["eager"] = o.eager;
+  opt["f16_activations"] = o.f16_activations;
+  opt["fused_tail"] = o.fused_tail;
+  opt["short_steps"] = o.short_steps;
+  opt["cluster_merge"] = o.cluster_merge;
+  opt["staged_pair"] = o.staged_pair;
+  opt["tickets"] = o.tickets;
+  opt["pdl"] = p.pdl;
+  d["options"] = opt;
+  d["max_context"] = p.max_context;
+  d["activations"] = o.f16_activations ? "f16" : "bf16";
+  py::list graphs;
+  if (!o.eager) {
+    graphs.append(py::dict(py::arg("keys") = p.max_context, py::arg("steps") = "the rest"));
+    if (p.short_keys > 0)
+      graphs.append(
+          py::dict(py::arg("keys") = p.short_keys, py::arg("steps") = "positions < " + std::to_string(p.short_keys)));
+  }
+  d["graphs"] = graphs;  // empty: eager
+  d["tail"] = o.fused_tail ? "fused (sample_step)" : "embedding, sample, finish";
+  py::list products;
+  products.append(gemv_row("qkv", "decode", p.qkv));
+  products.append(gemv_row("o", "decode, f16 activations", p.o_f16));
+  products.append(gemv_row("o", "decode, bf16 activations", p.o_bf16));
+  products.append(gemv_row("gate_up", "decode", p.gate_up));
+  products.append(gemv_row("down", "decode, f16 activations", p.down_f16));
+  products.append(gemv_row("down", "decode, bf16 activations", p.down_bf16));
+  if (p.fp8_head) products.append(gemv_row("lm_head", "decode", p.head));
+  products.append(gemv_row("qkv", "probed decode", p.probe_qkv));
+  products.append(gemv_row("gate_up", "probed decode", p.probe_gate_up));
+  if (p.fp8_head) products.append(gemv_row("lm_head", "probed decode", p.probe_head));
+  d["products"] = products;
+  py::list attn;
+  attn.append(attention_row("decode", p.attn));
+  if (p.short_keys > 0) attn.append(attention_row("decode, short steps", p.attn_short));
+  d["attention"] = attn;
+  return d;
+}
+
+void register_plan(py::module_& m) {
+  m.def(
+      "plan_for",
+      [](const py::dict& spec, int max_context, bool eager, bool f16_activations, bool fused_tail, bool short_steps,
+         bool cluster_merge, bool staged_pair, bool tickets) {
+        const ModelSpec s = spec_from_dict(spec);
+        AF_CHECK(s.hidden_size > 0 && s.intermediate_size > 0 && s.num_heads > 0 && s.num_kv_heads > 0 &&
+                     s.num_heads % s.num_kv_heads == 0 && s.vocab_size > 0,
+                 "plan_for: a model spec with positive sizes, num_heads a multiple of num_kv_heads");
+        const PlanOptions o{eager, f16_activations, fused_tail, short_steps, cluster_merge, staged_pair, tickets};
+        return plan_to_dict(make_step_plan(s, max_context, o));
+      },
+      py::arg("spec"), py::arg("max_context"), py::arg("eager") = false, py::arg("f16_activations") = true,
+      py::arg("fused_tail") = true, py::arg("short_steps") = true, py::arg("cluster_merge") = true,
+      py::arg("staged_pair") = true, py::arg("tickets") = true,
+      "the step plan an Engine of this spec and options would make on the current GPU, without loading weights");
+}
+
+}  // namespace atomflow::bindings

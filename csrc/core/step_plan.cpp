@@ -1,0 +1,56 @@
+// make_step_plan: the engine's launch decisions for one model on this GPU (include/atomflow/step_plan.h).
+#include "atomflow/step_plan.h"
+
+#include <stdexcept>
+
+#include "atomflow/pdl.cuh"
+
+namespace atomflow {
+
+const kernels::AttnPlan& StepPlan::decode_attention(int attn_keys) const {
+  if (attn_keys == attn.capacity) return attn;
+  if (short_keys > 0 && attn_keys == attn_short.capacity) return attn_short;
+  throw std::logic_error("step plan: no decode attention planned for " + std::to_string(attn_keys) + " keys");
+}
+
+StepPlan make_step_plan(const ModelSpec& s, int max_context, const PlanOptions& options) {
+  using kernels::Epilogue;
+  using kernels::GemvIn;
+  AF_CHECK(max_context >= 1, "step plan: max_context must be >= 1");
+  StepPlan p;
+  p.options = options;
+  p.max_context = max_context;
+  int dev = 0;
+  cudaDeviceProp prop{};
+  AF_CUDA_CHECK(cudaGetDevice(&dev));
+  AF_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
+  p.device = prop.name;
+  p.sm_count = prop.multiProcessorCount;
+  p.cc_major = prop.major;
+  p.cc_minor = prop.minor;
+  p.pdl = pdl_enabled();
+  p.short_keys = options.short_steps && max_context > StepPlan::kShortKeys ? StepPlan::kShortKeys : 0;
+
+  const int d = s.hidden_size, f = s.intermediate_size;
+  const kernels::GemvKnobs knobs = p.knobs();
+  p.qkv = kernels::plan_gemv(Epilogue::RopeKV, GemvIn::NORM, s.qkv_dim(), d, knobs);
+  p.o_f16 = kernels::plan_gemv(Epilogue::AddResidual, GemvIn::F16, d, s.q_dim(), knobs);
+  p.o_bf16 = kernels::plan_gemv(Epilogue::AddResidual, GemvIn::BF16, d, s.q_dim(), knobs);
+  p.gate_up = kernels::plan_gemv(Epilogue::SwiGLU, GemvIn::NORM, 2 * f, d, knobs);
+  p.down_f16 = kernels::plan_gemv(Epilogue::AddResidual, GemvIn::F16, d, f, knobs);
+  p.down_bf16 = kernels::plan_gemv(Epilogue::AddResidual, GemvIn::BF16, d, f, knobs);
+  p.fp8_head = s.lm_head_fp8;
+  if (s.lm_head_fp8) {
+    p.head = kernels::plan_gemv(Epilogue::Store, GemvIn::NORM, s.vocab_size, d, knobs);
+    p.probe_head = kernels::plan_gemv(Epilogue::Store, GemvIn::F16, s.vocab_size, d, knobs);
+  }
+  p.probe_qkv = kernels::plan_gemv(Epilogue::Store, GemvIn::F16, s.qkv_dim(), d, knobs);
+  p.probe_gate_up = kernels::plan_gemv(Epilogue::SwiGLU, GemvIn::F16, 2 * f, d, knobs);
+
+  const int H = s.num_heads, Hkv = s.num_kv_heads, D = s.head_dim;
+  p.attn = kernels::plan_attention(1, H, Hkv, D, max_context, options.cluster_merge);
+  if (p.short_keys > 0) p.attn_short = kernels::plan_attention(1, H, Hkv, D, p.short_keys, options.cluster_merge);
+  return p;
+}
+
+}  // namespace atomflow

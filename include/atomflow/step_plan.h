@@ -1,0 +1,69 @@
+// The step plan: every launch decision of the engine, made once at load from the options, the
+// device and the model's shape, and printed by `atomflow info MODEL --plan`. The forward pass
+// (csrc/core/forward.cu) hands each launcher its part; no launcher reads the environment or decides
+// a grid of its own. The decisions keyed by shape are the kernels' constexpr tables
+// (gemv_w8a16_plan.cpp, attention_decode.cu's max_splits / cluster_splits); this struct holds
+// their answers for the shapes one model's decode step has.
+#pragma once
+#include <string>
+
+#include "atomflow/kernels.h"
+#include "atomflow/spec.h"
+
+namespace atomflow {
+
+// What a caller may choose (EngineOptions::plan; the Python front fills it from its arguments and
+// the environment, atomflow/backend_cuda.py). eager and f16_activations are user settings; the
+// others change the schedule, never the bits, and exist so that tests compare both ways in one
+// process (tests/test_engine_gpu.py, tests/test_kernels_gpu.py).
+struct PlanOptions {
+  bool eager = false;           // run the decode step's launches directly instead of a CUDA graph
+  bool f16_activations = true;  // decode steps write attention's and SwiGLU's outputs in fp16 (engine.h)
+  bool fused_tail = true;       // the sampler ends the step: token ring, position, next embedding
+  bool short_steps = true;      // steps of at most kShortKeys keys replay a grid planned for them
+  bool cluster_merge = true;    // attention merges its splits in a thread-block cluster when one holds them
+  bool staged_pair = true;      // the QKV GEMV copies its warps' second row pairs to shared memory early
+  bool tickets = true;          // the gate/up GEMV hands out its row pairs past the first round by ticket
+};
+
+struct StepPlan {
+  // 512 = 16 splits of 32 keys (attention_decode.cu): the most keys whose splits one 16-block cluster holds.
+  static constexpr int kShortKeys = 512;
+
+  PlanOptions options;
+  // The device planned for (occupancy and cluster queries ran on it).
+  std::string device;
+  int sm_count = 0, cc_major = 0, cc_minor = 0;
+  bool pdl = true;  // programmatic dependent launch (off only with the debug switch ATOMFLOW_NO_PDL=1)
+  int max_context = 0;
+
+  // Graph layout: one graph with attention planned for max_context; with short_keys > 0 a second
+  // one planned for short_keys keys, replayed by the steps whose keys fit (same bits: the split
+  // count per position does not depend on the grid). Eager steps plan their launches the same way.
+  int short_keys = 0;
+
+  // The decode step's products (M = 1), in launch order. o and down run on fp16 x while the
+  // activations are fp16 and on bf16 x after an overflow (or from load without f16_activations).
+  kernels::GemvPlan qkv;                  // RMSNorm + QKV + RoPE + KV append (RopeKV, NORM)
+  kernels::GemvPlan o_f16, o_bf16;        // AddResidual on attention's output
+  kernels::GemvPlan gate_up;              // RMSNorm + gate/up + SwiGLU (SwiGLU, NORM)
+  kernels::GemvPlan down_f16, down_bf16;  // AddResidual on SwiGLU's output
+  bool fp8_head = false;
+  kernels::GemvPlan head;  // final RMSNorm + lm_head + per-block argmax (Store, NORM): FP8 head
+  // The validator's decode step (probes between the norms and the products): the same products
+  // with the norms apart.
+  kernels::GemvPlan probe_qkv, probe_gate_up, probe_head;
+  // Attention of a decode step: the grid planned for max_context, and for short_keys.
+  kernels::AttnPlan attn, attn_short;
+  // Prefill chunks (M > 1) run the tensor-core GEMM and plan their attention per chunk with
+  // options.cluster_merge (the chunk's M sets the splits).
+
+  kernels::GemvKnobs knobs() const { return {options.staged_pair, options.tickets}; }
+  // The attention plan of a decode step whose grid is planned for attn_keys keys.
+  const kernels::AttnPlan& decode_attention(int attn_keys) const;
+};
+
+// Needs the GPU that will run the engine as the current device.
+StepPlan make_step_plan(const ModelSpec& spec, int max_context, const PlanOptions& options);
+
+}  // namespace atomflow
