@@ -126,12 +126,14 @@ class ReferenceModel:
         s = self.spec
         m, t = q.shape[0], p0 + q.shape[0]
         k, v = self.k_cache[layer, :t], self.v_cache[layer, :t]  # [T, Hkv, D]
-        qg = q.reshape(m, s.num_kv_heads, s.group_size, s.head_dim)
-        scores = np.einsum("mhgd,thd->hgmt", qg, k) * np.float32(s.head_dim ** -0.5)
-        causal = np.arange(t)[None, :] > (p0 + np.arange(m))[:, None]  # [M, T]: key after query
-        scores[..., causal] = -np.inf
+        qg = q.reshape(m, s.num_kv_heads, s.group_size, s.head_dim).transpose(1, 2, 0, 3)  # [Hkv, G, M, D]
+        # batched matmuls (BLAS), not einsum (numpy's einsum does not use BLAS for these)
+        scores = (qg @ k.transpose(1, 2, 0)[:, None]) * np.float32(s.head_dim ** -0.5)   # [Hkv, G, M, T]
+        if m > 1:  # key after query: -inf (a one-token step sees the whole cache)
+            causal = np.arange(t)[None, :] > (p0 + np.arange(m))[:, None]  # [M, T]
+            scores += np.where(causal, np.float32(-np.inf), np.float32(0))
         scores -= scores.max(axis=-1, keepdims=True)
-        prob = np.exp(scores)
+        prob = np.exp(scores, out=scores)
         prob /= prob.sum(axis=-1, keepdims=True)
-        out = np.einsum("hgmt,thd->mhgd", prob, v)
-        return out.reshape(m, s.q_dim)
+        out = prob @ v.transpose(1, 0, 2)[:, None]  # [Hkv, G, M, D]
+        return out.transpose(2, 0, 1, 3).reshape(m, s.q_dim)
