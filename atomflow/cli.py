@@ -43,11 +43,15 @@ def cmd_info(a) -> int:
             return 0
         s = m.spec
         print(f"{m.path}  ({m.file_size / 2**30:.2f} GiB, format v{info['format_version']}, {info['created_by']})")
-        print(f"  model     {s.num_layers} layers, d {s.hidden_size}, ffn {s.intermediate_size}, heads {s.num_heads}"
+        extras = [x for x, on in (("QKV bias", s.attention_bias), ("q/k norm", s.qk_norm),
+                                  (f"sliding window {s.sliding_window}", s.sliding_window)) if on]
+        print(f"  model     {s.arch}{' (' + ', '.join(extras) + ')' if extras else ''}: {s.num_layers} layers, "
+              f"d {s.hidden_size}, ffn {s.intermediate_size}, heads {s.num_heads}"
               f"/{s.num_kv_heads} kv, head_dim {s.head_dim}, vocab {s.vocab_size}")
         print(f"  rope      {s.rope_type}, theta {s.rope_theta:g}" +
               (f", factor {s.rope_factor:g}, original ctx {s.rope_original_max_position_embeddings}"
-               if s.rope_type == "llama3" else "") + f"; max positions {s.max_position_embeddings}")
+               if s.rope_type == "llama3" else f", factor {s.rope_factor:g}" if s.rope_type == "linear" else "")
+              + f"; max positions {s.max_position_embeddings}")
         print(f"  weights   {m.quantization['scheme']}, group {m.quantization['group_size']}, "
               f"lm_head {m.quantization['lm_head']}, tied embeddings {s.tie_word_embeddings}")
         print("  tensors   " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in sorted(by_dtype.items())) +
