@@ -32,7 +32,7 @@ def make_backend(name: str, model: AtomflowFile, max_context: int, eager: bool |
     if not ok or unsupported:
         if name == "cuda":
             if unsupported:
-                raise UnsupportedModelError(unsupported)
+                raise UnsupportedModelError(unsupported + " (--backend cpu runs it)")
             raise BackendUnavailableError(f"cuda backend unavailable: {why}")
         print(f"atomflow: running on the CPU backend (slow): {unsupported or why}", file=sys.stderr)
         return CpuBackend(model, max_context)

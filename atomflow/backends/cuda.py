@@ -52,7 +52,7 @@ class CudaBackend:
 
     def __init__(self, model: AtomflowFile, max_context: int, eager: bool | None = None, verbose: bool = True):
         if model.spec.cuda_unsupported():  # before the core sees a spec it has no kernels for
-            raise UnsupportedModelError(model.spec.cuda_unsupported())
+            raise UnsupportedModelError(model.spec.cuda_unsupported() + " (--backend cpu runs it)")
         core = _core_module()
         if isinstance(max_context, bool) or not isinstance(max_context, (int, np.integer)) or max_context < 1:
             raise ValueError(f"max_context must be a positive integer, got {max_context!r}")

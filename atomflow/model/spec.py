@@ -106,7 +106,7 @@ class ModelSpec:
             why.append(f"a tail FP8 group ({', '.join(tails)} not a multiple of {QUANT_GROUP})")
         if self.rope_type not in CUDA_ROPE_TYPES:
             why.append(f"rope_type {self.rope_type}")
-        return ("the CUDA engine does not run this model yet: " + "; ".join(why) + " (use --backend cpu)") if why else None
+        return ("the CUDA engine does not run this model yet: " + "; ".join(why)) if why else None
 
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V (bf16) one token adds to the cache, all layers."""
