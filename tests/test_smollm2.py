@@ -98,7 +98,7 @@ def test_reference_matches_transformers_on_dequantized_weights(engine):
     hf_ref = load_tool("hf_reference")
     hf = hf_ref.load_hf_dequantized(engine.model)
     prompt = engine.encode(PROMPTS[0])
-    want, fed = hf_ref.greedy_logits(hf, prompt, 6)
+    want, fed = hf_ref.greedy_logits(hf, prompt, 4)
     engine.reset()
     got = [engine.prefill(prompt)] + [engine.decode(t) for t in fed]
     errs = [rel_l2(g, w) for g, w in zip(got, want)]
@@ -110,9 +110,9 @@ def test_greedy_answers(engine, capsys):
     from atomflow.sampling import SamplingParams
     answers = []
     for p in PROMPTS:
-        text = "".join(engine.generate(p, SamplingParams(temperature=0.0, max_new_tokens=24)))
+        text = "".join(engine.generate(p, SamplingParams(temperature=0.0, max_new_tokens=16)))
         answers.append(text)
-        assert sum(c.isalpha() for c in text) > 10, text  # real text, not noise or nothing
+        assert sum(c.isalpha() for c in text) > 8, text  # real text, not noise or nothing
     with capsys.disabled():
         for p, a in zip(PROMPTS, answers):
             print(f"\n  {p!r} -> {a!r}")
