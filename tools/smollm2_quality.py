@@ -33,7 +33,7 @@ VARIANTS = {
     "FP8 w2 (down)": ("w2",),
     "FP8 lm_head": ("lm_head",),
     "bf16 embedding": ("embed",),
-    "FP8 all linear, lm_head bf16": ("wqkv", "wo", "w13", "w2"),
+    "FP8 all linear, lm_head not": ("wqkv", "wo", "w13", "w2"),
     "FP8 all (the file)": ("wqkv", "wo", "w13", "w2", "lm_head", "embed"),
 }
 
