@@ -106,3 +106,39 @@ def test_unsupported_config_writes_nothing(arch_models, tmp_path, edit, needle, 
     err = capsys.readouterr().err.strip()
     assert needle in err and len(err.splitlines()) == 1, err
     assert list(tmp_path.iterdir()) == [hf]
+
+
+def test_version1_file_loads(tiny_model_file, tmp_path):
+    """A file written by format version 1 (no arch fields in its spec, sizes multiples of 128) reads
+    as the same Llama; an unknown version is refused in one line."""
+    import shutil
+    import struct
+
+    from atomflow.errors import FormatError
+
+    def rewrite(path, fn):
+        raw = path.read_bytes()
+        (n,) = struct.unpack("<Q", raw[:8])
+        header = json.loads(raw[8:8 + n])
+        fn(header["__metadata__"])
+        new = json.dumps(header).encode()
+        new += b" " * (-(8 + len(new)) % 8)
+        path.write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n:])
+
+    def to_v1(meta):
+        spec = json.loads(meta["spec"])
+        for k in ("arch", "attention_bias", "qk_norm", "sliding_window"):
+            spec.pop(k)
+        meta.update(format_version="1", spec=json.dumps(spec))
+
+    v1 = tmp_path / "v1.atomflow"
+    shutil.copyfile(tiny_model_file, v1)
+    rewrite(v1, to_v1)
+    with AtomflowFile(v1) as old, AtomflowFile(tiny_model_file) as new:
+        assert old.spec == new.spec and old.spec.arch == "llama"
+        ids = np.arange(1, 9)
+        np.testing.assert_array_equal(ReferenceModel(old, 16).forward(ids), ReferenceModel(new, 16).forward(ids))
+    rewrite(v1, lambda m: m.update(format_version="3"))
+    with pytest.raises(FormatError) as e:
+        AtomflowFile(v1)
+    assert "format version '3' is not supported" in str(e.value) and "re-quantize" in str(e.value)
