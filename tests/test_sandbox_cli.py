@@ -62,7 +62,8 @@ def test_bench_cpu_parts(tmp_path, capsys, monkeypatch):
 class FakePagedModel:
     """_sandbox.PagedModel's interface over FakeModel: checks uploads like the C++ does."""
 
-    def __init__(self, dims, num_blocks, block_size, max_rows, max_seqs, max_blocks_per_seq):
+    def __init__(self, dims, num_blocks, block_size, max_rows, max_seqs, max_blocks_per_seq, f16_activations=True):
+        assert isinstance(f16_activations, bool)
         self.dims, self.uploaded = dims, set()
         self.fake = sandbox.FakeModel(num_blocks, block_size, dims["vocab_size"], max_batch=max_seqs,
                                       prefill_chunk=max_rows - max_seqs, max_context=max_blocks_per_seq * block_size,

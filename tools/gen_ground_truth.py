@@ -81,14 +81,22 @@ def run_probes(hf, prompt: list[int], decode: list[int] | None, steps: int) -> t
 
 
 def load_hf_original(hf_dir: Path):
+    """transformers' model of the checkpoint's own architecture (an HF directory, or a .gguf file
+    through transformers' GGUF loader), fp32, eager attention."""
     import torch
-    from transformers import LlamaForCausalLM
-    hf = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
+    from transformers import AutoModelForCausalLM
+    hf_dir = Path(hf_dir)
+    if hf_dir.suffix.lower() == ".gguf":
+        hf = AutoModelForCausalLM.from_pretrained(hf_dir.parent, gguf_file=hf_dir.name, dtype=torch.float32,
+                                                  attn_implementation="eager")
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
     return hf.eval()
 
 
 def generate(hf_dir: str | Path, model_path: str | Path, out_dir: str | Path, prompt_tokens: int = 32,
-             steps: int = 16, prompt_text: str | None = None, seed: int = 0) -> Path:
+             steps: int = 16, prompt_text: str | None = None, seed: int = 0, original=None) -> Path:
+    """original: the loaded transformers model of hf_dir, when the caller has it already."""
     import transformers
     from hf_reference import load_hf_dequantized
     from safetensors.numpy import save_file
@@ -107,7 +115,8 @@ def generate(hf_dir: str | Path, model_path: str | Path, out_dir: str | Path, pr
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     decode = None
-    for ref, loader in (("dequant", lambda: load_hf_dequantized(model)), ("original", lambda: load_hf_original(hf_dir))):
+    loaders = (("dequant", lambda: load_hf_dequantized(model)), ("original", lambda: original or load_hf_original(hf_dir)))
+    for ref, loader in loaders:
         probes, decode = run_probes(loader(), prompt, decode, steps)
         meta = dict(format=FORMAT, reference=ref, prompt_ids=json.dumps(prompt), decode_ids=json.dumps(decode),
                     positions=json.dumps([0, len(prompt) + len(decode)]), model_checksum=model.checksum,
@@ -121,7 +130,7 @@ def generate(hf_dir: str | Path, model_path: str | Path, out_dir: str | Path, pr
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("hf_dir", help="the HF checkpoint the model file was quantized from")
+    ap.add_argument("hf_dir", help="the HF checkpoint (or .gguf file) the model file was quantized from")
     ap.add_argument("--model", required=True, help="the .atomflow file")
     ap.add_argument("-o", "--output", required=True, help="output directory")
     ap.add_argument("--prompt-tokens", type=int, default=32)

@@ -19,7 +19,7 @@ import sys
 
 from atomflow.backends.cpu import CpuBackend
 from atomflow.device import cuda_status
-from atomflow.errors import BackendUnavailableError
+from atomflow.errors import BackendUnavailableError, UnsupportedModelError
 from atomflow.model.fileformat import AtomflowFile
 
 
@@ -30,10 +30,13 @@ def make_backend(name: str, model: AtomflowFile, max_context: int, eager: bool |
     if name == "cpu":
         return CpuBackend(model, max_context)
     ok, why = cuda_status()
-    if not ok:
+    unsupported = model.spec.cuda_unsupported()
+    if not ok or unsupported:
         if name == "cuda":
+            if unsupported:
+                raise UnsupportedModelError(unsupported + " (--backend cpu runs it)")
             raise BackendUnavailableError(f"cuda backend unavailable: {why}")
-        print(f"atomflow: running on the CPU backend (slow): {why}", file=sys.stderr)
+        print(f"atomflow: running on the CPU backend (slow): {unsupported or why}", file=sys.stderr)
         return CpuBackend(model, max_context)
     from atomflow.backends.cuda import CudaBackend
     return CudaBackend(model, max_context, eager=eager, verbose=verbose)

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from atomflow.errors import BackendUnavailableError
+from atomflow.errors import BackendUnavailableError, UnsupportedModelError
 from atomflow.model.fileformat import AtomflowFile
 from atomflow.sampling import SamplingParams
 from atomflow.tokens import check_ids, generation_budget
@@ -86,6 +86,8 @@ class CudaBackend:
 
     def __init__(self, model: AtomflowFile, max_context: int, eager: bool | None = None, verbose: bool = True,
                  **plan: bool):
+        if model.spec.cuda_unsupported():  # before the core sees a spec it has no kernels for
+            raise UnsupportedModelError(model.spec.cuda_unsupported() + " (--backend cpu runs it)")
         core = _core_module()
         if isinstance(max_context, bool) or not isinstance(max_context, (int, np.integer)) or max_context < 1:
             raise ValueError(f"max_context must be a positive integer, got {max_context!r}")

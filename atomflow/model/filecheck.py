@@ -17,7 +17,7 @@ import re
 import numpy as np
 
 from atomflow.errors import FormatError, UnsupportedModelError
-from atomflow.model.spec import QUANT_GROUP, ModelSpec
+from atomflow.model.spec import QUANT_GROUP, V1_ABSENT_FIELDS, ModelSpec
 
 HEADER_CHECKSUM = "header_checksum"
 _HEADER_CHECKSUM_KEY = b'"header_checksum":"sha256:'
@@ -206,7 +206,8 @@ def spec_from_metadata(path, meta: dict[str, str]) -> ModelSpec:
         raise _fail(path, f"bad model spec: unknown field {unknown[0]!r}")
     for name, f in fields.items():
         if name not in d:
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            # a field with a default may be absent only where the file's version predates it
+            if meta.get("format_version") != "1" or name not in V1_ABSENT_FIELDS:
                 raise _fail(path, f"bad spec/quantization metadata (model spec is missing {name!r})")
             continue
         _check_field(path, name, f.type if isinstance(f.type, str) else getattr(f.type, "__name__", ""), d[name])
@@ -260,9 +261,9 @@ def check_quantization_against_tensors(path, q: dict, tensors: dict[str, tuple[s
                               f"but {name[:-6]!r} is {wd}")
         if sd != q["scale_dtype"]:
             raise _fail(path, f"quantization.scale_dtype says {q['scale_dtype']}, but {name!r} is {sd}")
-        if len(ws) == 2 and len(ss) == 2 and ss[1] and ws[1] != ss[1] * q["group_size"]:
+        if len(ws) == 2 and len(ss) == 2 and ss[1] != -(-ws[1] // q["group_size"]):  # ceil: a tail group
             raise _fail(path, f"quantization.group_size says {q['group_size']}, but {name!r} {list(ss)} "
-                              f"holds groups of {ws[1] / ss[1]:g} columns of {name[:-6]!r} {list(ws)}")
+                              f"holds {ss[1]} groups for the {ws[1]} columns of {name[:-6]!r} {list(ws)}")
         break  # one weight shows what the fields mean; _check_table holds every other to the same shapes
     if q["scheme"] not in SCHEMES:
         raise _fail(path, f"quantization scheme {q['scheme']!r} is not supported (this atomflow reads "

@@ -21,10 +21,11 @@ import numpy as np
 from atomflow.errors import FormatError
 from atomflow.model import filecheck
 from atomflow.model.filecheck import encode_header  # noqa: F401 - the writer's header form, for tools and tests
-from atomflow.model.spec import QUANT_GROUP, ModelSpec
+from atomflow.model.spec import QUANT_GROUP, ModelSpec, scale_groups
 
 FORMAT_NAME = "atomflow"
-FORMAT_VERSION = "1"
+FORMAT_VERSION = "2"              # written; 2 = tail FP8 groups, QKV bias, q/k norms, arch fields in the spec
+READABLE_VERSIONS = ("1", "2")    # a version-1 file is a version-2 file of a Llama without those
 MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
 _CHECKSUM_PLACEHOLDER = "sha256:" + "0" * 64
 
@@ -48,16 +49,20 @@ class TensorInfo:
 
 def expected_tensors(spec: ModelSpec, lm_head: str) -> list[TensorInfo]:
     """The tensor table of a file for `spec`, in file order. lm_head: 'fp8' | 'bf16' | 'tied'."""
-    d, f, g = spec.hidden_size, spec.intermediate_size, QUANT_GROUP
+    d, f = spec.hidden_size, spec.intermediate_size
 
     def fp8(name: str, n: int, k: int) -> list[TensorInfo]:
-        return [TensorInfo(name, "F8_E4M3", (n, k)), TensorInfo(name + ".scale", "F32", (n, k // g))]
+        return [TensorInfo(name, "F8_E4M3", (n, k)), TensorInfo(name + ".scale", "F32", (n, scale_groups(k)))]
 
     out = [TensorInfo("embed", "BF16", (spec.vocab_size, d))]
     for i in range(spec.num_layers):
         p = f"layers.{i}."
         out.append(TensorInfo(p + "attn_norm", "BF16", (d,)))
         out += fp8(p + "wqkv", spec.qkv_dim, d)
+        if spec.attention_bias:
+            out.append(TensorInfo(p + "bqkv", "F32", (spec.qkv_dim,)))
+        if spec.qk_norm:
+            out += [TensorInfo(p + "q_norm", "BF16", (spec.head_dim,)), TensorInfo(p + "k_norm", "BF16", (spec.head_dim,))]
         out += fp8(p + "wo", d, spec.q_dim)
         out.append(TensorInfo(p + "mlp_norm", "BF16", (d,)))
         out += fp8(p + "w13", 2 * f, d)
@@ -70,6 +75,13 @@ def expected_tensors(spec: ModelSpec, lm_head: str) -> list[TensorInfo]:
     elif lm_head != "tied":
         raise ValueError(f"lm_head must be fp8, bf16 or tied, got {lm_head!r}")
     return out
+
+
+def dequantize_rows(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """fp8 [n, k], fp32 scales [n, ceil(k / 128)] -> fp32 [n, k]: w[n, c] = fp8[n, c] * scale[n, c // 128]
+    (the last group covers the k % 128 columns left over, when there are any)."""
+    n, k = q.shape
+    return q.astype(np.float32) * np.repeat(scale, QUANT_GROUP, axis=1)[:, :k]
 
 
 # ---------------------------------------------------------------------------------------
@@ -184,9 +196,9 @@ class AtomflowFile:
             self._mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
         self.file_size = size
         self.data_offset = 8 + n
-        if meta.get("format_version") != FORMAT_VERSION:
+        if meta.get("format_version") not in READABLE_VERSIONS:
             raise FormatError(f"{self.path}: format version {meta.get('format_version')!r} is not supported "
-                              f"(this atomflow reads version {FORMAT_VERSION}); re-quantize the model")
+                              f"(this atomflow reads versions {', '.join(READABLE_VERSIONS)}); re-quantize the model")
         self.header_checked = filecheck.check_header_checksum(self.path, raw, meta)
         self.raw_metadata: dict[str, str] = meta
         self.spec = filecheck.spec_from_metadata(self.path, meta)
@@ -296,10 +308,7 @@ class AtomflowFile:
         a = self.array(name)
         if self.tensors[name].dtype != "F8_E4M3":
             return a.astype(np.float32)
-        scale = self.array(name + ".scale")
-        n, k = a.shape
-        w = a.astype(np.float32).reshape(n, k // QUANT_GROUP, QUANT_GROUP) * scale[:, :, None]
-        return w.reshape(n, k)
+        return dequantize_rows(a, self.array(name + ".scale"))
 
     def lm_head_f32(self) -> np.ndarray:
         return self.weight_f32("lm_head" if "lm_head" in self.tensors else "embed")

@@ -1,4 +1,4 @@
-"""HF Llama directory -> one .atomflow file (docs/FORMAT.md).
+"""HF directory (Llama, Mistral, Qwen2, Qwen3) or GGUF file -> one .atomflow file (docs/FORMAT.md).
 
 Reads the sharded safetensors lazily, a block of rows at a time, so peak memory stays near
 one chunk of one tensor (tens of MiB), not the model. FP8 rounding is ml_dtypes'
@@ -23,8 +23,8 @@ import numpy as np
 from atomflow import __version__
 from atomflow.errors import UnsupportedModelError
 from atomflow.model import quantize_io
-from atomflow.model.fileformat import FORMAT_NAME, FORMAT_VERSION, FileWriter, expected_tensors, temp_path
-from atomflow.model.spec import QUANT_GROUP, ModelSpec
+from atomflow.model.fileformat import FORMAT_NAME, FORMAT_VERSION, FileWriter, dequantize_rows, expected_tensors, temp_path
+from atomflow.model.spec import QUANT_GROUP, ModelSpec, scale_groups
 
 FP8_MAX = 448.0
 CHUNK_BYTES = 8 << 20   # fp32 bytes of one row block
@@ -34,18 +34,17 @@ SOURCE_FILE = ".atomflow-source.json"  # written by `atomflow download`: repo id
 
 
 def quantize_rows(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """fp32 [n, k] -> (fp8 e4m3fn [n, k], fp32 scales [n, k / 128]); scale = absmax / 448 per group."""
+    """fp32 [n, k] -> (fp8 e4m3fn [n, k], fp32 scales [n, ceil(k / 128)]); scale = absmax / 448 per
+    group of 128 columns, the last group covering the k % 128 columns left over (if any)."""
     n, k = w.shape
-    g = w.reshape(n, k // QUANT_GROUP, QUANT_GROUP)
+    groups = scale_groups(k)
+    pad = groups * QUANT_GROUP - k
+    g = (np.pad(w, ((0, 0), (0, pad))) if pad else w).reshape(n, groups, QUANT_GROUP)  # zeros: absmax unchanged
     scale = np.abs(g).max(axis=-1) / np.float32(FP8_MAX)
     scale[scale == 0] = 1.0  # an all-zero group: any scale dequantizes to zero
     q = np.clip(g / scale[..., None], -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
-    return q.reshape(n, k), scale.astype(np.float32)
-
-
-def dequantize_rows(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
-    n, k = q.shape
-    return (q.astype(np.float32).reshape(n, k // QUANT_GROUP, QUANT_GROUP) * scale[..., None]).reshape(n, k)
+    q = q.reshape(n, groups * QUANT_GROUP)
+    return (np.ascontiguousarray(q[:, :k]) if pad else q), scale.astype(np.float32)
 
 
 class _Source:
@@ -196,23 +195,49 @@ def resolve_hf_dir(model: str | Path) -> Path:
     raise FileNotFoundError(f"no such model directory: {model}")
 
 
+def open_source(model: str | Path, lm_head_fp8: bool = True):
+    """(spec, tensor source, metadata function) of an HF directory or a .gguf file, checked: an
+    unsupported model fails here, before anything is written."""
+    if str(model).lower().endswith(".gguf"):
+        from atomflow.model.gguf import GGUFSource
+        src = GGUFSource(model, lm_head_fp8=lm_head_fp8)
+        return src.spec, src, src.metadata
+    hf_dir = resolve_hf_dir(model)
+    if not (hf_dir / "config.json").is_file():
+        raise FileNotFoundError(f"no config.json in {hf_dir}")
+    try:
+        spec = ModelSpec.from_hf_config(quantize_io.read_json_object(hf_dir / "config.json"), lm_head_fp8=lm_head_fp8)
+    except UnsupportedModelError as e:
+        raise UnsupportedModelError(e if str(e).startswith(str(hf_dir)) else f"{hf_dir}: {e}") from None
+    src = _Source(hf_dir)
+    quantize_io.check_spec(hf_dir, spec, src.weight_map)
+    first = SOURCE_DTYPES[src.dtype("model.embed_tokens.weight")]
+
+    def metadata(head_mode: str) -> dict:
+        meta = _metadata(hf_dir, spec, head_mode, first)
+        quantize_io.check_tokenizer(hf_dir, meta, spec)
+        return meta
+    return spec, src, metadata
+
+
 def quantize(hf_dir: str | Path, out: str | Path, lm_head: str = "fp8", progress: bool = True,
              log=None, force: bool = False) -> dict:
-    """Quantize `hf_dir` into `out`. lm_head: 'fp8' (default) or 'bf16'. force: overwrite an
-    existing `out`. Returns a summary dict (per-matrix relative errors, bytes, checksum).
+    """Quantize `hf_dir` (an HF directory or a .gguf file) into `out`. lm_head: 'fp8' (default) or
+    'bf16'. force: overwrite an existing `out`. Returns a summary dict (per-matrix relative errors,
+    bytes, checksum).
 
     The output path is checked before any work; temporaries of earlier runs to the same output
     that were killed are removed; on any error or catchable signal (InterruptedBySignal) the
     temporary file is removed and `out` is untouched."""
     log = log or (lambda s: print(s, file=sys.stderr))
-    hf_dir = resolve_hf_dir(hf_dir)
     if lm_head not in ("fp8", "bf16"):
         raise ValueError(f"lm_head must be fp8 or bf16, got {lm_head!r}")
-    out = quantize_io.check_output_path(out, hf_dir, force)
+    source = Path(hf_dir) if str(hf_dir).lower().endswith(".gguf") else resolve_hf_dir(hf_dir)
+    out = quantize_io.check_output_path(out, source, force)
     quantize_io.sweep_stale_temps(out, log)
     with quantize_io.raise_on_signals():
         try:
-            summary = _quantize(hf_dir, out, lm_head, progress, log)
+            summary = _quantize(source, out, lm_head, progress, log)
         except BaseException:
             temp_path(out).unlink(missing_ok=True)  # even if the signal came before the writer's `with`
             raise
@@ -220,18 +245,10 @@ def quantize(hf_dir: str | Path, out: str | Path, lm_head: str = "fp8", progress
     return summary
 
 
-def _quantize(hf_dir: Path, out: Path, lm_head: str, progress: bool, log) -> dict:
-    if not (hf_dir / "config.json").is_file():
-        raise FileNotFoundError(f"no config.json in {hf_dir}")
-    try:
-        spec = ModelSpec.from_hf_config(quantize_io.read_json_object(hf_dir / "config.json"), lm_head_fp8=(lm_head == "fp8"))
-    except UnsupportedModelError as e:
-        raise UnsupportedModelError(e if str(e).startswith(str(hf_dir)) else f"{hf_dir}: {e}") from None
-    src = _Source(hf_dir)
-    quantize_io.check_spec(hf_dir, spec, src.weight_map)
+def _quantize(source: Path, out: Path, lm_head: str, progress: bool, log) -> dict:
+    spec, src, metadata = open_source(source, lm_head_fp8=(lm_head == "fp8"))
     head_mode = "tied" if (lm_head == "bf16" and spec.tie_word_embeddings) else lm_head
     head_src = "model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"
-    first = src.dtype("model.embed_tokens.weight")
     tensors = expected_tensors(spec, head_mode)
     stats = _ErrStats()
     d, f = spec.hidden_size, spec.intermediate_size
@@ -274,17 +291,22 @@ def _quantize(hf_dir: Path, out: Path, lm_head: str, progress: bool, log) -> dic
     threads = max(1, min(MAX_THREADS, os.cpu_count() or 1))
     pool = ThreadPoolExecutor(threads)
     try:
-        meta = _metadata(hf_dir, spec, head_mode, SOURCE_DTYPES[first])
-        quantize_io.check_tokenizer(hf_dir, meta, spec)
-        with FileWriter(out, tensors, meta) as w:
+        with FileWriter(out, tensors, metadata(head_mode)) as w:
             write_bf16(w, "embed", "model.embed_tokens.weight", (spec.vocab_size, d))
             for i in range(spec.num_layers):
                 p, h = f"layers.{i}.", f"model.layers.{i}."
+                a = h + "self_attn."
                 write(w, p + "attn_norm", src.vector(h + "input_layernorm.weight", d).astype(ml_dtypes.bfloat16))
-                write_fp8(w, p + "wqkv", [(h + "self_attn.q_proj.weight", (spec.q_dim, d)),
-                                          (h + "self_attn.k_proj.weight", (spec.kv_dim, d)),
-                                          (h + "self_attn.v_proj.weight", (spec.kv_dim, d))], f"{i}.wqkv")
-                write_fp8(w, p + "wo", [(h + "self_attn.o_proj.weight", (d, spec.q_dim))], f"{i}.wo")
+                write_fp8(w, p + "wqkv", [(a + "q_proj.weight", (spec.q_dim, d)), (a + "k_proj.weight", (spec.kv_dim, d)),
+                                          (a + "v_proj.weight", (spec.kv_dim, d))], f"{i}.wqkv")
+                if spec.attention_bias:
+                    write(w, p + "bqkv", np.concatenate([src.vector(a + "q_proj.bias", spec.q_dim),
+                                                         src.vector(a + "k_proj.bias", spec.kv_dim),
+                                                         src.vector(a + "v_proj.bias", spec.kv_dim)]))
+                if spec.qk_norm:
+                    write(w, p + "q_norm", src.vector(a + "q_norm.weight", spec.head_dim).astype(ml_dtypes.bfloat16))
+                    write(w, p + "k_norm", src.vector(a + "k_norm.weight", spec.head_dim).astype(ml_dtypes.bfloat16))
+                write_fp8(w, p + "wo", [(a + "o_proj.weight", (d, spec.q_dim))], f"{i}.wo")
                 write(w, p + "mlp_norm",
                       src.vector(h + "post_attention_layernorm.weight", d).astype(ml_dtypes.bfloat16))
                 write_fp8(w, p + "w13", [(h + "mlp.gate_proj.weight", (f, d)),

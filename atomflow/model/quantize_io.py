@@ -118,7 +118,7 @@ def check_output_path(out: str | Path, hf_dir: Path, force: bool = False) -> Pat
     if not os.access(parent, os.W_OK | os.X_OK):
         raise OutputPathError(f"{out}: directory {parent} is not writable")
     if out.exists():
-        for f in hf_dir.iterdir():
+        for f in (hf_dir.iterdir() if hf_dir.is_dir() else [hf_dir]):  # a directory, or one .gguf file
             with contextlib.suppress(OSError):
                 if f.is_file() and os.path.samefile(f, out):
                     raise OutputPathError(f"{out}: is {f.name} of the source model {hf_dir}; choose another output path")

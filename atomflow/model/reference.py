@@ -1,7 +1,8 @@
 """The numpy fp32 forward pass over a file's dequantized weights: the CPU backend and the test
 oracle. Same semantics as the CUDA engine (fused QKV and gate/up, HF rotate-half RoPE with the
 spec's inv_freq table, GQA, contiguous KV cache), in plain fp32 so its only error against
-Hugging Face transformers on the same weights is float rounding.
+Hugging Face transformers on the same weights is float rounding. The spec's fields select the
+architecture's extras: a QKV bias (Qwen2), per-head q/k RMSNorm before RoPE (Qwen3).
 
 Probes: set `probe = fn(name, layer, array)` to receive the named activations of every
 layer ([M, ...] rows for the M tokens of the current call); the validator uses them.
@@ -47,10 +48,15 @@ class ReferenceModel:
         self.layers = []
         for i in range(spec.num_layers):
             p = f"layers.{i}."
-            self.layers.append(dict(
+            layer = dict(
                 attn_norm=model.weight_f32(p + "attn_norm"), wqkv=model.weight_f32(p + "wqkv"),
                 wo=model.weight_f32(p + "wo"), mlp_norm=model.weight_f32(p + "mlp_norm"),
-                w13=model.weight_f32(p + "w13"), w2=model.weight_f32(p + "w2")))
+                w13=model.weight_f32(p + "w13"), w2=model.weight_f32(p + "w2"))
+            if spec.attention_bias:
+                layer["bqkv"] = model.weight_f32(p + "bqkv")
+            if spec.qk_norm:
+                layer["q_norm"], layer["k_norm"] = model.weight_f32(p + "q_norm"), model.weight_f32(p + "k_norm")
+            self.layers.append(layer)
         self.final_norm = model.weight_f32("final_norm")
         self.lm_head = model.lm_head_f32()
         shape = (spec.num_layers, max_context, spec.num_kv_heads, spec.head_dim)
@@ -59,8 +65,9 @@ class ReferenceModel:
         self.pos = 0
         self.probe: Probe | None = None
 
-    def forward(self, ids: np.ndarray) -> np.ndarray:
-        """Appends `ids` at the current position; returns the fp32 logits of the last one."""
+    def forward(self, ids: np.ndarray, all_logits: bool = False) -> np.ndarray:
+        """Appends `ids` at the current position; returns the fp32 logits of the last one [vocab]
+        (all_logits: of every one, [len(ids), vocab], as perplexity needs)."""
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         if len(ids) == 0:
             raise ValueError("forward() needs at least one token")
@@ -68,15 +75,15 @@ class ReferenceModel:
             raise ValueError(f"{len(ids)} tokens at position {self.pos} do not fit max_context {self.max_context}")
         if ids.min() < 0 or ids.max() >= self.spec.vocab_size:
             raise ValueError(f"token id out of range [0, {self.spec.vocab_size})")
-        for a in range(0, len(ids), PREFILL_CHUNK):
-            x = self._forward_chunk(ids[a:a + PREFILL_CHUNK])
-        return x
+        out = [self._forward_chunk(ids[a:a + PREFILL_CHUNK], all_logits)
+               for a in range(0, len(ids), PREFILL_CHUNK)]
+        return np.concatenate(out) if all_logits else out[-1]
 
     def _emit(self, name: str, layer: int, a: np.ndarray) -> None:
         if self.probe is not None:
             self.probe(name, layer, a)
 
-    def _forward_chunk(self, ids: np.ndarray) -> np.ndarray:
+    def _forward_chunk(self, ids: np.ndarray, all_logits: bool = False) -> np.ndarray:
         s = self.spec
         m, p0 = len(ids), self.pos
         positions = np.arange(p0, p0 + m)
@@ -85,9 +92,13 @@ class ReferenceModel:
             h = rmsnorm(x, L["attn_norm"], s.rms_norm_eps)
             self._emit("attn_norm", i, h)
             qkv = h @ L["wqkv"].T
+            if s.attention_bias:
+                qkv = qkv + L["bqkv"]
             q = qkv[:, :s.q_dim].reshape(m, s.num_heads, s.head_dim)
             k = qkv[:, s.q_dim:s.q_dim + s.kv_dim].reshape(m, s.num_kv_heads, s.head_dim)
             v = qkv[:, s.q_dim + s.kv_dim:].reshape(m, s.num_kv_heads, s.head_dim)
+            if s.qk_norm:  # per head, over head_dim, before RoPE (Qwen3)
+                q, k = rmsnorm(q, L["q_norm"], s.rms_norm_eps), rmsnorm(k, L["k_norm"], s.rms_norm_eps)
             self.k_cache[i, p0:p0 + m] = rope(k, positions, self.inv_freq)
             self.v_cache[i, p0:p0 + m] = v
             attn = self._attention(rope(q, positions, self.inv_freq), i, p0)
@@ -102,6 +113,8 @@ class ReferenceModel:
             x = x + mlp
             self._emit("layer_out", i, x)
         self.pos += m
+        if all_logits:
+            return rmsnorm(x, self.final_norm, s.rms_norm_eps) @ self.lm_head.T
         h = rmsnorm(x[-1:], self.final_norm, s.rms_norm_eps)
         self._emit("final_norm", -1, h)
         logits = (h @ self.lm_head.T)[0]
@@ -113,12 +126,14 @@ class ReferenceModel:
         s = self.spec
         m, t = q.shape[0], p0 + q.shape[0]
         k, v = self.k_cache[layer, :t], self.v_cache[layer, :t]  # [T, Hkv, D]
-        qg = q.reshape(m, s.num_kv_heads, s.group_size, s.head_dim)
-        scores = np.einsum("mhgd,thd->hgmt", qg, k) * np.float32(s.head_dim ** -0.5)
-        causal = np.arange(t)[None, :] > (p0 + np.arange(m))[:, None]  # [M, T]: key after query
-        scores[..., causal] = -np.inf
+        qg = q.reshape(m, s.num_kv_heads, s.group_size, s.head_dim).transpose(1, 2, 0, 3)  # [Hkv, G, M, D]
+        # batched matmuls (BLAS), not einsum (numpy's einsum does not use BLAS for these)
+        scores = (qg @ k.transpose(1, 2, 0)[:, None]) * np.float32(s.head_dim ** -0.5)   # [Hkv, G, M, T]
+        if m > 1:  # key after query: -inf (a one-token step sees the whole cache)
+            causal = np.arange(t)[None, :] > (p0 + np.arange(m))[:, None]  # [M, T]
+            scores += np.where(causal, np.float32(-np.inf), np.float32(0))
         scores -= scores.max(axis=-1, keepdims=True)
-        prob = np.exp(scores)
+        prob = np.exp(scores, out=scores)
         prob /= prob.sum(axis=-1, keepdims=True)
-        out = np.einsum("hgmt,thd->mhgd", prob, v)
-        return out.reshape(m, s.q_dim)
+        out = prob @ v.transpose(1, 0, 2)[:, None]  # [Hkv, G, M, D]
+        return out.transpose(2, 0, 1, 3).reshape(m, s.q_dim)

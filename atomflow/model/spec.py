@@ -1,7 +1,9 @@
 """ModelSpec: the validated shape of a Llama-family model, built from a Hugging Face config.json.
 
+One forward pass covers Llama, Mistral, Qwen2 and Qwen3: their differences are fields (QKV
+bias, per-head q/k RMSNorm, rope scaling, a sliding window that is never in effect), not forks.
 Mirrored as a POD struct in include/atomflow/spec.h (same field names). Anything the engine
-does not support fails here, with a message naming what is unsupported.
+does not support fails here, with a message naming the config field and its value.
 """
 from __future__ import annotations
 
@@ -15,8 +17,29 @@ import numpy as np
 
 from atomflow.errors import UnsupportedModelError
 
-QUANT_GROUP = 128  # input columns per FP8 scale (docs/FORMAT.md)
-SUPPORTED_HEAD_DIMS = (64, 128)
+QUANT_GROUP = 128  # input columns per FP8 scale; the last group of a row covers K % 128 (docs/FORMAT.md)
+SUPPORTED_HEAD_DIMS = (64, 80, 96, 128, 256)
+MAX_HEAD_RATIO = 16  # query heads per KV head
+SIZE_MULTIPLE = 64   # hidden and intermediate sizes
+ROPE_TYPES = ("default", "linear", "llama3")
+
+# Spec fields a version-1 file (Llama only) does not have: their defaults describe it.
+V1_ABSENT_FIELDS = ("arch", "attention_bias", "qk_norm", "sliding_window")
+
+# HF architecture -> the spec's arch name
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
+                 "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+_MODEL_TYPES = {v: k for k, v in ARCHITECTURES.items()}  # config model_type -> architecture
+
+# What the CUDA engine runs today (csrc/): everything else is refused before loading.
+CUDA_HEAD_DIMS = (64, 128)
+CUDA_HEAD_RATIOS = (1, 2, 3, 4, 6, 8)
+CUDA_ROPE_TYPES = ("default", "llama3")
+
+
+def scale_groups(k: int) -> int:
+    """FP8 scale groups of a row of k input columns: ceil(k / 128), the last one partial."""
+    return -(-k // QUANT_GROUP)
 
 
 @dataclass(frozen=True)
@@ -30,7 +53,7 @@ class ModelSpec:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    rope_type: str  # "default" or "llama3"
+    rope_type: str  # "default", "linear" (positions / factor) or "llama3"
     rope_factor: float
     rope_low_freq_factor: float
     rope_high_freq_factor: float
@@ -38,6 +61,11 @@ class ModelSpec:
     max_position_embeddings: int
     tie_word_embeddings: bool
     lm_head_fp8: bool = True
+    # format version 2 (absent from version-1 files: these defaults are what those files hold)
+    arch: str = "llama"            # llama | mistral | qwen2 | qwen3
+    attention_bias: bool = False   # q/k/v projections have a bias (Qwen2): tensor layers.{i}.bqkv
+    qk_norm: bool = False          # RMSNorm per head on q and k before RoPE (Qwen3): layers.{i}.q_norm, k_norm
+    sliding_window: int = 0        # 0: none; else no context longer than this may be used (Mistral v0.1)
 
     # -- derived sizes ---------------------------------------------------------------------
     @property
@@ -56,6 +84,33 @@ class ModelSpec:
     def group_size(self) -> int:
         return self.num_heads // self.num_kv_heads
 
+    @property
+    def max_context_limit(self) -> int:
+        """The longest context this model may be run at: its positions, and its sliding window
+        (full attention equals windowed attention only while the context fits the window)."""
+        if self.sliding_window:
+            return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
+
+    def cuda_unsupported(self) -> str | None:
+        """Why the CUDA engine cannot run this model yet (one line), or None. Checked before loading."""
+        why = []
+        if self.attention_bias:
+            why.append("QKV bias (attention_bias)")
+        if self.qk_norm:
+            why.append("per-head q/k RMSNorm (qk_norm)")
+        if self.head_dim not in CUDA_HEAD_DIMS:
+            why.append(f"head_dim {self.head_dim} (CUDA: {', '.join(map(str, CUDA_HEAD_DIMS))})")
+        if self.group_size not in CUDA_HEAD_RATIOS:
+            why.append(f"{self.group_size} query heads per KV head (CUDA: {', '.join(map(str, CUDA_HEAD_RATIOS))})")
+        tails = [f"{n} {k}" for n, k in (("hidden_size", self.hidden_size), ("intermediate_size", self.intermediate_size),
+                                          ("heads x head_dim", self.q_dim)) if k % QUANT_GROUP]
+        if tails:
+            why.append(f"a tail FP8 group ({', '.join(tails)} not a multiple of {QUANT_GROUP})")
+        if self.rope_type not in CUDA_ROPE_TYPES:
+            why.append(f"rope_type {self.rope_type}")
+        return ("the CUDA engine does not run this model yet: " + "; ".join(why)) if why else None
+
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V (bf16) one token adds to the cache, all layers."""
         return 2 * self.num_layers * self.kv_dim * 2
@@ -72,6 +127,8 @@ class ModelSpec:
         inv_freq = (np.float32(1.0) / base).astype(np.float32)
         if self.rope_type == "default":
             return inv_freq
+        if self.rope_type == "linear":  # transformers: inv_freq / factor (positions divided by factor)
+            return (inv_freq / np.float32(self.rope_factor)).astype(np.float32)
         factor = np.float32(self.rope_factor)
         low, high = np.float32(self.rope_low_freq_factor), np.float32(self.rope_high_freq_factor)
         old_ctx = np.float32(self.rope_original_max_position_embeddings)
@@ -94,7 +151,8 @@ class ModelSpec:
     @classmethod
     def from_dict(cls, d: dict) -> ModelSpec:
         names = {f.name for f in dataclasses.fields(cls)}
-        missing = names - set(d) - {"lm_head_fp8"}
+        optional = {f.name for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+        missing = names - set(d) - optional
         if missing:
             raise ValueError(f"model spec is missing {sorted(missing)}")
         spec = cls(**{k: v for k, v in d.items() if k in names})
@@ -107,19 +165,25 @@ class ModelSpec:
         """Build from a transformers config.json (4.x `rope_theta`/`rope_scaling` or 5.x
         `rope_parameters`). Raises UnsupportedModelError for anything the engine cannot run."""
         check_config_types(config)
-        check_architecture(config)
-        if config.get("attention_bias"):
-            raise UnsupportedModelError("unsupported: attention_bias=true (Llama-family models without biases only)")
-        if config.get("mlp_bias"):
-            raise UnsupportedModelError("unsupported: mlp_bias=true")
-        if config.get("sliding_window") not in (None, 0):
-            raise UnsupportedModelError("unsupported: sliding-window attention")
-        act = config.get("hidden_act", "silu")
-        if act != "silu":
-            raise UnsupportedModelError(f"unsupported hidden_act {act!r}: only silu (SwiGLU)")
+        arch = _architecture(config)
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
-            if not isinstance(config.get(key), int) or config[key] <= 0:
+            if isinstance(config.get(key), bool) or not isinstance(config.get(key), int) or config[key] <= 0:
                 raise UnsupportedModelError(f"config.json: {key} must be a positive integer, got {config.get(key)!r}")
+        if config.get("mlp_bias"):
+            raise UnsupportedModelError("unsupported: mlp_bias = true")
+        act = config.get("hidden_act", config.get("hidden_activation", "silu"))
+        if act != "silu":
+            raise UnsupportedModelError(f"unsupported: hidden_act = {act!r} (only silu, SwiGLU)")
+        for key in ("num_experts", "num_local_experts", "n_routed_experts", "kv_lora_rank"):
+            if config.get(key):
+                raise UnsupportedModelError(f"unsupported: {key} = {config[key]!r} (dense attention and MLP only)")
+        # Qwen2 has a bias on q, k and v by construction (transformers ignores attention_bias there);
+        # Llama's and Qwen3's attention_bias also puts one on o_proj, which the engine does not have.
+        bias = arch == "qwen2"
+        if arch in ("llama", "qwen3") and config.get("attention_bias"):
+            raise UnsupportedModelError("unsupported: attention_bias = true (a bias on q/k/v/o_proj; "
+                                        "only Qwen2's q/k/v bias is supported)")
+        sliding = _sliding_window(config, arch)
         hidden, heads = config["hidden_size"], config["num_attention_heads"]
         kv_heads = config.get("num_key_value_heads") or heads
         head_dim = config.get("head_dim") or hidden // heads
@@ -137,6 +201,10 @@ class ModelSpec:
             max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             lm_head_fp8=lm_head_fp8,
+            arch=arch,
+            attention_bias=bool(bias),
+            qk_norm=(arch == "qwen3"),
+            sliding_window=sliding,
             **rope,
         )
         spec.validate()
@@ -161,16 +229,23 @@ class ModelSpec:
                   "head_dim", "max_position_embeddings"):
             if not isinstance(getattr(self, f), int) or getattr(self, f) <= 0:
                 bad(f"{f} must be a positive integer, got {getattr(self, f)!r}")
+        if self.arch not in _MODEL_TYPES:
+            bad(f"arch {self.arch!r} (supported: {', '.join(_MODEL_TYPES)})")
         if self.num_heads % self.num_kv_heads:
             bad(f"num_attention_heads {self.num_heads} is not divisible by num_key_value_heads {self.num_kv_heads}")
+        if not 1 <= self.group_size <= MAX_HEAD_RATIO:
+            bad(f"num_attention_heads / num_key_value_heads = {self.group_size} (supported: 1..{MAX_HEAD_RATIO})")
         if self.head_dim not in SUPPORTED_HEAD_DIMS:
             bad(f"head_dim {self.head_dim} (supported: {', '.join(map(str, SUPPORTED_HEAD_DIMS))})")
-        for name, k in (("hidden_size", self.hidden_size), ("intermediate_size", self.intermediate_size),
-                        ("num_attention_heads * head_dim", self.q_dim)):
-            if k % QUANT_GROUP:
-                bad(f"{name} = {k} is not a multiple of the FP8 group size {QUANT_GROUP}")
-        if self.rope_type not in ("default", "llama3"):
-            bad(f"rope_type {self.rope_type!r} (supported: default, llama3)")
+        for name, k in (("hidden_size", self.hidden_size), ("intermediate_size", self.intermediate_size)):
+            if k % SIZE_MULTIPLE:
+                bad(f"{name} = {k} is not a multiple of {SIZE_MULTIPLE}")
+        if self.rope_type not in ROPE_TYPES:
+            bad(f"rope_type {self.rope_type!r} (supported: {', '.join(ROPE_TYPES)})")
+        if not isinstance(self.sliding_window, int) or self.sliding_window < 0:
+            bad(f"sliding_window {self.sliding_window!r}")
+        if self.rope_type == "linear" and not self.rope_factor > 0:
+            bad(f"linear rope scaling needs factor > 0, got {self.rope_factor}")
         if not (self.rms_norm_eps > 0 and math.isfinite(self.rms_norm_eps)):
             bad(f"rms_norm_eps {self.rms_norm_eps}")
         if not (self.rope_theta > 0 and math.isfinite(self.rope_theta)):
@@ -182,9 +257,6 @@ class ModelSpec:
             if not self.rope_high_freq_factor > self.rope_low_freq_factor:
                 bad("llama3 rope scaling needs high_freq_factor > low_freq_factor")
 
-
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
-_MODEL_TYPES = {"LlamaForCausalLM": "llama"}  # model_type of a config without `architectures`
 
 # config.json fields the spec reads, and the JSON types each may hold (null is always allowed:
 # transformers writes null for "the default").
@@ -227,21 +299,6 @@ def check_config_types(config) -> None:
                     raise UnsupportedModelError(f"config.json: {key}.{k} must be a finite number, got {v!r:.60}")
 
 
-def check_architecture(config: dict) -> None:
-    """`architectures` names a supported class exactly (a list of strings); a config without it
-    needs the matching model_type."""
-    archs = config.get("architectures") or []
-    if not all(isinstance(a, str) for a in archs):
-        raise UnsupportedModelError(f"config.json: architectures must be a list of strings, got {archs!r:.60}")
-    model_type = config.get("model_type")
-    if any(a in SUPPORTED_ARCHITECTURES for a in archs):
-        return
-    if not archs and model_type in _MODEL_TYPES.values():
-        return
-    what = ", ".join(archs) if archs else f"model_type {model_type!r}"
-    raise UnsupportedModelError(f"unsupported architecture {what}: atomflow runs {', '.join(SUPPORTED_ARCHITECTURES)}")
-
-
 def _rope_settings(config: dict) -> dict:
     """Normalize transformers 4.x (rope_theta + rope_scaling) and 5.x (rope_parameters)."""
     params = config.get("rope_parameters")
@@ -250,10 +307,15 @@ def _rope_settings(config: dict) -> dict:
     scaling = params if isinstance(params, dict) else (config.get("rope_scaling") or {})
     theta = config.get("rope_theta", (params or {}).get("rope_theta", 10000.0))
     rope_type = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
-    if rope_type not in ("default", "llama3"):
-        raise UnsupportedModelError(f"unsupported rope scaling {rope_type!r} (supported: none/default, llama3)")
+    if rope_type not in ROPE_TYPES:
+        raise UnsupportedModelError(f"unsupported: rope_scaling rope_type = {rope_type!r} "
+                                    f"(supported: none/default, linear, llama3)")
     out = dict(rope_theta=float(theta), rope_type=rope_type, rope_factor=1.0, rope_low_freq_factor=1.0,
                rope_high_freq_factor=4.0, rope_original_max_position_embeddings=0)
+    if rope_type == "linear":
+        if not isinstance(scaling.get("factor"), (int, float)):
+            raise UnsupportedModelError(f"linear rope scaling needs a numeric factor, got {scaling.get('factor')!r}")
+        out.update(rope_factor=float(scaling["factor"]))
     if rope_type == "llama3":
         try:
             out.update(rope_factor=float(scaling["factor"]),
@@ -263,3 +325,41 @@ def _rope_settings(config: dict) -> dict:
         except KeyError as e:
             raise UnsupportedModelError(f"llama3 rope scaling is missing {e.args[0]!r}") from None
     return out
+
+
+def _architecture(config: dict) -> str:
+    """The spec's arch name from `architectures` (or `model_type` when that list is absent)."""
+    archs = config.get("architectures") or []
+    if not all(isinstance(a, str) for a in archs):
+        raise UnsupportedModelError(f"config.json: architectures must be a list of strings, got {archs!r:.60}")
+    if archs:
+        if len(archs) != 1 or archs[0] not in ARCHITECTURES:
+            raise UnsupportedModelError(f"unsupported architecture {', '.join(archs)}: architectures = {archs} "
+                                        f"(supported: {', '.join(ARCHITECTURES)})")
+        return ARCHITECTURES[archs[0]]
+    model_type = config.get("model_type")
+    if model_type not in _MODEL_TYPES:
+        raise UnsupportedModelError(f"unsupported architecture model_type {model_type!r}: model_type = {model_type!r} "
+                                    f"(no architectures given; supported: {', '.join(_MODEL_TYPES)})")
+    return model_type
+
+
+def _sliding_window(config: dict, arch: str) -> int:
+    """0 when every layer attends to the whole context, else Mistral's window (contexts beyond it
+    are refused at load). Sliding-window layers that are in effect are refused here."""
+    types = config.get("layer_types")
+    if isinstance(types, list) and any(t != "full_attention" for t in types):
+        other = next(t for t in types if t != "full_attention")
+        raise UnsupportedModelError(f"unsupported: layer_types contains {other!r} (full attention only)")
+    window = config.get("sliding_window")
+    if arch in ("qwen2", "qwen3"):
+        if config.get("use_sliding_window"):
+            raise UnsupportedModelError("unsupported: use_sliding_window = true (full attention only)")
+        return 0  # the window is not in effect
+    if window in (None, 0):
+        return 0
+    if arch != "mistral":
+        raise UnsupportedModelError(f"unsupported: sliding_window = {window!r} (full attention only)")
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise UnsupportedModelError(f"config.json: sliding_window must be null or a positive integer, got {window!r}")
+    return window

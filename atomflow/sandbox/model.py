@@ -72,6 +72,8 @@ class SandboxModel:
             raise BackendUnavailableError(f"the sandbox model needs a GPU: {why}")
         model = AtomflowFile(path)
         spec = model.spec
+        if spec.cuda_unsupported():
+            raise UnsupportedModelError(f"{path}: {spec.cuda_unsupported()}")
         if model.quantization.get("lm_head", "fp8") != "fp8":
             raise UnsupportedModelError(f"{path}: the sandbox runs files with an fp8 lm_head only "
                                         f"(this one is {model.quantization.get('lm_head')}); re-quantize with --lm-head fp8")

@@ -1,0 +1,145 @@
+"""Every supported architecture, made at random by transformers' own classes (tools/make_tiny_arch.py)
+with awkward shapes (tail FP8 groups, 3/5/7/16 query heads per KV head, Qwen3's free head_dim):
+quantized, then the numpy reference against transformers on the same dequantized weights (rel-L2
+<= 1e-4) and against the original checkpoint (FP8 error only: catches a tensor mapped wrongly)."""
+import json
+
+import numpy as np
+import pytest
+
+from atomflow.errors import UnsupportedModelError
+from atomflow.model.fileformat import AtomflowFile
+from atomflow.model.quantize import quantize
+from atomflow.model.reference import ReferenceModel
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+# preset -> (file tensors of layer 0 beyond Llama's, the CUDA refusal's words or None)
+CASES = {
+    "llama-tail": ((), "tail FP8 group (hidden_size 192"),
+    "mistral": ((), None),
+    "qwen2": (("bqkv",), "7 query heads per KV head"),
+    "qwen2-r5": (("bqkv",), "5 query heads per KV head"),
+    "qwen3": (("q_norm", "k_norm"), "per-head q/k RMSNorm"),
+    "llama-r16": ((), "16 query heads per KV head"),
+}
+
+
+def rel_l2(a, b) -> float:
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@pytest.fixture(scope="module")
+def arch_models(tmp_path_factory):
+    from conftest import load_tool
+    tool = load_tool("make_tiny_arch")
+    out = {}
+    for preset in CASES:
+        d = tool.make_arch_model(tmp_path_factory.mktemp(preset) / "hf", preset, seed=1)
+        f = d.parent / "m.atomflow"
+        quantize(d, f, progress=False, log=lambda s: None)
+        out[preset] = (d, f)
+    return out
+
+
+@pytest.mark.parametrize("preset", list(CASES))
+def test_reference_matches_transformers(arch_models, preset):
+    from conftest import load_tool
+    hf_ref = load_tool("hf_reference")
+    hf_dir, path = arch_models[preset]
+    extra, cuda = CASES[preset]
+    model = AtomflowFile(path)
+    spec = model.spec
+    assert all(f"layers.0.{t}" in model.tensors for t in extra)
+    why = spec.cuda_unsupported()
+    assert (why is None) if cuda is None else (cuda in why), why
+
+    prompt = np.random.default_rng(0).integers(0, spec.vocab_size, 24)
+    want, fed = hf_ref.greedy_logits(hf_ref.load_hf_dequantized(model), prompt, 4)
+    ref = ReferenceModel(model, max_context=64)
+    got = [ref.forward(prompt)] + [ref.forward(np.array([t])) for t in fed]
+    errs = [rel_l2(g, w) for g, w in zip(got, want)]
+    assert max(errs) <= 1e-4, f"vs transformers on the dequantized weights: {np.round(errs, 7)}"
+
+    import transformers
+    original = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        orig = original(torch.tensor([list(prompt)])).logits[0, -1].numpy()
+    err = rel_l2(got[0], orig)
+    assert err < 0.1, f"vs transformers on the original weights: rel-L2 {err:.4f} (FP8 error is ~0.02)"
+
+
+def test_mistral_window_bounds_the_context(arch_models):
+    from atomflow.engine import Engine
+    _, path = arch_models["mistral"]
+    assert AtomflowFile(path).spec.sliding_window == 4096
+    assert Engine.load(path, backend="cpu").max_context == 2048  # max_position_embeddings is the smaller
+    with pytest.raises(ValueError, match="2048"):
+        Engine.load(path, backend="cpu", max_context=3000)
+
+
+def test_cuda_backend_refuses_before_loading(arch_models):
+    from atomflow.backends import make_backend
+    with AtomflowFile(arch_models["qwen2"][1]) as m, pytest.raises(UnsupportedModelError) as e:
+        make_backend("cuda", m, 64)
+    assert "QKV bias" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("edit,needle", [
+    (lambda c: c.update(architectures=["Qwen2MoeForCausalLM"]), "architectures = ['Qwen2MoeForCausalLM']"),
+    (lambda c: c.update(use_sliding_window=True), "use_sliding_window = true"),
+    (lambda c: c.update(num_key_value_heads=2), "not divisible"),
+])
+def test_unsupported_config_writes_nothing(arch_models, tmp_path, edit, needle, capsys):
+    import shutil
+
+    from atomflow.cli import main
+    src, _ = arch_models["qwen2"]
+    hf = tmp_path / "hf"
+    shutil.copytree(src, hf)
+    cfg = json.loads((hf / "config.json").read_text())
+    edit(cfg)
+    (hf / "config.json").write_text(json.dumps(cfg))
+    out = tmp_path / "m.atomflow"
+    assert main(["quantize", str(hf), "-o", str(out), "-q"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1, err
+    assert list(tmp_path.iterdir()) == [hf]
+
+
+def test_version1_file_loads(tiny_model_file, tmp_path):
+    """A file written by format version 1 (no arch fields in its spec, sizes multiples of 128) reads
+    as the same Llama; an unknown version is refused in one line."""
+    import shutil
+    import struct
+
+    from atomflow.errors import FormatError
+
+    def rewrite(path, fn):
+        raw = path.read_bytes()
+        (n,) = struct.unpack("<Q", raw[:8])
+        header = json.loads(raw[8:8 + n])
+        fn(header["__metadata__"])
+        new = json.dumps(header).encode()
+        new += b" " * (-(8 + len(new)) % 8)
+        path.write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n:])
+
+    def to_v1(meta):
+        spec = json.loads(meta["spec"])
+        for k in ("arch", "attention_bias", "qk_norm", "sliding_window"):
+            spec.pop(k)
+        meta.pop("header_checksum", None)  # version-1 writers did not write one
+        meta.update(format_version="1", spec=json.dumps(spec))
+
+    v1 = tmp_path / "v1.atomflow"
+    shutil.copyfile(tiny_model_file, v1)
+    rewrite(v1, to_v1)
+    with AtomflowFile(v1) as old, AtomflowFile(tiny_model_file) as new:
+        assert old.spec == new.spec and old.spec.arch == "llama"
+        ids = np.arange(1, 9)
+        np.testing.assert_array_equal(ReferenceModel(old, 16).forward(ids), ReferenceModel(new, 16).forward(ids))
+    rewrite(v1, lambda m: m.update(format_version="3"))
+    with pytest.raises(FormatError) as e:
+        AtomflowFile(v1)
+    assert "format version '3' is not supported" in str(e.value) and "re-quantize" in str(e.value)
