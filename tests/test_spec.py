@@ -111,7 +111,7 @@ def qwen2_config(**over) -> dict:
     (llama_config(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
                   rope_scaling=None), dict(group_size=3, q_dim=576), "tail FP8 group (hidden_size 576"),
     (llama_config(rope_scaling={"rope_type": "linear", "factor": 2.0}), dict(rope_type="linear", rope_factor=2.0),
-     "rope_type linear"),
+     None),  # the CUDA engine takes the inv_freq table, which carries the factor
     (llama_config(head_dim=96, num_attention_heads=32), dict(head_dim=96), "head_dim 96 (CUDA: 64, 128)"),
     (llama_config(), dict(arch="llama"), None),
 ])

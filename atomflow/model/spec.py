@@ -34,7 +34,7 @@ _MODEL_TYPES = {v: k for k, v in ARCHITECTURES.items()}  # config model_type -> 
 # What the CUDA engine runs today (csrc/): everything else is refused before loading.
 CUDA_HEAD_DIMS = (64, 128)
 CUDA_HEAD_RATIOS = (1, 2, 3, 4, 6, 8)
-CUDA_ROPE_TYPES = ("default", "llama3")
+CUDA_ROPE_TYPES = ("default", "llama3", "linear")  # the engine takes the inv_freq table, which carries the type
 
 
 def scale_groups(k: int) -> int:

@@ -59,8 +59,10 @@ ModelSpec spec_from_dict(const py::dict& d) {
     s.rope_type = RopeType::Default;
   else if (rope == "llama3")
     s.rope_type = RopeType::Llama3;
+  else if (rope == "linear")
+    s.rope_type = RopeType::Linear;
   else
-    throw py::value_error("spec['rope_type'] must be 'default' or 'llama3', got '" + rope + "'");
+    throw py::value_error("spec['rope_type'] must be 'default', 'llama3' or 'linear', got '" + rope + "'");
   s.rope_factor = field<float>(d, "spec", "rope_factor");
   s.rope_low_freq_factor = field<float>(d, "spec", "rope_low_freq_factor");
   s.rope_high_freq_factor = field<float>(d, "spec", "rope_high_freq_factor");

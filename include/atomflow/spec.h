@@ -5,7 +5,7 @@
 
 namespace atomflow {
 
-enum class RopeType : int32_t { Default = 0, Llama3 = 1 };
+enum class RopeType : int32_t { Default = 0, Llama3 = 1, Linear = 2 };  // informational: inv_freq carries it
 
 struct ModelSpec {
   int32_t vocab_size = 0;
