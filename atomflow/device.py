@@ -1,4 +1,5 @@
 """Whether the CUDA core is built and a usable GPU is present; imports nothing heavy."""
+
 from __future__ import annotations
 
 

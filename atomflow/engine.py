@@ -1,9 +1,10 @@
 """Engine: the Python facade. Loads a .atomflow file, picks a backend, tokenizes, and streams.
 
-    eng = Engine.load("model.atomflow", max_context=8192)
-    for text in eng.generate("Hello", SamplingParams(temperature=0.7, max_new_tokens=64)):
-        print(text, end="", flush=True)
+eng = Engine.load("model.atomflow", max_context=8192)
+for text in eng.generate("Hello", SamplingParams(temperature=0.7, max_new_tokens=64)):
+    print(text, end="", flush=True)
 """
+
 from __future__ import annotations
 
 import os
@@ -26,13 +27,14 @@ DEFAULT_MAX_CONTEXT = 8192
 @dataclass
 class GenerationStats:
     """Timings of the last generate call, in the llama.cpp summary's terms."""
+
     load_s: float = 0.0
     prompt_tokens: int = 0
-    reused_tokens: int = 0     # prompt tokens already in the cache (reuse_prefix), not prefilled again
-    prompt_s: float = 0.0      # prefill + the first sampled token (time to first token)
+    reused_tokens: int = 0  # prompt tokens already in the cache (reuse_prefix), not prefilled again
+    prompt_s: float = 0.0  # prefill + the first sampled token (time to first token)
     generated_tokens: int = 0
-    decode_s: float = 0.0      # every token after the first
-    stop_reason: str = ""      # eos | stop | length | context
+    decode_s: float = 0.0  # every token after the first
+    stop_reason: str = ""  # eos | stop | length | context
 
     @property
     def prefilled_tokens(self) -> int:
@@ -53,8 +55,15 @@ class Engine:
         self._cached: list[int] = []  # the token ids the cache holds, in order (len == position)
 
     @classmethod
-    def load(cls, path: str | os.PathLike, backend: str = "auto", max_context: int | None = None,
-             eager: bool | None = None, verify: bool = False, verbose: bool = False) -> Engine:
+    def load(
+        cls,
+        path: str | os.PathLike,
+        backend: str = "auto",
+        max_context: int | None = None,
+        eager: bool | None = None,
+        verify: bool = False,
+        verbose: bool = False,
+    ) -> Engine:
         """backend: auto (cuda when usable, else cpu) | cuda | cpu. max_context: KV cache length
         (default min(8192, the model's max_position_embeddings)). eager: run CUDA without the
         graph (default: the ATOMFLOW_EAGER environment variable)."""
@@ -64,8 +73,11 @@ class Engine:
         if max_context is None:
             max_context = min(DEFAULT_MAX_CONTEXT, limit)
         if not isinstance(max_context, int) or not 1 <= max_context <= limit:
-            what = ("the model's sliding_window: beyond it full attention is not the model's attention"
-                    if limit < model.spec.max_position_embeddings else "the model's max_position_embeddings")
+            what = (
+                "the model's sliding_window: beyond it full attention is not the model's attention"
+                if limit < model.spec.max_position_embeddings
+                else "the model's max_position_embeddings"
+            )
             raise ValueError(f"max_context must be an integer in [1, {limit}] ({what}), got {max_context!r}")
         tok = model.tokenizer()  # checked before the (slow) backend load: parses, fits the vocab, template renders
         be = make_backend(backend, model, max_context, eager=eager, verbose=verbose)
@@ -107,8 +119,10 @@ class Engine:
 
     def _nonfinite(self, position: int) -> FormatError:
         """Non-finite logits are the file's fault (a valid file cannot produce them): said so, never sampled."""
-        return FormatError(f"{self.model.path}: the file's weights produce NaN/Inf (logits after position "
-                           f"{position}); `atomflow info --verify` checks every value")
+        return FormatError(
+            f"{self.model.path}: the file's weights produce NaN/Inf (logits after position "
+            f"{position}); `atomflow info --verify` checks every value"
+        )
 
     def reset(self) -> None:
         self.backend.reset()
@@ -139,8 +153,13 @@ class Engine:
             return np.asarray(self.tokenizer.encode_prompt(prompt, chat=chat), dtype=np.int32)
         return np.asarray(prompt, dtype=np.int32)
 
-    def generate_tokens(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                        chat: bool | None = None, reuse_prefix: bool = False) -> Iterator[int]:
+    def generate_tokens(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        chat: bool | None = None,
+        reuse_prefix: bool = False,
+    ) -> Iterator[int]:
         """Yields sampled token ids; stops at an EOS id (not yielded; unless ignore_eos), at
         max_new_tokens, or when the context is full. Starts a fresh conversation, unless
         reuse_prefix: then the longest common prefix of the prompt and the ids the cache holds
@@ -173,10 +192,11 @@ class Engine:
                     return
         finally:
             gen.close()
-            self._cached = (ids.tolist() + sampled)[:self.backend.position]  # prompt + sampled but the last
+            self._cached = (ids.tolist() + sampled)[: self.backend.position]  # prompt + sampled but the last
 
-    def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                 chat: bool | None = None) -> Iterator[str]:
+    def generate(
+        self, prompt: str | Sequence[int], params: SamplingParams | None = None, chat: bool | None = None
+    ) -> Iterator[str]:
         """Streams text: incremental, UTF-8 safe, cut at the first stop string."""
         params = params or SamplingParams()
         decoder, stopper = IncrementalDecoder(self.tokenizer), StopChecker(params.stop)
@@ -200,8 +220,10 @@ class Engine:
         """ids as int32, each in [0, vocab), with `room` free cache slots left after them."""
         ids = check_ids(ids, self.spec.vocab_size)
         if room and len(ids) + room > self.max_context:
-            raise ValueError(f"prompt has {len(ids)} tokens; it does not fit max_context {self.max_context} "
-                             f"(leave room for at least {room} generated token)")
+            raise ValueError(
+                f"prompt has {len(ids)} tokens; it does not fit max_context {self.max_context} "
+                f"(leave room for at least {room} generated token)"
+            )
         if not room and self.position + len(ids) > self.max_context:
             raise ValueError(f"{len(ids)} tokens at position {self.position} do not fit max_context {self.max_context}")
         return ids

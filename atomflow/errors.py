@@ -45,6 +45,7 @@ class InterruptedBySignal(KeyboardInterrupt):
 def signal_name(signum: int) -> str:
     """SIGTERM, ..., and SIGRTMIN+n for the real-time signals (which signal.Signals does not name)."""
     import signal
+
     try:
         return signal.Signals(signum).name
     except ValueError:

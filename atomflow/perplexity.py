@@ -12,6 +12,7 @@ replaced by BOS, as llama-perplexity does.
 The same windows can be scored by Hugging Face transformers on the source weights (an HF
 directory or a GGUF file, fp32, CPU), so the ratio isolates what quantization costs.
 """
+
 from __future__ import annotations
 
 import math
@@ -30,7 +31,7 @@ class PerplexityResult:
     stderr: float
     mean_nll: float
     scored_tokens: int
-    evaluated_tokens: int     # tokens run through the model (windows overlap when stride < ctx)
+    evaluated_tokens: int  # tokens run through the model (windows overlap when stride < ctx)
     windows: int
     ctx: int
     stride: int
@@ -41,8 +42,10 @@ class PerplexityResult:
         return self.evaluated_tokens / self.seconds if self.seconds > 0 else float("nan")
 
     def line(self) -> str:
-        return (f"{self.who}: ppl {self.ppl:.4f} +- {self.stderr:.4f} over {self.scored_tokens} tokens "
-                f"({self.windows} windows of {self.ctx}, stride {self.stride}; {self.tokens_per_second:.1f} tokens/s)")
+        return (
+            f"{self.who}: ppl {self.ppl:.4f} +- {self.stderr:.4f} over {self.scored_tokens} tokens "
+            f"({self.windows} windows of {self.ctx}, stride {self.stride}; {self.tokens_per_second:.1f} tokens/s)"
+        )
 
     def to_dict(self) -> dict:
         return dict(asdict(self), tokens_per_second=self.tokens_per_second)
@@ -76,16 +79,25 @@ def _nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
     return lse - x[np.arange(len(targets)), targets]
 
 
-def score(who: str, tokens: np.ndarray, ctx: int, stride: int | None, logits_fn: Callable[[np.ndarray, int], np.ndarray],
-          bos: int | None = None, max_windows: int | None = None, progress: bool = False) -> PerplexityResult:
+def score(
+    who: str,
+    tokens: np.ndarray,
+    ctx: int,
+    stride: int | None,
+    logits_fn: Callable[[np.ndarray, int], np.ndarray],
+    bos: int | None = None,
+    max_windows: int | None = None,
+    progress: bool = False,
+) -> PerplexityResult:
     """logits_fn(window_ids, first) -> fp32 logits [ctx - first, vocab] of positions first-1 .. ctx-2
     (each predicts the next token)."""
     wins = windows(len(tokens), ctx, stride, max_windows)
     nll = []
     t0 = time.perf_counter()
     from tqdm import tqdm
+
     for start, first in tqdm(wins, desc=who, disable=not progress, leave=False):
-        ids = np.array(tokens[start:start + ctx], dtype=np.int64)
+        ids = np.array(tokens[start : start + ctx], dtype=np.int64)
         if bos is not None:
             ids[0] = bos
         logits = logits_fn(ids, first)
@@ -107,10 +119,11 @@ def engine_logits_fn(engine) -> Callable[[np.ndarray, int], np.ndarray]:
         backend.reset()
         ref = getattr(backend, "ref", None)
         if ref is not None:  # the numpy reference: every position's logits from one pass
-            return ref.forward(ids, all_logits=True)[first - 1:-1]
+            return ref.forward(ids, all_logits=True)[first - 1 : -1]
         out = [backend.prefill(ids[:first].astype(np.int32))]
         out += [backend.decode(int(t)) for t in ids[first:-1]]
         return np.stack(out)
+
     return fn
 
 
@@ -118,6 +131,7 @@ def hf_logits_fn(source: str | Path) -> tuple[Callable[[np.ndarray, int], np.nda
     """transformers (fp32, CPU) on the source weights: an HF directory or a .gguf file."""
     import torch
     from transformers import AutoModelForCausalLM
+
     source = Path(source)
     if source.suffix.lower() == ".gguf":
         model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
@@ -127,7 +141,8 @@ def hf_logits_fn(source: str | Path) -> tuple[Callable[[np.ndarray, int], np.nda
 
     def fn(ids: np.ndarray, first: int) -> np.ndarray:
         with torch.no_grad():
-            return model(torch.tensor(ids[None]), use_cache=False).logits[0, first - 1:-1].float().numpy()
+            return model(torch.tensor(ids[None]), use_cache=False).logits[0, first - 1 : -1].float().numpy()
+
     return fn, f"transformers {source.name}"
 
 

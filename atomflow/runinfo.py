@@ -1,4 +1,5 @@
 """What a measurement ran on, for bench and profile reports: the commit, package versions, GPU."""
+
 from __future__ import annotations
 
 import os
@@ -18,10 +19,12 @@ def commit() -> str:
     if os.environ.get("ATOMFLOW_COMMIT"):
         return os.environ["ATOMFLOW_COMMIT"]
     try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                             check=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+        sha = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True, timeout=10
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True, timeout=10
+        ).stdout.strip()
         if sha:
             return sha + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
@@ -35,6 +38,7 @@ def versions(with_torch: bool = False) -> dict:
     out = dict(atomflow=__version__, python=sys.version.split()[0])
     try:
         from atomflow import _core  # type: ignore[attr-defined]
+
         v = _core.build_info()["cuda_runtime_version"]
         out["cuda_runtime"] = f"{v // 1000}.{v % 1000 // 10}"
     except ImportError:
@@ -50,6 +54,7 @@ def device() -> dict:
     """_core.device_info() with the capability as "9.0"; {} where there is no GPU."""
     try:
         from atomflow import _core  # type: ignore[attr-defined]
+
         info = dict(_core.device_info())
     except (ImportError, RuntimeError):
         return {}

@@ -1,5 +1,6 @@
 """Sampling: the validated parameters, the CPU sampler that defines what the device sampler must do,
 and the stop-string filter for streamed text."""
+
 from __future__ import annotations
 
 import math
@@ -22,6 +23,7 @@ class SamplingParams:
     from os.urandom at construction and stores it, so `params.seed` always replays the run.
     max_new_tokens: the most tokens generated.  stop: strings that end generation (the text is
     cut before them).  ignore_eos: keep going past EOS ids."""
+
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
@@ -37,8 +39,7 @@ class SamplingParams:
                 raise ValueError(f"{name} must be {allowed}, got {v!r}")
             return float(v) if kind is numbers.Real else int(v)
 
-        t = check("temperature", numbers.Real, lambda v: math.isfinite(v) and v >= 0,
-                  "a finite number >= 0 (0 = greedy)")
+        t = check("temperature", numbers.Real, lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0 (0 = greedy)")
         p = check("top_p", numbers.Real, lambda v: 0 < v <= 1, "in (0, 1]")
         k = check("top_k", numbers.Integral, lambda v: v >= 0, "an integer >= 0 (0 = off)")
         n = check("max_new_tokens", numbers.Integral, lambda v: v >= 1, "an integer >= 1")
@@ -51,8 +52,15 @@ class SamplingParams:
             raise ValueError(f"stop must be a sequence of non-empty strings, got {self.stop!r}")
         if not isinstance(self.ignore_eos, (bool, np.bool_)):
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
-        for name, v in (("temperature", t), ("top_p", p), ("top_k", k), ("max_new_tokens", n), ("seed", seed),
-                        ("stop", tuple(stop)), ("ignore_eos", bool(self.ignore_eos))):
+        for name, v in (
+            ("temperature", t),
+            ("top_p", p),
+            ("top_k", k),
+            ("max_new_tokens", n),
+            ("seed", seed),
+            ("stop", tuple(stop)),
+            ("ignore_eos", bool(self.ignore_eos)),
+        ):
             object.__setattr__(self, name, v)  # frozen: normalize once, here
 
     @property
@@ -131,10 +139,10 @@ class StopChecker:
         hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
         if hits:
             self.held, self.stopped = "", True
-            return text[:min(hits)], True
+            return text[: min(hits)], True
         hold = self._partial_len(text)
-        self.held = text[len(text) - hold:] if hold else ""
-        return text[:len(text) - hold], False
+        self.held = text[len(text) - hold :] if hold else ""
+        return text[: len(text) - hold], False
 
     def flush(self) -> str:
         text, self.held = ("" if self.stopped else self.held), ""

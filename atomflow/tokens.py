@@ -1,5 +1,6 @@
 """Token ids and the generation budget: checked and computed here once, for the facade and both
 backends (the bindings check again, as a binding checks every argument)."""
+
 from __future__ import annotations
 
 import numpy as np

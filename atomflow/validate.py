@@ -6,6 +6,7 @@ the original checkpoint (quantization error: must be small). The engine replays 
 tokens with probes on (eager, never inside the graph), and every (probe, layer, phase) is
 compared over its positions: cosine (the worst position), rel-L2 and max-abs.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,11 +26,11 @@ THRESHOLDS = {"dequant": (0.9999, 0.999), "original": (0.99, 0.95)}
 class Row:
     reference: str
     probe: str
-    layer: int          # -1 for final_norm / logits
-    phase: str          # "prompt" (positions 0..P-1) or "decode" (P..)
+    layer: int  # -1 for final_norm / logits
+    phase: str  # "prompt" (positions 0..P-1) or "decode" (P..)
     positions: int
-    cosine: float       # worst position
-    rel_l2: float       # worst position
+    cosine: float  # worst position
+    rel_l2: float  # worst position
     max_abs: float
     verdict: str
 
@@ -47,19 +48,30 @@ class GroundTruth:
 def load_ground_truth(path: str | Path) -> list[GroundTruth]:
     from safetensors import safe_open
     from safetensors.numpy import load_file
+
     path = Path(path)
     files = [path / f"{r}.safetensors" for r in THRESHOLDS if (path / f"{r}.safetensors").is_file()]
     if not path.is_dir() or not files:
-        raise AtomflowError(f"{path}: no ground truth here (expected dequant.safetensors and/or "
-                            f"original.safetensors from tools/gen_ground_truth.py)")
+        raise AtomflowError(
+            f"{path}: no ground truth here (expected dequant.safetensors and/or "
+            f"original.safetensors from tools/gen_ground_truth.py)"
+        )
     out = []
     for f in files:
         with safe_open(str(f), "numpy") as h:
             meta = h.metadata() or {}
         if meta.get("format") != "atomflow-ground-truth-1":
             raise AtomflowError(f"{f}: not an atomflow ground-truth file")
-        out.append(GroundTruth(meta["reference"], json.loads(meta["prompt_ids"]), json.loads(meta["decode_ids"]),
-                               meta["model_checksum"], load_file(str(f)), meta))
+        out.append(
+            GroundTruth(
+                meta["reference"],
+                json.loads(meta["prompt_ids"]),
+                json.loads(meta["decode_ids"]),
+                meta["model_checksum"],
+                load_file(str(f)),
+                meta,
+            )
+        )
     return out
 
 
@@ -118,8 +130,10 @@ def validate(engine, ground_truth: str | Path) -> list[Row]:
     cache: dict[tuple, dict] = {}
     for gt in refs:
         if gt.checksum != checksum:
-            raise AtomflowError(f"ground truth in {ground_truth} was made from another model file "
-                                f"(its checksum {gt.checksum[:19]}..., this file {checksum[:19]}...)")
+            raise AtomflowError(
+                f"ground truth in {ground_truth} was made from another model file "
+                f"(its checksum {gt.checksum[:19]}..., this file {checksum[:19]}...)"
+            )
         key = (tuple(gt.prompt), tuple(gt.decode))
         if key not in cache:
             flat = engine_probes(engine, gt.prompt, gt.decode)
@@ -136,12 +150,16 @@ def _per_layer(flat: dict[str, np.ndarray], num_layers: int) -> dict:
 
 
 def format_table(rows: list[Row]) -> str:
-    lines = [f"{'reference':<9} {'probe':<10} {'layer':>5} {'position':<8} {'n':>3} {'cosine':>10} "
-             f"{'rel-L2':>9} {'max-abs':>9}  verdict"]
+    lines = [
+        f"{'reference':<9} {'probe':<10} {'layer':>5} {'position':<8} {'n':>3} {'cosine':>10} "
+        f"{'rel-L2':>9} {'max-abs':>9}  verdict"
+    ]
     for r in rows:
         layer = "-" if r.layer < 0 else str(r.layer)
-        lines.append(f"{r.reference:<9} {r.probe:<10} {layer:>5} {r.phase:<8} {r.positions:>3} {r.cosine:10.6f} "
-                     f"{r.rel_l2:9.2e} {r.max_abs:9.2e}  {r.verdict}")
+        lines.append(
+            f"{r.reference:<9} {r.probe:<10} {layer:>5} {r.phase:<8} {r.positions:>3} {r.cosine:10.6f} "
+            f"{r.rel_l2:9.2e} {r.max_abs:9.2e}  {r.verdict}"
+        )
     return "\n".join(lines)
 
 

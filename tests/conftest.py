@@ -1,5 +1,6 @@
 """Shared fixtures: a tiny random Llama (HF directory) and its quantized .atomflow file, made
 once per session; GPU tests skipped cleanly where there is no CUDA core or no GPU."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -25,6 +26,7 @@ def load_tool(name: str):
 
 def _cuda_status() -> tuple[bool, str]:
     from atomflow.device import cuda_status
+
     return cuda_status()
 
 
@@ -53,6 +55,7 @@ def tiny_hf_dir(tmp_path_factory, make_tiny_model) -> Path:
 @pytest.fixture(scope="session")
 def tiny_model_file(tmp_path_factory, tiny_hf_dir) -> Path:
     from atomflow.model.quantize import quantize
+
     out = tmp_path_factory.mktemp("model") / "tiny.atomflow"
     quantize(tiny_hf_dir, out, progress=False, log=lambda s: None)
     return out
@@ -62,6 +65,7 @@ def tiny_model_file(tmp_path_factory, tiny_hf_dir) -> Path:
 def rng():
     """A fresh generator per test, its seed printed (replay: ATOMFLOW_TEST_SEED=...)."""
     import numpy as np
+
     seed = int(os.environ.get("ATOMFLOW_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
     print(f"rng seed {seed} (replay: ATOMFLOW_TEST_SEED={seed})")
     return np.random.default_rng(seed)

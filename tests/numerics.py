@@ -1,5 +1,6 @@
 """16-bit bit patterns as the kernel harnesses take and return them (uint16 arrays), shared by
 the GPU kernel tests."""
+
 import ml_dtypes
 import numpy as np
 

@@ -1,4 +1,5 @@
 """Runs `atomflow serve` as a real process on a free loopback port for the server tests."""
+
 from __future__ import annotations
 
 import os
@@ -23,10 +24,13 @@ class Server:
         cmd = [sys.executable, "-m", "atomflow.cli", "serve", str(model), "--port", "0", "--backend", "cpu", *args]
         if api_key:
             cmd += ["--api-key", api_key]
-        env = {**os.environ,  # as tests/test_cli.py: the atomflow that the tests import (PYTHONPATH or installed)
-               # BLAS on one thread: the event loop needs a core, and on a small shared machine a BLAS
-               # pool spinning against it stalls a CPU prefill by hundreds of ms.
-               "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+        env = {
+            **os.environ,  # as tests/test_cli.py: the atomflow that the tests import (PYTHONPATH or installed)
+            # BLAS on one thread: the event loop needs a core, and on a small shared machine a BLAS
+            # pool spinning against it stalls a CPU prefill by hundreds of ms.
+            "OPENBLAS_NUM_THREADS": "1",
+            "OMP_NUM_THREADS": "1",
+        }
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
         self.url = self._wait_ready(ready_s)
@@ -60,8 +64,9 @@ class Server:
         return httpx.get(self.url + path, headers=self.headers, timeout=30, **kw)
 
     def post(self, path: str, json=None, **kw) -> httpx.Response:
-        return httpx.post(self.url + path, json=json, headers={**self.headers, **kw.pop("headers", {})},
-                          timeout=kw.pop("timeout", 60), **kw)
+        return httpx.post(
+            self.url + path, json=json, headers={**self.headers, **kw.pop("headers", {})}, timeout=kw.pop("timeout", 60), **kw
+        )
 
     def metric(self, name: str) -> float:
         """The value of an unlabelled metric (a counter's _total) from /metrics."""

@@ -2,6 +2,7 @@
 with awkward shapes (tail FP8 groups, 3/5/7/16 query heads per KV head, Qwen3's free head_dim):
 quantized, then the numpy reference against transformers on the same dequantized weights (rel-L2
 <= 1e-4) and against the original checkpoint (FP8 error only: catches a tensor mapped wrongly)."""
+
 import json
 
 import numpy as np
@@ -33,6 +34,7 @@ def rel_l2(a, b) -> float:
 @pytest.fixture(scope="module")
 def arch_models(tmp_path_factory):
     from conftest import load_tool
+
     tool = load_tool("make_tiny_arch")
     out = {}
     for preset in CASES:
@@ -46,6 +48,7 @@ def arch_models(tmp_path_factory):
 @pytest.mark.parametrize("preset", list(CASES))
 def test_reference_matches_transformers(arch_models, preset):
     from conftest import load_tool
+
     hf_ref = load_tool("hf_reference")
     hf_dir, path = arch_models[preset]
     extra, cuda = CASES[preset]
@@ -63,6 +66,7 @@ def test_reference_matches_transformers(arch_models, preset):
     assert max(errs) <= 1e-4, f"vs transformers on the dequantized weights: {np.round(errs, 7)}"
 
     import transformers
+
     original = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         orig = original(torch.tensor([list(prompt)])).logits[0, -1].numpy()
@@ -72,6 +76,7 @@ def test_reference_matches_transformers(arch_models, preset):
 
 def test_mistral_window_bounds_the_context(arch_models):
     from atomflow.engine import Engine
+
     _, path = arch_models["mistral"]
     assert AtomflowFile(path).spec.sliding_window == 4096
     assert Engine.load(path, backend="cpu").max_context == 2048  # max_position_embeddings is the smaller
@@ -81,20 +86,25 @@ def test_mistral_window_bounds_the_context(arch_models):
 
 def test_cuda_backend_refuses_before_loading(arch_models):
     from atomflow.backends import make_backend
+
     with AtomflowFile(arch_models["qwen2"][1]) as m, pytest.raises(UnsupportedModelError) as e:
         make_backend("cuda", m, 64)
     assert "QKV bias" in str(e.value) and "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("edit,needle", [
-    (lambda c: c.update(architectures=["Qwen2MoeForCausalLM"]), "architectures = ['Qwen2MoeForCausalLM']"),
-    (lambda c: c.update(use_sliding_window=True), "use_sliding_window = true"),
-    (lambda c: c.update(num_key_value_heads=2), "not divisible"),
-])
+@pytest.mark.parametrize(
+    "edit,needle",
+    [
+        (lambda c: c.update(architectures=["Qwen2MoeForCausalLM"]), "architectures = ['Qwen2MoeForCausalLM']"),
+        (lambda c: c.update(use_sliding_window=True), "use_sliding_window = true"),
+        (lambda c: c.update(num_key_value_heads=2), "not divisible"),
+    ],
+)
 def test_unsupported_config_writes_nothing(arch_models, tmp_path, edit, needle, capsys):
     import shutil
 
     from atomflow.cli import main
+
     src, _ = arch_models["qwen2"]
     hf = tmp_path / "hf"
     shutil.copytree(src, hf)
@@ -119,11 +129,11 @@ def test_version1_file_loads(tiny_model_file, tmp_path):
     def rewrite(path, fn):
         raw = path.read_bytes()
         (n,) = struct.unpack("<Q", raw[:8])
-        header = json.loads(raw[8:8 + n])
+        header = json.loads(raw[8 : 8 + n])
         fn(header["__metadata__"])
         new = json.dumps(header).encode()
         new += b" " * (-(8 + len(new)) % 8)
-        path.write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n:])
+        path.write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n :])
 
     def to_v1(meta):
         spec = json.loads(meta["spec"])

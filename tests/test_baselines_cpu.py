@@ -4,6 +4,7 @@ repeated, SDPA causal or masked) against its decode path, its int8 weight-only a
 (the FP8 quantization math against a float reference, torch._scaled_mm as the CPU runs it), the
 decoders' cache and position handling with prefill compiled, the recipe each row records, and
 every skip path ('skipped: <reason>')."""
+
 from __future__ import annotations
 
 import sys
@@ -21,8 +22,8 @@ transformers = pytest.importorskip("transformers")
 @pytest.fixture(scope="module")
 def hf_model(tiny_hf_dir):
     from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(str(tiny_hf_dir), dtype=torch.float32,
-                                                attn_implementation="eager").eval()
+
+    return AutoModelForCausalLM.from_pretrained(str(tiny_hf_dir), dtype=torch.float32, attn_implementation="eager").eval()
 
 
 def ids(n: int, seed: int = 0):
@@ -31,22 +32,23 @@ def ids(n: int, seed: int = 0):
 
 def test_torch_llama_matches_transformers(tiny_hf_dir, hf_model):
     from atomflow.bench.baselines import torch_llama
+
     model = torch_llama.load(tiny_hf_dir, device="cpu", dtype=torch.float32)
     model.setup_cache(64)
     x = ids(14)
     with torch.no_grad():
         want = hf_model(x).logits[0]
         got = [model(x[:, :9], torch.arange(9))[0]]  # prefill, then one token at a time
-        got += [model(x[:, p:p + 1], torch.tensor([p]))[0] for p in range(9, 14)]
+        got += [model(x[:, p : p + 1], torch.tensor([p]))[0] for p in range(9, 14)]
     for i, g in zip(range(8, 14), got):
         scale = want[i].abs().max()
         assert (g - want[i]).abs().max() <= 1e-4 * scale, f"position {i}"
-    assert torch.equal(torch_llama.decode_one(model, x[:, 13:14], torch.tensor([13])),
-                       want[13].argmax().view(1, 1))
+    assert torch.equal(torch_llama.decode_one(model, x[:, 13:14], torch.tensor([13])), want[13].argmax().view(1, 1))
 
 
 def test_int8_weight_only(tiny_hf_dir, hf_model):
     from atomflow.bench.baselines import torch_llama
+
     model = torch_llama.load(tiny_hf_dir, device="cpu", dtype=torch.float32, linear="int8")
     lin = model.layers[0].wqkv
     assert lin.weight.dtype == torch.int8 and lin.scales.shape == (lin.weight.shape[0],)
@@ -63,6 +65,7 @@ def test_prefill_path_matches_decode_path_and_transformers(tiny_hf_dir, hf_model
     it) gives the logits of the decode path (SDPA enable_gqa over the whole static cache) and of
     transformers, and leaves the same cache: a prompt in one chunk, then in chunks of 5 and 4."""
     from atomflow.bench.baselines import torch_llama
+
     model = torch_llama.load(tiny_hf_dir, device="cpu", dtype=torch.float32)
     s = model.spec
     assert s.num_heads // s.num_kv_heads > 1  # the tiny model has GQA: the repeat is exercised
@@ -93,6 +96,7 @@ def test_repeated_kv_sdpa_is_gqa_attention():
     (is_causal, or a [T, S] mask after earlier keys), against attention written out in fp64:
     query head h reads KV head h // (H / Hkv)."""
     import torch.nn.functional as F
+
     g = torch.Generator().manual_seed(0)
     H, Hkv, T, start, D = 8, 2, 6, 5, 16
     q = torch.randn(1, H, T, D, generator=g)
@@ -102,7 +106,7 @@ def test_repeated_kv_sdpa_is_gqa_attention():
         out = torch.empty(1, H, T, D, dtype=torch.float64)
         for h in range(H):
             kh, vh = k[0, h // (H // Hkv)].double(), v[0, h // (H // Hkv)].double()
-            scores = q[0, h].double() @ kh.T / D ** 0.5
+            scores = q[0, h].double() @ kh.T / D**0.5
             allowed = torch.arange(kh.shape[0])[None, :] <= start + torch.arange(T)[:, None]
             out[0, h] = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1) @ vh
         return out
@@ -118,11 +122,13 @@ def test_repeated_kv_sdpa_is_gqa_attention():
 
 # ----------------------------------------------------------------------------- FP8
 
+
 def test_fp8_rowwise_quantization_math():
     """fp8_rowwise against a float reference: scale = absmax(row) / 448, each row's largest
     magnitude lands on 448 exactly, and every element is within e4m3's rounding (half a step:
     2^-4 relative for normals, 2^-10 of the scale below 2^-6) of the original."""
     from atomflow.bench.baselines.torch_llama import FP8_MAX, fp8_rowwise
+
     g = torch.Generator().manual_seed(0)
     x = torch.randn(7, 96, generator=g) * torch.logspace(-3, 2, 7)[:, None]
     x[3, 5] = 0.0
@@ -132,7 +138,7 @@ def test_fp8_rowwise_quantization_math():
     qf = q.float()
     assert torch.equal(qf.abs().amax(dim=1), torch.full((7,), FP8_MAX))
     err = (qf * scale - x).abs()
-    assert (err <= 2.0 ** -4 * x.abs() + 2.0 ** -10 * scale + 1e-12).all()
+    assert (err <= 2.0**-4 * x.abs() + 2.0**-10 * scale + 1e-12).all()
     assert qf[3, 5] == 0.0 and torch.isfinite(qf).all()
     # values the float8 cast would turn to NaN (beyond 448) are clamped first
     big = fp8_rowwise(torch.tensor([[1e30, -1e30, 1.0]]))[0].float()
@@ -143,6 +149,7 @@ def test_fp8_linear_is_scaled_mm_of_the_dequantized_operands():
     """Fp8Linear = (x8 * sx) @ (w8 * sw).T with fp32 accumulation (the _scaled_mm call's layout
     and scales right), and within FP8's error of the float product x @ w.T."""
     from atomflow.bench.baselines.torch_llama import Fp8Linear, fp8_rowwise
+
     g = torch.Generator().manual_seed(1)
     w, x = torch.randn(48, 64, generator=g), torch.randn(2, 5, 64, generator=g)
     lin = Fp8Linear(w)
@@ -159,6 +166,7 @@ def test_fp8_linear_is_scaled_mm_of_the_dequantized_operands():
 
 def test_fp8_model_close_to_transformers(tiny_hf_dir, hf_model):
     from atomflow.bench.baselines import torch_llama
+
     model = torch_llama.load(tiny_hf_dir, device="cpu", dtype=torch.float32, linear="fp8")
     assert model.output.weight.dtype == torch.float8_e4m3fn  # lm_head too
     model.setup_cache(32)
@@ -175,11 +183,16 @@ def test_fp8_unsupported_reasons():
     from types import SimpleNamespace
 
     from atomflow.bench.baselines.torch_runner import fp8_unsupported
+
     assert fp8_unsupported(torch, "cpu") is None  # this torch runs _scaled_mm rowwise on the CPU
     old = SimpleNamespace(__version__="2.0.0", float8_e4m3fn=torch.float8_e4m3fn)
     assert "has no float8_e4m3fn / torch._scaled_mm" in fp8_unsupported(old, "cpu")
-    ampere = SimpleNamespace(__version__="2.5.0", float8_e4m3fn=torch.float8_e4m3fn, _scaled_mm=None,
-                             cuda=SimpleNamespace(get_device_capability=lambda: (8, 0)))
+    ampere = SimpleNamespace(
+        __version__="2.5.0",
+        float8_e4m3fn=torch.float8_e4m3fn,
+        _scaled_mm=None,
+        cuda=SimpleNamespace(get_device_capability=lambda: (8, 0)),
+    )
     assert fp8_unsupported(ampere, "cuda") == "FP8 matmuls need compute capability >= 8.9; this GPU is 8.0"
 
 
@@ -190,24 +203,27 @@ def test_fp8_unsupported_op_is_a_reason(monkeypatch):
         raise RuntimeError("Invalid scaling configuration.\nmore")
 
     monkeypatch.setattr(torch, "_scaled_mm", refuse)
-    assert fp8_unsupported(torch, "cpu") == ("torch._scaled_mm with rowwise scales failed here "
-                                             "(RuntimeError: Invalid scaling configuration.)")
+    assert fp8_unsupported(torch, "cpu") == (
+        "torch._scaled_mm with rowwise scales failed here (RuntimeError: Invalid scaling configuration.)"
+    )
 
 
 # ----------------------------------------------------------------------------- decoders
+
 
 def test_decoders_agree_with_chunked_prefill(tiny_hf_dir):
     """Greedy tokens of the hf decoder (1024-token chunks cut to 5) and the compiled decoder
     (compiled on the CPU, decode and prefill, chunks of 7: the start 0 and start > 0 graphs)
     after a 12-token prefill, then 6 steps, and from empty; the recipe and compile times recorded."""
     from atomflow.bench.baselines.torch_runner import CompiledDecoder, HfDecoder
+
     x = ids(20, seed=3)
 
     def run(dec, depth: int, n: int):
         dec.prepare(depth + n)
         dec.start(depth + n)
         first = int(dec.prefill(x[:, :depth])) if depth else None
-        tok, out = x[:, depth:depth + 1], []
+        tok, out = x[:, depth : depth + 1], []
         for _ in range(n):
             tok = dec.step(tok)
             out.append(int(tok))
@@ -220,9 +236,11 @@ def test_decoders_agree_with_chunked_prefill(tiny_hf_dir):
     for depth in (12, 0):
         assert run(hf, depth, 6) == run(comp, depth, 6)
     assert comp.compile_s  # compiled once per cache length, outside the timed runs
-    assert comp.recipe == ("float32; decode: torch.compile(mode=reduce-overhead, fullgraph, static shapes); "
-                           "prefill: torch.compile(fullgraph, dynamic shapes), SDPA (CPU); "
-                           "decode attention: SDPA enable_gqa over the static cache, masked")
+    assert comp.recipe == (
+        "float32; decode: torch.compile(mode=reduce-overhead, fullgraph, static shapes); "
+        "prefill: torch.compile(fullgraph, dynamic shapes), SDPA (CPU); "
+        "decode attention: SDPA enable_gqa over the static cache, masked"
+    )
     comp.prepare_prefill(x[:, :12], 18)
     assert list(comp.prefill_compile_s) == [(12, 256)] and comp.prefill_compile_s[(12, 256)] > 0
     comp.prepare_prefill(x[:, :12], 18)  # once per shape
@@ -236,6 +254,7 @@ def test_compiled_prefill_reuses_its_graph_across_cache_lengths(tiny_hf_dir):
     from torch._dynamo.utils import counters
 
     from atomflow.bench.baselines.torch_runner import CompiledDecoder
+
     dec = CompiledDecoder(tiny_hf_dir, device="cpu", dtype=torch.float32)
     x = ids(200, seed=2)
     graphs = []
@@ -253,6 +272,7 @@ def test_eager_prefill_recipe_and_row_fields(tiny_hf_dir):
     from atomflow.bench.baselines.torch_llama import prefill_one
     from atomflow.bench.baselines.torch_runner import CompiledDecoder, compile_extras
     from atomflow.bench.plan import BenchTest
+
     dec = CompiledDecoder(tiny_hf_dir, linear="int8", compile_prefill=False, device="cpu", dtype=torch.float32)
     assert dec._prefill is prefill_one
     assert dec.recipe.startswith("int8 weight-only (per-row scales); decode: torch.compile(mode=reduce-overhead")
@@ -270,6 +290,7 @@ def test_weight_bytes_per_precision():
 
     from atomflow.bench.baselines.torch_runner import weight_bytes
     from atomflow.model.spec import ModelSpec
+
     spec = ModelSpec.from_hf_config(LLAMA_3B)
     bf16, head16 = weight_bytes(spec, "bf16")
     int8, head8 = weight_bytes(spec, "int8")
@@ -314,9 +335,13 @@ def test_no_cuda(tiny_hf_dir, name):
 def test_fp8_unsupported_skips_with_the_reason(tiny_hf_dir, monkeypatch):
     """Where torch._scaled_mm cannot run (an older GPU, an older torch), torch-fp8's rows say why."""
     from atomflow.bench.baselines import torch_runner
+
     monkeypatch.setattr(torch_runner, "require_torch_cuda", lambda: torch)
-    monkeypatch.setattr(torch_runner, "fp8_unsupported",
-                        lambda torch, device="cuda": "FP8 matmuls need compute capability >= 8.9; this GPU is 8.0")
+    monkeypatch.setattr(
+        torch_runner,
+        "fp8_unsupported",
+        lambda torch, device="cuda": "FP8 matmuls need compute capability >= 8.9; this GPU is 8.0",
+    )
     assert_skipped(run("torch-fp8", tiny_hf_dir), "torch-fp8", "FP8 matmuls need compute capability >= 8.9")
 
 
@@ -355,8 +380,7 @@ def test_timing_loops_on_cpu(tiny_hf_dir):
         def elapsed_time(self, other):  # ms, like torch.cuda.Event
             return 1e3 * (other.t - self.t)
 
-    fake = SimpleNamespace(cuda=SimpleNamespace(synchronize=lambda: None, Event=Event),
-                           contiguous_format=torch.contiguous_format)
+    fake = SimpleNamespace(cuda=SimpleNamespace(synchronize=lambda: None, Event=Event), contiguous_format=torch.contiguous_format)
     dec = HfDecoder(tiny_hf_dir, device="cpu", dtype=torch.float32)
     calls = []
     real_prefill = dec.prefill
@@ -376,6 +400,7 @@ def test_vllm_runner_with_a_fake_vllm(tiny_hf_dir, monkeypatch):
     """The vllm runner's bookkeeping against a stand-in module: per-request timing, prefix caching
     off, greedy, EOS ignored, one TPOT value per repetition."""
     import types
+
     made = {}
 
     class SamplingParams:
@@ -394,6 +419,7 @@ def test_vllm_runner_with_a_fake_vllm(tiny_hf_dir, monkeypatch):
 
     # The runner's clock advances only inside generate: the figures are exact, whatever the load.
     from atomflow.bench.baselines import vllm_runner
+
     clock = [100.0]
     monkeypatch.setattr(vllm_runner, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=LLM, SamplingParams=SamplingParams))

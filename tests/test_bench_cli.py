@@ -1,5 +1,6 @@
 """`atomflow bench` and `atomflow profile` as a user runs them, without a GPU: bad options are one
 line on stderr and exit 1, before any GPU work; where the CUDA backend cannot run, they say so."""
+
 from __future__ import annotations
 
 import os
@@ -12,8 +13,13 @@ from atomflow.device import cuda_status
 
 
 def atomflow(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "atomflow.cli", *map(str, args)], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "atomflow.cli", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=300,
+    )
 
 
 def error_line(r) -> str:
@@ -24,24 +30,27 @@ def error_line(r) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["bench", "{missing}"], "no such model file"),
-    (["bench", "{garbage}"], "not an atomflow file"),
-    (["bench", "{model}", "-p", "-5"], "-p: -5 must be >= 0"),
-    (["bench", "{model}", "-p", "12x"], "-p: '12x' is not an integer"),
-    (["bench", "{model}", "-n", "1"], "-n: 1 generated token"),
-    (["bench", "{model}", "-r", "0"], "-r: 0 must be >= 1"),
-    (["bench", "{model}", "-o", "xml"], "output format must be one of md, json, csv"),
-    (["bench", "{model}", "--baseline", "llama.cpp"], "unknown baseline 'llama.cpp'"),
-    (["bench", "{model}", "--context", "16384"], "the model supports 16384"),  # + 128 generated > 16384
-    (["bench", "{model}", "-p", "20000"], "pp20000 needs 20001 positions"),
-    (["bench"], "the following arguments are required: model"),
-    (["profile", "{missing}"], "no such model file"),
-    (["profile", "{model}", "--steps", "0"], "--steps: 0 must be >= 1"),
-    (["profile", "{model}", "--steps", "many"], "--steps: 'many' is not an integer"),
-    (["profile", "{model}", "--context", "-3"], "--context: -3 must be >= 0"),
-    (["profile", "{model}", "--context", "16380"], "the model supports 16384"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["bench", "{missing}"], "no such model file"),
+        (["bench", "{garbage}"], "not an atomflow file"),
+        (["bench", "{model}", "-p", "-5"], "-p: -5 must be >= 0"),
+        (["bench", "{model}", "-p", "12x"], "-p: '12x' is not an integer"),
+        (["bench", "{model}", "-n", "1"], "-n: 1 generated token"),
+        (["bench", "{model}", "-r", "0"], "-r: 0 must be >= 1"),
+        (["bench", "{model}", "-o", "xml"], "output format must be one of md, json, csv"),
+        (["bench", "{model}", "--baseline", "llama.cpp"], "unknown baseline 'llama.cpp'"),
+        (["bench", "{model}", "--context", "16384"], "the model supports 16384"),  # + 128 generated > 16384
+        (["bench", "{model}", "-p", "20000"], "pp20000 needs 20001 positions"),
+        (["bench"], "the following arguments are required: model"),
+        (["profile", "{missing}"], "no such model file"),
+        (["profile", "{model}", "--steps", "0"], "--steps: 0 must be >= 1"),
+        (["profile", "{model}", "--steps", "many"], "--steps: 'many' is not an integer"),
+        (["profile", "{model}", "--context", "-3"], "--context: -3 must be >= 0"),
+        (["profile", "{model}", "--context", "16380"], "the model supports 16384"),
+    ],
+)
 def test_bad_input_is_one_line(tiny_model_file, tmp_path, args, needle):
     garbage = tmp_path / "garbage.atomflow"
     garbage.write_bytes(os.urandom(2048))
@@ -61,6 +70,7 @@ def test_plot_without_matplotlib_or_gpu(tiny_model_file, tmp_path):
     """--plot checks matplotlib before any GPU work; without one, the GPU error comes next."""
     try:
         import matplotlib  # noqa: F401
+
         want = "cuda backend unavailable"
     except ImportError:
         want = "--plot needs matplotlib"
@@ -80,8 +90,10 @@ def test_bench_baseline_flags_parse():
     """--baseline torch-fp8 and --eager-prefill reach the bench options."""
     from atomflow.bench.plan import make_options
     from atomflow.cli import build_parser
-    a = build_parser().parse_args(["bench", "m.atomflow", "--baseline", "torch-compile", "--baseline", "torch-fp8",
-                                   "--eager-prefill"])
+
+    a = build_parser().parse_args(
+        ["bench", "m.atomflow", "--baseline", "torch-compile", "--baseline", "torch-fp8", "--eager-prefill"]
+    )
     assert a.baseline == ["torch-compile", "torch-fp8"] and a.eager_prefill
     opts = make_options(a.model, baselines=a.baseline, compile_prefill=not a.eager_prefill)
     assert opts.baselines == ("torch-compile", "torch-fp8") and opts.compile_prefill is False

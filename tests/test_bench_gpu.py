@@ -1,6 +1,7 @@
 """`atomflow bench` and `atomflow profile` on the GPU, on the tiny model: every field filled and
 sane, the baselines on its HF directory, the profile mode's labels, times and contract (real
 decode steps, no allocation, the graph untouched). Skipped (conftest) without a GPU."""
+
 from __future__ import annotations
 
 import gc
@@ -22,8 +23,13 @@ PER_LAYER = {"gemv_qkv+norm+rope", "attention", "gemv_o", "gemv_gate_up+norm", "
 
 
 def atomflow(*args, env=None) -> subprocess.CompletedProcess:
-    r = subprocess.run([sys.executable, "-m", "atomflow.cli", *map(str, args)], capture_output=True, text=True,
-                       env={**os.environ, **(env or {})}, timeout=900)
+    r = subprocess.run(
+        [sys.executable, "-m", "atomflow.cli", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=900,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     return r
 
@@ -33,8 +39,9 @@ def rows_of(result: dict, engine: str) -> dict[str, dict]:
 
 
 def test_bench_tiny(tiny_model_file):
-    res = json.loads(atomflow("bench", tiny_model_file, "-p", "32", "-n", "16", "-r", "2", "--context", "64",
-                              "-o", "json").stdout)
+    res = json.loads(
+        atomflow("bench", tiny_model_file, "-p", "32", "-n", "16", "-r", "2", "--context", "64", "-o", "json").stdout
+    )
     assert res["device"]["name"] and res["commit"] and res["versions"]["cuda_runtime"]
     assert res["read_bandwidth_gbs"] > 100
     rows = rows_of(res, "atomflow")
@@ -63,6 +70,7 @@ def test_compiled_prefill_runs_fused_attention(tiny_hf_dir):
     from torch.profiler import ProfilerActivity, profile
 
     from atomflow.bench.baselines.torch_runner import CompiledDecoder
+
     dec = CompiledDecoder(tiny_hf_dir)
     eager = CompiledDecoder(tiny_hf_dir, compile_prefill=False)
     ids = torch.randint(0, 1024, (1, 96), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
@@ -90,8 +98,9 @@ def test_bench_baselines_tiny(tiny_model_file, tiny_hf_dir):
     through the file's recorded source, prefill compiled and its attention a fused SDPA kernel;
     vllm is reported as skipped where it is not installed."""
     pytest.importorskip("torch")
-    res = json.loads(atomflow("bench", tiny_model_file, "-p", "32", "-n", "16", "-r", "2", "-o", "json",
-                              "--baseline", "all").stdout)
+    res = json.loads(
+        atomflow("bench", tiny_model_file, "-p", "32", "-n", "16", "-r", "2", "-o", "json", "--baseline", "all").stdout
+    )
     assert res["hf_dir"] == str(tiny_hf_dir.resolve()) and res["versions"]["torch"]
     for name in ("torch-compile", "torch-compile-int8", "torch-fp8", "hf"):
         rows = rows_of(res, name)
@@ -131,8 +140,7 @@ def test_profile_tiny(tiny_model_file, pdl):
     overlap PDL gives each launch: at most PDL_OVERLAP_US more per group (measured 4.1 us per
     group in all, 112 us of kernels against a 54.5 us step, on the H200)."""
     env = {"ATOMFLOW_NO_PDL": "1"} if pdl == "off" else {}
-    res = json.loads(atomflow("profile", tiny_model_file, "--steps", "8", "--context", "32", "--json",
-                              env=env).stdout)
+    res = json.loads(atomflow("profile", tiny_model_file, "--steps", "8", "--context", "32", "--json", env=env).stdout)
     layers = AtomflowFile(tiny_model_file).spec.num_layers
     rows = {r["label"]: r for r in res["rows"]}
     split = {"embedding", "finish"} if tail_groups() == 4 else set()
@@ -142,8 +150,10 @@ def test_profile_tiny(tiny_model_file, pdl):
         assert r["avg_us"] > 0, label
     assert len(res["per_layer"]) == 5 * layers + tail_groups()
     ratio = res["kernel_sum_us"] / res["eager_step_us"]
-    print(f"PDL {pdl}: kernels {res['kernel_sum_us']:.1f} us, eager step {res['eager_step_us']:.1f} us, "
-          f"graph step {res['graph_step_us']:.1f} us, TPOT {res['tpot_ms']:.3f} ms")
+    print(
+        f"PDL {pdl}: kernels {res['kernel_sum_us']:.1f} us, eager step {res['eager_step_us']:.1f} us, "
+        f"graph step {res['graph_step_us']:.1f} us, TPOT {res['tpot_ms']:.3f} ms"
+    )
     groups = len(res["per_layer"])  # launch groups in one step (per_layer aggregates the steps)
     per_group = EVENT_GAP_US if pdl == "off" else EVENT_GAP_US + PDL_OVERLAP_US
     assert 0.75 <= ratio and res["kernel_sum_us"] - res["eager_step_us"] <= per_group * groups, ratio
@@ -162,6 +172,7 @@ def test_profile_decode_contract(tiny_model_file):
     steps leave), they allocate nothing, and the graph still serves afterwards."""
     from atomflow.backends.cuda import CudaBackend
     from atomflow.sampling import SamplingParams
+
     model = AtomflowFile(tiny_model_file)
     be = CudaBackend(model, 256, verbose=False)
     core = be.engine
@@ -174,8 +185,9 @@ def test_profile_decode_contract(tiny_model_file):
         be.prefill(ids[:-1])
         out = core.profile_decode(int(ids[-1]), 3, mode)
         assert core.position == len(ids) - 1 + 3
-        assert all(us > 0 for _, _, us in out) and len(out) == (3 * (5 * model.spec.num_layers + tail_groups())
-                                                                if mode == "kernels" else 3)
+        assert all(us > 0 for _, _, us in out) and len(out) == (
+            3 * (5 * model.spec.num_layers + tail_groups()) if mode == "kernels" else 3
+        )
         # the cache holds ids, g0, g1: decoding g2 continues the run the graph path made
         got = be.decode(g[2])
         be.reset()

@@ -1,5 +1,6 @@
 """`atomflow bench` without a GPU: the options and tests they plan, the byte counts, the statistics
 of a row, speedups, and the md / json / csv renderings of a synthetic result."""
+
 from __future__ import annotations
 
 import csv
@@ -15,12 +16,23 @@ from atomflow.bench.report import CSV_COLUMNS, render
 from atomflow.bench.result import SCHEMA, measured_row, skipped_row, speedups
 from atomflow.model.spec import ModelSpec
 
-LLAMA_3B = dict(architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=3072, intermediate_size=8192,
-                num_hidden_layers=28, num_attention_heads=24, num_key_value_heads=8, head_dim=128,
-                max_position_embeddings=131072, tie_word_embeddings=True, rope_theta=500000.0)
+LLAMA_3B = dict(
+    architectures=["LlamaForCausalLM"],
+    vocab_size=128256,
+    hidden_size=3072,
+    intermediate_size=8192,
+    num_hidden_layers=28,
+    num_attention_heads=24,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=131072,
+    tie_word_embeddings=True,
+    rope_theta=500000.0,
+)
 
 
 # ----------------------------------------------------------------------------- options
+
 
 def test_default_tests_are_llama_bench_ones():
     o = make_options("m.atomflow")
@@ -36,18 +48,21 @@ def test_lists_contexts_and_sizes():
     assert deep.positions == 32800 and deep.mean_context == 32768 + 16
 
 
-@pytest.mark.parametrize("kw,needle", [
-    (dict(n_prompt="-1"), "-p: -1 must be >= 0"),
-    (dict(n_prompt="abc"), "-p: 'abc' is not an integer"),
-    (dict(n_gen="1"), "-n: 1 generated token"),
-    (dict(repetitions="0"), "-r: 0 must be >= 1"),
-    (dict(repetitions="2,3"), "-r: one integer"),
-    (dict(context="0"), "--context: 0 must be >= 1"),
-    (dict(context="4096", n_gen="0"), "--context needs generated tokens"),
-    (dict(n_prompt="0", n_gen="0"), "nothing to run"),
-    (dict(output="xml"), "-o: output format"),
-    (dict(baselines=["gpt-fast"]), "unknown baseline 'gpt-fast'"),
-])
+@pytest.mark.parametrize(
+    "kw,needle",
+    [
+        (dict(n_prompt="-1"), "-p: -1 must be >= 0"),
+        (dict(n_prompt="abc"), "-p: 'abc' is not an integer"),
+        (dict(n_gen="1"), "-n: 1 generated token"),
+        (dict(repetitions="0"), "-r: 0 must be >= 1"),
+        (dict(repetitions="2,3"), "-r: one integer"),
+        (dict(context="0"), "--context: 0 must be >= 1"),
+        (dict(context="4096", n_gen="0"), "--context needs generated tokens"),
+        (dict(n_prompt="0", n_gen="0"), "nothing to run"),
+        (dict(output="xml"), "-o: output format"),
+        (dict(baselines=["gpt-fast"]), "unknown baseline 'gpt-fast'"),
+    ],
+)
 def test_bad_options(kw, needle):
     with pytest.raises(ValueError, match=None) as e:
         make_options("m", **kw)
@@ -72,6 +87,7 @@ def test_context_beyond_the_model():
 
 
 # ----------------------------------------------------------------------------- bytes
+
 
 def test_byte_counts_3b():
     spec = ModelSpec.from_hf_config(LLAMA_3B)
@@ -107,27 +123,47 @@ def test_row_statistics():
     assert p["achieved_gbs"] == pytest.approx(1e7 * 1e4 / 1e9)
 
 
-RECIPE = ("bfloat16; decode: torch.compile(mode=reduce-overhead, fullgraph, static shapes); "
-          "prefill: torch.compile(fullgraph, dynamic shapes), SDPA flash")
+RECIPE = (
+    "bfloat16; decode: torch.compile(mode=reduce-overhead, fullgraph, static shapes); "
+    "prefill: torch.compile(fullgraph, dynamic shapes), SDPA flash"
+)
 
 
 def synthetic_result() -> dict:
     rows = [
         measured_row("atomflow", PP, [20000.0, 21000.0], ttft_ms=[25.0, 26.0], bytes_per_token=1e7, bandwidth_gbs=4500.0),
-        measured_row("atomflow", TG, [570.0, 580.0], tpot_ms=[[1.75] * 127, [1.72] * 127], bytes_per_token=3.34e9,
-                 bandwidth_gbs=4500.0),
+        measured_row(
+            "atomflow", TG, [570.0, 580.0], tpot_ms=[[1.75] * 127, [1.72] * 127], bytes_per_token=3.34e9, bandwidth_gbs=4500.0
+        ),
         measured_row("atomflow", DEEP, [500.0], tpot_ms=[[2.0] * 127], bytes_per_token=3.8e9, bandwidth_gbs=4500.0),
         measured_row("torch-compile", PP, [5000.0], ttft_ms=[100.0], recipe=RECIPE, prefill_compile_s=30.25),
-        measured_row("torch-compile", TG, [350.0], tpot_ms=[[2.8] * 127], bytes_per_token=6.4e9, bandwidth_gbs=4500.0,
-                     recipe=RECIPE, compile_s=41.0, cudagraph_skips=0),
+        measured_row(
+            "torch-compile",
+            TG,
+            [350.0],
+            tpot_ms=[[2.8] * 127],
+            bytes_per_token=6.4e9,
+            bandwidth_gbs=4500.0,
+            recipe=RECIPE,
+            compile_s=41.0,
+            cudagraph_skips=0,
+        ),
         skipped_row("torch-compile", DEEP, "out of GPU memory"),
-    ] + [skipped_row("vllm", t, "vllm is not importable (ModuleNotFoundError: No module named 'vllm')")
-         for t in (PP, TG, DEEP)]
-    return dict(schema=SCHEMA, date="2026-11-20 12:00:00", commit="abc1234", versions=dict(atomflow="0.1.0"),
-                device=dict(name="NVIDIA H200"), read_bandwidth_gbs=4500.0,
-                model=dict(name="llama-3.2-3b.atomflow", path="/m/llama-3.2-3b.atomflow"),
-                options=dict(repetitions=2), tests=["pp512", "tg128", "tg128@d4096"],
-                baselines=["torch-compile", "vllm"], rows=rows, speedups=speedups(rows))
+    ] + [skipped_row("vllm", t, "vllm is not importable (ModuleNotFoundError: No module named 'vllm')") for t in (PP, TG, DEEP)]
+    return dict(
+        schema=SCHEMA,
+        date="2026-11-20 12:00:00",
+        commit="abc1234",
+        versions=dict(atomflow="0.1.0"),
+        device=dict(name="NVIDIA H200"),
+        read_bandwidth_gbs=4500.0,
+        model=dict(name="llama-3.2-3b.atomflow", path="/m/llama-3.2-3b.atomflow"),
+        options=dict(repetitions=2),
+        tests=["pp512", "tg128", "tg128@d4096"],
+        baselines=["torch-compile", "vllm"],
+        rows=rows,
+        speedups=speedups(rows),
+    )
 
 
 def test_speedups():
@@ -148,8 +184,10 @@ def test_markdown():
     assert "| torch-compile | 4.10x | 1.61x | - |" in md and "| vllm | - | - | - |" in md
     # how each baseline ran, once per engine, with its compile times; nothing for a skipped one
     assert md.count("- torch-compile: bfloat16; decode:") == 1 and "- vllm" not in md
-    assert ("prefill: torch.compile(fullgraph, dynamic shapes), SDPA flash. Compile (untimed warm-up, compiles "
-            "included): pp512: prefill 30.2 s; tg128: decode 41.0 s") in md
+    assert (
+        "prefill: torch.compile(fullgraph, dynamic shapes), SDPA flash. Compile (untimed warm-up, compiles "
+        "included): pp512: prefill 30.2 s; tg128: decode 41.0 s"
+    ) in md
 
 
 def test_json_round_trip():

@@ -1,6 +1,7 @@
 """The bench's timing loops and orchestration, run on the CPU backend (same Engine contract as the
 CUDA one): every test gives the samples it promises, and run_bench assembles one result with
 the baselines that cannot run here marked skipped."""
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,7 @@ def test_engine_tests_on_cpu(tiny_model_file):
     assert all(r["status"] == "ok" and r["tokens_per_s_avg"] > 0 for r in rows.values())
     assert len(rows["pp8"]["samples"]["ttft_ms"]) == 2 and rows["pp8"]["tpot_ms_p50"] is None
     assert [len(g) for g in rows["tg4@d6"]["samples"]["tpot_ms"]] == [3, 3]
-    assert rows["tg4@d6"]["bytes_per_token"] - rows["tg4"]["bytes_per_token"] == pytest.approx(
-        6 * eng.spec.kv_bytes_per_token())
+    assert rows["tg4@d6"]["bytes_per_token"] - rows["tg4"]["bytes_per_token"] == pytest.approx(6 * eng.spec.kv_bytes_per_token())
     assert eng.position == 0
 
 
@@ -33,6 +33,7 @@ def test_run_bench_orchestration(tiny_model_file, monkeypatch):
     """run_bench with the GPU parts swapped for the CPU backend: the result has every section, the
     HF directory comes from the file's recorded source, unavailable baselines are skipped rows."""
     import atomflow.bench.bandwidth as bench
+
     monkeypatch.setattr(driver, "preflight", lambda opts: AtomflowFile(opts.model))
     monkeypatch.setattr(bench, "read_bandwidth_gbs", lambda: 1000.0)
     real_load = Engine.load
@@ -41,10 +42,9 @@ def test_run_bench_orchestration(tiny_model_file, monkeypatch):
         return real_load(path, backend="cpu", max_context=max_context)
 
     monkeypatch.setattr(Engine, "load", classmethod(cpu_load))
-    monkeypatch.setitem(sys.modules, "vllm", None)   # import vllm -> ImportError
+    monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm -> ImportError
     monkeypatch.setitem(sys.modules, "torch", None)  # the same for torch, on any machine
-    opts = make_options(str(tiny_model_file), n_prompt="8", n_gen="3", repetitions="1",
-                        baselines=["vllm", "torch-compile"])
+    opts = make_options(str(tiny_model_file), n_prompt="8", n_gen="3", repetitions="1", baselines=["vllm", "torch-compile"])
     result = driver.run_bench(opts, log=lambda m: None)
     assert result["hf_dir"] and result["baselines"] == ["torch-compile", "vllm"]  # vllm last
     assert result["read_bandwidth_gbs"] == 1000.0 and result["options"]["max_context"] == 9
@@ -61,10 +61,13 @@ def test_run_bench_orchestration(tiny_model_file, monkeypatch):
 def test_engine_side_never_imports_torch():
     """torch lives in the baselines' runners only: the bench, the profiler and the CLI load without it."""
     import subprocess
-    code = ("import sys; import atomflow.cli, atomflow.bench.driver, atomflow.bench.profile, atomflow.bench.engine, "
-            "atomflow.bench.baselines, atomflow.bench.baselines.torch_runner, atomflow.bench.baselines.vllm_runner; "
-            "from atomflow.engine import Engine; "
-            "print(sorted(m for m in ('torch', 'transformers', 'vllm', 'matplotlib') if m in sys.modules))")
+
+    code = (
+        "import sys; import atomflow.cli, atomflow.bench.driver, atomflow.bench.profile, atomflow.bench.engine, "
+        "atomflow.bench.baselines, atomflow.bench.baselines.torch_runner, atomflow.bench.baselines.vllm_runner; "
+        "from atomflow.engine import Engine; "
+        "print(sorted(m for m in ('torch', 'transformers', 'vllm', 'matplotlib') if m in sys.modules))"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "[]", (r.stdout, r.stderr)
 
@@ -73,12 +76,14 @@ def test_gpu_check_decode_row_uses_the_bench_loop(tiny_model_file):
     """scripts/gpu_check.sh times decode through tools/gpu_bench.py's decode_row, which is the
     bench's own tg loop: on any backend it gives the gpu_check summary's fields."""
     from conftest import load_tool
+
     gpu_bench = load_tool("gpu_bench")
     eng = Engine.load(tiny_model_file, backend="cpu", max_context=16)
     r = gpu_bench.decode_row(eng, prompt=5, gen=4, bandwidth_gbs=100.0)
     assert r["test"] == "tg4@d5" and len(r["samples"]["tpot_ms"][0]) == 3
     assert r["tokens_per_s"] == pytest.approx(1e3 / r["tpot_ms_p50"])
-    assert r["bytes_per_token"] == pytest.approx(eng.model.weight_bytes + eng.spec.hidden_size * 2
-                                                 + eng.spec.kv_bytes_per_token() * (5 + 4 / 2 + 1))
+    assert r["bytes_per_token"] == pytest.approx(
+        eng.model.weight_bytes + eng.spec.hidden_size * 2 + eng.spec.kv_bytes_per_token() * (5 + 4 / 2 + 1)
+    )
     assert r["efficiency"] == pytest.approx(r["achieved_gbs"] / 100.0)
     assert eng.position == 0

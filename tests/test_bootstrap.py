@@ -1,6 +1,7 @@
 """scripts/bootstrap.sh and tools/verify_download.py without a GPU: --help, bad options, the
 toolchain check failing cleanly (no nvcc, an old GPU, a broken driver, no usable GPU), shellcheck,
 and the sha256 check of a download against (fake) Hub metadata."""
+
 from __future__ import annotations
 
 import hashlib
@@ -24,8 +25,14 @@ def bootstrap(*args, path: str | None = None, tmp_path: Path):
     env = {**os.environ, "PYTHON": sys.executable}
     if path is not None:
         env["PATH"] = path
-    return subprocess.run([BASH, str(SCRIPT), "--workdir", str(tmp_path / "work"), *args], capture_output=True,
-                          text=True, env=env, timeout=300, cwd=tmp_path)
+    return subprocess.run(
+        [BASH, str(SCRIPT), "--workdir", str(tmp_path / "work"), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        cwd=tmp_path,
+    )
 
 
 def fake_path(tmp_path: Path, with_nvcc: bool, smi: str | None) -> str:
@@ -103,6 +110,7 @@ def test_shellcheck(script):
 
 # ----------------------------------------------------------------------------- verify_download
 
+
 def test_verify_download(tmp_path):
     vd = load_tool("verify_download")
     (tmp_path / "model.safetensors").write_bytes(b"weights" * 1000)
@@ -117,7 +125,12 @@ def test_verify_download(tmp_path):
 
 def test_verify_download_offline(tmp_path):
     (tmp_path / "config.json").write_text("{}")
-    r = subprocess.run([sys.executable, str(ROOT / "tools" / "verify_download.py"), str(tmp_path), "org/model"],
-                       capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=120)
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "verify_download.py"), str(tmp_path), "org/model"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     assert "sha256 check skipped" in r.stdout and (tmp_path / "SHA256SUMS").is_file()

@@ -1,5 +1,6 @@
 """The `atomflow` command as a user runs it: quantize -> info -> run, download from the local
 HF cache when offline, and one-line errors with exit code 1 for bad input."""
+
 import json
 import os
 import subprocess
@@ -9,8 +10,13 @@ import pytest
 
 
 def atomflow(*args, env=None, check=True):
-    r = subprocess.run([sys.executable, "-m", "atomflow.cli", *map(str, args)], capture_output=True, text=True,
-                       env={**os.environ, **(env or {})}, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-m", "atomflow.cli", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=600,
+    )
     if check and r.returncode != 0:
         raise AssertionError(f"atomflow {args} -> {r.returncode}\n{r.stderr}")
     return r
@@ -27,13 +33,40 @@ def test_quantize_info_run(tiny_hf_dir, tmp_path):
     assert info["checksum_verified"] and info["source"]["path"] == str(tiny_hf_dir.resolve())
     assert "checksum" in atomflow("info", out).stdout
 
-    r = atomflow("run", out, "--prompt", "Tell me a story", "-n", "12", "--temperature", "0.8", "--seed", "1",
-                 "--backend", "cpu", "--ignore-eos")
+    r = atomflow(
+        "run",
+        out,
+        "--prompt",
+        "Tell me a story",
+        "-n",
+        "12",
+        "--temperature",
+        "0.8",
+        "--seed",
+        "1",
+        "--backend",
+        "cpu",
+        "--ignore-eos",
+    )
     assert len(r.stdout) > 1, "no text streamed"
     for field in ("load time", "prompt eval", "eval time", "tokens per second", "backend cpu"):
         assert field in r.stderr
-    again = atomflow("run", out, "--prompt", "Tell me a story", "-n", "12", "--temperature", "0.8", "--seed", "1",
-                     "--backend", "cpu", "--ignore-eos", "-q")
+    again = atomflow(
+        "run",
+        out,
+        "--prompt",
+        "Tell me a story",
+        "-n",
+        "12",
+        "--temperature",
+        "0.8",
+        "--seed",
+        "1",
+        "--backend",
+        "cpu",
+        "--ignore-eos",
+        "-q",
+    )
     assert again.stdout == r.stdout  # same seed: same text
 
 
@@ -44,15 +77,18 @@ def _error_line(r) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["run", "{missing}", "-p", "hi"], "no such model file"),
-    (["run", "{garbage}", "-p", "hi"], "not an atomflow file"),
-    (["run", "{model}", "-p", "hi", "--top-p", "1.5", "--backend", "cpu"], "top_p"),
-    (["run", "{model}", "-p", "hi", "--temperature", "-1", "--backend", "cpu"], "temperature"),
-    (["run", "{model}", "-p", "word " * 40, "--max-context", "8", "--backend", "cpu"], "does not fit max_context 8"),
-    (["info", "{garbage}"], "not an atomflow file"),
-    (["quantize", "{missing}", "-o", "{out}"], "no such model directory"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["run", "{missing}", "-p", "hi"], "no such model file"),
+        (["run", "{garbage}", "-p", "hi"], "not an atomflow file"),
+        (["run", "{model}", "-p", "hi", "--top-p", "1.5", "--backend", "cpu"], "top_p"),
+        (["run", "{model}", "-p", "hi", "--temperature", "-1", "--backend", "cpu"], "temperature"),
+        (["run", "{model}", "-p", "word " * 40, "--max-context", "8", "--backend", "cpu"], "does not fit max_context 8"),
+        (["info", "{garbage}"], "not an atomflow file"),
+        (["quantize", "{missing}", "-o", "{out}"], "no such model directory"),
+    ],
+)
 def test_bad_input_is_one_line(tiny_model_file, tmp_path, args, needle):
     garbage = tmp_path / "garbage.atomflow"
     garbage.write_bytes(os.urandom(4096))
@@ -89,6 +125,7 @@ def test_info_plan_without_gpu_is_one_line(tiny_model_file):
     """`atomflow info MODEL --plan` plans for the GPU at hand: without the CUDA core or a GPU it says so
     in one line and exits 1 (with --json too)."""
     from atomflow.device import cuda_status
+
     if cuda_status()[0]:
         pytest.skip("a usable GPU is present: tests/test_engine_gpu.py checks the plan")
     for extra in ([], ["--json"]):

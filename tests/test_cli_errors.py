@@ -2,6 +2,7 @@
 ends in exactly one stderr line `atomflow: error: ...` naming the file and the problem, exit code
 1, nothing on stdout, and no new file in the output directory. Run in-process (cli.main) for
 speed; a few go through a real subprocess to prove the exit code and the absence of a traceback."""
+
 import json
 import os
 import shutil
@@ -39,11 +40,11 @@ def assert_one_line(rc, out, err, *needles):
 def _edit_header(src, dst, fn, reseal=True):
     raw = src.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8:8 + n])
+    header = json.loads(raw[8 : 8 + n])
     fn(header)
     new = encode_header(header) if reseal else json.dumps(header, separators=(",", ":")).encode()
     new += b" " * (-(8 + len(new)) % 8)
-    dst.write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n:])
+    dst.write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n :])
 
 
 def _nan_final_norm(src, dst):
@@ -53,10 +54,11 @@ def _nan_final_norm(src, dst):
         b = t.offset - m.data_offset
     raw = src.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
-    data = bytearray(raw[8 + n:])
-    data[b:b + 2] = struct.pack("<H", 0x7FC0)
-    header = json.loads(raw[8:8 + n])
+    data = bytearray(raw[8 + n :])
+    data[b : b + 2] = struct.pack("<H", 0x7FC0)
+    header = json.loads(raw[8 : 8 + n])
     import hashlib
+
     header["__metadata__"]["checksum"] = "sha256:" + hashlib.sha256(bytes(data)).hexdigest()
     new = encode_header(header)
     dst.write_bytes(struct.pack("<Q", len(new)) + new + bytes(data))
@@ -71,15 +73,26 @@ def files(tiny_model_file, tiny_hf_dir, tmp_path):
     (d / "dir.atomflow").mkdir()
     shutil.copyfile(tiny_hf_dir / "model-00001-of-00002.safetensors", d / "foreign.safetensors")
     _edit_header(tiny_model_file, d / "v2.atomflow", lambda h: h["__metadata__"].update(format_version="99"))
-    _edit_header(tiny_model_file, d / "edited.atomflow",
-                 lambda h: h["__metadata__"].update(chat_template="{{ messages }}"), reseal=False)
-    _edit_header(tiny_model_file, d / "gap.atomflow",
-                 lambda h: h["final_norm"].update(data_offsets=[x + 8 for x in h["final_norm"]["data_offsets"]]))
-    _edit_header(tiny_model_file, d / "group.atomflow",
-                 lambda h: h["__metadata__"].update(quantization=json.dumps(
-                     dict(json.loads(h["__metadata__"]["quantization"]), group_size=64))))
-    _edit_header(tiny_model_file, d / "template.atomflow",
-                 lambda h: h["__metadata__"].update(chat_template="{{ raise_exception('no system role') }}"))
+    _edit_header(
+        tiny_model_file, d / "edited.atomflow", lambda h: h["__metadata__"].update(chat_template="{{ messages }}"), reseal=False
+    )
+    _edit_header(
+        tiny_model_file,
+        d / "gap.atomflow",
+        lambda h: h["final_norm"].update(data_offsets=[x + 8 for x in h["final_norm"]["data_offsets"]]),
+    )
+    _edit_header(
+        tiny_model_file,
+        d / "group.atomflow",
+        lambda h: h["__metadata__"].update(
+            quantization=json.dumps(dict(json.loads(h["__metadata__"]["quantization"]), group_size=64))
+        ),
+    )
+    _edit_header(
+        tiny_model_file,
+        d / "template.atomflow",
+        lambda h: h["__metadata__"].update(chat_template="{{ raise_exception('no system role') }}"),
+    )
     _nan_final_norm(tiny_model_file, d / "nan.atomflow")
     raw = bytearray(tiny_model_file.read_bytes())
     raw[-5] ^= 0x40
@@ -135,12 +148,20 @@ def test_bad_invocation_is_one_line(capsys, files, tiny_model_file, argv, needle
     assert sorted(os.listdir(files)) == before
 
 
-@pytest.mark.parametrize("name,args", [("nan.atomflow", ["run", "{p}", *RUN]), ("gap.atomflow", ["info", "{p}"]),
-                                       ("template.atomflow", ["run", "{p}", *RUN]), (None, ["run", "--backend", "x"])])
+@pytest.mark.parametrize(
+    "name,args",
+    [
+        ("nan.atomflow", ["run", "{p}", *RUN]),
+        ("gap.atomflow", ["info", "{p}"]),
+        ("template.atomflow", ["run", "{p}", *RUN]),
+        (None, ["run", "--backend", "x"]),
+    ],
+)
 def test_subprocess_exit_code_and_no_traceback(files, name, args):
     p = files / name if name else None
-    r = subprocess.run([sys.executable, "-m", "atomflow.cli", *[a.format(p=p) for a in args]],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "atomflow.cli", *[a.format(p=p) for a in args]], capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 1, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr, r.stderr
 
@@ -148,6 +169,7 @@ def test_subprocess_exit_code_and_no_traceback(files, name, args):
 def test_template_that_never_ends_is_bounded(capsys, tiny_model_file, tmp_path, monkeypatch):
     """jinja's sandbox bounds range(), not nested loops: the load-time render has a time limit."""
     import atomflow.model.tokenizer as tokenizer
+
     monkeypatch.setattr(tokenizer, "TEMPLATE_CHECK_S", 0.3)
     p = tmp_path / "loop.atomflow"
     loop = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
@@ -163,24 +185,28 @@ def _json_edit(name, fn):
         d = json.loads(p.read_text())
         d = fn(d) or d
         p.write_text(json.dumps(d))
+
     return edit
 
 
 def _write(name, data):
     def edit(hf):
         (hf / name).write_bytes(data if isinstance(data, bytes) else data.encode())
+
     return edit
 
 
 def _nan_in(tensor):
     """A NaN as the first element of `tensor` in whichever shard holds it (bf16 checkpoint)."""
+
     def edit(hf):
         shard = hf / json.loads((hf / "model.safetensors.index.json").read_text())["weight_map"][tensor]
         raw = bytearray(shard.read_bytes())
         (n,) = struct.unpack("<Q", raw[:8])
-        begin = json.loads(raw[8:8 + n])[tensor]["data_offsets"][0]
-        raw[8 + n + begin:8 + n + begin + 2] = struct.pack("<H", 0x7FC0)
+        begin = json.loads(raw[8 : 8 + n])[tensor]["data_offsets"][0]
+        raw[8 + n + begin : 8 + n + begin + 2] = struct.pack("<H", 0x7FC0)
         shard.write_bytes(bytes(raw))
+
     return edit
 
 
@@ -192,57 +218,107 @@ QUANTIZE_CASES = [  # (id, edit of a copy of the tiny HF directory, needles; {hf
     ("config-list", _json_edit("config.json", lambda c: [c]), ["{hf}/config.json: must hold a JSON object, got a list"]),
     ("config-not-json", _write("config.json", "{hidden_size: 1"), ["{hf}/config.json: not valid JSON"]),
     ("config-missing", _rm("config.json"), ["no config.json in {hf}"]),
-    ("rope-scaling-str", _json_edit("config.json", lambda c: c.update(rope_scaling="llama3")),
-     ["{hf}", "rope_scaling must be an object, got 'llama3'"]),
-    ("rope-factor-str", _json_edit("config.json", lambda c: c["rope_scaling"].update(factor="8")),
-     ["rope_scaling.factor must be a finite number"]),
-    ("layers-huge", _json_edit("config.json", lambda c: c.update(num_hidden_layers=10**9)),
-     ["{hf}/config.json: num_layers 1000000000 is past what atomflow reads (4096)"]),
-    ("layers-more", _json_edit("config.json", lambda c: c.update(num_hidden_layers=5)),
-     ["num_hidden_layers 5, but the checkpoint holds 3 layers"]),
+    (
+        "rope-scaling-str",
+        _json_edit("config.json", lambda c: c.update(rope_scaling="llama3")),
+        ["{hf}", "rope_scaling must be an object, got 'llama3'"],
+    ),
+    (
+        "rope-factor-str",
+        _json_edit("config.json", lambda c: c["rope_scaling"].update(factor="8")),
+        ["rope_scaling.factor must be a finite number"],
+    ),
+    (
+        "layers-huge",
+        _json_edit("config.json", lambda c: c.update(num_hidden_layers=10**9)),
+        ["{hf}/config.json: num_layers 1000000000 is past what atomflow reads (4096)"],
+    ),
+    (
+        "layers-more",
+        _json_edit("config.json", lambda c: c.update(num_hidden_layers=5)),
+        ["num_hidden_layers 5, but the checkpoint holds 3 layers"],
+    ),
     ("vocab-huge", _json_edit("config.json", lambda c: c.update(vocab_size=10**9)), ["vocab_size 1000000000 is past"]),
     ("hidden-str", _json_edit("config.json", lambda c: c.update(hidden_size="256")), ["hidden_size must be an integer"]),
     ("hidden-bool", _json_edit("config.json", lambda c: c.update(hidden_size=True)), ["hidden_size must be an integer"]),
     ("eps-null", _json_edit("config.json", lambda c: c.update(rms_norm_eps=None)), ["rms_norm_eps must be a number"]),
     ("tie-str", _json_edit("config.json", lambda c: c.update(tie_word_embeddings="yes")), ["tie_word_embeddings"]),
-    ("arch-string", _json_edit("config.json", lambda c: c.update(architectures="NotALlamaForCausalLMAtAll")),
-     ["architectures must be a list"]),
-    ("arch-lookalike", _json_edit("config.json", lambda c: c.update(architectures=["NotALlamaForCausalLMAtAll"])),
-     ["unsupported architecture NotALlamaForCausalLMAtAll"]),
-    ("arch-prefix", _json_edit("config.json", lambda c: c.update(architectures=["LlamaForCausalLMV2"])),
-     ["unsupported architecture LlamaForCausalLMV2"]),
+    (
+        "arch-string",
+        _json_edit("config.json", lambda c: c.update(architectures="NotALlamaForCausalLMAtAll")),
+        ["architectures must be a list"],
+    ),
+    (
+        "arch-lookalike",
+        _json_edit("config.json", lambda c: c.update(architectures=["NotALlamaForCausalLMAtAll"])),
+        ["unsupported architecture NotALlamaForCausalLMAtAll"],
+    ),
+    (
+        "arch-prefix",
+        _json_edit("config.json", lambda c: c.update(architectures=["LlamaForCausalLMV2"])),
+        ["unsupported architecture LlamaForCausalLMV2"],
+    ),
     ("arch-ints", _json_edit("config.json", lambda c: c.update(architectures=[5])), ["list of strings"]),
-    ("arch-unknown", _json_edit("config.json", lambda c: c.update(architectures=["GPT2LMHeadModel"])),
-     ["unsupported architecture GPT2LMHeadModel"]),
-    ("model-type-only", _json_edit("config.json", lambda c: c.update(architectures=None, model_type="gpt2")),
-     ["unsupported architecture model_type 'gpt2'"]),
+    (
+        "arch-unknown",
+        _json_edit("config.json", lambda c: c.update(architectures=["GPT2LMHeadModel"])),
+        ["unsupported architecture GPT2LMHeadModel"],
+    ),
+    (
+        "model-type-only",
+        _json_edit("config.json", lambda c: c.update(architectures=None, model_type="gpt2")),
+        ["unsupported architecture model_type 'gpt2'"],
+    ),
     ("tokenizer-garbage", _write("tokenizer.json", "this is not a tokenizer"), ["{hf}/tokenizer.json", "does not load"]),
     ("tokenizer-empty-object", _write("tokenizer.json", "{}"), ["{hf}/tokenizer.json", "does not load"]),
     ("tokenizer-binary", _write("tokenizer.json", b"\xff\xfe\x00garbage"), ["{hf}/tokenizer.json: not UTF-8"]),
     ("tokenizer-missing", _rm("tokenizer.json"), ["no tokenizer.json"]),
     ("tokcfg-list", _write("tokenizer_config.json", "[]"), ["{hf}/tokenizer_config.json: must hold a JSON object"]),
-    ("tokcfg-template-int", _json_edit("tokenizer_config.json", lambda c: c.update(chat_template=5)),
-     ["chat_template must be a string"]),
+    (
+        "tokcfg-template-int",
+        _json_edit("tokenizer_config.json", lambda c: c.update(chat_template=5)),
+        ["chat_template must be a string"],
+    ),
     ("tokcfg-bos-int", _json_edit("tokenizer_config.json", lambda c: c.update(bos_token=5)), ["bos_token must be a string"]),
     ("template-syntax", _write("chat_template.jinja", "{% if %}"), ["chat template does not compile"]),
-    ("template-raises", _write("chat_template.jinja", "{{ raise_exception('roles must alternate') }}"),
-     ["chat template failed to render", "roles must alternate"]),
-    ("gen-eos-str", _json_edit("generation_config.json", lambda c: c.update(eos_token_id="x")),
-     ["{hf}/generation_config.json: eos_token_id must be token ids"]),
+    (
+        "template-raises",
+        _write("chat_template.jinja", "{{ raise_exception('roles must alternate') }}"),
+        ["chat template failed to render", "roles must alternate"],
+    ),
+    (
+        "gen-eos-str",
+        _json_edit("generation_config.json", lambda c: c.update(eos_token_id="x")),
+        ["{hf}/generation_config.json: eos_token_id must be token ids"],
+    ),
     ("gen-eos-range", _json_edit("generation_config.json", lambda c: c.update(eos_token_id=[10**6])), ["eos_token_id"]),
-    ("gen-temperature", _json_edit("generation_config.json", lambda c: c.update(temperature="hot")),
-     ["temperature must be a number"]),
+    (
+        "gen-temperature",
+        _json_edit("generation_config.json", lambda c: c.update(temperature="hot")),
+        ["temperature must be a number"],
+    ),
     ("gen-list", _write("generation_config.json", "[1]"), ["generation_config.json: must hold a JSON object"]),
-    ("index-no-map", _json_edit("model.safetensors.index.json", lambda c: {"metadata": {}}),
-     ["{hf}/model.safetensors.index.json: no weight_map"]),
-    ("index-escape", _json_edit("model.safetensors.index.json",
-                                lambda c: c["weight_map"].update({"model.norm.weight": "../x.safetensors"})),
-     ["must name a file in the same directory"]),
+    (
+        "index-no-map",
+        _json_edit("model.safetensors.index.json", lambda c: {"metadata": {}}),
+        ["{hf}/model.safetensors.index.json: no weight_map"],
+    ),
+    (
+        "index-escape",
+        _json_edit("model.safetensors.index.json", lambda c: c["weight_map"].update({"model.norm.weight": "../x.safetensors"})),
+        ["must name a file in the same directory"],
+    ),
     ("index-not-json", _write("model.safetensors.index.json", "{"), ["model.safetensors.index.json: not valid JSON"]),
-    ("shard-garbage", _write("model-00002-of-00002.safetensors", "garbage" * 100),
-     ["model-00002-of-00002.safetensors: not a readable safetensors file"]),
-    ("nan-weight", _nan_in("model.layers.1.mlp.down_proj.weight"),
-     ["tensor 'model.layers.1.mlp.down_proj.weight' holds NaN or Inf (row 0)"]),
+    (
+        "shard-garbage",
+        _write("model-00002-of-00002.safetensors", "garbage" * 100),
+        ["model-00002-of-00002.safetensors: not a readable safetensors file"],
+    ),
+    (
+        "nan-weight",
+        _nan_in("model.layers.1.mlp.down_proj.weight"),
+        ["tensor 'model.layers.1.mlp.down_proj.weight' holds NaN or Inf (row 0)"],
+    ),
     ("nan-norm", _nan_in("model.norm.weight"), ["tensor 'model.norm.weight' holds NaN or Inf"]),
     ("shard-missing", _rm("model-00002-of-00002.safetensors"), ["shard named in the index is missing"]),
 ]
@@ -267,8 +343,9 @@ def test_bad_model_dir_is_one_line(capsys, hf_copy, tmp_path, case, edit, needle
 
 
 # -- the output path -------------------------------------------------------------------------------
-@pytest.mark.parametrize("case", ["directory", "empty", "no-parent", "exists", "source-shard", "source-shard-forced",
-                                  "source-config-forced"])
+@pytest.mark.parametrize(
+    "case", ["directory", "empty", "no-parent", "exists", "source-shard", "source-shard-forced", "source-config-forced"]
+)
 def test_bad_output_path(capsys, hf_copy, tmp_path, case):
     outdir = tmp_path / "out"
     outdir.mkdir()

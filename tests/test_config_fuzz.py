@@ -2,6 +2,7 @@
 of the wrong type or out of range. Each variant must end in one UnsupportedModelError line, or
 give a spec the file reader takes (quantize never writes a spec it would refuse). In-process,
 660 variants in about a second."""
+
 import itertools
 import json
 from pathlib import Path
@@ -12,8 +13,28 @@ from atomflow.errors import FormatError, UnsupportedModelError
 from atomflow.model import filecheck, quantize_io
 from atomflow.model.spec import CONFIG_TYPES, ModelSpec
 
-BAD = [None, True, False, "x", "8", [], [1], {}, {"a": 1}, -1, 0, 1, 3, 1.5, 1e-30, 10**12, 2**31, float("nan"),
-       float("inf"), -0.0]
+BAD = [
+    None,
+    True,
+    False,
+    "x",
+    "8",
+    [],
+    [1],
+    {},
+    {"a": 1},
+    -1,
+    0,
+    1,
+    3,
+    1.5,
+    1e-30,
+    10**12,
+    2**31,
+    float("nan"),
+    float("inf"),
+    -0.0,
+]
 
 
 @pytest.fixture(scope="module")

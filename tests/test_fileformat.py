@@ -1,5 +1,6 @@
 """The .atomflow container: readable by safetensors itself, and every kind of damage rejected
 with a one-line FormatError (never a crash)."""
+
 import json
 import shutil
 import struct
@@ -28,6 +29,7 @@ def test_table_matches_spec_and_checksum_verifies(tiny_model_file):
 def test_safetensors_opens_it(tiny_model_file):
     torch = pytest.importorskip("torch")
     from safetensors import safe_open
+
     with safe_open(str(tiny_model_file), "pt") as f, AtomflowFile(tiny_model_file) as m:
         assert set(f.keys()) == set(m.tensors)
         assert f.metadata()["format"] == "atomflow"
@@ -46,23 +48,26 @@ def _copy(src, tmp_path, name="m.atomflow"):
 def _rewrite_header(path, fn):
     raw = path.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8:8 + n])
+    header = json.loads(raw[8 : 8 + n])
     fn(header)
     new = encode_header(header)  # re-sealed: only the structural checks can catch the change
-    path.write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n:])
+    path.write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n :])
 
 
-@pytest.mark.parametrize("damage,needle", [
-    ("empty", "too short"),
-    ("garbage", "does not fit"),
-    ("not-json", "not JSON"),
-    ("plain-safetensors", "no \"format\": \"atomflow\""),
-    ("version", "format version '99' is not supported"),
-    ("truncated", "truncated"),
-    ("missing-tensor", "missing: ['layers.1.wo']"),
-    ("wrong-shape", "the spec needs"),
-    ("bad-spec", "bad spec"),
-])
+@pytest.mark.parametrize(
+    "damage,needle",
+    [
+        ("empty", "too short"),
+        ("garbage", "does not fit"),
+        ("not-json", "not JSON"),
+        ("plain-safetensors", 'no "format": "atomflow"'),
+        ("version", "format version '99' is not supported"),
+        ("truncated", "truncated"),
+        ("missing-tensor", "missing: ['layers.1.wo']"),
+        ("wrong-shape", "the spec needs"),
+        ("bad-spec", "bad spec"),
+    ],
+)
 def test_damage_is_rejected(tiny_model_file, tmp_path, damage, needle):
     p = _copy(tiny_model_file, tmp_path)
     if damage == "empty":
@@ -80,12 +85,14 @@ def test_damage_is_rejected(tiny_model_file, tmp_path, damage, needle):
     elif damage == "missing-tensor":
         _rewrite_header(p, lambda h: h.pop("layers.1.wo"))
     elif damage == "wrong-shape":
+
         def f(h):
             e = h["layers.0.attn_norm"]
             e["shape"], e["dtype"] = [e["shape"][0] // 2], "F32"
+
         _rewrite_header(p, f)
     elif damage == "bad-spec":
-        _rewrite_header(p, lambda h: h["__metadata__"].update(spec="{\"vocab_size\": 3}"))
+        _rewrite_header(p, lambda h: h["__metadata__"].update(spec='{"vocab_size": 3}'))
     with pytest.raises(FormatError) as e:
         AtomflowFile(p)
     assert needle in str(e.value)
@@ -129,44 +136,56 @@ def _edit_spec(**kw):
         spec = json.loads(h["__metadata__"]["spec"])
         spec.update(kw)
         h["__metadata__"]["spec"] = json.dumps(spec)
+
     return f
 
 
 def _edit_quant(**kw):
     def f(h):
         h["__metadata__"]["quantization"] = json.dumps(dict(json.loads(h["__metadata__"]["quantization"]), **kw))
+
     return f
 
 
 def _swap_offsets(a, b):
     def f(h):
         h[a]["data_offsets"], h[b]["data_offsets"] = h[b]["data_offsets"], h[a]["data_offsets"]
+
     return f
 
 
-@pytest.mark.parametrize("edit,needle", [
-    (lambda h: h["final_norm"].update(data_offsets=[h["final_norm"]["data_offsets"][0] - 8,
-                                                    h["final_norm"]["data_offsets"][1] - 8]), "overlaps"),
-    (_swap_offsets("layers.0.attn_norm", "layers.0.mlp_norm"), "is stored at position 1 of the data region"),
-    (lambda h: h["embed"].update(shape=[2**62, 256]), "malformed shape"),
-    (lambda h: h["embed"].update(shape=[2**20, 256]), "do not match shape"),
-    (lambda h: h["embed"].update(data_offsets=[0, None]), "malformed data_offsets"),
-    (_edit_spec(num_layers=10**9), "num_layers must be an int in [0, 4096]"),
-    (_edit_spec(num_layers=4000), "4000 layers"),
-    (_edit_spec(hidden_size="256"), "hidden_size must be an int"),
-    (_edit_spec(rope_theta=float("inf")), "Infinity is not JSON"),
-    (_edit_spec(rope_theta=1e39), "rope_theta must be a float"),
-    (_edit_spec(tie_word_embeddings=1), "tie_word_embeddings must be a bool"),
-    (_edit_spec(lm_head_fp8=False), "quantization.lm_head 'fp8' disagrees with the spec"),
-    (_edit_quant(scheme="int4_awq"), "quantization scheme 'int4_awq' is not supported"),
-    (_edit_quant(group_size=64), "quantization.group_size says 64, but 'layers.0.w13.scale'"),
-    (_edit_quant(scale_dtype="BF16"), "quantization.scale_dtype says BF16, but 'layers.0.w13.scale' is F32"),
-    (_edit_quant(lm_head="bf16"), "quantization.lm_head 'bf16' disagrees with the spec"),
-    (lambda h: h["__metadata__"].update(generation_config=json.dumps({"eos_token_ids": [10**6]})),
-     "generation_config.eos_token_ids is invalid"),
-    (lambda h: h["__metadata__"].update(source="[]"), "metadata 'source' is a JSON list"),
-    (lambda h: h["__metadata__"].update(created_by=5), "metadata 'created_by' is a int"),
-])
+@pytest.mark.parametrize(
+    "edit,needle",
+    [
+        (
+            lambda h: h["final_norm"].update(
+                data_offsets=[h["final_norm"]["data_offsets"][0] - 8, h["final_norm"]["data_offsets"][1] - 8]
+            ),
+            "overlaps",
+        ),
+        (_swap_offsets("layers.0.attn_norm", "layers.0.mlp_norm"), "is stored at position 1 of the data region"),
+        (lambda h: h["embed"].update(shape=[2**62, 256]), "malformed shape"),
+        (lambda h: h["embed"].update(shape=[2**20, 256]), "do not match shape"),
+        (lambda h: h["embed"].update(data_offsets=[0, None]), "malformed data_offsets"),
+        (_edit_spec(num_layers=10**9), "num_layers must be an int in [0, 4096]"),
+        (_edit_spec(num_layers=4000), "4000 layers"),
+        (_edit_spec(hidden_size="256"), "hidden_size must be an int"),
+        (_edit_spec(rope_theta=float("inf")), "Infinity is not JSON"),
+        (_edit_spec(rope_theta=1e39), "rope_theta must be a float"),
+        (_edit_spec(tie_word_embeddings=1), "tie_word_embeddings must be a bool"),
+        (_edit_spec(lm_head_fp8=False), "quantization.lm_head 'fp8' disagrees with the spec"),
+        (_edit_quant(scheme="int4_awq"), "quantization scheme 'int4_awq' is not supported"),
+        (_edit_quant(group_size=64), "quantization.group_size says 64, but 'layers.0.w13.scale'"),
+        (_edit_quant(scale_dtype="BF16"), "quantization.scale_dtype says BF16, but 'layers.0.w13.scale' is F32"),
+        (_edit_quant(lm_head="bf16"), "quantization.lm_head 'bf16' disagrees with the spec"),
+        (
+            lambda h: h["__metadata__"].update(generation_config=json.dumps({"eos_token_ids": [10**6]})),
+            "generation_config.eos_token_ids is invalid",
+        ),
+        (lambda h: h["__metadata__"].update(source="[]"), "metadata 'source' is a JSON list"),
+        (lambda h: h["__metadata__"].update(created_by=5), "metadata 'created_by' is a int"),
+    ],
+)
 def test_structural_damage_is_named(tiny_model_file, tmp_path, edit, needle):
     """Damage re-sealed with a valid header checksum: only the structural checks can catch it."""
     p = _copy(tiny_model_file, tmp_path)
@@ -204,11 +223,11 @@ def test_file_without_header_checksum_still_loads(tiny_model_file, tmp_path):
     p = _copy(tiny_model_file, tmp_path)
     raw = p.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8:8 + n])
+    header = json.loads(raw[8 : 8 + n])
     del header["__metadata__"]["header_checksum"]
     new = json.dumps(header, separators=(",", ":")).encode()
     new += b" " * (-(8 + len(new)) % 8)
-    p.write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n:])
+    p.write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n :])
     with AtomflowFile(p, verify=True) as m, AtomflowFile(tiny_model_file, verify=True) as ref:
         assert not m.header_checked and ref.header_checked
         assert m.spec == ref.spec

@@ -7,6 +7,7 @@ A sample goes through the real CLI in subprocesses: exit code 1, one stderr line
 
 Replay or widen: ATOMFLOW_FUZZ_SEED=7 ATOMFLOW_FUZZ_VARIANTS=2000 pytest tests/test_fuzz_file.py,
 or python tools/fuzz_atomflow.py --variants 2000 --seed 7 (prints counts by outcome)."""
+
 import os
 import subprocess
 import sys
@@ -42,8 +43,7 @@ def test_mutation_fuzz(fuzz, base, tmp_path):
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "atomflow.cli", *map(str, args)], capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run([sys.executable, "-m", "atomflow.cli", *map(str, args)], capture_output=True, text=True, timeout=120)
 
 
 @pytest.mark.parametrize("index", [0, 5, 11, 26, 42, 271])

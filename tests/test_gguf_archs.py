@@ -3,6 +3,7 @@ files the way llama.cpp's converter writes them (tools/make_tiny_gguf.py: q/k ro
 `llama`), read by atomflow/model/gguf.py and by transformers' own GGUF loader: identical
 dequantized weights (bias and q/k norms included) and token ids; the quantized file's reference
 forward near transformers on the GGUF."""
+
 import numpy as np
 import pytest
 
@@ -24,6 +25,7 @@ def test_gguf_matches_transformers_loader(tmp_path, preset):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from atomflow.model.gguf import GGUFSource
+
     arch, extra = CASES[preset]
     hf_dir = load_tool("make_tiny_arch").make_arch_model(tmp_path / "hf", preset, seed=2)
     g = load_tool("make_tiny_gguf").write_gguf(hf_dir, tmp_path / "m.gguf", "Q8_0")
@@ -41,12 +43,12 @@ def test_gguf_matches_transformers_loader(tmp_path, preset):
     out = tmp_path / "m.atomflow"
     quantize(g, out, progress=False, log=lambda s: None)
     from atomflow.engine import Engine
+
     eng = Engine.load(out, backend="cpu", max_context=64)
     for s in ["Hello  wörld\n\n <|eot_id|> x", "  spaces", "<|start_header_id|>user<|end_header_id|>"]:
         assert eng.tokenizer.encode(s) == hf_tok(s).input_ids, s
     msgs = [{"role": "user", "content": "hi there"}]
-    assert eng.tokenizer.apply_chat_template(msgs) == hf_tok.apply_chat_template(msgs, tokenize=False,
-                                                                                 add_generation_prompt=True)
+    assert eng.tokenizer.apply_chat_template(msgs) == hf_tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     with AtomflowFile(out) as m:
         assert extra is None or f"layers.0.{extra}" in m.tensors
         ids = np.random.default_rng(0).integers(0, m.spec.vocab_size, 16)

@@ -7,6 +7,7 @@ Tolerances follow from the input precision: the references use the exact dequant
 (fp8 * scale) and the exact bf16 inputs, so fp32 accumulation must match to rel-L2 < 1e-5; an
 output rounded once to bf16 is allowed ~4e-3 (its relative rounding error is <= 2^-9).
 Skipped cleanly without the CUDA core or a GPU."""
+
 from __future__ import annotations
 
 import sys
@@ -39,8 +40,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(ops is None, reason=f"gpu: {WH
 FP32_REL, BF16_REL, F16_REL = 1e-5, 4e-3, 5e-4
 
 
-
 # ----------------------------------------------------------------------------- helpers
+
 
 def rel_l2(got, want) -> float:
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
@@ -61,7 +62,7 @@ def assert_close(got, want, tol: float, what: str, scale: float | None = None) -
     assert err < tol, f"{what}: rel-L2 {err:.3e} >= {tol:.0e}"
 
 
-BF16_TINY = 2.0 ** -126  # bf16's smallest normal (fp32's too)
+BF16_TINY = 2.0**-126  # bf16's smallest normal (fp32's too)
 FP8_TO_F64 = np.arange(256, dtype=np.uint8).view(FP8).astype(np.float64)
 
 
@@ -83,8 +84,8 @@ def reference_linear(w: np.ndarray, scales: np.ndarray, x: np.ndarray) -> np.nda
     y = np.empty((x.shape[0], n))
     step = max(1, (1 << 24) // k)
     for r in range(0, n, step):
-        wd = FP8_TO_F64[w[r:r + step]].reshape(-1, k // 128, 128) * scales[r:r + step, :, None]
-        y[:, r:r + step] = x @ wd.reshape(-1, k).T
+        wd = FP8_TO_F64[w[r : r + step]].reshape(-1, k // 128, 128) * scales[r : r + step, :, None]
+        y[:, r : r + step] = x @ wd.reshape(-1, k).T
     return y
 
 
@@ -110,20 +111,22 @@ def check_linear(rng, N: int, K: int, M: int | None, x_dtype: str = "bf16") -> N
     what = f"{'gemv' if M is None else f'gemm M={M}'} N={N} K={K} x {x_dtype}"
 
     assert_close(run(w, s, x, 0), y, FP32_REL, f"{what} Store")
-    residual = (rng.standard_normal(y.shape) * (np.sqrt(np.mean(y ** 2)) + 1.0)).astype(np.float32)
+    residual = (rng.standard_normal(y.shape) * (np.sqrt(np.mean(y**2)) + 1.0)).astype(np.float32)
     # The error of a sum is relative to its terms, not to the result: where residual + y nearly
     # cancels (one output, N = 1), a relative-to-result bound would fail on a correct kernel.
     got = np.asarray(run(w, s, x, 1, residual), np.float64)
-    assert_close(got, residual + y, FP32_REL, f"{what} AddResidual",
-                 scale=np.linalg.norm(residual.astype(np.float64)) + np.linalg.norm(y))
+    assert_close(
+        got, residual + y, FP32_REL, f"{what} AddResidual", scale=np.linalg.norm(residual.astype(np.float64)) + np.linalg.norm(y)
+    )
     if N % 2 == 0:
         F = N // 2
         want = silu_mul(y[..., :F], y[..., F:])
         # Relative to at least bf16's smallest normal: where every gate is far below zero, the exact
         # products (1e-46 and less, seen with N = 6) lie below the range of the bf16 output and of
         # the fp32 arithmetic, and 0 is the right answer there.
-        assert_close(from_bf16(run(w, s, x, 2)), want, BF16_REL, f"{what} SwiGLU",
-                     scale=max(float(np.linalg.norm(want)), BF16_TINY))
+        assert_close(
+            from_bf16(run(w, s, x, 2)), want, BF16_REL, f"{what} SwiGLU", scale=max(float(np.linalg.norm(want)), BF16_TINY)
+        )
 
 
 # Every linear layer of the three target models: (name, N, K).
@@ -148,11 +151,23 @@ def model_shapes():
 # (6, 12288): x staged in exactly 48 KB of shared memory, the default limit (static memory on top).
 # (9000, 256) and (9000, 4224): several row pairs per warp, with a row's chunks ending inside a warp's
 # first 32 (all lanes must still take the same trips through the warp-wide products).
-ODD_SHAPES = [(1, 128), (2, 128), (7, 384), (14, 256), (129, 1024), (258, 640), (1001, 4096), (3, 14336),
-              (6, 12288), (9000, 256), (9000, 4224)]
+ODD_SHAPES = [
+    (1, 128),
+    (2, 128),
+    (7, 384),
+    (14, 256),
+    (129, 1024),
+    (258, 640),
+    (1001, 4096),
+    (3, 14336),
+    (6, 12288),
+    (9000, 256),
+    (9000, 4224),
+]
 
 
 # ----------------------------------------------------------------------------- gemv / gemm
+
 
 @pytest.mark.parametrize("N,K", list(model_shapes()))
 def test_gemv_model_shapes(rng, N, K):
@@ -194,8 +209,7 @@ def test_gemv_rmsnorm_equals_rmsnorm_then_gemv(rng, N, K):
     for ep in (0, 2) if N % 2 == 0 else (0,):
         np.testing.assert_array_equal(ops.gemv_rmsnorm(w, s, x, nw, 1e-5, ep), ops.gemv(w, s, xn, ep, None, "f16"))
     residual = rng.standard_normal(N).astype(np.float32)
-    np.testing.assert_array_equal(ops.gemv_rmsnorm(w, s, x, nw, 1e-5, 1, residual),
-                                  ops.gemv(w, s, xn, 1, residual, "f16"))
+    np.testing.assert_array_equal(ops.gemv_rmsnorm(w, s, x, nw, 1e-5, 1, residual), ops.gemv(w, s, xn, 1, residual, "f16"))
     # and both against the fp32 reference of the normalized input
     ref = reference_linear(w, s, from_f16(xn).reshape(1, K))[0]
     assert_close(ops.gemv_rmsnorm(w, s, x, nw, 1e-5, 0), ref, FP32_REL, f"gemv_rmsnorm N={N} K={K}")
@@ -244,6 +258,7 @@ def test_gemv_rmsnorm_argmax_leaves_each_blocks_argmax(rng, N, K):
 
 def resident_warps() -> int:
     from atomflow import _core
+
     return 16 * _core.device_info()["sm_count"]  # the GEMV: 2 blocks of 8 warps per SM
 
 
@@ -262,12 +277,19 @@ def test_gemv_qkv_staged_warps_plan():
     staged_pair=False."""
     W = resident_warps()
     blocks = W // 8
-    cases = [(24, 8, 128, 3072), (32, 8, 128, 4096),  # 3B, 8B
-             (30, 6, 128, 2560), (28, 4, 128, 3584), (56, 8, 64, 3072),
-             (32, 8, 64, 2048), (3, 1, 64, 384),  # 1B: fewer pairs than warps
-             (24, 8, 128, 4608), (24, 8, 128, 3200),  # K > 4096; K not a multiple of 512
-             (60, 8, 128, 3072),  # more than two pairs per warp on up to 150 SMs
-             (48, 8, 128, 2048)]  # 4096 pairs: 8 staged warps per block on 132 SMs, 2 of them not early
+    cases = [
+        (24, 8, 128, 3072),
+        (32, 8, 128, 4096),  # 3B, 8B
+        (30, 6, 128, 2560),
+        (28, 4, 128, 3584),
+        (56, 8, 64, 3072),
+        (32, 8, 64, 2048),
+        (3, 1, 64, 384),  # 1B: fewer pairs than warps
+        (24, 8, 128, 4608),
+        (24, 8, 128, 3200),  # K > 4096; K not a multiple of 512
+        (60, 8, 128, 3072),  # more than two pairs per warp on up to 150 SMs
+        (48, 8, 128, 2048),
+    ]  # 4096 pairs: 8 staged warps per block on 132 SMs, 2 of them not early
     for H, Hkv, D, K in cases:
         pairs = (H + 2 * Hkv) * D // 2
         want = 0
@@ -283,8 +305,14 @@ def test_gemv_qkv_staged_pair_same_bits(rng):
     launch writes the same q and cache rows as with the copies off (the plan's staged_pair=False, in
     the same process), on shapes that stage."""
     # H, Hkv, D, K, position; the last stages warps that did not load early (kQkvPreWarps) on 132 SMs
-    cases = [(24, 8, 128, 3072, 77), (32, 8, 128, 4096, 5), (30, 6, 128, 2560, 1000), (28, 4, 128, 3584, 0),
-             (56, 8, 64, 3072, 31), (48, 8, 128, 2048, 9)]
+    cases = [
+        (24, 8, 128, 3072, 77),
+        (32, 8, 128, 4096, 5),
+        (30, 6, 128, 2560, 1000),
+        (28, 4, 128, 3584, 0),
+        (56, 8, 64, 3072, 31),
+        (48, 8, 128, 2048, 9),
+    ]
     inputs, got = {}, {}
     for j, (H, Hkv, D, K, pos) in enumerate(cases):
         N = (H + 2 * Hkv) * D
@@ -305,8 +333,21 @@ def test_gemv_qkv_staged_pair_same_bits(rng):
         if f"w{j}" not in inputs:
             continue
         z = {name[0]: inputs[name] for name in (f"w{j}", f"s{j}", f"x{j}", f"n{j}", f"k{j}", f"v{j}")}
-        q, k, v = ops.gemv_rmsnorm_rope(z["w"], z["s"], z["x"], z["n"], 1e-5, llama_inv_freq(D), pos, H, Hkv, D,
-                                        z["k"].copy(), z["v"].copy(), staged_pair=False)
+        q, k, v = ops.gemv_rmsnorm_rope(
+            z["w"],
+            z["s"],
+            z["x"],
+            z["n"],
+            1e-5,
+            llama_inv_freq(D),
+            pos,
+            H,
+            Hkv,
+            D,
+            z["k"].copy(),
+            z["v"].copy(),
+            staged_pair=False,
+        )
         plain.update({f"q{j}": q, f"k{j}": k, f"v{j}": v})
     assert_same_bits(got, plain, "staged != register path")
 
@@ -372,8 +413,9 @@ def test_gemv_swiglu_tickets_every_launch(rng):
         j = i % len(shapes)
         w, s, x, want = data[j]
         y = ops.gemv(w, s, x, 2, None, "bf16")
-        assert_close(from_bf16(y), want, BF16_REL, f"launch {i} of {shapes[j]}",
-                     scale=max(float(np.linalg.norm(want)), BF16_TINY))
+        assert_close(
+            from_bf16(y), want, BF16_REL, f"launch {i} of {shapes[j]}", scale=max(float(np.linalg.norm(want)), BF16_TINY)
+        )
         np.testing.assert_array_equal(y, first.setdefault(j, y), err_msg=f"launch {i} of {shapes[j]}")
 
 
@@ -424,7 +466,7 @@ def test_gemv_swiglu_f16_output(rng, N, K):
         assert flag == int(big.any()), f"{what}: flag {flag}, {int(big.sum())} outputs past fp16"
         if big.any():
             continue  # the outputs left in range are the ones whose gate or up cancelled: no bound
-        assert_close(from_f16(plain), want, F16_REL, what, scale=max(float(np.linalg.norm(want)), 2.0 ** -14))
+        assert_close(from_f16(plain), want, F16_REL, what, scale=max(float(np.linalg.norm(want)), 2.0**-14))
         if c == 1.0:  # the fused prologue: the same bits and flag
             fused, flag_fused = ops.gemv_rmsnorm(w, s, x, nw, 1e-5, 2, None, "f16")
             np.testing.assert_array_equal(fused, plain)
@@ -442,6 +484,7 @@ def test_gemv_f16_output_is_swiglus_only(rng):
 
 # ----------------------------------------------------------------------------- attention
 
+
 def reference_attention(q, kc, vc, pos, scale):
     """float64 causal GQA attention: query m (position pos + m) sees cache rows [0, pos + m]."""
     M, H, D = q.shape
@@ -452,9 +495,9 @@ def reference_attention(q, kc, vc, pos, scale):
     for m in range(M):
         n = pos + m + 1
         for h in range(Hkv):
-            s = qf[m, h * G:(h + 1) * G] @ kf[:n, h].T * scale  # [G, n]
+            s = qf[m, h * G : (h + 1) * G] @ kf[:n, h].T * scale  # [G, n]
             p = np.exp(s - s.max(axis=1, keepdims=True))
-            out[m, h * G:(h + 1) * G] = (p / p.sum(axis=1, keepdims=True)) @ vf[:n, h]
+            out[m, h * G : (h + 1) * G] = (p / p.sum(axis=1, keepdims=True)) @ vf[:n, h]
     return out
 
 
@@ -529,22 +572,26 @@ def test_attention_cluster_merge_equals_scratch_merge(rng):
     plain = {}
     for i, (M, context, C, Hkv, G, D) in enumerate(CLUSTER_MERGE_CASES):
         assert ops.attention_cluster_size(M, Hkv * G, Hkv, D, C, cluster_merge=False) == 1
-        plain[f"o{i}"] = ops.attention(inputs[f"q{i}"], inputs[f"k{i}"], inputs[f"v{i}"], context - M,
-                                       1.0 / np.sqrt(D), cluster_merge=False)
+        plain[f"o{i}"] = ops.attention(
+            inputs[f"q{i}"], inputs[f"k{i}"], inputs[f"v{i}"], context - M, 1.0 / np.sqrt(D), cluster_merge=False
+        )
     assert_same_bits(got, plain, "cluster != scratch merge")
 
 
-@pytest.mark.parametrize("M,H,Hkv,D,max_context,want", [
-    (1, 24, 8, 128, 128, 4),     # 3B decode: 4 splits, one cluster of 4 per group
-    (1, 24, 8, 128, 448, 16),
-    (1, 24, 8, 128, 512, 16),    # Engine::kShortKeys: 16 splits, one 16-block cluster
-    (1, 24, 8, 128, 513, 1),     # 17 splits: no cluster holds them all, a plain launch
-    (1, 24, 8, 128, 32768, 1),   # deep caches: clusters cost the key loops their wave
-    (1, 32, 8, 128, 8192, 1),
-    (5, 6, 2, 128, 253, 8),      # a prefill chunk of 5 rows: 8 splits
-    (1, 16, 2, 128, 103, 4),     # G * D = 1024: the leader's buffer holds 4 splits
-    (1, 16, 2, 128, 2000, 1),
-])
+@pytest.mark.parametrize(
+    "M,H,Hkv,D,max_context,want",
+    [
+        (1, 24, 8, 128, 128, 4),  # 3B decode: 4 splits, one cluster of 4 per group
+        (1, 24, 8, 128, 448, 16),
+        (1, 24, 8, 128, 512, 16),  # Engine::kShortKeys: 16 splits, one 16-block cluster
+        (1, 24, 8, 128, 513, 1),  # 17 splits: no cluster holds them all, a plain launch
+        (1, 24, 8, 128, 32768, 1),  # deep caches: clusters cost the key loops their wave
+        (1, 32, 8, 128, 8192, 1),
+        (5, 6, 2, 128, 253, 8),  # a prefill chunk of 5 rows: 8 splits
+        (1, 16, 2, 128, 103, 4),  # G * D = 1024: the leader's buffer holds 4 splits
+        (1, 16, 2, 128, 2000, 1),
+    ],
+)
 def test_attention_clusters_only_when_one_holds_every_split(M, H, Hkv, D, max_context, want):
     """The launch uses thread-block clusters only when one cluster holds every split a call of that
     shape can have; a grid of several clusters per group cost a 3B step at 32768 keys 24%. None
@@ -582,7 +629,7 @@ def test_attention_f16_output(rng, context, C, D, G):
         assert_close(from_f16(got[0]), want, F16_REL, what)
         # the same fp32 values as the bf16 output: rounded to bf16 they differ by at most one bf16 step
         ref16 = from_bf16(ops.attention(q, kc, vc, pos, scale, early=True))[0]
-        assert np.all(np.abs(from_f16(got[0]) - ref16) <= 2.0 ** -8 * np.abs(ref16) + 2.0 ** -24), what
+        assert np.all(np.abs(from_f16(got[0]) - ref16) <= 2.0**-8 * np.abs(ref16) + 2.0**-24), what
 
 
 def test_attention_rejects_unsupported():
@@ -595,13 +642,15 @@ def test_attention_rejects_unsupported():
 
 # ----------------------------------------------------------------------------- rope + KV append
 
+
 def llama_inv_freq(D, theta=500000.0):
     return (1.0 / theta ** (np.arange(0, D, 2, dtype=np.float64) / D)).astype(np.float32)
 
 
 @pytest.mark.parametrize("H,Hkv,D", [(24, 8, 128), (32, 8, 64), (3, 1, 64)])
-@pytest.mark.parametrize("M,pos,C", [(1, 0, 4), (1, 4095, 4100), (5, 17, 30), (2, 70000, 70003),
-                                     (33, 100000, 64), (3, 126, 128)])  # last two: tokens past the cache
+@pytest.mark.parametrize(
+    "M,pos,C", [(1, 0, 4), (1, 4095, 4100), (5, 17, 30), (2, 70000, 70003), (33, 100000, 64), (3, 126, 128)]
+)  # last two: tokens past the cache
 def test_rope_kv_append(rng, M, pos, C, H, Hkv, D):
     W = (H + 2 * Hkv) * D
     qkv = rng.standard_normal((M, W)).astype(np.float32)
@@ -614,23 +663,35 @@ def test_rope_kv_append(rng, M, pos, C, H, Hkv, D):
     angle = (p[:, None] * inv_freq[None, :]).astype(np.float64)  # the fp32 product, as on the device
     cos, sin = np.cos(angle)[:, None, :], np.sin(angle)[:, None, :]
     heads = qkv.astype(np.float64).reshape(M, H + 2 * Hkv, D)
-    x1, x2 = heads[..., :D // 2], heads[..., D // 2:]
+    x1, x2 = heads[..., : D // 2], heads[..., D // 2 :]
     rot = np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     assert_close(from_bf16(q), rot[:, :H], BF16_REL, "rope q")
     written = [m for m in range(M) if pos + m < C]
     rows = [pos + m for m in written]
     if rows:
-        assert_close(from_bf16(kc[rows]), rot[written, H:H + Hkv], BF16_REL, "rope k_cache")
-        want_v = bf16_bits(heads[written, H + Hkv:].astype(np.float32))
+        assert_close(from_bf16(kc[rows]), rot[written, H : H + Hkv], BF16_REL, "rope k_cache")
+        want_v = bf16_bits(heads[written, H + Hkv :].astype(np.float32))
         assert np.array_equal(vc[rows], want_v), "v_cache rows must be bf16(v) exactly"
     untouched = np.setdiff1d(np.arange(C), rows)
-    assert np.array_equal(kc[untouched], kc0[untouched]) and np.array_equal(vc[untouched], vc0[untouched]), \
+    assert np.array_equal(kc[untouched], kc0[untouched]) and np.array_equal(vc[untouched], vc0[untouched]), (
         "rope_kv_append wrote outside its rows"
+    )
 
 
 # The 3B, 8B and 1B shapes, a tiny one, and more: K 2048 / 2560 / 3584, groups of 5 and 7, 56 heads of 64.
-@pytest.mark.parametrize("H,Hkv,D,K", [(24, 8, 128, 3072), (32, 8, 128, 4096), (32, 8, 64, 2048), (3, 1, 64, 384),
-                                       (32, 8, 128, 2048), (30, 6, 128, 2560), (28, 4, 128, 3584), (56, 8, 64, 3072)])
+@pytest.mark.parametrize(
+    "H,Hkv,D,K",
+    [
+        (24, 8, 128, 3072),
+        (32, 8, 128, 4096),
+        (32, 8, 64, 2048),
+        (3, 1, 64, 384),
+        (32, 8, 128, 2048),
+        (30, 6, 128, 2560),
+        (28, 4, 128, 3584),
+        (56, 8, 64, 3072),
+    ],
+)
 @pytest.mark.parametrize("pos,C", [(0, 4), (4095, 4100), (70000, 70001), (126, 126)])  # last: past the cache
 def test_gemv_rmsnorm_rope_equals_the_three_kernels(rng, H, Hkv, D, K, pos, C):
     """The decode QKV launch (RMSNorm prologue, RoPE + KV append epilogue)
@@ -654,7 +715,7 @@ def test_gemv_rmsnorm_rope_equals_the_three_kernels(rng, H, Hkv, D, K, pos, C):
     xn = from_f16(ops.rmsnorm(x[None], nw, 1e-5)[0])
     ref = reference_linear(w, s, xn.reshape(1, K))[0].astype(np.float64).reshape(H + 2 * Hkv, D)
     angle = (np.float32(pos) * inv_freq).astype(np.float64)
-    x1, x2 = ref[:H, :D // 2], ref[:H, D // 2:]
+    x1, x2 = ref[:H, : D // 2], ref[:H, D // 2 :]
     rot = np.concatenate([x1 * np.cos(angle) - x2 * np.sin(angle), x2 * np.cos(angle) + x1 * np.sin(angle)], axis=-1)
     assert_close(from_bf16(q), rot, BF16_REL, "fused rope q")
 
@@ -678,6 +739,7 @@ def test_gemv_rmsnorm_rope_rejects_bad_arguments(rng):
 
 
 # ----------------------------------------------------------------------------- small ops
+
 
 @pytest.mark.parametrize("M,d", [(1, 1), (1, 3072), (3, 7), (17, 4096), (2, 8193)])
 def test_rmsnorm(rng, M, d):
@@ -713,6 +775,7 @@ def test_stream_read_bandwidth_is_sane():
 
 # ----------------------------------------------------------------------------- sampling
 
+
 def distinct_logits(rng, vocab, spread=3.0):
     return (rng.standard_normal(vocab) * spread).astype(np.float32)
 
@@ -731,14 +794,23 @@ def test_greedy_is_argmax_lowest_index_on_ties(rng, vocab):
 
 
 # Settings exactly representable in fp32 (the device receives fp32), so only exp rounding differs.
-SETTINGS = [(1.0, 0, 1.0), (0.5, 0, 1.0), (1.25, 50, 1.0), (1.0, 0, 0.875), (0.75, 20, 0.5), (1.0, 1, 1.0),
-            (2.0, 0, 0.0625), (1.0, 999, 0.96875)]
+SETTINGS = [
+    (1.0, 0, 1.0),
+    (0.5, 0, 1.0),
+    (1.25, 50, 1.0),
+    (1.0, 0, 0.875),
+    (0.75, 20, 0.5),
+    (1.0, 1, 1.0),
+    (2.0, 0, 0.0625),
+    (1.0, 999, 0.96875),
+]
 
 
 @pytest.mark.parametrize("vocab", [7, 1000, 128256])
 def test_sampling_follows_sample_numpy(rng, vocab):
     """The device draw is sample_numpy's draw: same allowed set, same Philox u, same inverse CDF."""
     from atomflow.sampling import SamplingParams, sample_numpy
+
     mismatches, total = [], 0
     for T, k, p in SETTINGS:
         x = distinct_logits(rng, vocab)
@@ -769,8 +841,7 @@ def test_sample_step_ends_the_step(rng, vocab, d):
         for block_best in (None, best):  # the maxima only serve a greedy draw
             seed, pos, ring = int(rng.integers(0, 2**63)), int(rng.integers(0, 100000)), int(rng.integers(1, 9))
             flag = int(rng.integers(0, 2))
-            token, pos_after, ring_out, row, flag_after = ops.sample_step(x, T, k, p, seed, pos, embed, block_best,
-                                                                          ring, flag)
+            token, pos_after, ring_out, row, flag_after = ops.sample_step(x, T, k, p, seed, pos, embed, block_best, ring, flag)
             assert token == ops.sample(x, T, k, p, seed, pos + 1)
             if T == 0:
                 assert token == int(np.argmax(x))
@@ -830,10 +901,12 @@ def test_top_k_stays_in_top_k(rng, vocab, k):
         assert set(got.tolist()) == top
 
 
-@pytest.mark.parametrize("vocab,top_p,top_k", [(1000, 0.5, 0), (1000, 0.875, 0), (1000, 0.9375, 100),
-                                               (128256, 0.75, 0), (50, 0.03125, 0)])
+@pytest.mark.parametrize(
+    "vocab,top_p,top_k", [(1000, 0.5, 0), (1000, 0.875, 0), (1000, 0.9375, 100), (128256, 0.75, 0), (50, 0.03125, 0)]
+)
 def test_top_p_stays_in_nucleus(rng, vocab, top_p, top_k):
     from atomflow.sampling import SamplingParams, allowed_tokens
+
     T = 1.0
     # Logits whose nucleus boundary is not within 1e-6 of top_p (fp32 vs float64 could disagree).
     while True:
@@ -854,6 +927,7 @@ def test_top_p_stays_in_nucleus(rng, vocab, top_p, top_k):
 
 # ----------------------------------------------------------------------------- the in-kernel trace
 
+
 def test_trace_only_in_a_trace_build(rng):
     """A normal build records nothing and refuses to arm; a trace build (ATOMFLOW_TRACE=ON) records one
     160-byte record per GEMV warp, with its stamps in order, and stops once disarmed."""
@@ -863,6 +937,7 @@ def test_trace_only_in_a_trace_build(rng):
         return
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
     import trace_step  # the record layout (trace.cuh's Rec)
+
     N, K = 96, 512
     w = rng.integers(0, 256, (N, K), dtype=np.uint8) & 0x77  # finite e4m3
     s = np.ones((N, K // 128), np.float32)

@@ -1,5 +1,6 @@
 """`atomflow profile` without a GPU: the breakdown of synthetic profile entries, the bytes each
 kernel group moves (from the file's shapes), the table and the plot."""
+
 from __future__ import annotations
 
 import pytest
@@ -7,8 +8,7 @@ import pytest
 from atomflow.bench.profile import LABELS, breakdown, format_table, kernel_bytes, per_layer, plot
 from atomflow.model.fileformat import AtomflowFile
 
-LAYER_US = {"gemv_qkv+norm+rope": 4.0, "attention": 6.0, "gemv_o": 3.0, "gemv_gate_up+norm": 8.0,
-            "gemv_down": 5.0}
+LAYER_US = {"gemv_qkv+norm+rope": 4.0, "attention": 6.0, "gemv_o": 3.0, "gemv_gate_up+norm": 8.0, "gemv_down": 5.0}
 OTHER_US = {"lm_head": 20.0, "sample": 4.0}
 
 
@@ -58,9 +58,20 @@ def test_kernel_bytes_from_the_file(tiny_model_file):
 
 
 def fake_result(rows) -> dict:
-    return dict(model="tiny.atomflow", device=dict(name="NVIDIA H200"), read_bandwidth_gbs=4500.0, context=128,
-                steps=4, rows=rows, kernel_sum_us=sum(r["step_us"] for r in rows), eager_step_us=100.0,
-                graph_step_us=90.0, tpot_ms=0.095, tpot_mode="graph", missing_labels=[])
+    return dict(
+        model="tiny.atomflow",
+        device=dict(name="NVIDIA H200"),
+        read_bandwidth_gbs=4500.0,
+        context=128,
+        steps=4,
+        rows=rows,
+        kernel_sum_us=sum(r["step_us"] for r in rows),
+        eager_step_us=100.0,
+        graph_step_us=90.0,
+        tpot_ms=0.095,
+        tpot_mode="graph",
+        missing_labels=[],
+    )
 
 
 def test_table():

@@ -1,5 +1,6 @@
 """The quantizer: FP8 rounding by definition, every source dtype and lm_head mode, atomic
 output on failure, and peak memory near one tensor rather than the model."""
+
 import json
 import subprocess
 import sys
@@ -38,12 +39,12 @@ def test_quantize_rows_tail_group(k):
     """k not a multiple of 128: ceil(k / 128) scales, the last over the k % 128 columns left."""
     rng = np.random.default_rng(k)
     w = (rng.standard_normal((5, k)) * rng.uniform(1e-2, 1e2, (5, 1))).astype(np.float32)
-    w[:, -(k % 128 or 128):] *= 100.0  # the tail group gets its own scale, not its neighbour's
+    w[:, -(k % 128 or 128) :] *= 100.0  # the tail group gets its own scale, not its neighbour's
     q, s = quantize_rows(w)
     groups = -(-k // 128)
     assert q.shape == w.shape and q.flags.c_contiguous and s.shape == (5, groups)
     for g in range(groups):
-        cols = w[:, 128 * g:min(k, 128 * (g + 1))]
+        cols = w[:, 128 * g : min(k, 128 * (g + 1))]
         np.testing.assert_allclose(s[:, g], np.abs(cols).max(-1) / 448, rtol=1e-7)
     err = np.abs(dequantize_rows(q, s) - w)
     assert np.all(err <= np.repeat(s, 128, axis=1)[:, :k] * 16)
@@ -61,9 +62,15 @@ def test_source_dtypes(make_tiny_model, tmp_path, tiny_model_file, dtype):
         assert np.linalg.norm(a - b) / np.linalg.norm(b) < 0.05
 
 
-@pytest.mark.parametrize("untied,lm_head,mode,stored", [
-    (False, "fp8", "fp8", "F8_E4M3"), (True, "fp8", "fp8", "F8_E4M3"),
-    (True, "bf16", "bf16", "BF16"), (False, "bf16", "tied", None)])
+@pytest.mark.parametrize(
+    "untied,lm_head,mode,stored",
+    [
+        (False, "fp8", "fp8", "F8_E4M3"),
+        (True, "fp8", "fp8", "F8_E4M3"),
+        (True, "bf16", "bf16", "BF16"),
+        (False, "bf16", "tied", None),
+    ],
+)
 def test_lm_head_modes(make_tiny_model, tmp_path, untied, lm_head, mode, stored):
     hf = make_tiny_model.make_model(tmp_path / "hf", preset="tiny", seed=1, untied=untied)
     out = tmp_path / "m.atomflow"
@@ -89,11 +96,14 @@ def test_missing_shard_leaves_nothing(make_tiny_model, tmp_path):
     _assert_no_output(tmp_path, out)
 
 
-@pytest.mark.parametrize("edit,err,needle", [
-    (lambda c: c.update(architectures=["GPT2LMHeadModel"], model_type="gpt2"), UnsupportedModelError, "GPT2"),
-    (lambda c: c.update(hidden_size=300), UnsupportedModelError, "hidden_size = 300"),
-    (lambda c: c.update(intermediate_size=768), UnsupportedModelError, "config.json implies"),
-])
+@pytest.mark.parametrize(
+    "edit,err,needle",
+    [
+        (lambda c: c.update(architectures=["GPT2LMHeadModel"], model_type="gpt2"), UnsupportedModelError, "GPT2"),
+        (lambda c: c.update(hidden_size=300), UnsupportedModelError, "hidden_size = 300"),
+        (lambda c: c.update(intermediate_size=768), UnsupportedModelError, "config.json implies"),
+    ],
+)
 def test_unsupported_or_inconsistent_model(make_tiny_model, tmp_path, edit, err, needle):
     hf = make_tiny_model.make_model(tmp_path / "hf", preset="tiny", seed=3)
     cfg = json.loads((hf / "config.json").read_text())
@@ -122,10 +132,13 @@ def test_peak_memory_is_one_tensor_not_the_model(make_tiny_model, tmp_path):
     largest = 128256 * 2048 * 2
     model = sum(f.stat().st_size for f in hf.glob("*.safetensors"))
     assert model > largest + 2**30 + 2**29  # the bound below can fail
-    code = ("import resource, sys; from atomflow.model.quantize import quantize; "
-            "quantize(sys.argv[1], sys.argv[2], progress=False, log=lambda s: None); "
-            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)")
-    r = subprocess.run([sys.executable, "-c", code, str(hf), str(tmp_path / "m.atomflow")],
-                       capture_output=True, text=True, check=True)
+    code = (
+        "import resource, sys; from atomflow.model.quantize import quantize; "
+        "quantize(sys.argv[1], sys.argv[2], progress=False, log=lambda s: None); "
+        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code, str(hf), str(tmp_path / "m.atomflow")], capture_output=True, text=True, check=True
+    )
     peak = int(r.stdout.strip())
     assert peak < largest + 2**30, f"peak RSS {peak / 2**20:.0f} MiB for a {model / 2**20:.0f} MiB model"

@@ -5,6 +5,7 @@ SIGKILL cannot be caught, so the next quantize to the same output sweeps the sta
 The writer is slowed (a sleep per write) so that the signal lands mid-file. Every signal runs in a
 child forked from this process (cheap: no interpreter start); SIGTERM, SIGINT and SIGKILL also
 run against the real command in a subprocess."""
+
 import os
 import signal
 import subprocess
@@ -49,6 +50,7 @@ def _forked_quantize(hf, outdir, errfile):
             sys.stderr = open(errfile, "w")  # noqa: SIM115 - pytest's capture is not the child's
             exec(SLOW_WRITER, {})
             from atomflow.cli import main
+
             code = main(["quantize", str(hf), "-o", str(outdir / "m.atomflow"), "-q"])
         finally:
             sys.stderr.flush()
@@ -62,7 +64,7 @@ def test_every_catchable_signal_removes_the_temporary(tiny_hf_dir, tmp_path):
     failures = []
     for i in range(0, len(sigs), 8):  # eight at a time
         running = []
-        for s in sigs[i:i + 8]:
+        for s in sigs[i : i + 8]:
             d = tmp_path / f"sig{int(s)}"
             d.mkdir()
             pid = _forked_quantize(tiny_hf_dir, d, tmp_path / f"err{int(s)}")
@@ -86,8 +88,12 @@ def test_every_catchable_signal_removes_the_temporary(tiny_hf_dir, tmp_path):
 
 def _cli_quantize(hf, out, slow=True):
     code = (SLOW_WRITER if slow else "") + "from atomflow.cli import main; sys.exit(main(sys.argv[1:]))"
-    return subprocess.Popen([sys.executable, "-c", "import sys\n" + code, "quantize", str(hf), "-o", str(out), "-q"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", "import sys\n" + code, "quantize", str(hf), "-o", str(out), "-q"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])

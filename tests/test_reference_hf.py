@@ -1,6 +1,7 @@
 """Rung 2 of the correctness ladder: the numpy reference equals Hugging Face transformers
 running the same dequantized weights, over a prompt and decode steps, positions past the
 llama3 original context included (the tiny model's is 64)."""
+
 import numpy as np
 import pytest
 
@@ -18,6 +19,7 @@ def rel_l2(a, b) -> float:
 @pytest.mark.parametrize("prompt_len,steps", [(40, 40), (1, 3), (300, 2)])
 def test_reference_matches_hf(tiny_model_file, prompt_len, steps):
     from conftest import load_tool
+
     hf_ref = load_tool("hf_reference")
     model = AtomflowFile(tiny_model_file)
     hf = hf_ref.load_hf_dequantized(model)
@@ -36,6 +38,7 @@ def test_reference_matches_hf(tiny_model_file, prompt_len, steps):
 def test_reference_is_not_trivially_equal(tiny_model_file):
     """The comparison above can fail: one perturbed weight row moves the logits well past 1e-4."""
     from conftest import load_tool
+
     hf_ref = load_tool("hf_reference")
     model = AtomflowFile(tiny_model_file)
     hf = hf_ref.load_hf_dequantized(model)

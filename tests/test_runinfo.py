@@ -1,4 +1,5 @@
 """runinfo.commit: what a report says it measured."""
+
 import shutil
 import subprocess
 

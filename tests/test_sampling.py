@@ -1,5 +1,6 @@
 """The CPU sampler is the specification the device sampler is tested against, so its semantics
 (validation, greedy ties, top-k/top-p sets, seeded draws, stop strings) are pinned down here."""
+
 import math
 
 import numpy as np
@@ -10,25 +11,28 @@ from hypothesis import strategies as st
 from atomflow.sampling import SamplingParams, StopChecker, allowed_tokens, sample_numpy, uniform
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(temperature=-0.1), "temperature must be a finite number >= 0 (0 = greedy), got -0.1"),
-    (dict(temperature=float("inf")), "temperature must be a finite number >= 0 (0 = greedy), got inf"),
-    (dict(temperature=float("nan")), "temperature must be a finite number >= 0 (0 = greedy), got nan"),
-    (dict(temperature="0.7"), "temperature must be a finite number >= 0 (0 = greedy), got '0.7'"),
-    (dict(top_p=1.5), "top_p must be in (0, 1], got 1.5"),
-    (dict(top_p=0.0), "top_p must be in (0, 1], got 0.0"),
-    (dict(top_p=float("nan")), "top_p must be in (0, 1], got nan"),
-    (dict(top_k=-1), "top_k must be an integer >= 0 (0 = off), got -1"),
-    (dict(top_k=2.5), "top_k must be an integer >= 0 (0 = off), got 2.5"),
-    (dict(top_k=True), "top_k must be an integer >= 0 (0 = off), got True"),
-    (dict(seed=-1), "seed must be an integer in [0, 2**63) or None, got -1"),
-    (dict(seed=2**63), f"seed must be an integer in [0, 2**63) or None, got {2**63}"),
-    (dict(seed=1.0), "seed must be an integer in [0, 2**63) or None, got 1.0"),
-    (dict(max_new_tokens=0), "max_new_tokens must be an integer >= 1, got 0"),
-    (dict(stop=("ok", "")), "stop must be a sequence of non-empty strings, got ('ok', '')"),
-    (dict(stop=3), "stop must be a sequence of non-empty strings, got 3"),
-    (dict(ignore_eos="no"), "ignore_eos must be True or False, got 'no'"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(temperature=-0.1), "temperature must be a finite number >= 0 (0 = greedy), got -0.1"),
+        (dict(temperature=float("inf")), "temperature must be a finite number >= 0 (0 = greedy), got inf"),
+        (dict(temperature=float("nan")), "temperature must be a finite number >= 0 (0 = greedy), got nan"),
+        (dict(temperature="0.7"), "temperature must be a finite number >= 0 (0 = greedy), got '0.7'"),
+        (dict(top_p=1.5), "top_p must be in (0, 1], got 1.5"),
+        (dict(top_p=0.0), "top_p must be in (0, 1], got 0.0"),
+        (dict(top_p=float("nan")), "top_p must be in (0, 1], got nan"),
+        (dict(top_k=-1), "top_k must be an integer >= 0 (0 = off), got -1"),
+        (dict(top_k=2.5), "top_k must be an integer >= 0 (0 = off), got 2.5"),
+        (dict(top_k=True), "top_k must be an integer >= 0 (0 = off), got True"),
+        (dict(seed=-1), "seed must be an integer in [0, 2**63) or None, got -1"),
+        (dict(seed=2**63), f"seed must be an integer in [0, 2**63) or None, got {2**63}"),
+        (dict(seed=1.0), "seed must be an integer in [0, 2**63) or None, got 1.0"),
+        (dict(max_new_tokens=0), "max_new_tokens must be an integer >= 1, got 0"),
+        (dict(stop=("ok", "")), "stop must be a sequence of non-empty strings, got ('ok', '')"),
+        (dict(stop=3), "stop must be a sequence of non-empty strings, got 3"),
+        (dict(ignore_eos="no"), "ignore_eos must be True or False, got 'no'"),
+    ],
+)
 def test_invalid_params_rejected_with_one_line_message(kwargs, message):
     with pytest.raises(ValueError) as e:
         SamplingParams(**kwargs)
@@ -100,10 +104,14 @@ def _brute_force_allowed(logits, temperature, top_k, top_p):
 
 
 @settings(max_examples=200, deadline=None, database=None)
-@given(logits=st.lists(st.integers(-40, 40).map(lambda v: v / 8), min_size=2, max_size=40),
-       temperature=st.sampled_from([0.3, 1.0, 2.5]), top_k=st.integers(0, 45),
-       top_p=st.sampled_from([0.05, 0.5, 0.9, 0.99, 1.0]), seed=st.integers(0, 2**63 - 1),
-       position=st.integers(0, 10**6))
+@given(
+    logits=st.lists(st.integers(-40, 40).map(lambda v: v / 8), min_size=2, max_size=40),
+    temperature=st.sampled_from([0.3, 1.0, 2.5]),
+    top_k=st.integers(0, 45),
+    top_p=st.sampled_from([0.05, 0.5, 0.9, 0.99, 1.0]),
+    seed=st.integers(0, 2**63 - 1),
+    position=st.integers(0, 10**6),
+)
 def test_top_k_top_p_never_leave_the_allowed_set(logits, temperature, top_k, top_p, seed, position):
     """Coarse logits (multiples of 1/8) make ties common, which is where the sets are subtle."""
     x = np.array(logits, dtype=np.float32)

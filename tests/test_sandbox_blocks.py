@@ -8,6 +8,7 @@ refcounts equal the tables holding each block, every sequence reads back exactly
 (so copy-on-write never changed another sequence's data, and a prefix hit returned identical
 KV), new blocks only ever come from blocks no sequence held (eviction of unreferenced blocks
 only), and out-of-blocks raised without changing anything."""
+
 from __future__ import annotations
 
 import pytest
@@ -23,8 +24,14 @@ BlockManager, OutOfBlocks = _sandbox.BlockManager, _sandbox.OutOfBlocks
 
 def snapshot(bm):
     seqs = bm.sequences()
-    return (bm.num_available, bm.num_cached_idle, tuple(seqs), tuple(tuple(bm.block_table(s)) for s in seqs),
-            tuple(tuple(bm.tokens(s)) for s in seqs), tuple(bm.refcount(b) for b in range(bm.num_blocks)))
+    return (
+        bm.num_available,
+        bm.num_cached_idle,
+        tuple(seqs),
+        tuple(tuple(bm.block_table(s)) for s in seqs),
+        tuple(tuple(bm.tokens(s)) for s in seqs),
+        tuple(bm.refcount(b) for b in range(bm.num_blocks)),
+    )
 
 
 class BlockMachine(RuleBasedStateMachine):
@@ -34,7 +41,7 @@ class BlockMachine(RuleBasedStateMachine):
     def setup(self, num_blocks, block_size, caching):
         self.bm = BlockManager(num_blocks, block_size, caching)
         self.bs = block_size
-        self.data: dict[int, tuple] = {}   # the device: slot -> token prefix ending there
+        self.data: dict[int, tuple] = {}  # the device: slot -> token prefix ending there
         self.tokens: dict[int, list] = {}  # the expected token list of every live sequence
         self.next_id = 0
 
@@ -45,7 +52,7 @@ class BlockMachine(RuleBasedStateMachine):
     def write(self, seq: int, p: int) -> None:
         slot = self.bm.slot(seq, p)
         assert self.bm.refcount(slot // self.bs) == 1, "writing into a block another sequence holds"
-        self.data[slot] = tuple(self.tokens[seq][:p + 1])
+        self.data[slot] = tuple(self.tokens[seq][: p + 1])
 
     # -- rules -----------------------------------------------------------------------------
     # Tokens from a 3-symbol alphabet so prompts share prefixes often.
@@ -63,12 +70,12 @@ class BlockMachine(RuleBasedStateMachine):
         assert fits
         assert cached % self.bs == 0 and 0 <= cached < len(prompt)
         table = self.bm.block_table(seq)
-        hits, fresh = table[:cached // self.bs], table[cached // self.bs:]
+        hits, fresh = table[: cached // self.bs], table[cached // self.bs :]
         assert not (set(fresh) & held), "a block some sequence held was handed out as new"
         assert all(self.bm.is_cached(b) for b in hits)
         self.tokens[seq] = list(prompt)
         for p in range(cached):  # a prefix hit must hold exactly this prompt's KV
-            assert self.data.get(self.bm.slot(seq, p)) == tuple(prompt[:p + 1]), "prefix hit with different KV"
+            assert self.data.get(self.bm.slot(seq, p)) == tuple(prompt[: p + 1]), "prefix hit with different KV"
         for p in range(cached, len(prompt)):
             self.write(seq, p)
         self.bm.commit(seq, len(prompt))
@@ -127,7 +134,7 @@ class BlockMachine(RuleBasedStateMachine):
             victims = self.bm.preemption_victims(running)
         except OutOfBlocks:
             return
-        assert victims == list(reversed(running))[:len(victims)], "victims must be the latest ones"
+        assert victims == list(reversed(running))[: len(victims)], "victims must be the latest ones"
         # Freeing the victims must really let every remaining sequence append one token.
         bm, bs = self.bm, self.bs
         refs = [bm.refcount(b) for b in range(bm.num_blocks)]
@@ -143,8 +150,7 @@ class BlockMachine(RuleBasedStateMachine):
             for b in bm.block_table(spared):
                 refs[b] += 1
             freed = sum(1 for b in range(bm.num_blocks) if refs[b] == 0 and bm.refcount(b) > 0)
-            need = sum(1 if bm.num_tokens(s) % bs == 0 or refs[bm.block_table(s)[-1]] > 1 else 0
-                       for s in left + [spared])
+            need = sum(1 if bm.num_tokens(s) % bs == 0 or refs[bm.block_table(s)[-1]] > 1 else 0 for s in left + [spared])
             assert need > bm.num_available + freed, "preempted more than needed"
 
     # -- invariants ------------------------------------------------------------------------
@@ -165,15 +171,17 @@ class BlockMachine(RuleBasedStateMachine):
         for s, toks in self.tokens.items():
             assert list(bm.tokens(s)) == toks
             for p in range(len(toks)):  # every token written so far reads back as this sequence's prefix
-                assert self.data.get(bm.slot(s, p)) == tuple(toks[:p + 1]), f"sequence {s} lost its KV at {p}"
+                assert self.data.get(bm.slot(s, p)) == tuple(toks[: p + 1]), f"sequence {s} lost its KV at {p}"
 
 
-BlockMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=50, deadline=None,
-                                          suppress_health_check=[HealthCheck.too_slow])
+BlockMachine.TestCase.settings = settings(
+    max_examples=300, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 test_block_manager_state_machine = BlockMachine.TestCase
 
 
 # ----------------------------------------------------------------------------- direct cases
+
 
 def test_out_of_blocks_is_a_clean_error():
     bm = BlockManager(2, 4)
@@ -191,13 +199,13 @@ def test_bad_calls_raise_value_error():
     bm = BlockManager(4, 4)
     bm.allocate(0, [1, 2])
     with pytest.raises(ValueError):
-        bm.allocate(0, [1])          # exists
+        bm.allocate(0, [1])  # exists
     with pytest.raises(ValueError):
-        bm.allocate(1, [])           # empty
+        bm.allocate(1, [])  # empty
     with pytest.raises(ValueError):
-        bm.append(7, 1)              # unknown
+        bm.append(7, 1)  # unknown
     with pytest.raises(ValueError):
-        bm.commit(0, 3)              # past its tokens
+        bm.commit(0, 3)  # past its tokens
     with pytest.raises(ValueError):
         BlockManager(0, 4)
     bm.check()

@@ -3,6 +3,7 @@ bench's CPU parts (memory, prefix hit rate) produce their tables and JSON, and e
 Python driver runs end to end against a stand-in for the extension's GPU functions (so a typo in
 a driver cannot waste a GPU run). The GPU numbers themselves come from tests/test_sandbox_gpu.py
 and the real bench."""
+
 from __future__ import annotations
 
 import argparse
@@ -59,15 +60,22 @@ def test_bench_cpu_parts(tmp_path, capsys, monkeypatch):
 
 # ----------------------------------------------------------------------------- a stand-in GPU
 
+
 class FakePagedModel:
     """_sandbox.PagedModel's interface over FakeModel: checks uploads like the C++ does."""
 
     def __init__(self, dims, num_blocks, block_size, max_rows, max_seqs, max_blocks_per_seq, f16_activations=True):
         assert isinstance(f16_activations, bool)
         self.dims, self.uploaded = dims, set()
-        self.fake = sandbox.FakeModel(num_blocks, block_size, dims["vocab_size"], max_batch=max_seqs,
-                                      prefill_chunk=max_rows - max_seqs, max_context=max_blocks_per_seq * block_size,
-                                      strict=False)  # the decode bench runs on synthetic (unwritten) KV
+        self.fake = sandbox.FakeModel(
+            num_blocks,
+            block_size,
+            dims["vocab_size"],
+            max_batch=max_seqs,
+            prefill_chunk=max_rows - max_seqs,
+            max_context=max_blocks_per_seq * block_size,
+            strict=False,
+        )  # the decode bench runs on synthetic (unwritten) KV
         self.max_rows, self.max_seqs, self.max_blocks_per_seq = max_rows, max_seqs, max_blocks_per_seq
         self.last_step_ms, self.pool_bytes, self.weight_bytes, self.block_bytes = 0.5, 1 << 30, 1 << 28, 1 << 16
 
@@ -78,8 +86,19 @@ class FakePagedModel:
     def upload_inv_freq(self, f):
         assert f.dtype == np.float32 and f.shape == (self.dims["head_dim"] // 2,)
 
-    def step(self, tokens, positions, slots, n_decode, decode_tables=None, decode_lens=None, prefill_table=None,
-             prefill_len=0, logit_rows=None, want_logits=False):
+    def step(
+        self,
+        tokens,
+        positions,
+        slots,
+        n_decode,
+        decode_tables=None,
+        decode_lens=None,
+        prefill_table=None,
+        prefill_len=0,
+        logit_rows=None,
+        want_logits=False,
+    ):
         for a in (tokens, positions, slots, logit_rows):
             assert a.dtype == np.int32 and a.ndim == 1
         assert len(tokens) <= self.max_rows and n_decode <= self.max_seqs
@@ -87,8 +106,9 @@ class FakePagedModel:
             assert decode_tables.dtype == np.int32 and decode_tables.shape[0] == n_decode
             assert decode_tables.shape[1] <= self.max_blocks_per_seq and decode_lens.dtype == np.int32
         assert "lm_head" in self.uploaded and "embed" in self.uploaded
-        nxt = self.fake.step(tokens, positions, slots, n_decode, decode_tables, decode_lens, prefill_table,
-                             prefill_len, logit_rows)
+        nxt = self.fake.step(
+            tokens, positions, slots, n_decode, decode_tables, decode_lens, prefill_table, prefill_len, logit_rows
+        )
         return (nxt, np.zeros((len(nxt), self.dims["vocab_size"]), np.float32)) if want_logits else nxt
 
     def copy_blocks(self, pairs):
@@ -125,9 +145,31 @@ def test_bench_gpu_drivers_against_a_stand_in(tiny_model_file, tmp_path, monkeyp
     for mod in (sandbox, sandbox_bench, sandbox_scheduler):
         monkeypatch.setattr(mod, "ext", lambda: FakeExt)
     out_json = tmp_path / "r.json"
-    assert run_cli("sandbox", "bench", "--model", str(tiny_model_file), "--quick", "--no-core", "--contexts",
-                   "512,4096", "--batches", "1,4", "--lengths", "16:64", "--steps", "3", "--prefix", "4,64,8,4",
-                   "--json", str(out_json), "--plots", str(tmp_path / "plots")) == 0
+    assert (
+        run_cli(
+            "sandbox",
+            "bench",
+            "--model",
+            str(tiny_model_file),
+            "--quick",
+            "--no-core",
+            "--contexts",
+            "512,4096",
+            "--batches",
+            "1,4",
+            "--lengths",
+            "16:64",
+            "--steps",
+            "3",
+            "--prefix",
+            "4,64,8,4",
+            "--json",
+            str(out_json),
+            "--plots",
+            str(tmp_path / "plots"),
+        )
+        == 0
+    )
     res = json.loads(out_json.read_text())
     assert {r["layout"] for r in res["attention"]["rows"]} == {"contiguous", "paged"}
     assert all(abs(r["overhead"] - 1.05) < 0.01 for r in res["attention"]["rows"] if r["layout"] == "paged")

@@ -1,13 +1,14 @@
 """The sandbox on the GPU (marker `gpu`, skipped without one):
-  - paged attention is the contiguous kernel with another addressing policy: the same K/V
-    scattered into random blocks of a pool (the other blocks NaN) gives the SAME bits as the
-    batched-contiguous and the core's attention(), and matches a float64 reference, for every
-    block size, head_dim 64/128, GQA groups 1/4/8, batches of different lengths, outputs poisoned;
-  - attention calls of different shapes in a row on one scratch give the bits each gives alone;
-  - rope_kv_append_slots equals the core's rope_kv_append bit for bit;
-  - a batch of sequences through PagedModel + the scheduler gives each sequence the greedy tokens
-    of single-stream decode with the core engine (atomflow.Engine, backend='cuda'), and B = 1
-    reproduces the core's logits bit for bit."""
+- paged attention is the contiguous kernel with another addressing policy: the same K/V
+  scattered into random blocks of a pool (the other blocks NaN) gives the SAME bits as the
+  batched-contiguous and the core's attention(), and matches a float64 reference, for every
+  block size, head_dim 64/128, GQA groups 1/4/8, batches of different lengths, outputs poisoned;
+- attention calls of different shapes in a row on one scratch give the bits each gives alone;
+- rope_kv_append_slots equals the core's rope_kv_append bit for bit;
+- a batch of sequences through PagedModel + the scheduler gives each sequence the greedy tokens
+  of single-stream decode with the core engine (atomflow.Engine, backend='cuda'), and B = 1
+  reproduces the core's logits bit for bit."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -31,7 +32,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(sb is None, reason=f"gpu: {WHY
 NAN16 = 0x7FC0  # bf16 NaN
 
 
-
 def reference_attention(q, k, v, n_keys, M, scale):
     """float64: q [M, H, D], k/v [n_keys, Hkv, D]; query m sees keys [0, n_keys - M + m]."""
     H, Hkv = q.shape[1], k.shape[1]
@@ -40,9 +40,9 @@ def reference_attention(q, k, v, n_keys, M, scale):
     for m in range(M):
         n = n_keys - M + m + 1
         for h in range(Hkv):
-            s = q[m, h * G:(h + 1) * G] @ k[:n, h].T * scale
+            s = q[m, h * G : (h + 1) * G] @ k[:n, h].T * scale
             p = np.exp(s - s.max(axis=1, keepdims=True))
-            out[m, h * G:(h + 1) * G] = (p / p.sum(axis=1, keepdims=True)) @ v[:n, h]
+            out[m, h * G : (h + 1) * G] = (p / p.sum(axis=1, keepdims=True)) @ v[:n, h]
     return out
 
 
@@ -52,10 +52,10 @@ def place(rng, lens, bs, spare_blocks=5):
     need = [-(-n // bs) for n in lens]
     num_blocks = sum(need) + spare_blocks
     perm = rng.permutation(num_blocks)
-    tables = rng.choice(perm[sum(need):], size=(len(lens), max(need) + 1)).astype(np.int32)
+    tables = rng.choice(perm[sum(need) :], size=(len(lens), max(need) + 1)).astype(np.int32)
     at = 0
     for b, k in enumerate(need):
-        tables[b, :k] = perm[at:at + k]
+        tables[b, :k] = perm[at : at + k]
         at += k
     return tables, num_blocks
 
@@ -65,8 +65,8 @@ def fill_pool(caches, lens, tables, num_blocks, bs):
     pool = np.full((num_blocks, bs) + caches.shape[2:], NAN16, np.uint16)
     for b, n in enumerate(lens):
         for j in range(-(-n // bs)):
-            rows = caches[b, j * bs:min((j + 1) * bs, n)]
-            pool[tables[b, j], :len(rows)] = rows
+            rows = caches[b, j * bs : min((j + 1) * bs, n)]
+            pool[tables[b, j], : len(rows)] = rows
     return pool
 
 
@@ -87,7 +87,7 @@ def check_paged(rng, lens, M, Hkv, G, D, bs):
     assert np.isfinite(from_bf16(paged)).all(), f"{what}: non-finite output (unwritten, or read a NaN block)"
     np.testing.assert_array_equal(paged, batched, err_msg=f"{what}: paged != contiguous (bits)")
     for b, n in enumerate(lens):
-        got = from_bf16(paged[b * M:(b + 1) * M])
+        got = from_bf16(paged[b * M : (b + 1) * M])
         want = reference_attention(from_bf16(q[b]), from_bf16(kc[b]), from_bf16(vc[b]), n, M, scale)
         err = np.linalg.norm(got - want) / np.linalg.norm(want)
         assert err < 6e-3, f"{what} sequence {b}: rel-L2 {err:.2e}"
@@ -152,11 +152,12 @@ def test_attention_calls_share_one_scratch(rng):
         M = q.shape[1]
         what = f"call {i}: lens={lens.tolist()} M={M}"
         assert np.isfinite(from_bf16(got)).all(), f"{what}: non-finite output (merge skipped?)"
-        np.testing.assert_array_equal(got, sb.attention_batched(q, kc, vc, lens),
-                                      err_msg=f"{what}: shared scratch != a fresh one")
+        np.testing.assert_array_equal(
+            got, sb.attention_batched(q, kc, vc, lens), err_msg=f"{what}: shared scratch != a fresh one"
+        )
         for b, n in enumerate(lens):
             want = reference_attention(from_bf16(q[b]), from_bf16(kc[b]), from_bf16(vc[b]), int(n), M, 1 / np.sqrt(D))
-            err = np.linalg.norm(from_bf16(got[b * M:(b + 1) * M]) - want) / np.linalg.norm(want)
+            err = np.linalg.norm(from_bf16(got[b * M : (b + 1) * M]) - want) / np.linalg.norm(want)
             assert err < 6e-3, f"{what} sequence {b}: rel-L2 {err:.2e}"
 
 
@@ -174,8 +175,8 @@ def test_rope_slots_equals_core_rope(rng):
     kp0 = bf16_bits(rng.standard_normal((S, Hkv, D)))
     q, kp, vp = sb.rope_kv_append_slots(qkv, inv_freq, positions, slots, H, Hkv, D, kp0, kp0.copy())
     np.testing.assert_array_equal(q, q_core)
-    np.testing.assert_array_equal(kp[slots[:-1]], k_core[pos:pos + M - 1])
-    np.testing.assert_array_equal(vp[slots[:-1]], v_core[pos:pos + M - 1])
+    np.testing.assert_array_equal(kp[slots[:-1]], k_core[pos : pos + M - 1])
+    np.testing.assert_array_equal(vp[slots[:-1]], v_core[pos : pos + M - 1])
     untouched = np.setdiff1d(np.arange(S), slots[:-1])
     assert np.array_equal(kp[untouched], kp0[untouched]) and np.array_equal(vp[untouched], kp0[untouched])
 
@@ -191,6 +192,7 @@ def test_argmax_rows(rng):
 
 
 # ----------------------------------------------------------------------------- the batched model
+
 
 class Recording:
     """SandboxModel that also keeps the logits of every step (for comparing with the core)."""
@@ -217,6 +219,7 @@ def run_batched(model_path, prompts, n_new, block_size=16, fork_at=None, **load)
     """Greedy tokens and per-token logits of each prompt, all decoded in one batch."""
     from atomflow.sandbox.model import SandboxModel
     from atomflow.sandbox.scheduler import Scheduler
+
     rec = Recording(SandboxModel.load(model_path, block_size=block_size, **load))
     sch = Scheduler(rec)
     rids = [sch.add(p, n_new) for p in prompts]
@@ -243,20 +246,23 @@ def core_check(eng, prompt, tokens, logits, what):
         cos = float(got @ want / (np.linalg.norm(got) * np.linalg.norm(want)))
         assert cos >= 0.9999, f"{what} token {i}: logits cosine {cos:.6f} vs the core"
         best = int(np.argmax(want))
-        assert tok == best or want[best] - want[tok] <= 1e-3 * (want.max() - want.min()), \
+        assert tok == best or want[best] - want[tok] <= 1e-3 * (want.max() - want.min()), (
             f"{what} token {i}: batched {tok}, core {best} (margin {want[best] - want[tok]:.3e})"
+        )
         if i + 1 < len(tokens):
             want = eng.decode(tok)
 
 
 def test_batch_matches_single_stream_core(tiny_model_file):
     from atomflow import Engine
+
     eng = Engine.load(tiny_model_file, backend="cuda", max_context=1024)
     rng = np.random.default_rng(3)
     vocab = eng.spec.vocab_size
     prompts = [rng.integers(0, vocab, n).tolist() for n in (5, 40, 300, 17, 1, 100, 64, 250)]
-    rids, out, logits, forked, sch = run_batched(tiny_model_file, prompts, 24, block_size=16, fork_at=5,
-                                                 max_batch=9, max_context=1024)  # 8 prompts + the fork
+    rids, out, logits, forked, sch = run_batched(
+        tiny_model_file, prompts, 24, block_size=16, fork_at=5, max_batch=9, max_context=1024
+    )  # 8 prompts + the fork
     for rid, p in zip(rids, prompts):
         assert len(out[rid]) == 24
         core_check(eng, p, out[rid], logits[rid], f"sequence {rid} ({len(p)}-token prompt)")
@@ -270,10 +276,10 @@ def test_batch_matches_single_stream_core(tiny_model_file):
 def test_single_sequence_bit_identical_to_core(tiny_model_file, block_size):
     """B = 1 takes the core's M = 1 kernels and the same attention split count: same bits."""
     from atomflow import Engine
+
     eng = Engine.load(tiny_model_file, backend="cuda", max_context=1024)
     prompt = np.random.default_rng(5).integers(0, eng.spec.vocab_size, 300).tolist()  # two prefill chunks
-    rids, out, logits, _, _ = run_batched(tiny_model_file, [prompt], 12, block_size=block_size, max_batch=1,
-                                          max_context=1024)
+    rids, out, logits, _, _ = run_batched(tiny_model_file, [prompt], 12, block_size=block_size, max_batch=1, max_context=1024)
     eng.reset()
     want = eng.prefill(np.asarray(prompt, np.int32))
     for i, tok in enumerate(out[rids[0]]):
@@ -286,6 +292,7 @@ def test_preemption_and_prefix_cache_keep_tokens(tiny_model_file):
     hits) must not change a single token against a roomy run without caching."""
     from atomflow.sandbox.model import SandboxModel
     from atomflow.sandbox.scheduler import Scheduler
+
     rng = np.random.default_rng(11)
     system = rng.integers(0, 200, 96).tolist()
     prompts = [system + rng.integers(0, 200, int(n)).tolist() for n in rng.integers(1, 40, 6)]

@@ -2,6 +2,7 @@
 on the CPU: FakeModel stores a hash of the token prefix in every KV slot and reads it back
 through the block tables, so a batched run reproduces single-stream generation only if every
 slot, table, copy-on-write copy, prefix hit and preemption was right."""
+
 from __future__ import annotations
 
 import random
@@ -19,11 +20,11 @@ from atomflow.sandbox.scheduler import Scheduler  # noqa: E402
 VOCAB = 50
 
 
-def run_workload(seed, block_size, num_blocks, max_batch, chunk, caching, n_requests, shared, fork_p=0.1,
-                 late_p=0.3):
+def run_workload(seed, block_size, num_blocks, max_batch, chunk, caching, n_requests, shared, fork_p=0.1, late_p=0.3):
     rng = random.Random(seed)
-    model = FakeModel(num_blocks, block_size, VOCAB, max_batch=max_batch, prefill_chunk=chunk,
-                      max_context=num_blocks * block_size)
+    model = FakeModel(
+        num_blocks, block_size, VOCAB, max_batch=max_batch, prefill_chunk=chunk, max_context=num_blocks * block_size
+    )
     sch = Scheduler(model, prefix_caching=caching)
     system = [rng.randrange(VOCAB) for _ in range(shared)]
     want, later, parents = {}, [], {}
@@ -60,9 +61,16 @@ def run_workload(seed, block_size, num_blocks, max_batch, chunk, caching, n_requ
 
 
 @settings(max_examples=60, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), block_size=st.sampled_from([1, 4, 16]), num_blocks=st.integers(8, 64),
-       max_batch=st.integers(1, 8), chunk=st.integers(1, 40), caching=st.booleans(), n=st.integers(1, 12),
-       shared=st.integers(0, 40))
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    block_size=st.sampled_from([1, 4, 16]),
+    num_blocks=st.integers(8, 64),
+    max_batch=st.integers(1, 8),
+    chunk=st.integers(1, 40),
+    caching=st.booleans(),
+    n=st.integers(1, 12),
+    shared=st.integers(0, 40),
+)
 def test_batched_equals_single_stream(seed, block_size, num_blocks, max_batch, chunk, caching, n, shared):
     run_workload(seed, block_size, num_blocks, max_batch, chunk, caching, n, shared)
 

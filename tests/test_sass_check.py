@@ -1,5 +1,6 @@
 """tools/sass_check.py: the decoder of the control bits and the burst rule, on synthetic SASS (so
 the check itself can fail), and on the real GEMV when the CUDA disassembler is installed."""
+
 import shutil
 import sys
 from pathlib import Path
@@ -36,16 +37,25 @@ def test_a_wait_on_the_load_scoreboard_between_loads_is_flagged():
 
 def test_waits_on_other_scoreboards_or_after_the_burst_are_not():
     other = fake_sass([(LDG, 5, 0), ("SHF.L.U32 R21, R94, 0x4, RZ", NONE, 1 << 2), (LDG, 5, 0)])
-    after = fake_sass([(LDG, 5, 0), (LDG, 5, 0)] + [("FFMA R1, R2, R3, R1", NONE, 0)] * 45
-                      + [("F2FP.F16.E4M3.UNPACK_B R84, R4", NONE, 1 << 5)])
+    after = fake_sass(
+        [(LDG, 5, 0), (LDG, 5, 0)] + [("FFMA R1, R2, R3, R1", NONE, 0)] * 45 + [("F2FP.F16.E4M3.UNPACK_B R84, R4", NONE, 1 << 5)]
+    )
     assert sass_check.burst_waits(sass_check.decode(other)) == []
     assert sass_check.burst_waits(sass_check.decode(after)) == []
 
 
 def staged(wait_in_staging: tuple[str, int, int]) -> str:
     """Early weight loads, the PDL wait, one staging instruction, the barrier, then the products."""
-    return fake_sass([(LDG, 5, 0), ("ACQBULK", NONE, 0), wait_in_staging, ("BAR.SYNC.DEFER_BLOCKING 0x0", NONE, 0),
-                      ("SHF.R.U32.HI R78, RZ, 0x10, R12", NONE, 1 << 5), ("HMMA.16816.F32 R80, R80, R76, RZ", NONE, 0)])
+    return fake_sass(
+        [
+            (LDG, 5, 0),
+            ("ACQBULK", NONE, 0),
+            wait_in_staging,
+            ("BAR.SYNC.DEFER_BLOCKING 0x0", NONE, 0),
+            ("SHF.R.U32.HI R78, RZ, 0x10, R12", NONE, 1 << 5),
+            ("HMMA.16816.F32 R80, R80, R76, RZ", NONE, 0),
+        ]
+    )
 
 
 def test_a_wait_on_the_weight_loads_while_x_is_staged_is_flagged():

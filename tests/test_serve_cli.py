@@ -1,5 +1,6 @@
 """`atomflow serve` as a command: one-line errors before it binds, loopback by default, /health
 503 while the model loads (the app in-process, its load held back)."""
+
 import subprocess
 import sys
 import threading
@@ -10,17 +11,21 @@ pytest.importorskip("fastapi")
 
 
 def serve(*args):
-    return subprocess.run([sys.executable, "-m", "atomflow.cli", "serve", *map(str, args)], capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "atomflow.cli", "serve", *map(str, args)], capture_output=True, text=True, timeout=120
+    )
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["{missing}"], "no such model file"),
-    (["{model}", "--queue", "-1"], "--queue -1 is out of range"),
-    (["{model}", "--request-timeout", "0"], "--request-timeout 0.0 is out of range"),
-    (["{model}", "--port", "70000"], "--port 70000 is out of range"),
-    (["{model}", "--port", "0", "--backend", "cpu", "--max-context", "100000000"], "max_context must be an integer"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["{missing}"], "no such model file"),
+        (["{model}", "--queue", "-1"], "--queue -1 is out of range"),
+        (["{model}", "--request-timeout", "0"], "--request-timeout 0.0 is out of range"),
+        (["{model}", "--port", "70000"], "--port 70000 is out of range"),
+        (["{model}", "--port", "0", "--backend", "cpu", "--max-context", "100000000"], "max_context must be an integer"),
+    ],
+)
 def test_bad_options_are_one_line(tiny_model_file, tmp_path, args, needle):
     r = serve(*[a.format(missing=tmp_path / "nope.atomflow", model=tiny_model_file) for a in args])
     assert r.returncode == 1, r.stderr
@@ -30,6 +35,7 @@ def test_bad_options_are_one_line(tiny_model_file, tmp_path, args, needle):
 
 def test_binds_loopback_by_default():
     from atomflow.cli import build_parser
+
     a = build_parser().parse_args(["serve", "m.atomflow"])
     assert a.host == "127.0.0.1" and a.port == 8080 and a.queue == 16
 
@@ -82,8 +88,10 @@ def test_queue_zero_still_runs_one(tiny_model_file):
     from atomflow import Engine
     from atomflow.serve.app import ServeConfig, create_app
 
-    app = create_app(ServeConfig(model=str(tiny_model_file), model_name="tiny", max_queue=0),
-                     load=lambda: Engine.load(tiny_model_file, backend="cpu", max_context=128))
+    app = create_app(
+        ServeConfig(model=str(tiny_model_file), model_name="tiny", max_queue=0),
+        load=lambda: Engine.load(tiny_model_file, backend="cpu", max_context=128),
+    )
     with TestClient(app) as client:
         app.state.worker.loaded.wait(30)
         r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "ignore_eos": True})

@@ -1,5 +1,6 @@
 """`atomflow serve` on the CUDA backend (skipped without a GPU): streaming through the pipelined
 decode, a chat's second turn reusing the cache, and a dropped stream ending the CUDA run."""
+
 import time
 
 import httpx
@@ -14,8 +15,7 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(scope="module")
 def server(tiny_model_file, tmp_path_factory):
-    with Server(tiny_model_file, tmp_path_factory.mktemp("serve"), "--backend", "cuda", "--max-context",
-                "4096") as s:
+    with Server(tiny_model_file, tmp_path_factory.mktemp("serve"), "--backend", "cuda", "--max-context", "4096") as s:
         yield s
 
 
@@ -25,12 +25,10 @@ def test_cuda_stream_reuse_and_cancel(server):
     msgs = [{"role": "user", "content": "Explain the key-value cache in a few sentences, please. " * 8}]
     kw = dict(model="tiny", max_tokens=32, temperature=0, extra_body={"ignore_eos": True})
     whole = client.chat.completions.create(messages=msgs, **kw)
-    chunks = list(client.chat.completions.create(messages=msgs, stream=True, stream_options={"include_usage": True},
-                                                 **kw))
+    chunks = list(client.chat.completions.create(messages=msgs, stream=True, stream_options={"include_usage": True}, **kw))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
     assert chunks[-1].usage.completion_tokens == 32
-    msgs += [{"role": "assistant", "content": whole.choices[0].message.content},
-             {"role": "user", "content": "And why?"}]
+    msgs += [{"role": "assistant", "content": whole.choices[0].message.content}, {"role": "user", "content": "And why?"}]
     r2 = client.chat.completions.create(messages=msgs, **kw)
     assert r2.usage.prompt_tokens_details.cached_tokens >= whole.usage.prompt_tokens
 

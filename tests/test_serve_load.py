@@ -1,6 +1,7 @@
 """A bounded load test on loopback: 64 concurrent clients, a few hundred requests against a queue
 of 8. Every request is answered (200) or cleanly refused (503 queue full with Retry-After, 504
 waited too long); nothing hangs, the server's memory stays flat, and it is healthy afterwards."""
+
 import asyncio
 import collections
 import random
@@ -15,8 +16,9 @@ CLIENTS, REQUESTS = 64, 320
 
 @pytest.fixture(scope="module")
 def server(tiny_model_file, tmp_path_factory):
-    with Server(tiny_model_file, tmp_path_factory.mktemp("serve"), "--max-context", "4096", "--queue", "8",
-                "--request-timeout", "0.3") as s:
+    with Server(
+        tiny_model_file, tmp_path_factory.mktemp("serve"), "--max-context", "4096", "--queue", "8", "--request-timeout", "0.3"
+    ) as s:
         yield s
 
 
@@ -44,9 +46,11 @@ async def hammer(url: str, n: int, first: int = 0) -> list[tuple[int, str]]:
     sem = asyncio.Semaphore(CLIENTS)
     limits = httpx.Limits(max_connections=CLIENTS, max_keepalive_connections=CLIENTS)
     async with httpx.AsyncClient(timeout=httpx.Timeout(60), limits=limits) as client:
+
         async def bounded(i):
             async with sem:
                 return await one(client, url, i)
+
         return await asyncio.gather(*(bounded(first + i) for i in range(n)))
 
 

@@ -1,6 +1,7 @@
 """`atomflow serve` against the official openai client: a real server process on loopback (CPU
 backend, the tiny model), chat and completions, streaming and not, stop strings, seeds, prefix
 reuse across chat turns, client disconnects, and the API key."""
+
 import json
 import time
 
@@ -56,23 +57,32 @@ def test_chat_streaming_equals_non_streaming(client):
 
 
 def test_completions_text_and_token_ids(client):
-    r = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=8, temperature=0,
-                                  extra_body={"ignore_eos": True})
+    r = client.completions.create(
+        model="tiny", prompt="Once upon a time", max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert r.object == "text_completion" and r.choices[0].finish_reason == "length"
     assert r.usage.completion_tokens == 8
-    ids = client.completions.create(model="tiny", prompt=[5, 6, 7, 8, 9], max_tokens=6, temperature=0,
-                                    extra_body={"ignore_eos": True})
+    ids = client.completions.create(
+        model="tiny", prompt=[5, 6, 7, 8, 9], max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert ids.usage.prompt_tokens == 5 and ids.usage.completion_tokens == 6
-    streamed = client.completions.create(model="tiny", prompt=[5, 6, 7, 8, 9], max_tokens=6, temperature=0,
-                                         extra_body={"ignore_eos": True}, stream=True)
+    streamed = client.completions.create(
+        model="tiny", prompt=[5, 6, 7, 8, 9], max_tokens=6, temperature=0, extra_body={"ignore_eos": True}, stream=True
+    )
     assert "".join(c.choices[0].text for c in streamed) == ids.choices[0].text
 
 
 def test_stop_strings(client):
     kw = dict(max_tokens=40, temperature=0, extra_body={"ignore_eos": True})
     text = chat(client, "A story", **kw).choices[0].message.content
-    stop = next((text[i:i + 2] for i in range(len(text) // 3, len(text) - 2)
-                 if text[i:i + 2].strip() and "\ufffd" not in text[i:i + 2]), None)
+    stop = next(
+        (
+            text[i : i + 2]
+            for i in range(len(text) // 3, len(text) - 2)
+            if text[i : i + 2].strip() and "\ufffd" not in text[i : i + 2]
+        ),
+        None,
+    )
     if stop is None:
         pytest.skip(f"no usable stop string in {text!r}")
     for stream in (False, True):
@@ -83,15 +93,19 @@ def test_stop_strings(client):
             finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason][0]
         else:
             cut, finish = r.choices[0].message.content, r.choices[0].finish_reason
-        assert cut == text[:text.index(stop)] and finish == "stop"
+        assert cut == text[: text.index(stop)] and finish == "stop"
     r = client.completions.create(model="tiny", prompt="A story", stop=stop, **kw)
     assert stop not in r.choices[0].text
 
 
 def test_seed_determinism(client):
     def run(seed):
-        return chat(client, "Pick words", max_tokens=16, temperature=1.0, seed=seed,
-                    extra_body={"ignore_eos": True}).choices[0].message.content
+        return (
+            chat(client, "Pick words", max_tokens=16, temperature=1.0, seed=seed, extra_body={"ignore_eos": True})
+            .choices[0]
+            .message.content
+        )
+
     a, b = run(7), run(7)
     assert a == b
     assert run(8) != a or run(9) != a
@@ -99,10 +113,13 @@ def test_seed_determinism(client):
 
 def test_turn_two_prefills_only_its_new_tokens(server, client):
     msgs = [{"role": "user", "content": "Explain the key-value cache in a few sentences, please. " * 8}]
-    r1 = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=16, temperature=0,
-                                        extra_body={"ignore_eos": True})
-    msgs += [{"role": "assistant", "content": r1.choices[0].message.content},
-             {"role": "user", "content": "And why does it help?"}]
+    r1 = client.chat.completions.create(
+        model="tiny", messages=msgs, max_tokens=16, temperature=0, extra_body={"ignore_eos": True}
+    )
+    msgs += [
+        {"role": "assistant", "content": r1.choices[0].message.content},
+        {"role": "user", "content": "And why does it help?"},
+    ]
     before = server.metric("atomflow_prefilled_tokens_total")
     reused_before = server.metric("atomflow_reused_prefix_tokens_total")
     r2 = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=4, temperature=0)
@@ -114,8 +131,14 @@ def test_turn_two_prefills_only_its_new_tokens(server, client):
 
 
 def test_disconnect_mid_stream_frees_the_engine(server, client):
-    body = {"model": "tiny", "messages": [{"role": "user", "content": "Go on forever"}], "max_tokens": 3000,
-            "stream": True, "ignore_eos": True, "temperature": 0}
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "Go on forever"}],
+        "max_tokens": 3000,
+        "stream": True,
+        "ignore_eos": True,
+        "temperature": 0,
+    }
     gen_before = server.metric("atomflow_generated_tokens_total")
     cancelled_before = server.metric("atomflow_cancelled_requests_total")
     with httpx.Client(timeout=30) as c:
@@ -158,9 +181,15 @@ def test_api_key(server):
 
 def test_metrics(server):
     text = server.get("/metrics").text
-    for name in ("atomflow_requests_total", "atomflow_prompt_tokens_total", "atomflow_generated_tokens_total",
-                 "atomflow_time_to_first_token_seconds_bucket", "atomflow_time_per_output_token_seconds_bucket",
-                 "atomflow_queue_depth", "atomflow_reused_prefix_tokens_total"):
+    for name in (
+        "atomflow_requests_total",
+        "atomflow_prompt_tokens_total",
+        "atomflow_generated_tokens_total",
+        "atomflow_time_to_first_token_seconds_bucket",
+        "atomflow_time_per_output_token_seconds_bucket",
+        "atomflow_queue_depth",
+        "atomflow_reused_prefix_tokens_total",
+    ):
         assert name in text, name
     assert 'atomflow_requests_total{endpoint="/v1/chat/completions",status="200"}' in text
     assert json.loads(server.get("/health").text)["busy"] is False
@@ -170,14 +199,12 @@ def test_a_client_leaving_the_queue_frees_its_place(server):
     """A request waiting behind a long stream, whose client gives up, leaves the queue at once and
     never runs."""
     long = {"prompt": [5, 6, 7], "max_tokens": 3000, "ignore_eos": True, "stream": True}
-    with httpx.Client(timeout=30) as c, c.stream("POST", server.url + "/v1/completions", json=long,
-                                                  headers=server.headers) as r:
+    with httpx.Client(timeout=30) as c, c.stream("POST", server.url + "/v1/completions", json=long, headers=server.headers) as r:
         lines = r.iter_lines()  # held: a dropped iterator closes the response
         next(lines)
         with pytest.raises(httpx.ReadTimeout):
             with httpx.Client(timeout=httpx.Timeout(30, read=0.3)) as q:
-                q.post(server.url + "/v1/completions", json={"prompt": "queued", "max_tokens": 5},
-                       headers=server.headers)
+                q.post(server.url + "/v1/completions", json={"prompt": "queued", "max_tokens": 5}, headers=server.headers)
         t0 = time.perf_counter()
         while True:
             h = httpx.get(server.url + "/health").json()

@@ -1,5 +1,6 @@
 """The chat page at / in a real headless browser (Debian's chromium + chromium-driver through
 selenium; nothing downloads a browser): a message streams a reply, with TTFT and tokens/s."""
+
 import os
 import shutil
 
@@ -26,11 +27,17 @@ def server(tiny_model_file, tmp_path_factory):
 def browser(tmp_path_factory):
     from selenium.webdriver.chrome.options import Options
     from selenium.webdriver.chrome.service import Service
+
     os.environ["SE_OFFLINE"] = "true"  # selenium must not try to fetch a browser or a driver
     opts = Options()
     opts.binary_location = CHROMIUM
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
-                f"--user-data-dir={tmp_path_factory.mktemp('chromium')}"):
+    for arg in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-dev-shm-usage",
+        "--disable-gpu",
+        f"--user-data-dir={tmp_path_factory.mktemp('chromium')}",
+    ):
         opts.add_argument(arg)
     driver = webdriver.Chrome(service=Service(DRIVER), options=opts)
     driver.set_page_load_timeout(30)
@@ -41,6 +48,7 @@ def browser(tmp_path_factory):
 def test_page_streams_a_reply(server, browser):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
+
     browser.get(server.url + "/")
     wait = WebDriverWait(browser, 30)
     wait.until(lambda d: d.find_element(By.ID, "model").text == "tiny")
@@ -56,8 +64,9 @@ def test_page_streams_a_reply(server, browser):
             .observe(document.getElementById('messages'), {subtree: true, childList: true, characterData: true});""")
     browser.find_element(By.ID, "prompt").send_keys("Tell me a story about caches")
     browser.find_element(By.ID, "send").click()
-    stats = wait.until(lambda d: d.find_element(By.ID, "stats-1") if d.find_element(By.ID, "stats-1")
-                       .get_attribute("data-done") else None)
+    stats = wait.until(
+        lambda d: d.find_element(By.ID, "stats-1") if d.find_element(By.ID, "stats-1").get_attribute("data-done") else None
+    )
     reply = browser.find_element(By.CSS_SELECTOR, ".assistant").text
     print("reply:", repr(reply), "|", stats.text)
     assert reply and "TTFT" in stats.text and "tokens/s" in stats.text
@@ -69,7 +78,8 @@ def test_page_streams_a_reply(server, browser):
     # a second turn: the conversation is sent again and the server reuses its prefix
     browser.find_element(By.ID, "prompt").send_keys("And then?")
     browser.find_element(By.ID, "send").click()
-    stats2 = wait.until(lambda d: d.find_element(By.ID, "stats-3") if d.find_element(By.ID, "stats-3")
-                        .get_attribute("data-done") else None)
+    stats2 = wait.until(
+        lambda d: d.find_element(By.ID, "stats-3") if d.find_element(By.ID, "stats-3").get_attribute("data-done") else None
+    )
     print("turn 2:", stats2.text)
     assert "cached" in stats2.text and "(0 cached)" not in stats2.text

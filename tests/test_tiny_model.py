@@ -1,6 +1,7 @@
 """tools/make_tiny_model.py builds every model our tests and benchmarks run on, so it must write
 what Hugging Face would: a directory transformers loads (both config styles), consistent shards,
 the same bytes for the same seed, and the parameter counts of the real Llama shapes."""
+
 import json
 import math
 
@@ -34,8 +35,12 @@ def test_loads_in_transformers_with_both_config_styles(tmp_path, make_tiny_model
     model = transformers.LlamaForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
     tok = transformers.AutoTokenizer.from_pretrained(d)
     rope = model.config.rope_parameters
-    assert (rope["rope_type"], rope["factor"], rope["original_max_position_embeddings"], rope["rope_theta"]) == \
-        ("llama3", 8.0, 64, 500000.0)
+    assert (rope["rope_type"], rope["factor"], rope["original_max_position_embeddings"], rope["rope_theta"]) == (
+        "llama3",
+        8.0,
+        64,
+        500000.0,
+    )
     assert model.config.tie_word_embeddings and model.config.vocab_size == len(tok) == 1024
 
     ids = tok("The history of computing is a history of memory.", return_tensors="pt").input_ids
@@ -43,8 +48,9 @@ def test_loads_in_transformers_with_both_config_styles(tmp_path, make_tiny_model
     with torch.no_grad():
         out = model(ids, output_hidden_states=True)
         torch.manual_seed(0)
-        sampled = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=True,
-                                 temperature=1.0, top_k=0, top_p=1.0)
+        sampled = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=True, temperature=1.0, top_k=0, top_p=1.0
+        )
     logits = out.logits[0, -1]
     assert torch.isfinite(out.logits).all()
     # the residual stream starts at the embedding's RMS (1/16) and grows, neither vanishing nor exploding
@@ -53,7 +59,7 @@ def test_loads_in_transformers_with_both_config_styles(tmp_path, make_tiny_model
     # logits are informative but not one-hot, so sampling at T = 1 varies
     assert 0.5 < logits.std().item() < 4.0
     assert 1 / 1024 < logits.softmax(-1).max().item() < 0.9
-    assert len(set(sampled[0, ids.shape[1]:].tolist())) >= 8
+    assert len(set(sampled[0, ids.shape[1] :].tolist())) >= 8
 
 
 def test_sharded_index_is_consistent(tiny_hf_dir, make_tiny_model):
@@ -91,16 +97,25 @@ def test_untied_writes_lm_head(tmp_path, make_tiny_model):
 
 
 def test_cli_single_file_when_under_shard_size(tmp_path, make_tiny_model):
-    assert make_tiny_model.main([str(tmp_path / "s"), "--num-layers", "2", "--shard-size-mb", "100",
-                                 "--dtype", "fp16", "--seed", "3"]) == 0
+    assert (
+        make_tiny_model.main(
+            [str(tmp_path / "s"), "--num-layers", "2", "--shard-size-mb", "100", "--dtype", "fp16", "--seed", "3"]
+        )
+        == 0
+    )
     files = sorted(p.name for p in (tmp_path / "s").iterdir())
     assert "model.safetensors" in files and "model.safetensors.index.json" not in files
     assert json.loads((tmp_path / "s" / "config.json").read_text())["num_hidden_layers"] == 2
 
 
-@pytest.mark.parametrize("preset, params, tied", [  # the real checkpoints' counts (1.24B, 3.21B, 8.03B)
-    ("llama-3.2-1b", 1_235_814_400, True), ("llama-3.2-3b", 3_212_749_824, True),
-    ("llama-3.1-8b", 8_030_261_248, False)])
+@pytest.mark.parametrize(
+    "preset, params, tied",
+    [  # the real checkpoints' counts (1.24B, 3.21B, 8.03B)
+        ("llama-3.2-1b", 1_235_814_400, True),
+        ("llama-3.2-3b", 3_212_749_824, True),
+        ("llama-3.1-8b", 8_030_261_248, False),
+    ],
+)
 def test_preset_shapes_match_llama(make_tiny_model, preset, params, tied):
     """Computed, not written: the shapes give the real models' exact parameter counts."""
     shapes = make_tiny_model.hf_tensor_shapes(preset)
@@ -114,5 +129,4 @@ def test_generation_config_and_specials(tiny_hf_dir):
     vocab = json.loads((tiny_hf_dir / "tokenizer.json").read_text())["added_tokens"]
     ids = {t["content"]: t["id"] for t in vocab}
     assert gen["eos_token_id"] == [ids["<|end_of_text|>"], ids["<|eot_id|>"]]
-    assert (gen["bos_token_id"], gen["temperature"], gen["top_p"], gen["do_sample"]) == \
-        (ids["<|begin_of_text|>"], 0.6, 0.9, True)
+    assert (gen["bos_token_id"], gen["temperature"], gen["top_p"], gen["do_sample"]) == (ids["<|begin_of_text|>"], 0.6, 0.9, True)

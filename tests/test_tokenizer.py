@@ -1,5 +1,6 @@
 """atomflow.model.tokenizer must give the ids and prompts transformers gives (a different prompt is a
 different model output), and stream text that is always valid UTF-8 and adds up to the full decode."""
+
 import json
 import shutil
 from pathlib import Path
@@ -109,22 +110,42 @@ LLAMA_3_2_TEMPLATE = r"""{{- bos_token }}
 {%- endif %}
 """
 
-WEATHER_TOOL = {"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather in a city, <°C> & wind.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city, <°C> & wind.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
 
 CONVERSATIONS = [  # (messages, extra template variables)
     ([{"role": "user", "content": "Hello!"}], {}),
     ([{"role": "system", "content": "  You are terse.  "}, {"role": "user", "content": "Héllo, 世界 🦙\n"}], {}),
-    ([{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"},
-      {"role": "user", "content": "and <b>3+3</b>?"}], {"date_string": "01 Jan 2025"}),
+    (
+        [
+            {"role": "user", "content": "2+2?"},
+            {"role": "assistant", "content": "4"},
+            {"role": "user", "content": "and <b>3+3</b>?"},
+        ],
+        {"date_string": "01 Jan 2025"},
+    ),
     ([{"role": "user", "content": "Weather in Paris?"}], {"tools": [WEATHER_TOOL]}),
-    ([{"role": "system", "content": "Use tools."}, {"role": "user", "content": "Weather in Zürich?"}],
-     {"tools": [WEATHER_TOOL], "tools_in_user_message": False, "date_string": "26 Jul 2024"}),
-    ([{"role": "user", "content": "Weather in Oslo?"},
-      {"role": "assistant", "tool_calls": [{"type": "function", "function": {
-          "name": "get_weather", "arguments": {"city": "Oslo"}}}]},
-      {"role": "tool", "content": {"temp": -3, "wind": "5 m/s"}}], {"date_string": "02 Feb 2025"}),
+    (
+        [{"role": "system", "content": "Use tools."}, {"role": "user", "content": "Weather in Zürich?"}],
+        {"tools": [WEATHER_TOOL], "tools_in_user_message": False, "date_string": "26 Jul 2024"},
+    ),
+    (
+        [
+            {"role": "user", "content": "Weather in Oslo?"},
+            {
+                "role": "assistant",
+                "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}],
+            },
+            {"role": "tool", "content": {"temp": -3, "wind": "5 m/s"}},
+        ],
+        {"date_string": "02 Feb 2025"},
+    ),
 ]
 
 
@@ -142,9 +163,18 @@ def _non_ascii_lines():
     return [ln for ln in CORPUS.read_text(encoding="utf-8").splitlines() if any(ord(c) > 127 for c in ln)]
 
 
-TEXTS = ["Hello, world!", "  leading and trailing spaces  ", "tabs\tand\nnewlines\r\n", "",
-         "Le café est délicieux", "Ελληνικά και 中文 και 日本語", "🦙🚀👨‍👩‍👧 emoji ✨",
-         "unseen: 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 ☃ Ωμέγα ğüşçö", "<|eot_id|> special in text", "x = 0xdeadbeef; y = 3.14e-2"]
+TEXTS = [
+    "Hello, world!",
+    "  leading and trailing spaces  ",
+    "tabs\tand\nnewlines\r\n",
+    "",
+    "Le café est délicieux",
+    "Ελληνικά και 中文 και 日本語",
+    "🦙🚀👨‍👩‍👧 emoji ✨",
+    "unseen: 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 ☃ Ωμέγα ğüşçö",
+    "<|eot_id|> special in text",
+    "x = 0xdeadbeef; y = 3.14e-2",
+]
 
 
 @pytest.mark.parametrize("text", TEXTS)
@@ -207,8 +237,12 @@ def test_incremental_flush_emits_a_truly_incomplete_tail(tok):
 @pytest.mark.parametrize("case", range(len(CONVERSATIONS)))
 def test_llama_3_2_template_matches_transformers(tiny_hf_dir, hf, case, add_generation_prompt):
     messages, extra = CONVERSATIONS[case]
-    ours = Tokenizer.from_metadata((tiny_hf_dir / "tokenizer.json").read_text(), {"bos_token": "<|begin_of_text|>",
-                                   "eos_token": "<|eot_id|>"}, LLAMA_3_2_TEMPLATE, {})
+    ours = Tokenizer.from_metadata(
+        (tiny_hf_dir / "tokenizer.json").read_text(),
+        {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"},
+        LLAMA_3_2_TEMPLATE,
+        {},
+    )
     hf.chat_template = LLAMA_3_2_TEMPLATE
     got = ours.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **extra)
     want = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt, **extra)
@@ -220,8 +254,9 @@ def test_llama_3_2_template_matches_transformers(tiny_hf_dir, hf, case, add_gene
 
 
 def test_template_raise_exception_surfaces(tiny_hf_dir):
-    ours = Tokenizer.from_metadata((tiny_hf_dir / "tokenizer.json").read_text(), {"bos_token": "<|begin_of_text|>"},
-                                   LLAMA_3_2_TEMPLATE, {})
+    ours = Tokenizer.from_metadata(
+        (tiny_hf_dir / "tokenizer.json").read_text(), {"bos_token": "<|begin_of_text|>"}, LLAMA_3_2_TEMPLATE, {}
+    )
     two_calls = [{"role": "assistant", "tool_calls": [{"function": {"name": "a", "arguments": {}}}] * 2}]
     with pytest.raises(ChatTemplateError, match="failed to render: TemplateError: .*single tool-calls"):
         ours.apply_chat_template(two_calls)
@@ -235,8 +270,10 @@ def test_tiny_model_template_and_chat_prompt_match_transformers(tiny_hf_dir, tok
     assert text == hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     prompt = "Explain KV caches in one paragraph, s'il vous plaît."
     ids = tok.encode_prompt(prompt, chat=True)
-    want = hf(hf.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                     add_generation_prompt=True), add_special_tokens=False).input_ids
+    want = hf(
+        hf.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True),
+        add_special_tokens=False,
+    ).input_ids
     assert ids == want and ids.count(tok.bos_token_id) == 1 and ids[0] == tok.bos_token_id
     assert tok.encode_prompt(prompt, chat=False) == hf(prompt).input_ids
 
@@ -248,9 +285,15 @@ def test_eos_ids_and_metadata_path(tiny_hf_dir, tok):
     # the .atomflow metadata shape written by atomflow/model/quantize.py
     meta = Tokenizer.from_metadata(
         (tiny_hf_dir / "tokenizer.json").read_text(),
-        {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", "add_bos_token": None,
-         "chat_template_source": "tokenizer_config.json"},
-        tok.chat_template, {"bos_token_id": tok.bos_token_id, "eos_token_ids": [ids["<|end_of_text|>"]]})
+        {
+            "bos_token": "<|begin_of_text|>",
+            "eos_token": "<|eot_id|>",
+            "add_bos_token": None,
+            "chat_template_source": "tokenizer_config.json",
+        },
+        tok.chat_template,
+        {"bos_token_id": tok.bos_token_id, "eos_token_ids": [ids["<|end_of_text|>"]]},
+    )
     assert meta.eos_token_ids == set(ids.values())  # generation_config's list + the tokenizer's eos_token
     assert meta.encode_prompt("hi", chat=True) == tok.encode_prompt("hi", chat=True)
     assert meta.encode_prompt("hi", chat=False) == tok.encode_prompt("hi", chat=False)

@@ -1,4 +1,5 @@
 """tools/trace_step.py's bookkeeping on made-up trace records (recording needs a trace build and a GPU)."""
+
 import sys
 from pathlib import Path
 
@@ -36,8 +37,15 @@ def gemv(kind, ident, t0, K=3072, n=1, warps=4):
 
 
 def attention(ident, t0, blocks=3):
-    out = [rec(ATTN, ident, {0: t0, 1: t0 + 10, 2: t0 + 400, 3: t0 + 600, 4: t0 + 700, 5: t0 + 900,
-                             6: t0 + 1300 if b == 0 else 0}, merged=b == 0) for b in range(blocks)]
+    out = [
+        rec(
+            ATTN,
+            ident,
+            {0: t0, 1: t0 + 10, 2: t0 + 400, 3: t0 + 600, 4: t0 + 700, 5: t0 + 900, 6: t0 + 1300 if b == 0 else 0},
+            merged=b == 0,
+        )
+        for b in range(blocks)
+    ]
     return out
 
 

@@ -1,5 +1,6 @@
 """The validator: the CPU backend passes the committed tiny-model ground truth, a corrupted
 weight is caught at its layer and not before, and ground truth from another file is refused."""
+
 import json
 import shutil
 import subprocess
@@ -59,33 +60,58 @@ def test_corrupted_weight_fails_at_its_layer_not_before(tiny_model_file, tmp_pat
     before = [r for r in rows if r.layer == 0 or (r.layer == 1 and r.probe in ("attn_norm", "attn_out", "resid_mid"))]
     assert all(r.verdict == "PASS" for r in before)
 
-    r = subprocess.run([sys.executable, "-m", "atomflow.cli", "validate", str(bad), "--ground-truth", str(GT),
-                        "--backend", "cpu"], capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "atomflow.cli", "validate", str(bad), "--ground-truth", str(GT), "--backend", "cpu"],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 1 and "first FAIL: dequant mlp_out at layer 1" in r.stderr
 
 
 def test_ground_truth_from_another_file_is_refused(make_tiny_model, tmp_path):
     from atomflow.model.quantize import quantize
+
     other = tmp_path / "other.atomflow"
-    quantize(make_tiny_model.make_model(tmp_path / "hf", preset="tiny", seed=1), other, progress=False,
-             log=lambda s: None)
+    quantize(make_tiny_model.make_model(tmp_path / "hf", preset="tiny", seed=1), other, progress=False, log=lambda s: None)
     with pytest.raises(AtomflowError, match="made from another model file"):
         validate(Engine.load(other, backend="cpu", max_context=64), GT)
 
 
 def test_cli_json(tiny_model_file):
-    r = subprocess.run([sys.executable, "-m", "atomflow.cli", "validate", str(tiny_model_file), "--ground-truth",
-                        str(GT), "--backend", "cpu", "--json"], capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "atomflow.cli",
+            "validate",
+            str(tiny_model_file),
+            "--ground-truth",
+            str(GT),
+            "--backend",
+            "cpu",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stderr
     rows = json.loads(r.stdout)
-    assert {row["probe"] for row in rows} == {"attn_norm", "attn_out", "resid_mid", "mlp_out", "layer_out",
-                                              "final_norm", "logits"}
+    assert {row["probe"] for row in rows} == {
+        "attn_norm",
+        "attn_out",
+        "resid_mid",
+        "mlp_out",
+        "layer_out",
+        "final_norm",
+        "logits",
+    }
 
 
 def test_gen_ground_truth_reproduces_committed_dumps(tiny_hf_dir, tiny_model_file, tmp_path):
     """The dumps come from HF hooks; regenerating them here gives the committed numbers."""
     pytest.importorskip("torch")
     from conftest import load_tool
+
     load_tool("hf_reference")
     gen = load_tool("gen_ground_truth")
     gen.generate(tiny_hf_dir, tiny_model_file, tmp_path / "gt")

@@ -1,5 +1,6 @@
 """The validator on the CUDA backend: the committed tiny ground truth, and ground truth made
 here from HF for the Llama-3.2-1B and 3B shapes, at prompt and decode positions."""
+
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,7 @@ def test_cuda_passes_presets(make_tiny_model, tmp_path_factory, preset):
     from conftest import load_tool
 
     from atomflow.model.quantize import quantize
+
     load_tool("hf_reference")
     gen = load_tool("gen_ground_truth")
     d = tmp_path_factory.mktemp(preset)

@@ -5,6 +5,7 @@ memory than the L2 holds, so the numbers are DRAM numbers.
 
     python tools/bench_kernels.py [--iters 50] [--json out.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,9 +23,13 @@ STORE, ADD, SWIGLU = 0, 1, 2
 def linear_shapes(m: dict):
     """(name, N, K, epilogue) of each linear layer, with the epilogue the engine uses."""
     qkv = (m["H"] + 2 * m["Hkv"]) * m["D"]
-    return [("qkv", qkv, m["d"], STORE), ("o", m["d"], m["H"] * m["D"], ADD),
-            ("gate_up", 2 * m["ffn"], m["d"], SWIGLU), ("down", m["d"], m["ffn"], ADD),
-            ("lm_head", VOCAB, m["d"], STORE)]
+    return [
+        ("qkv", qkv, m["d"], STORE),
+        ("o", m["d"], m["H"] * m["D"], ADD),
+        ("gate_up", 2 * m["ffn"], m["d"], SWIGLU),
+        ("down", m["d"], m["ffn"], ADD),
+        ("lm_head", VOCAB, m["d"], STORE),
+    ]
 
 
 def gemv_bytes(N: int, K: int, ep: int) -> int:
@@ -90,11 +95,24 @@ def main(argv=None) -> int:
             us_early = ops.time_attention(ctx, H, Hkv, D, M=1, iters=args.iters, early=True)
             nbytes = 2 * ctx * Hkv * D * 2 + 2 * H * D * 2
             gbs = nbytes / us_early / 1e3
-            rows.append([model, f"H={H} Hkv={Hkv} D={D}", str(ctx), f"{us:.2f}", f"{us_early:.2f}",
-                         f"{nbytes / 2**20:.2f}", f"{gbs:.0f}", pct(gbs)])
+            rows.append(
+                [
+                    model,
+                    f"H={H} Hkv={Hkv} D={D}",
+                    str(ctx),
+                    f"{us:.2f}",
+                    f"{us_early:.2f}",
+                    f"{nbytes / 2**20:.2f}",
+                    f"{gbs:.0f}",
+                    pct(gbs),
+                ]
+            )
             results["attention"].append(dict(model=model, context=ctx, us=us, us_early=us_early, bytes=nbytes, GBps=gbs))
-    table("attention (M = 1, one layer)",
-          ["model", "heads", "context", "us", "us (decode step's mode)", "MiB", "GB/s", "of ceiling"], rows)
+    table(
+        "attention (M = 1, one layer)",
+        ["model", "heads", "context", "us", "us (decode step's mode)", "MiB", "GB/s", "of ceiling"],
+        rows,
+    )
 
     # Prefill GEMM: compute-bound, so TFLOP/s; the last row is one 512-token prefill's linears.
     rows, results["gemm"] = [], []
@@ -112,8 +130,13 @@ def main(argv=None) -> int:
 
     # Sampling over the Llama 3 vocabulary.
     rows, results["sample"] = [], []
-    for label, t, k, p in [("greedy", 0.0, 0, 1.0), ("temperature 0.8", 0.8, 0, 1.0),
-                           ("top_k 50", 0.8, 50, 1.0), ("top_p 0.9", 0.8, 0, 0.9), ("top_k 50 + top_p 0.9", 0.8, 50, 0.9)]:
+    for label, t, k, p in [
+        ("greedy", 0.0, 0, 1.0),
+        ("temperature 0.8", 0.8, 0, 1.0),
+        ("top_k 50", 0.8, 50, 1.0),
+        ("top_p 0.9", 0.8, 0, 0.9),
+        ("top_k 50 + top_p 0.9", 0.8, 50, 0.9),
+    ]:
         us = ops.time_sample(VOCAB, t, k, p, iters=args.iters)
         rows.append([label, str(VOCAB), f"{us:.2f}"])
         results["sample"].append(dict(mode=label, vocab=VOCAB, us=us))

@@ -20,6 +20,7 @@ Variants of kind `values` (NaN/Inf planted in the data, checksums re-signed) and
 data region may legitimately pass `run` (no --verify; only the weights used by the prompt are
 touched): for them `accepted` is allowed in run mode, nothing else is.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,8 +46,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = ("info", "run")
-TIME_LIMIT_S = 10.0         # per mode, in the child
-MEMORY_LIMIT = 1 << 30      # address space the child may add to what it has at fork
+TIME_LIMIT_S = 10.0  # per mode, in the child
+MEMORY_LIMIT = 1 << 30  # address space the child may add to what it has at fork
 _NAN_OK_KINDS = ("values", "bitflip-data")
 
 
@@ -60,6 +61,7 @@ def build_base(workdir: Path) -> Path:
         sys.modules["make_tiny_model"] = mod
         spec.loader.exec_module(mod)
     from atomflow.model.quantize import quantize
+
     hf = mod.make_model(workdir / "hf", preset="tiny", seed=7, num_layers=1, threads=1)
     out = workdir / "base.atomflow"
     quantize(hf, out, progress=False, log=lambda s: None)
@@ -82,7 +84,7 @@ def parse(raw: bytes) -> Parsed:
     p = _parsed.get(id(raw))
     if p is None or p.raw is not raw:
         (n,) = struct.unpack("<Q", raw[:8])
-        p = _parsed[id(raw)] = Parsed(raw, n, json.loads(raw[8:8 + n]), raw[8 + n:])
+        p = _parsed[id(raw)] = Parsed(raw, n, json.loads(raw[8 : 8 + n]), raw[8 + n :])
     return p
 
 
@@ -94,6 +96,7 @@ def pack(header: dict, data: bytes, resign: bool = True) -> bytes:
     if resign and isinstance(meta, dict) and "checksum" in meta:
         meta["checksum"] = "sha256:" + hashlib.sha256(data).hexdigest()
     from atomflow.model import fileformat
+
     encode = getattr(fileformat, "encode_header", None)
     if encode is not None and resign:
         raw = encode(header)
@@ -106,10 +109,20 @@ def pack(header: dict, data: bytes, resign: bool = True) -> bytes:
 # -- mutations ---------------------------------------------------------------------------------
 INT_BAD = [0, -1, 10**9, 2**31, 10**30, 1.5, "7", None, True, [], {}]
 FLOAT_BAD = [0.0, -1.0, float("nan"), float("inf"), float("-inf"), 1e39, "1e-5", None, True, []]
-TEMPLATES_BAD = ["{% if %}", "{{ raise_exception('bad conversation') }}", "{{ messages[5]['content'].x }}",
-                 "{{ 1 / 0 }}", "{% for m in messages %}{{ m.content.nope.x }}{% endfor %}", "{{ foo() }}",
-                 "{{ ''.__class__.__mro__ }}", "{% extends 'base' %}", "{% include 'x' %}",
-                 "{{ messages | tojson(indent=[]) }}", "{{ '' }}", "{% for m in messages %}{% endfor"]
+TEMPLATES_BAD = [
+    "{% if %}",
+    "{{ raise_exception('bad conversation') }}",
+    "{{ messages[5]['content'].x }}",
+    "{{ 1 / 0 }}",
+    "{% for m in messages %}{{ m.content.nope.x }}{% endfor %}",
+    "{{ foo() }}",
+    "{{ ''.__class__.__mro__ }}",
+    "{% extends 'base' %}",
+    "{% include 'x' %}",
+    "{{ messages | tojson(indent=[]) }}",
+    "{{ '' }}",
+    "{% for m in messages %}{% endfor",
+]
 
 
 def _pick(rng, options: list, p=None):
@@ -128,8 +141,27 @@ def _table_op(p: Parsed, rng) -> tuple[str, dict, bytes]:
     t = names[i]
     e = h[t]
     b, end = e["data_offsets"]
-    op = _pick(rng, ["shift", "end", "overlap", "gap", "trailing", "swap", "dtype", "shape", "offsets",
-                     "entry", "keys", "remove", "add", "rename", "alias", "short"])
+    op = _pick(
+        rng,
+        [
+            "shift",
+            "end",
+            "overlap",
+            "gap",
+            "trailing",
+            "swap",
+            "dtype",
+            "shape",
+            "offsets",
+            "entry",
+            "keys",
+            "remove",
+            "add",
+            "rename",
+            "alias",
+            "short",
+        ],
+    )
     if op == "shift":
         k = int(_pick(rng, [-64, -8, -1, 1, 8, 64]))
         e["data_offsets"] = [b + k, end + k]
@@ -140,7 +172,7 @@ def _table_op(p: Parsed, rng) -> tuple[str, dict, bytes]:
         e["data_offsets"] = [prev[0], prev[0] + end - b]
     elif op == "gap":
         pad = int(_pick(rng, [1, 8, 128]))
-        for n in names[i + 1:]:
+        for n in names[i + 1 :]:
             h[n]["data_offsets"] = [x + pad for x in h[n]["data_offsets"]]
         data = data[:end] + bytes(pad) + data[end:]
     elif op == "trailing":
@@ -157,18 +189,35 @@ def _table_op(p: Parsed, rng) -> tuple[str, dict, bytes]:
             e["dtype"] = "U8"
     elif op == "shape":
         s = list(e["shape"])
-        how = _pick(rng, ["double", "swap", "append", "empty", "neg", "huge", "float", "str", "bool", "nested",
-                          "null", "zero"])
-        e["shape"] = {"double": [s[0] * 2] + s[1:], "swap": s[::-1] if len(s) > 1 and s[0] != s[-1] else s + [2],
-                      "append": s + [1], "empty": [], "neg": [-s[0]] + s[1:], "huge": [2**62] + s[1:],
-                      "float": [float(s[0])] + s[1:], "str": [str(s[0])] + s[1:], "bool": [True] + s[1:],
-                      "nested": [s], "null": None, "zero": [0] + s[1:]}[how]
+        how = _pick(rng, ["double", "swap", "append", "empty", "neg", "huge", "float", "str", "bool", "nested", "null", "zero"])
+        e["shape"] = {
+            "double": [s[0] * 2] + s[1:],
+            "swap": s[::-1] if len(s) > 1 and s[0] != s[-1] else s + [2],
+            "append": s + [1],
+            "empty": [],
+            "neg": [-s[0]] + s[1:],
+            "huge": [2**62] + s[1:],
+            "float": [float(s[0])] + s[1:],
+            "str": [str(s[0])] + s[1:],
+            "bool": [True] + s[1:],
+            "nested": [s],
+            "null": None,
+            "zero": [0] + s[1:],
+        }[how]
         op = f"shape-{how}"
     elif op == "offsets":
         how = _pick(rng, ["one", "three", "str", "none", "float", "neg", "reversed", "huge", "bool"])
-        e["data_offsets"] = {"one": [b], "three": [b, end, end], "str": f"{b},{end}", "none": [b, None],
-                             "float": [float(b), float(end)], "neg": [-8, end - 8], "reversed": [end, b],
-                             "huge": [2**64, 2**64 + end - b], "bool": [False, True]}[how]
+        e["data_offsets"] = {
+            "one": [b],
+            "three": [b, end, end],
+            "str": f"{b},{end}",
+            "none": [b, None],
+            "float": [float(b), float(end)],
+            "neg": [-8, end - 8],
+            "reversed": [end, b],
+            "huge": [2**64, 2**64 + end - b],
+            "bool": [False, True],
+        }[how]
         op = f"offsets-{how}"
     elif op == "entry":
         h[t] = _pick(rng, [5, [], "x", None, {}])
@@ -197,8 +246,24 @@ def _table_op(p: Parsed, rng) -> tuple[str, dict, bytes]:
 def _meta_op(p: Parsed, rng) -> tuple[str, dict, bytes]:
     h = json.loads(json.dumps(p.header))
     m = h["__metadata__"]
-    area = _pick(rng, ["spec", "spec", "spec", "quant", "tokenizer", "tokcfg", "template", "gen", "gen", "format",
-                       "types", "checksum", "source"])
+    area = _pick(
+        rng,
+        [
+            "spec",
+            "spec",
+            "spec",
+            "quant",
+            "tokenizer",
+            "tokcfg",
+            "template",
+            "gen",
+            "gen",
+            "format",
+            "types",
+            "checksum",
+            "source",
+        ],
+    )
     if area == "spec":
         spec = json.loads(m["spec"])
         how = _pick(rng, ["field", "field", "field", "field", "remove", "notjson", "list", "null", "layers"])
@@ -230,9 +295,13 @@ def _meta_op(p: Parsed, rng) -> tuple[str, dict, bytes]:
     if area == "quant":
         q = json.loads(m["quantization"])
         k = _pick(rng, ["scheme", "group_size", "scale_dtype", "lm_head", "source_dtype", "remove", "list"])
-        vals = {"scheme": ["int8_w8a16", "", None, 5], "group_size": [64, 0, "128", 256, 128.5, None, -128],
-                "scale_dtype": ["BF16", "F16", "", None], "lm_head": ["bf16", "tied", "x", None],
-                "source_dtype": [5, None, []]}
+        vals = {
+            "scheme": ["int8_w8a16", "", None, 5],
+            "group_size": [64, 0, "128", 256, 128.5, None, -128],
+            "scale_dtype": ["BF16", "F16", "", None],
+            "lm_head": ["bf16", "tied", "x", None],
+            "source_dtype": [5, None, []],
+        }
         if k == "remove":
             del q[str(_pick(rng, ["scheme", "group_size", "scale_dtype", "lm_head"]))]
         elif k == "list":
@@ -250,8 +319,14 @@ def _meta_op(p: Parsed, rng) -> tuple[str, dict, bytes]:
             t["added_tokens"] += [dict(t["added_tokens"][0], id=start + j, content=f"<extra{j}>") for j in range(4)]
             m["tokenizer"] = json.dumps(t)
         else:
-            m["tokenizer"] = {"empty": "", "object": "{}", "notjson": "tokenizer", "half": tok[:len(tok) // 2],
-                              "model": '{"model": 5}', "list": "[]"}[how]
+            m["tokenizer"] = {
+                "empty": "",
+                "object": "{}",
+                "notjson": "tokenizer",
+                "half": tok[: len(tok) // 2],
+                "model": '{"model": 5}',
+                "list": "[]",
+            }[how]
         return f"tokenizer-{how}", h, p.data
     if area == "tokcfg":
         c = json.loads(m["tokenizer_config"])
@@ -259,8 +334,9 @@ def _meta_op(p: Parsed, rng) -> tuple[str, dict, bytes]:
         if how in ("list", "int", "notjson"):
             m["tokenizer_config"] = {"list": "[]", "int": "5", "notjson": "{bos"}[how]
         else:
-            c[{"bos": "bos_token", "eos": "eos_token", "src": "chat_template_source", "addbos": "add_bos_token"}[how]] = \
-                _pick(rng, [5, ["x"], {"a": 1}])
+            c[{"bos": "bos_token", "eos": "eos_token", "src": "chat_template_source", "addbos": "add_bos_token"}[how]] = _pick(
+                rng, [5, ["x"], {"a": 1}]
+            )
             m["tokenizer_config"] = json.dumps(c)
         return f"tokcfg-{how}", h, p.data
     if area == "template":
@@ -270,9 +346,13 @@ def _meta_op(p: Parsed, rng) -> tuple[str, dict, bytes]:
     if area == "gen":
         g = json.loads(m["generation_config"])
         k = _pick(rng, ["bos_token_id", "eos_token_ids", "temperature", "top_p", "top_k", "list", "notjson"])
-        vals = {"bos_token_id": ["1", -1, 10**6, 1.5, True], "eos_token_ids": [["a"], [-1], [10**9], 5, "x", [1.5]],
-                "temperature": [-1, "hot", float("nan"), float("inf"), [0.7]], "top_p": [0, 2, "x", -0.5, float("nan")],
-                "top_k": [-1, 1.5, "3", 10**30]}
+        vals = {
+            "bos_token_id": ["1", -1, 10**6, 1.5, True],
+            "eos_token_ids": [["a"], [-1], [10**9], 5, "x", [1.5]],
+            "temperature": [-1, "hot", float("nan"), float("inf"), [0.7]],
+            "top_p": [0, 2, "x", -0.5, float("nan")],
+            "top_k": [-1, 1.5, "3", 10**30],
+        }
         if k in ("list", "notjson"):
             m["generation_config"] = {"list": "[]", "notjson": "{temperature"}[k]
         else:
@@ -328,21 +408,24 @@ def _values_op(p: Parsed, rng) -> tuple[str, dict, bytes]:
     names = _tensor_names(h)
     data = bytearray(p.data)
     kind = _pick(rng, ["scale", "fp8", "bf16"])
-    pool = [n for n in names if (n.endswith(".scale") if kind == "scale" else
-                                  h[n]["dtype"] == ("F8_E4M3" if kind == "fp8" else "BF16"))]
+    pool = [
+        n
+        for n in names
+        if (n.endswith(".scale") if kind == "scale" else h[n]["dtype"] == ("F8_E4M3" if kind == "fp8" else "BF16"))
+    ]
     t = str(_pick(rng, pool))
     b, end = h[t]["data_offsets"]
     if kind == "scale":
         v = _pick(rng, [np.nan, np.inf, -np.inf, 3e38, 0.0, -1.0])
         j = b + 4 * int(rng.integers((end - b) // 4))
-        data[j:j + 4] = np.float32(v).tobytes()
+        data[j : j + 4] = np.float32(v).tobytes()
     elif kind == "fp8":
         v = _pick(rng, [0x7F, 0xFF])
         data[b + int(rng.integers(end - b))] = int(v)
     else:
         v = _pick(rng, [0x7FC0, 0x7F80, 0xFF80])  # NaN, +Inf, -Inf
         j = b + 2 * int(rng.integers((end - b) // 2))
-        data[j:j + 2] = struct.pack("<H", int(v))
+        data[j : j + 2] = struct.pack("<H", int(v))
         v = hex(int(v))
     return f"values-{kind}-{t}={v}", h, bytes(data)
 
@@ -352,12 +435,18 @@ def make_variant(base: bytes, seed: int, index: int) -> tuple[str, str, bytes]:
     rng = np.random.default_rng([seed, index])
     p = parse(base)
     data0 = 8 + p.n
-    kind = _pick(rng, ["truncate", "append", "bitflip", "length", "table", "meta", "values"],
-                 [0.08, 0.04, 0.17, 0.05, 0.25, 0.33, 0.08])
+    kind = _pick(
+        rng, ["truncate", "append", "bitflip", "length", "table", "meta", "values"], [0.08, 0.04, 0.17, 0.05, 0.25, 0.33, 0.08]
+    )
     if kind == "truncate":
         where = _pick(rng, ["prefix", "header", "exact", "data", "last"])
-        cut = {"prefix": int(rng.integers(0, 8)), "header": int(rng.integers(8, data0)), "exact": data0,
-               "data": int(rng.integers(data0, len(base))), "last": len(base) - 1}[where]
+        cut = {
+            "prefix": int(rng.integers(0, 8)),
+            "header": int(rng.integers(8, data0)),
+            "exact": data0,
+            "data": int(rng.integers(data0, len(base))),
+            "last": len(base) - 1,
+        }[where]
         return kind, f"truncate-{where}-{cut}", base[:cut]
     if kind == "append":
         k = int(_pick(rng, [1, 7, 8, 4096]))
@@ -375,8 +464,9 @@ def make_variant(base: bytes, seed: int, index: int) -> tuple[str, str, bytes]:
         return ("bitflip-data" if region == "data" else "bitflip"), f"bitflip-{region}-{'+'.join(flips)}", bytes(raw)
     if kind == "length":
         n = p.n
-        new = int(_pick(rng, [0, 1, 2, n - 1, n - 8, n + 1, n + 8, 2 * n, len(base), 2**63, 2**64 - 1,
-                              int(rng.integers(0, len(base)))]))
+        new = int(
+            _pick(rng, [0, 1, 2, n - 1, n - 8, n + 1, n + 8, 2 * n, len(base), 2**63, 2**64 - 1, int(rng.integers(0, len(base)))])
+        )
         return kind, f"length-{new}", struct.pack("<Q", new) + base[8:]
     if kind == "table":
         name, h, data = _table_op(p, rng)
@@ -399,18 +489,36 @@ def _on_alarm(signum, frame):
 
 def run_mode(path: Path, mode: str) -> None:
     from atomflow import cli
+
     out = io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
         if mode == "info":
             cli.cmd_info(Namespace(model=str(path), verify=True, json=True))
         else:
-            cli.cmd_run(Namespace(model=str(path), prompt="Hello", max_new_tokens=2, temperature=None, top_k=None,
-                                  top_p=None, seed=1, stop=None, ignore_eos=True, raw=False, backend="cpu",
-                                  max_context=64, eager=False, verbose=False, quiet=True))
+            cli.cmd_run(
+                Namespace(
+                    model=str(path),
+                    prompt="Hello",
+                    max_new_tokens=2,
+                    temperature=None,
+                    top_k=None,
+                    top_p=None,
+                    seed=1,
+                    stop=None,
+                    ignore_eos=True,
+                    raw=False,
+                    backend="cpu",
+                    max_context=64,
+                    eager=False,
+                    verbose=False,
+                    quiet=True,
+                )
+            )
 
 
 def classify(path: Path, mode: str, time_limit: float = TIME_LIMIT_S) -> tuple[str, str]:
     from atomflow.errors import AtomflowError
+
     old = signal.signal(signal.SIGALRM, _on_alarm)
     signal.setitimer(signal.ITIMER_REAL, time_limit)
     try:
@@ -459,8 +567,9 @@ def _worker(base: bytes, seed: int, indices: list[int], workdir: Path, modes, wf
         os.write(wfd, (json.dumps(_one(base, seed, index, workdir, modes)) + "\n").encode())
 
 
-def run_variants(base: bytes, seed: int, indices, workdir: Path, modes=MODES, workers: int = 2,
-                 hard_limit_s: float = 60.0) -> list[dict]:
+def run_variants(
+    base: bytes, seed: int, indices, workdir: Path, modes=MODES, workers: int = 2, hard_limit_s: float = 60.0
+) -> list[dict]:
     """The variants split over `workers` forked processes (a fork per worker, not per variant: a
     fork of a big test process costs more than a variant). A worker that dies (memory limit, a
     crash) or makes no progress for hard_limit_s has its current variant recorded as crash /
@@ -469,6 +578,7 @@ def run_variants(base: bytes, seed: int, indices, workdir: Path, modes=MODES, wo
     import atomflow.cli  # noqa: F401
     import atomflow.engine  # noqa: F401
     import atomflow.model.tokenizer  # noqa: F401
+
     indices = list(indices)
     shares = [indices[i::workers] for i in range(workers)]
     running, results = {}, []
@@ -496,7 +606,7 @@ def run_variants(base: bytes, seed: int, indices, workdir: Path, modes=MODES, wo
             for m in modes:
                 res[m] = (outcome, why)
             results.append(res)
-            rest = st["share"][st["share"].index(st["current"]) + 1:]
+            rest = st["share"][st["share"].index(st["current"]) + 1 :]
             if rest:
                 start(rest)
 
@@ -589,7 +699,7 @@ def main(argv=None) -> int:
     print(summarize(results))
     print(f"{dt:.1f} s")
     bad = [r for r in results if failures(r)]
-    for r in bad[:a.show]:
+    for r in bad[: a.show]:
         print(f"  #{r['index']} {r['name'][:80]}: " + " | ".join(failures(r))[:300])
     if a.json:
         Path(a.json).write_text(json.dumps(results, indent=1))

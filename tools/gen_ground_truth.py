@@ -21,6 +21,7 @@ and "final_norm" [positions, d] and "logits" [positions, vocab]. Metadata (safet
 __metadata__): prompt ids, decode ids, positions, the model file's checksum, the
 transformers version, which reference, probe names.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,18 +39,19 @@ FORMAT = "atomflow-ground-truth-1"
 
 def _capture(hf, store: dict):
     """Registers hooks that append each probe's rows to store[name] (list of [M, dim] arrays)."""
+
     def put(name):
         def fn(t):
             t = t[0] if isinstance(t, tuple) else t
             store.setdefault(name, []).append(t.detach()[0].float().numpy().copy())
+
         return fn
 
     hooks = []
     for i, layer in enumerate(hf.model.layers):
         hooks.append(layer.input_layernorm.register_forward_hook(lambda m, a, o, f=put(f"attn_norm.{i}"): f(o)))
         hooks.append(layer.self_attn.register_forward_hook(lambda m, a, o, f=put(f"attn_out.{i}"): f(o)))
-        hooks.append(layer.post_attention_layernorm.register_forward_pre_hook(
-            lambda m, a, f=put(f"resid_mid.{i}"): f(a[0])))
+        hooks.append(layer.post_attention_layernorm.register_forward_pre_hook(lambda m, a, f=put(f"resid_mid.{i}"): f(a[0])))
         hooks.append(layer.mlp.register_forward_hook(lambda m, a, o, f=put(f"mlp_out.{i}"): f(o)))
         hooks.append(layer.register_forward_hook(lambda m, a, o, f=put(f"layer_out.{i}"): f(o)))
     hooks.append(hf.model.norm.register_forward_hook(lambda m, a, o, f=put("final_norm"): f(o)))
@@ -60,6 +62,7 @@ def run_probes(hf, prompt: list[int], decode: list[int] | None, steps: int) -> t
     """Prompt in one forward, then one token at a time through the KV cache. decode=None picks
     greedy tokens; else feeds the given ones. Returns ({name: [T, dim]}, decode ids)."""
     import torch
+
     store: dict = {}
     hooks = _capture(hf, store)
     logits, fed = [], []
@@ -85,17 +88,27 @@ def load_hf_original(hf_dir: Path):
     through transformers' GGUF loader), fp32, eager attention."""
     import torch
     from transformers import AutoModelForCausalLM
+
     hf_dir = Path(hf_dir)
     if hf_dir.suffix.lower() == ".gguf":
-        hf = AutoModelForCausalLM.from_pretrained(hf_dir.parent, gguf_file=hf_dir.name, dtype=torch.float32,
-                                                  attn_implementation="eager")
+        hf = AutoModelForCausalLM.from_pretrained(
+            hf_dir.parent, gguf_file=hf_dir.name, dtype=torch.float32, attn_implementation="eager"
+        )
     else:
         hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
     return hf.eval()
 
 
-def generate(hf_dir: str | Path, model_path: str | Path, out_dir: str | Path, prompt_tokens: int = 32,
-             steps: int = 16, prompt_text: str | None = None, seed: int = 0, original=None) -> Path:
+def generate(
+    hf_dir: str | Path,
+    model_path: str | Path,
+    out_dir: str | Path,
+    prompt_tokens: int = 32,
+    steps: int = 16,
+    prompt_text: str | None = None,
+    seed: int = 0,
+    original=None,
+) -> Path:
     """original: the loaded transformers model of hf_dir, when the caller has it already."""
     import transformers
     from hf_reference import load_hf_dequantized
@@ -106,9 +119,12 @@ def generate(hf_dir: str | Path, model_path: str | Path, out_dir: str | Path, pr
 
     model = AtomflowFile(model_path)
     if prompt_text is not None:
-        tok = Tokenizer.from_metadata(model.raw_metadata["tokenizer"], model.metadata_json("tokenizer_config", {}),
-                                      model.raw_metadata.get("chat_template", ""),
-                                      model.metadata_json("generation_config", {}))
+        tok = Tokenizer.from_metadata(
+            model.raw_metadata["tokenizer"],
+            model.metadata_json("tokenizer_config", {}),
+            model.raw_metadata.get("chat_template", ""),
+            model.metadata_json("generation_config", {}),
+        )
         prompt = tok.encode(prompt_text)
     else:
         prompt = np.random.default_rng(seed).integers(0, model.spec.vocab_size, prompt_tokens).tolist()
@@ -118,13 +134,21 @@ def generate(hf_dir: str | Path, model_path: str | Path, out_dir: str | Path, pr
     loaders = (("dequant", lambda: load_hf_dequantized(model)), ("original", lambda: original or load_hf_original(hf_dir)))
     for ref, loader in loaders:
         probes, decode = run_probes(loader(), prompt, decode, steps)
-        meta = dict(format=FORMAT, reference=ref, prompt_ids=json.dumps(prompt), decode_ids=json.dumps(decode),
-                    positions=json.dumps([0, len(prompt) + len(decode)]), model_checksum=model.checksum,
-                    transformers_version=transformers.__version__, num_layers=str(model.spec.num_layers),
-                    probes=json.dumps(list(LAYER_PROBES) + ["final_norm", "logits"]))
+        meta = dict(
+            format=FORMAT,
+            reference=ref,
+            prompt_ids=json.dumps(prompt),
+            decode_ids=json.dumps(decode),
+            positions=json.dumps([0, len(prompt) + len(decode)]),
+            model_checksum=model.checksum,
+            transformers_version=transformers.__version__,
+            num_layers=str(model.spec.num_layers),
+            probes=json.dumps(list(LAYER_PROBES) + ["final_norm", "logits"]),
+        )
         save_file(probes, str(out / f"{ref}.safetensors"), metadata=meta)
-        print(f"wrote {out / (ref + '.safetensors')}: {len(probes)} tensors, {len(prompt)} prompt + "
-              f"{len(decode)} decode positions")
+        print(
+            f"wrote {out / (ref + '.safetensors')}: {len(probes)} tensors, {len(prompt)} prompt + {len(decode)} decode positions"
+        )
     return out
 
 

@@ -7,6 +7,7 @@ Per preset: makes the random HF directory and quantizes it (both cached in --wor
 on the CUDA backend, and measures TPOT p50/p99, tokens/s, bytes per token and efficiency
 against the read bandwidth measured in the same run (atomflow bench's timing loop). Writes one JSON summary, prints a table.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,6 +34,7 @@ def model_file(preset: str, workdir: Path) -> Path:
     import make_tiny_model
 
     from atomflow.model.quantize import quantize
+
     out = workdir / f"{preset}.atomflow"
     if not out.is_file():
         hf = workdir / preset
@@ -51,6 +53,7 @@ def decode_row(eng, prompt: int, gen: int, bandwidth_gbs: float) -> dict:
     efficiency) plus tokens_per_s = 1 / TPOT p50."""
     from atomflow.bench.engine import run_engine_tests
     from atomflow.bench.plan import BenchOptions, BenchTest
+
     test = BenchTest("tg", 0, gen, depth=prompt)
     opts = BenchOptions(model=str(eng.model.path), repetitions=1, tests=(test,))
     (row,) = run_engine_tests(eng, opts, bandwidth_gbs, log=lambda m: None)
@@ -65,8 +68,12 @@ def main() -> int:
     ap.add_argument("--workdir", default="/tmp/atomflow-models")
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--gen", type=int, default=256)
-    ap.add_argument("--max-context", type=int, default=None,
-                    help="KV cache length (default prompt + gen + 64); the attention grid is sized by it")
+    ap.add_argument(
+        "--max-context",
+        type=int,
+        default=None,
+        help="KV cache length (default prompt + gen + 64); the attention grid is sized by it",
+    )
     ap.add_argument("--tests-xml", default=None)
     a = ap.parse_args()
     max_context = a.max_context or a.prompt + a.gen + 64
@@ -79,9 +86,16 @@ def main() -> int:
     workdir = Path(a.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     bw = read_bandwidth_gbs()
-    summary = dict(commit=runinfo.commit(), date=time.strftime("%Y-%m-%d %H:%M:%S"), device=_core.device_info(),
-                   max_context=max_context,
-                   build=_core.build_info(), read_bandwidth_gbs=bw, tests=test_counts(a.tests_xml), models={})
+    summary = dict(
+        commit=runinfo.commit(),
+        date=time.strftime("%Y-%m-%d %H:%M:%S"),
+        device=_core.device_info(),
+        max_context=max_context,
+        build=_core.build_info(),
+        read_bandwidth_gbs=bw,
+        tests=test_counts(a.tests_xml),
+        models={},
+    )
     for preset in [p for p in a.presets.split(",") if p]:
         path = model_file(preset, workdir)
         for mode in ("graph", "eager"):
@@ -92,12 +106,16 @@ def main() -> int:
             del eng
     Path(a.out).write_text(json.dumps(summary, indent=2))
 
-    print(f"\natomflow gpu_check  commit {summary['commit']}  {summary['device'].get('name')}  "
-          f"read bandwidth {bw:.0f} GB/s  tests {summary['tests'] or 'not run'}")
+    print(
+        f"\natomflow gpu_check  commit {summary['commit']}  {summary['device'].get('name')}  "
+        f"read bandwidth {bw:.0f} GB/s  tests {summary['tests'] or 'not run'}"
+    )
     print(f"{'model/mode':<24} {'TPOT p50':>9} {'p99':>7} {'tok/s':>7} {'MB/token':>9} {'GB/s':>6} {'eff':>5} {'load':>6}")
     for name, r in summary["models"].items():
-        print(f"{name:<24} {r['tpot_ms_p50']:7.3f}ms {r['tpot_ms_p99']:6.3f} {r['tokens_per_s']:7.1f} "
-              f"{r['bytes_per_token'] / 1e6:9.1f} {r['achieved_gbs']:6.0f} {r['efficiency']:5.1%} {r['core_load_s']:5.2f}s")
+        print(
+            f"{name:<24} {r['tpot_ms_p50']:7.3f}ms {r['tpot_ms_p99']:6.3f} {r['tokens_per_s']:7.1f} "
+            f"{r['bytes_per_token'] / 1e6:9.1f} {r['achieved_gbs']:6.0f} {r['efficiency']:5.1%} {r['core_load_s']:5.2f}s"
+        )
     return 0
 
 

@@ -9,6 +9,7 @@ Every parameter is redrawn (transformers initializes biases to zero and norms to
 would hide a mapping error): weights N(0, 1/fan_in), o/down smaller, biases N(0, 0.5^2), norms
 1 + N(0, 0.1^2). The tokenizer is tools/make_tiny_model.py's (1024 ids, Llama 3 chat template).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,6 +37,7 @@ def make_arch_model(out_dir, preset: str, seed: int = 0) -> Path:
     from make_tiny_model import _write_tokenizer_files, build_tokenizer
 
     from atomflow.model.spec import ARCHITECTURES
+
     arch, hidden, inter, layers, heads, kv, head_dim, extra = PRESETS[preset]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -43,10 +45,22 @@ def make_arch_model(out_dir, preset: str, seed: int = 0) -> Path:
     ids = _write_tokenizer_files(out, tok)
     hf_arch = next(k for k, v in ARCHITECTURES.items() if v == arch)
     config_cls = getattr(transformers, hf_arch.replace("ForCausalLM", "Config"))
-    cfg = config_cls(vocab_size=tok.get_vocab_size(with_added_tokens=True), hidden_size=hidden, intermediate_size=inter,
-                     num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
-                     max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
-                     bos_token_id=ids["<|begin_of_text|>"], eos_token_id=ids["<|eot_id|>"], **extra)
+    cfg = config_cls(
+        vocab_size=tok.get_vocab_size(with_added_tokens=True),
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=head_dim,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        bos_token_id=ids["<|begin_of_text|>"],
+        eos_token_id=ids["<|eot_id|>"],
+        **extra,
+    )
     torch.manual_seed(seed)
     model = getattr(transformers, hf_arch)(cfg).to(torch.float32)
     with torch.no_grad():

@@ -53,13 +53,20 @@ CORPUS = Path(__file__).resolve().parent / "corpus.txt"
 CHUNK = 1 << 22  # elements per independently seeded chunk; changing it changes every weight
 
 BOS, EOT_TEXT, START_HEADER, END_HEADER, EOT_ID = (
-    "<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+)
 SPECIAL_TOKENS = [BOS, EOT_TEXT, START_HEADER, END_HEADER, EOT_ID]
 BPE_VOCAB = 1019  # + 5 special tokens = 1024
 
 # Llama 3's pre-tokenizer split (tiktoken cl100k-style pattern).
-LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 # Meta-Llama-3-8B-Instruct's template: no date, so prompts (and ground truth) do not change daily.
 LLAMA3_CHAT_TEMPLATE = (
@@ -67,7 +74,8 @@ LLAMA3_CHAT_TEMPLATE = (
     "{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'"
     "+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}"
     "{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
 
 DTYPES = {  # --dtype -> (numpy dtype, safetensors dtype, config torch_dtype)
     "bf16": (ml_dtypes.bfloat16, "BF16", "bfloat16"),
@@ -101,34 +109,45 @@ PRESETS = {
 
 # ----------------------------------------------------------------------------- tokenizer
 
+
 def build_tokenizer():
     """Train the byte-level BPE on tools/corpus.txt; returns a `tokenizers.Tokenizer` (deterministic)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=BPE_VOCAB, min_frequency=1, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=[])
+    trainer = trainers.BpeTrainer(
+        vocab_size=BPE_VOCAB,
+        min_frequency=1,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=[],
+    )
     tok.train_from_iterator([CORPUS.read_text(encoding="utf-8")], trainer=trainer)
     tok.add_special_tokens(SPECIAL_TOKENS)  # appended after the BPE vocab, like Llama 3's 128000+
     bos_id = tok.token_to_id(BOS)
-    tok.post_processor = processors.Sequence([  # Llama 3: prepend <|begin_of_text|> when asked
-        processors.ByteLevel(trim_offsets=False),
-        processors.TemplateProcessing(single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B:1",
-                                      special_tokens=[(BOS, bos_id)]),
-    ])
+    tok.post_processor = processors.Sequence(
+        [  # Llama 3: prepend <|begin_of_text|> when asked
+            processors.ByteLevel(trim_offsets=False),
+            processors.TemplateProcessing(single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B:1", special_tokens=[(BOS, bos_id)]),
+        ]
+    )
     return tok
 
 
 def _write_tokenizer_files(out: Path, tok) -> dict:
     ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
     tok.save(str(out / "tokenizer.json"))
-    added = {str(ids[t]): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
-                           "single_word": False, "special": True} for t in SPECIAL_TOKENS}
+    added = {
+        str(ids[t]): {"content": t, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False, "special": True}
+        for t in SPECIAL_TOKENS
+    }
     tokenizer_config = {
         "add_bos_token": True,
         "add_eos_token": False,
@@ -143,21 +162,24 @@ def _write_tokenizer_files(out: Path, tok) -> dict:
     }
     _write_json(out / "tokenizer_config.json", tokenizer_config)
     _write_json(out / "special_tokens_map.json", {"bos_token": BOS, "eos_token": EOT_ID})
-    _write_json(out / "generation_config.json", {
-        "bos_token_id": ids[BOS],
-        "do_sample": True,
-        "eos_token_id": [ids[EOT_TEXT], ids[EOT_ID]],
-        "temperature": 0.6,
-        "top_p": 0.9,
-        "transformers_version": "4.45.0",
-    })
+    _write_json(
+        out / "generation_config.json",
+        {
+            "bos_token_id": ids[BOS],
+            "do_sample": True,
+            "eos_token_id": [ids[EOT_TEXT], ids[EOT_ID]],
+            "temperature": 0.6,
+            "top_p": 0.9,
+            "transformers_version": "4.45.0",
+        },
+    )
     return ids
 
 
 # ----------------------------------------------------------------------------- config and shapes
 
-def resolve_preset(preset: str, num_layers: int | None = None, untied: bool = False,
-                   vocab: int | None = None) -> Preset:
+
+def resolve_preset(preset: str, num_layers: int | None = None, untied: bool = False, vocab: int | None = None) -> Preset:
     """The preset with the command-line overrides applied (vocab fills in the tiny preset's None)."""
     if preset not in PRESETS:
         raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
@@ -173,25 +195,26 @@ def resolve_preset(preset: str, num_layers: int | None = None, untied: bool = Fa
     return p
 
 
-def hf_tensor_shapes(preset: str | Preset, num_layers: int | None = None,
-                     untied: bool = False) -> dict[str, tuple[int, ...]]:
+def hf_tensor_shapes(preset: str | Preset, num_layers: int | None = None, untied: bool = False) -> dict[str, tuple[int, ...]]:
     """HF tensor name -> shape, in file order, for a preset (nothing is written)."""
     p = preset if isinstance(preset, Preset) else resolve_preset(preset, num_layers, untied)
     d, f, q, kv = p.hidden, p.intermediate, p.heads * p.head_dim, p.kv_heads * p.head_dim
     shapes = {"model.embed_tokens.weight": (p.vocab, d)}
     for i in range(p.layers):
         pre = f"model.layers.{i}."
-        shapes.update({
-            pre + "input_layernorm.weight": (d,),
-            pre + "self_attn.q_proj.weight": (q, d),
-            pre + "self_attn.k_proj.weight": (kv, d),
-            pre + "self_attn.v_proj.weight": (kv, d),
-            pre + "self_attn.o_proj.weight": (d, q),
-            pre + "post_attention_layernorm.weight": (d,),
-            pre + "mlp.gate_proj.weight": (f, d),
-            pre + "mlp.up_proj.weight": (f, d),
-            pre + "mlp.down_proj.weight": (d, f),
-        })
+        shapes.update(
+            {
+                pre + "input_layernorm.weight": (d,),
+                pre + "self_attn.q_proj.weight": (q, d),
+                pre + "self_attn.k_proj.weight": (kv, d),
+                pre + "self_attn.v_proj.weight": (kv, d),
+                pre + "self_attn.o_proj.weight": (d, q),
+                pre + "post_attention_layernorm.weight": (d,),
+                pre + "mlp.gate_proj.weight": (f, d),
+                pre + "mlp.up_proj.weight": (f, d),
+                pre + "mlp.down_proj.weight": (d, f),
+            }
+        )
     shapes["model.norm.weight"] = (d,)
     if not p.tied:
         shapes["lm_head.weight"] = (p.vocab, d)
@@ -211,8 +234,13 @@ def _init_stats(name: str, shape: tuple[int, ...], p: Preset) -> tuple[float, fl
 
 def config_dict(p: Preset, dtype: str, ids: dict, transformers_version: int) -> dict:
     """config.json as transformers 4.x (rope_theta + rope_scaling) or 5.x (rope_parameters) writes it."""
-    rope = {"factor": p.rope_factor, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
-            "original_max_position_embeddings": p.original_max_pos, "rope_type": "llama3"}
+    rope = {
+        "factor": p.rope_factor,
+        "high_freq_factor": 4.0,
+        "low_freq_factor": 1.0,
+        "original_max_position_embeddings": p.original_max_pos,
+        "rope_type": "llama3",
+    }
     cfg = {
         "architectures": ["LlamaForCausalLM"],
         "attention_bias": False,
@@ -237,17 +265,16 @@ def config_dict(p: Preset, dtype: str, ids: dict, transformers_version: int) -> 
         "vocab_size": p.vocab,
     }
     if transformers_version == 4:
-        cfg.update(rope_scaling=rope, rope_theta=500000.0, torch_dtype=DTYPES[dtype][2],
-                   transformers_version="4.45.0")
+        cfg.update(rope_scaling=rope, rope_theta=500000.0, torch_dtype=DTYPES[dtype][2], transformers_version="4.45.0")
     elif transformers_version == 5:
-        cfg.update(rope_parameters={**rope, "rope_theta": 500000.0}, dtype=DTYPES[dtype][2],
-                   transformers_version="5.23.0")
+        cfg.update(rope_parameters={**rope, "rope_theta": 500000.0}, dtype=DTYPES[dtype][2], transformers_version="5.23.0")
     else:
         raise ValueError(f"transformers_version must be 4 or 5, got {transformers_version}")
     return dict(sorted(cfg.items()))
 
 
 # ----------------------------------------------------------------------------- weights
+
 
 def _chunk(seed: int, tensor_idx: int, chunk_idx: int, n: int, mean: float, std: float, np_dtype) -> np.ndarray:
     rng = np.random.default_rng([seed, tensor_idx, chunk_idx])
@@ -273,8 +300,17 @@ def _plan_shards(shapes: dict, itemsize: int, shard_bytes: int | None) -> list[l
     return shards
 
 
-def _write_shard(path: Path, names: list[str], shapes: dict, p: Preset, dtype: str, seed: int,
-                 tensor_index: dict, pool: ThreadPoolExecutor, window: int) -> None:
+def _write_shard(
+    path: Path,
+    names: list[str],
+    shapes: dict,
+    p: Preset,
+    dtype: str,
+    seed: int,
+    tensor_index: dict,
+    pool: ThreadPoolExecutor,
+    window: int,
+) -> None:
     """Hand-written safetensors: header first, then each tensor streamed chunk by chunk."""
     np_dtype, st_dtype, _ = DTYPES[dtype]
     itemsize = np.dtype(np_dtype).itemsize
@@ -302,9 +338,17 @@ def _write_shard(path: Path, names: list[str], shapes: dict, p: Preset, dtype: s
             f.write(pending.popleft().result().view(np.uint8).data)
 
 
-def make_model(out_dir, preset: str = "tiny", seed: int = 0, dtype: str = "bf16", untied: bool = False,
-               num_layers: int | None = None, shard_size_mb: float | None = None,
-               transformers_version: int = 4, threads: int | None = None) -> Path:
+def make_model(
+    out_dir,
+    preset: str = "tiny",
+    seed: int = 0,
+    dtype: str = "bf16",
+    untied: bool = False,
+    num_layers: int | None = None,
+    shard_size_mb: float | None = None,
+    transformers_version: int = 4,
+    threads: int | None = None,
+) -> Path:
     """Write the random HF Llama directory and return its path. shard_size_mb None: two shards for
     the tiny preset, 2000 MB shards for the others."""
     if dtype not in DTYPES:
@@ -325,18 +369,24 @@ def make_model(out_dir, preset: str = "tiny", seed: int = 0, dtype: str = "bf16"
     shards = _plan_shards(shapes, itemsize, None if shard_size_mb is None else int(shard_size_mb * 2**20))
     for stale in list(out.glob("model*.safetensors")) + list(out.glob("model.safetensors.index.json")):
         stale.unlink()
-    files = (["model.safetensors"] if len(shards) == 1 else
-             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    files = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
     tensor_index = {name: i for i, name in enumerate(shapes)}
     threads = threads or os.cpu_count() or 1
     with ThreadPoolExecutor(threads) as pool:
         for fname, names in zip(files, shards):
             _write_shard(out / fname, names, shapes, p, dtype, seed, tensor_index, pool, window=2 * threads)
     if len(shards) > 1:
-        _write_json(out / "model.safetensors.index.json", {
-            "metadata": {"total_size": sum(math.prod(s) * itemsize for s in shapes.values())},
-            "weight_map": {name: fname for fname, names in zip(files, shards) for name in names},
-        })
+        _write_json(
+            out / "model.safetensors.index.json",
+            {
+                "metadata": {"total_size": sum(math.prod(s) * itemsize for s in shapes.values())},
+                "weight_map": {name: fname for fname, names in zip(files, shards) for name in names},
+            },
+        )
     return out
 
 
@@ -352,15 +402,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     ap.add_argument("--untied", action="store_true", help="write a separate lm_head.weight")
     ap.add_argument("--num-layers", type=int, default=None)
-    ap.add_argument("--shard-size-mb", type=float, default=None,
-                    help="max shard size (default: 2 shards for tiny, 2000 MB otherwise)")
-    ap.add_argument("--transformers-version", type=int, default=4, choices=(4, 5),
-                    help="config.json rope keys as transformers 4.x or 5.x writes them")
+    ap.add_argument(
+        "--shard-size-mb", type=float, default=None, help="max shard size (default: 2 shards for tiny, 2000 MB otherwise)"
+    )
+    ap.add_argument(
+        "--transformers-version",
+        type=int,
+        default=4,
+        choices=(4, 5),
+        help="config.json rope keys as transformers 4.x or 5.x writes them",
+    )
     ap.add_argument("--threads", type=int, default=None)
     a = ap.parse_args(argv)
     t0 = time.perf_counter()
-    out = make_model(a.out_dir, a.preset, a.seed, a.dtype, a.untied, a.num_layers, a.shard_size_mb,
-                     a.transformers_version, a.threads)
+    out = make_model(
+        a.out_dir, a.preset, a.seed, a.dtype, a.untied, a.num_layers, a.shard_size_mb, a.transformers_version, a.threads
+    )
     nbytes = sum(f.stat().st_size for f in out.glob("*.safetensors"))
     dt = time.perf_counter() - t0
     print(f"wrote {out} ({a.preset}, {nbytes / 2**30:.2f} GiB) in {dt:.1f} s ({nbytes / dt / 1e9:.2f} GB/s)")

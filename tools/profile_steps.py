@@ -9,6 +9,7 @@ decode:   N single decode steps (Engine.decode: one graph replay each, or the ea
 generate: one pipelined generation of N tokens from a --context-token prompt, as `atomflow run`
           does it (its prefill is inside the range too: the timeline shows TTFT as well).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--steps must be >= 1 and --context >= 0")
 
     from atomflow import Engine, SamplingParams, _core
+
     eng = Engine.load(a.model, backend="cuda", max_context=a.context + a.steps + 8, eager=a.eager or None)
     ids = np.random.default_rng(0).integers(0, eng.spec.vocab_size, a.context + 1).astype(np.int32)
     params = SamplingParams(temperature=0.0, max_new_tokens=a.steps, ignore_eos=True)
@@ -36,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     def fill() -> None:
         eng.reset()
         if a.context:
-            eng.prefill(ids[:a.context])
+            eng.prefill(ids[: a.context])
 
     fill()
     for _ in range(2):  # warm-up: module loading and first-touch costs stay out of the range
@@ -51,8 +53,11 @@ def main(argv: list[str] | None = None) -> int:
         n = sum(1 for _ in eng.generate_tokens(ids, params))
         assert n == a.steps, n
     _core.profiler_stop()
-    print(f"profile_steps: {a.steps} {a.mode} steps at context {a.context} "
-          f"({'eager' if a.eager else 'graph'}) on {eng.backend_name}", file=sys.stderr)
+    print(
+        f"profile_steps: {a.steps} {a.mode} steps at context {a.context} "
+        f"({'eager' if a.eager else 'graph'}) on {eng.backend_name}",
+        file=sys.stderr,
+    )
     return 0
 
 

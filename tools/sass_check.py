@@ -23,6 +23,7 @@ architectures, which is what runs); scripts/gpu_check.sh checks those.
 
 Needs nvcc and cuobjdump (CUDA toolkit). Exit 0: clean; 1: waits found; 2: tools missing.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -81,13 +82,17 @@ def staging_waits(rows: list[tuple[int, str, int, int]]) -> list[tuple[int, str]
     bars = [n for n in range(start, first_mma) if rows[n][1].startswith("BAR.SYNC")]
     if not bars:
         return []
-    return [(addr, ins) for addr, ins, _, mask in rows[start:bars[-1]]
-            if not ins.startswith("CALL") and any(mask >> sb & 1 for sb in boards)]
+    return [
+        (addr, ins)
+        for addr, ins, _, mask in rows[start : bars[-1]]
+        if not ins.startswith("CALL") and any(mask >> sb & 1 for sb in boards)
+    ]
 
 
 def built_modules() -> list[Path]:
     """Files of the installed atomflow._core and atomflow._sandbox (those that import)."""
     import importlib
+
     found = []
     for name in ("atomflow._core", "atomflow._sandbox"):
         try:
@@ -124,8 +129,9 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         with tempfile.TemporaryDirectory() as tmp:
             cubin = Path(tmp) / "k.cubin"
-            subprocess.run(["nvcc", "-arch=sm_90", "-std=c++17", f"-I{ROOT / 'include'}", "-cubin", "-o", str(cubin),
-                            a.source], check=True)
+            subprocess.run(
+                ["nvcc", "-arch=sm_90", "-std=c++17", f"-I{ROOT / 'include'}", "-cubin", "-o", str(cubin), a.source], check=True
+            )
             text = disassemble(cubin)
     failed, checked = 0, 0
     for fn in re.split(r"\n\s*Function : ", text)[1:]:
@@ -136,11 +142,15 @@ def main(argv: list[str] | None = None) -> int:
         rows = decode(fn)
         bad, staging = burst_waits(rows), staging_waits(rows)
         if bad:
-            print(f"sass_check: {name}: {len(bad)} scoreboard wait(s) inside weight-load bursts, first at "
-                  f"0x{bad[0][0]:x} ({bad[0][1]})")
+            print(
+                f"sass_check: {name}: {len(bad)} scoreboard wait(s) inside weight-load bursts, first at "
+                f"0x{bad[0][0]:x} ({bad[0][1]})"
+            )
         if staging:
-            print(f"sass_check: {name}: {len(staging)} wait(s) on the weight loads while x is staged, first at "
-                  f"0x{staging[0][0]:x} ({staging[0][1]})")
+            print(
+                f"sass_check: {name}: {len(staging)} wait(s) on the weight loads while x is staged, first at "
+                f"0x{staging[0][0]:x} ({staging[0][1]})"
+            )
         failed += bool(bad or staging)
     if not checked:
         print("sass_check: no gemv_w8a16_kernel in the disassembly", file=sys.stderr)

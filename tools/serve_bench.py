@@ -19,6 +19,7 @@ modes (any combination; default: load):
 Served TPOT vs the engine's: run `atomflow bench MODEL -p P -n G` and `load --concurrency 1` with the
 same P and G, and compare tg TPOT p50 (pooled gaps) with ITL p50 here (and TPOT p50, per request).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,9 +32,11 @@ import time
 import httpx
 import numpy as np
 
-WORDS = ("the cache keeps every key and value of the tokens before so a new token reads them instead of "
-         "computing them again which is why decoding one token costs a pass over the weights and the cache "
-         "memory bandwidth bounds the speed of a single stream on a modern accelerator").split()
+WORDS = (
+    "the cache keeps every key and value of the tokens before so a new token reads them instead of "
+    "computing them again which is why decoding one token costs a pass over the weights and the cache "
+    "memory bandwidth bounds the speed of a single stream on a modern accelerator"
+).split()
 
 
 def pct(xs, q) -> float:
@@ -62,8 +65,11 @@ async def stream_request(client: httpx.AsyncClient, url: str, path: str, body: d
                 out["usage"] = chunk["usage"]
             for c in chunk.get("choices") or []:
                 delta = c.get("delta")
-                has_token = ("text" in c and c.get("finish_reason") is None) if delta is None \
+                has_token = (
+                    ("text" in c and c.get("finish_reason") is None)
+                    if delta is None
                     else ("content" in delta and "role" not in delta)
+                )
                 if has_token:
                     out["chunks"].append(now)
                     out["text"] += (delta or {}).get("content") or c.get("text") or ""
@@ -77,10 +83,14 @@ def timings(res: dict) -> dict | None:
         return None
     n = res["usage"]["completion_tokens"] if res["usage"] else len(res["chunks"])
     first, last = res["chunks"][0], res["chunks"][-1]
-    return {"ttft": first - res["t0"], "tpot": (last - first) / (n - 1) if n > 1 else float("nan"),
-            "e2e": res["end"] - res["t0"], "tokens": n,
-            "prompt_tokens": res["usage"]["prompt_tokens"] if res["usage"] else None,
-            "cached_tokens": ((res["usage"] or {}).get("prompt_tokens_details") or {}).get("cached_tokens")}
+    return {
+        "ttft": first - res["t0"],
+        "tpot": (last - first) / (n - 1) if n > 1 else float("nan"),
+        "e2e": res["end"] - res["t0"],
+        "tokens": n,
+        "prompt_tokens": res["usage"]["prompt_tokens"] if res["usage"] else None,
+        "cached_tokens": ((res["usage"] or {}).get("prompt_tokens_details") or {}).get("cached_tokens"),
+    }
 
 
 # -- load ----------------------------------------------------------------------------------------
@@ -90,10 +100,17 @@ async def run_load(a, headers) -> dict:
     limits = httpx.Limits(max_connections=a.concurrency + 4, max_keepalive_connections=a.concurrency + 4)
 
     async with httpx.AsyncClient(timeout=httpx.Timeout(a.timeout), limits=limits) as client:
+
         async def one(i):
             prompt = [rnd.randrange(a.id_low, a.id_high) for _ in range(a.input_len)]
-            body = {"prompt": prompt, "max_tokens": a.output_len, "stream": True, "ignore_eos": True,
-                    "temperature": 0, "stream_options": {"include_usage": True}}
+            body = {
+                "prompt": prompt,
+                "max_tokens": a.output_len,
+                "stream": True,
+                "ignore_eos": True,
+                "temperature": 0,
+                "stream_options": {"include_usage": True},
+            }
             if a.model:
                 body["model"] = a.model
             async with sem:
@@ -101,6 +118,7 @@ async def run_load(a, headers) -> dict:
                     return await stream_request(client, a.url, "/v1/completions", body, headers)
                 except httpx.HTTPError as e:
                     return {"status": -1, "error": repr(e)}
+
         if a.warmup:
             await one(-1)
         t0 = time.perf_counter()
@@ -109,9 +127,18 @@ async def run_load(a, headers) -> dict:
     done = [t for t in map(timings, results) if t is not None]
     rejected = sum(r["status"] in (503, 504) for r in results)
     failed = sum(r["status"] not in (200, 503, 504) for r in results)
-    out = {"mode": "load", "concurrency": a.concurrency, "requests": a.num_requests, "input_len": a.input_len,
-           "output_len": a.output_len, "completed": len(done), "rejected": rejected, "failed": failed,
-           "wall_s": wall, "output_tokens_per_s": sum(t["tokens"] for t in done) / wall}
+    out = {
+        "mode": "load",
+        "concurrency": a.concurrency,
+        "requests": a.num_requests,
+        "input_len": a.input_len,
+        "output_len": a.output_len,
+        "completed": len(done),
+        "rejected": rejected,
+        "failed": failed,
+        "wall_s": wall,
+        "output_tokens_per_s": sum(t["tokens"] for t in done) / wall,
+    }
     for k in ("ttft", "tpot", "e2e"):
         xs = [t[k] for t in done if t[k] == t[k]]
         out[k] = {"mean": float(np.mean(xs)) if xs else float("nan"), "p50": pct(xs, 50), "p99": pct(xs, 99)}
@@ -119,8 +146,10 @@ async def run_load(a, headers) -> dict:
     # TPOT samples); one chunk is one token unless the client fell behind
     gaps = [g for r in results if r.get("chunks") for g in np.diff(r["chunks"])]
     out["itl"] = {"mean": float(np.mean(gaps)) if gaps else float("nan"), "p50": pct(gaps, 50), "p99": pct(gaps, 99)}
-    print(f"load: C={a.concurrency} N={a.num_requests} P={a.input_len} G={a.output_len} | completed {len(done)}, "
-          f"rejected {rejected}, failed {failed} | {wall:.2f} s, {out['output_tokens_per_s']:.1f} output tokens/s")
+    print(
+        f"load: C={a.concurrency} N={a.num_requests} P={a.input_len} G={a.output_len} | completed {len(done)}, "
+        f"rejected {rejected}, failed {failed} | {wall:.2f} s, {out['output_tokens_per_s']:.1f} output tokens/s"
+    )
     print(f"{'ms':>6} {'mean':>9} {'p50':>9} {'p99':>9}")
     for k in ("ttft", "tpot", "itl", "e2e"):
         print(f"{k:>6} {ms(out[k]['mean'])} {ms(out[k]['p50'])} {ms(out[k]['p99'])}")
@@ -139,8 +168,14 @@ async def run_turns(a, headers) -> dict:
             rnd = random.Random(a.seed * 1000 + conv)
             messages = [{"role": "user", "content": words(rnd, a.first_turn_len)}]
             for turn in range(a.turns):
-                body = {"messages": messages, "max_tokens": a.output_len, "stream": True, "temperature": 0,
-                        "ignore_eos": True, "stream_options": {"include_usage": True}}
+                body = {
+                    "messages": messages,
+                    "max_tokens": a.output_len,
+                    "stream": True,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "stream_options": {"include_usage": True},
+                }
                 if a.model:
                     body["model"] = a.model
                 res = await stream_request(client, a.url, "/v1/chat/completions", body, headers)
@@ -149,20 +184,36 @@ async def run_turns(a, headers) -> dict:
                 t = timings(res)
                 if conv >= (1 if a.warmup else 0):
                     rows[turn].append(t)
-                messages = messages + [{"role": "assistant", "content": res["text"]},
-                                       {"role": "user", "content": words(rnd, a.turn_len)}]
-    out = {"mode": "turns", "conversations": a.conversations, "first_turn_len": a.first_turn_len,
-           "turn_len": a.turn_len, "output_len": a.output_len, "turns": []}
-    print(f"turns: {a.conversations} conversation(s), first turn ~{a.first_turn_len} words, then ~{a.turn_len}, "
-          f"{a.output_len} tokens out")
+                messages = messages + [
+                    {"role": "assistant", "content": res["text"]},
+                    {"role": "user", "content": words(rnd, a.turn_len)},
+                ]
+    out = {
+        "mode": "turns",
+        "conversations": a.conversations,
+        "first_turn_len": a.first_turn_len,
+        "turn_len": a.turn_len,
+        "output_len": a.output_len,
+        "turns": [],
+    }
+    print(
+        f"turns: {a.conversations} conversation(s), first turn ~{a.first_turn_len} words, then ~{a.turn_len}, "
+        f"{a.output_len} tokens out"
+    )
     print(f"{'turn':>4} {'prompt':>7} {'cached':>7} {'prefilled':>9} {'TTFT ms p50':>12} {'TPOT ms p50':>12}")
     for i, ts in enumerate(rows):
-        row = {"turn": i + 1, "prompt_tokens": int(np.median([t["prompt_tokens"] for t in ts])),
-               "cached_tokens": int(np.median([t["cached_tokens"] or 0 for t in ts])),
-               "ttft_p50": pct([t["ttft"] for t in ts], 50), "tpot_p50": pct([t["tpot"] for t in ts], 50)}
+        row = {
+            "turn": i + 1,
+            "prompt_tokens": int(np.median([t["prompt_tokens"] for t in ts])),
+            "cached_tokens": int(np.median([t["cached_tokens"] or 0 for t in ts])),
+            "ttft_p50": pct([t["ttft"] for t in ts], 50),
+            "tpot_p50": pct([t["tpot"] for t in ts], 50),
+        }
         out["turns"].append(row)
-        print(f"{i + 1:>4} {row['prompt_tokens']:>7} {row['cached_tokens']:>7} "
-              f"{row['prompt_tokens'] - row['cached_tokens']:>9} {ms(row['ttft_p50']):>12} {ms(row['tpot_p50']):>12}")
+        print(
+            f"{i + 1:>4} {row['prompt_tokens']:>7} {row['cached_tokens']:>7} "
+            f"{row['prompt_tokens'] - row['cached_tokens']:>9} {ms(row['ttft_p50']):>12} {ms(row['tpot_p50']):>12}"
+        )
     return out
 
 
@@ -200,12 +251,20 @@ def run_cancel(a, headers) -> dict:
     k = "atomflow_cancel_latency_seconds"
     count = metric(m1, k + "_count") - metric(m0, k + "_count")
     server = (metric(m1, k + "_sum") - metric(m0, k + "_sum")) / count if count else float("nan")
-    out = {"mode": "cancel", "cancels": a.cancels, "client_p50": pct(lat, 50), "client_p99": pct(lat, 99),
-           "client_max": max(lat), "server_mean": server}
-    print(f"cancel: {a.cancels} streams dropped after {a.cancel_after} chunks | client close -> engine free: "
-          f"p50 {ms(out['client_p50']).strip()} ms, p99 {ms(out['client_p99']).strip()} ms, max "
-          f"{ms(out['client_max']).strip()} ms (one /health round trip included) | server cancel flag -> engine "
-          f"free: mean {ms(server).strip()} ms")
+    out = {
+        "mode": "cancel",
+        "cancels": a.cancels,
+        "client_p50": pct(lat, 50),
+        "client_p99": pct(lat, 99),
+        "client_max": max(lat),
+        "server_mean": server,
+    }
+    print(
+        f"cancel: {a.cancels} streams dropped after {a.cancel_after} chunks | client close -> engine free: "
+        f"p50 {ms(out['client_p50']).strip()} ms, p99 {ms(out['client_p99']).strip()} ms, max "
+        f"{ms(out['client_max']).strip()} ms (one /health round trip included) | server cancel flag -> engine "
+        f"free: mean {ms(server).strip()} ms"
+    )
     return out
 
 

@@ -10,6 +10,7 @@ every machine): 22.8K SmolLM2 tokens, so ctx 1024 / stride 512 scores ~22K token
 2. the breakdown: the numpy reference with the GGUF's fp32 weights, FP8 (the file's dequantized
    weights) swapped in for one class of matrices at a time, over the first N windows.
 """
+
 from __future__ import annotations
 
 import argparse

@@ -11,6 +11,7 @@ to its start (negative: it started early under PDL).
 
     python tools/timeline.py MODEL [--steps 16] [--context 128] [--max-context N] [--json out.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,16 +24,22 @@ import numpy as np
 
 # gemv_w8a16_kernel<Ep, In, whole>: Ep 0 Store, 1 AddResidual, 2 SwiGLU, 3 RopeKV; In 2 = fused RMSNorm;
 # whole: K a multiple of 512 (the variant without the clamp at a row's end).
-GEMV = re.compile(r"gemv_w8a16_kernel<\(atomflow::kernels::Ep\)(\d), \(atomflow::kernels::In\)(\d)"
-                  r"(?:, (?:true|false))?>")
+GEMV = re.compile(
+    r"gemv_w8a16_kernel<\(atomflow::kernels::Ep\)(\d), \(atomflow::kernels::In\)(\d)"
+    r"(?:, (?:true|false))?>"
+)
 
 
 def label(name: str, seen_add: int) -> str:
     m = GEMV.search(name)
     if m:
         ep, inp = int(m.group(1)), int(m.group(2))
-        return {3: "gemv qkv+norm+rope", 2: "gemv gate_up+norm", 0: "lm_head" if inp == 2 else "gemv store",
-                1: "gemv o" if seen_add % 2 == 0 else "gemv down"}[ep]
+        return {
+            3: "gemv qkv+norm+rope",
+            2: "gemv gate_up+norm",
+            0: "lm_head" if inp == 2 else "gemv store",
+            1: "gemv o" if seen_add % 2 == 0 else "gemv down",
+        }[ep]
     short = re.sub(r"^void |\(.*$|<.*$", "", name).split("::")[-1]
     return short
 
@@ -57,8 +64,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("model")
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--context", type=int, default=128)
-    ap.add_argument("--max-context", type=int, default=None,
-                    help="KV cache length (default: just what the steps need; `atomflow run` uses 8192)")
+    ap.add_argument(
+        "--max-context",
+        type=int,
+        default=None,
+        help="KV cache length (default: just what the steps need; `atomflow run` uses 8192)",
+    )
     ap.add_argument("--json", help="also write the per-label table here")
     a = ap.parse_args(argv)
     if a.steps < 1 or a.context < 0:
@@ -75,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.cuda.init()
 
     from atomflow import Engine
+
     need = a.context + a.steps + 8
     if a.max_context is not None and a.max_context < need:
         ap.error(f"--max-context must be >= {need} (context + steps + 8)")
@@ -82,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     ids = np.random.default_rng(0).integers(0, eng.spec.vocab_size, a.context + 1).astype(np.int32)
     eng.reset()
     if a.context:
-        eng.prefill(ids[:a.context])
+        eng.prefill(ids[: a.context])
     token = int(ids[a.context])
     for _ in range(3):  # warm-up: graph capture, module loading
         token = int(np.argmax(eng.decode(token)))
@@ -90,8 +102,11 @@ def main(argv: list[str] | None = None) -> int:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(a.steps):
             token = int(np.argmax(eng.decode(token)))  # each step waited for: steps never overlap
-    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-              and "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
+    events = [
+        e
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA and "memcpy" not in e.name.lower() and "memset" not in e.name.lower()
+    ]
     if not events:
         print("timeline: the profiler recorded no kernels (CUPTI unavailable?)", file=sys.stderr)
         return 1
@@ -123,17 +138,27 @@ def main(argv: list[str] | None = None) -> int:
     table = []
     for lab, p in per.items():
         n = statistics.median(p["n"])
-        table.append(dict(label=lab, per_step=n, charged_us=statistics.median(p["charged"]),
-                          charged_each_us=statistics.median(p["charged"]) / n,
-                          duration_each_us=statistics.median(p["duration"]) / n,
-                          gap_each_us=statistics.median(p["gap"]) / n))
+        table.append(
+            dict(
+                label=lab,
+                per_step=n,
+                charged_us=statistics.median(p["charged"]),
+                charged_each_us=statistics.median(p["charged"]) / n,
+                duration_each_us=statistics.median(p["duration"]) / n,
+                gap_each_us=statistics.median(p["gap"]) / n,
+            )
+        )
     table.sort(key=lambda r: -r["charged_us"])
-    print(f"timeline: {len(steps)} graph decode steps at context {a.context} (max_context {eng.max_context}), "
-          f"step span p50 {span:.1f} us")
+    print(
+        f"timeline: {len(steps)} graph decode steps at context {a.context} (max_context {eng.max_context}), "
+        f"step span p50 {span:.1f} us"
+    )
     print(f"{'kernel':<24}{'per step':>9}{'charged us':>12}{'share':>8}{'each us':>9}{'own us':>8}{'gap us':>8}")
     for r in table:
-        print(f"{r['label']:<24}{r['per_step']:>9.0f}{r['charged_us']:>12.1f}{100 * r['charged_us'] / span:>7.1f}%"
-              f"{r['charged_each_us']:>9.2f}{r['duration_each_us']:>8.2f}{r['gap_each_us']:>8.2f}")
+        print(
+            f"{r['label']:<24}{r['per_step']:>9.0f}{r['charged_us']:>12.1f}{100 * r['charged_us'] / span:>7.1f}%"
+            f"{r['charged_each_us']:>9.2f}{r['duration_each_us']:>8.2f}{r['gap_each_us']:>8.2f}"
+        )
     if a.json:
         with open(a.json, "w") as f:
             json.dump(dict(step_span_us=span, steps=len(steps), context=a.context, kernels=table), f, indent=1)

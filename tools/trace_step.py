@@ -13,6 +13,7 @@ trace.cuh.
     python tools/trace_step.py MODEL [--context 128] [--steps 4] [--pipelined] [--save trace.npz]
     python tools/trace_step.py --load trace.npz [--layer 13] [--bin 0.25]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,8 +22,18 @@ import sys
 import numpy as np
 from numpy.lib import recfunctions as rfn
 
-REC = np.dtype([("id", "<u8"), ("kind", "<u4"), ("block", "<u4"), ("warp", "<u4"), ("smid", "<u4"),
-                ("K", "<u4"), ("n", "<u4"), ("t", "<u8", (16,))])
+REC = np.dtype(
+    [
+        ("id", "<u8"),
+        ("kind", "<u4"),
+        ("block", "<u4"),
+        ("warp", "<u4"),
+        ("smid", "<u4"),
+        ("K", "<u4"),
+        ("n", "<u4"),
+        ("t", "<u8", (16,)),
+    ]
+)
 assert REC.itemsize == 160
 ENTRY, LANDED, WAITED, STAGED, ITER0, BARRIER, REDUCED, CONVERTED, ITERLAST, EXIT = 0, 1, 2, 3, 4, 10, 11, 12, 13, 15
 ITER_SLOTS = BARRIER - ITER0  # iterations with a slot of their own; the later ones share ITERLAST
@@ -34,6 +45,7 @@ def _ready(model: str, context: int, max_context: int):
     """(engine, ops, the next token) with `context` random tokens prefilled, or exit without a trace build."""
     from atomflow import Engine
     from atomflow._core import ops
+
     if not ops.trace_built():
         sys.exit("trace_step: this build has no trace; reinstall with ATOMFLOW_TRACE=ON")
     eng = Engine.load(model, backend="cuda", max_context=max_context)
@@ -59,8 +71,7 @@ def record(model: str, context: int, steps: int, per_sm: int) -> tuple[np.ndarra
         out.append(recs)
         dropped.append(int(d))
     ops.trace_arm(0)
-    return np.concatenate([rfn.append_fields(r, "step", np.full(len(r), i), usemask=False)
-                           for i, r in enumerate(out)]), dropped
+    return np.concatenate([rfn.append_fields(r, "step", np.full(len(r), i), usemask=False) for i, r in enumerate(out)]), dropped
 
 
 def record_pipelined(model: str, context: int, steps: int, per_sm: int) -> tuple[np.ndarray, list[int]]:
@@ -146,24 +157,45 @@ def summarize(step: list[dict], t0: int) -> list[dict]:
         t = l["t"]
         if l["attn"]:
             merged = (l["recs"]["kind"] & 0x10) != 0
-            rows.append(dict(name=l["name"], n=len(t), entry=us(t[:, A_ENTRY].min()),
-                             waited=us(np.median(t[:, A_WAITED])), waited_last=us(t[:, A_WAITED].max()),
-                             landed=us(np.median(t[:, A_PARTIAL])), staged=us(np.median(t[:, A_LOOP])),
-                             done=us(t[merged, A_MERGED].max()) if merged.any() else float("nan"),
-                             exit=us(np.max(np.where(merged, t[:, A_MERGED], t[:, A_TICKET])))))
+            rows.append(
+                dict(
+                    name=l["name"],
+                    n=len(t),
+                    entry=us(t[:, A_ENTRY].min()),
+                    waited=us(np.median(t[:, A_WAITED])),
+                    waited_last=us(t[:, A_WAITED].max()),
+                    landed=us(np.median(t[:, A_PARTIAL])),
+                    staged=us(np.median(t[:, A_LOOP])),
+                    done=us(t[merged, A_MERGED].max()) if merged.any() else float("nan"),
+                    exit=us(np.max(np.where(merged, t[:, A_MERGED], t[:, A_TICKET]))),
+                )
+            )
         else:
-            rows.append(dict(name=l["name"], n=len(t), entry=us(t[:, ENTRY].min()),
-                             waited=us(np.median(t[:, WAITED])), waited_last=us(t[:, WAITED].max()),
-                             landed=us(np.median(t[:, LANDED])), staged=us(np.median(t[:, STAGED])),
-                             done=us(np.median(t[:, EXIT])),
-                             exit=us(t[:, EXIT].max())))
+            rows.append(
+                dict(
+                    name=l["name"],
+                    n=len(t),
+                    entry=us(t[:, ENTRY].min()),
+                    waited=us(np.median(t[:, WAITED])),
+                    waited_last=us(t[:, WAITED].max()),
+                    landed=us(np.median(t[:, LANDED])),
+                    staged=us(np.median(t[:, STAGED])),
+                    done=us(np.median(t[:, EXIT])),
+                    exit=us(t[:, EXIT].max()),
+                )
+            )
     return rows
 
 
 COLS = ("entry", "waited", "waited_last", "landed", "staged", "done", "exit")
-A_PHASES = (("entry>issued", A_ENTRY, A_ISSUED), ("issued>waited", A_ISSUED, A_WAITED),
-            ("waited>loop", A_WAITED, A_LOOP), ("loop>partial", A_LOOP, A_PARTIAL),
-            ("partial>ticket", A_PARTIAL, A_TICKET), ("ticket>merged", A_TICKET, A_MERGED))
+A_PHASES = (
+    ("entry>issued", A_ENTRY, A_ISSUED),
+    ("issued>waited", A_ISSUED, A_WAITED),
+    ("waited>loop", A_WAITED, A_LOOP),
+    ("loop>partial", A_LOOP, A_PARTIAL),
+    ("partial>ticket", A_PARTIAL, A_TICKET),
+    ("ticket>merged", A_TICKET, A_MERGED),
+)
 
 
 def inner_layers(all_steps: list[list[dict]]):
@@ -172,7 +204,7 @@ def inner_layers(all_steps: list[list[dict]]):
     for st in all_steps:
         q = [i for i, l in enumerate(st) if l["name"] == "qkv"]
         for li in range(1, len(q) - 1):
-            yield st[q[li]:q[li + 1]], st[q[li + 1]]["first"]
+            yield st[q[li] : q[li + 1]], st[q[li + 1]]["first"]
 
 
 def attention_phases(all_steps: list[list[dict]]) -> dict[int, dict[str, float]]:
@@ -189,8 +221,7 @@ def attention_phases(all_steps: list[list[dict]]) -> dict[int, dict[str, float]]
                 for name, a, b in A_PHASES:
                     if t[a] > 0 and t[b] > 0:  # a stamp never taken is 0: A_MERGED in blocks that only exit
                         d[name].append((t[b] - t[a]) / 1e3)
-    return {k: {name: float(np.median(v)) if v else float("nan") for name, v in d.items()}
-            for k, d in sorted(per.items())}
+    return {k: {name: float(np.median(v)) if v else float("nan") for name, v in d.items()} for k, d in sorted(per.items())}
 
 
 def exit_spread(all_steps: list[list[dict]]) -> dict[str, dict]:
@@ -208,9 +239,13 @@ def exit_spread(all_steps: list[list[dict]]) -> dict[str, dict]:
             n = l["recs"]["n"]
             for k in np.unique(n).tolist():
                 d["by_n"].setdefault(int(k), []).append(float(np.median(ex[n == k])))
-    return {name: {"q": np.median(np.array(d["q"]), axis=0).tolist(),
-                   "by_n": {k: float(np.median(v)) for k, v in sorted(d["by_n"].items())}}
-            for name, d in per.items()}
+    return {
+        name: {
+            "q": np.median(np.array(d["q"]), axis=0).tolist(),
+            "by_n": {k: float(np.median(v)) for k, v in sorted(d["by_n"].items())},
+        }
+        for name, d in per.items()
+    }
 
 
 def layer_table(all_steps: list[list[dict]]) -> tuple[list[str], list[dict], float]:
@@ -236,8 +271,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("model", nargs="?")
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--pipelined", action="store_true",
-                    help="the steps back to back in one trace, as generate runs them (default: one decode() each)")
+    ap.add_argument(
+        "--pipelined",
+        action="store_true",
+        help="the steps back to back in one trace, as generate runs them (default: one decode() each)",
+    )
     ap.add_argument("--per-sm", type=int, default=4096, help="records per SM region and step")
     ap.add_argument("--save", help="write the raw records here (.npz) for --load")
     ap.add_argument("--load", help="analyze saved records instead of running a model")
@@ -254,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
             ap.error("MODEL or --load is required")
         recs, dropped = (record_pipelined if a.pipelined else record)(a.model, a.context, a.steps, a.per_sm)
         from atomflow._core import ops
+
         bw = a.bw or ops.stream_read_bandwidth(1 << 30, 20)
         if a.save:
             np.savez_compressed(a.save, recs=recs, dropped=np.asarray(dropped), bw=bw)
@@ -261,8 +300,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"trace_step: {sum(dropped)} records dropped (raise --per-sm)", file=sys.stderr)
     ts = recs["t"][recs["t"] > 0]
     diffs = np.diff(np.unique(ts))
-    print(f"trace_step: {len(recs)} records, {len(np.unique(recs['step']))} steps; globaltimer step "
-          f"{int(diffs[diffs > 0].min()) if len(diffs) else 0} ns; read ceiling {bw:.0f} GB/s")
+    print(
+        f"trace_step: {len(recs)} records, {len(np.unique(recs['step']))} steps; globaltimer step "
+        f"{int(diffs[diffs > 0].min()) if len(diffs) else 0} ns; read ceiling {bw:.0f} GB/s"
+    )
 
     all_steps = []
     for s in np.unique(recs["step"]):
@@ -277,18 +318,21 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--layer must be in [0, {n_layers - 2}]")
 
     names, med, span = layer_table(all_steps)
-    print(f"\nper layer (median over steps x layers 1..{n_layers - 2}), us from the layer's first qkv entry; "
-          f"layer span {span:.2f} us")
-    print(f"{'kernel':<10}{'entry':>8}{'waited':>8}{'w.last':>8}{'landed':>8}{'staged':>8}{'done':>8}{'exit':>8}"
-          f"{'release':>9}")
+    print(
+        f"\nper layer (median over steps x layers 1..{n_layers - 2}), us from the layer's first qkv entry; "
+        f"layer span {span:.2f} us"
+    )
+    print(f"{'kernel':<10}{'entry':>8}{'waited':>8}{'w.last':>8}{'landed':>8}{'staged':>8}{'done':>8}{'exit':>8}{'release':>9}")
     prev_exit = None
     for nm, m in zip(names, med):
         rel = m["waited"] - prev_exit if prev_exit is not None else float("nan")
         print(f"{nm:<10}" + "".join(f"{m[c]:>8.2f}" for c in COLS) + f"{rel:>9.2f}")
         prev_exit = m["exit"]
-    print("  entry: first block in; waited / w.last: median / last past the PDL wait; landed: median warp's\n"
-          "  input arrived (attention: partial written); staged: input staged (attention: key loop done);\n"
-          "  done: median exit (attention: merge written); exit: last; release: waited - previous exit")
+    print(
+        "  entry: first block in; waited / w.last: median / last past the PDL wait; landed: median warp's\n"
+        "  input arrived (attention: partial written); staged: input staged (attention: key loop done);\n"
+        "  done: median exit (attention: merge written); exit: last; release: waited - previous exit"
+    )
 
     print("\nattention phases, us (median per block), by the launch's blocks on the block's SM")
     print(f"{'on SM':>6}" + "".join(f"{name:>15}" for name, _, _ in A_PHASES))
@@ -305,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     width = int(a.bin * 1e3)
     nb = (t1 - t0) // width + 1
     rate = {}
-    for l in step[qkv[L]:qkv[L + 1] + 1]:
+    for l in step[qkv[L] : qkv[L + 1] + 1]:
         if l["attn"]:
             continue
         tt, bb = weight_events(l)
@@ -320,8 +364,11 @@ def main(argv: list[str] | None = None) -> int:
         if total[i] == 0:
             continue
         bar = "#" * int(round(40 * total[i] / bw))
-        print(f"{i * a.bin:>6.2f} {total[i]:>6.0f} {100 * total[i] / bw:>4.0f}  "
-              + " ".join(f"{rate[k][i]:>8.0f}" for k in rate) + f"  {bar}")
+        print(
+            f"{i * a.bin:>6.2f} {total[i]:>6.0f} {100 * total[i] / bw:>4.0f}  "
+            + " ".join(f"{rate[k][i]:>8.0f}" for k in rate)
+            + f"  {bar}"
+        )
     busy = total.sum() * width / ((t1 - t0) * bw)
     print(f"layer {L}: {(t1 - t0) / 1e3:.2f} us, weight bytes at {100 * busy:.1f}% of the ceiling on average")
     return 0

@@ -9,6 +9,7 @@ Either way DIR/SHA256SUMS is written (sha256sum format, every top-level file), s
 `sha256sum -c SHA256SUMS` re-checks the copy later. The revision defaults to the commit that
 `atomflow download` recorded in DIR/.atomflow-source.json, so the metadata matches the files.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,6 +38,7 @@ def hub_sha256(repo_id: str, revision: str | None, token: str | None = None) -> 
     """({filename: sha256} of the LFS files, "") or (None, why the Hub gave no answer)."""
     try:
         from huggingface_hub import HfApi
+
         info = HfApi().model_info(repo_id, revision=revision, files_metadata=True, token=token)
     except Exception as e:  # noqa: BLE001 - offline, unreachable, gated: all mean "cannot check"
         return None, f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160] if str(e).strip() else ''}"

@@ -13,6 +13,7 @@ the same contract, so the facade, the tests and the validator treat them alike:
   cpu.py   CpuBackend: the numpy reference (runs everywhere)
   cuda.py  CudaBackend: the _core engine (CUDA graph decode, pipelined generation)
 """
+
 from __future__ import annotations
 
 import sys
@@ -23,8 +24,7 @@ from atomflow.errors import BackendUnavailableError, UnsupportedModelError
 from atomflow.model.fileformat import AtomflowFile
 
 
-def make_backend(name: str, model: AtomflowFile, max_context: int, eager: bool | None = None,
-                 verbose: bool = False):
+def make_backend(name: str, model: AtomflowFile, max_context: int, eager: bool | None = None, verbose: bool = False):
     if name not in ("auto", "cpu", "cuda"):
         raise ValueError(f"backend must be auto, cpu or cuda, got {name!r}")
     if name == "cpu":
@@ -39,4 +39,5 @@ def make_backend(name: str, model: AtomflowFile, max_context: int, eager: bool |
         print(f"atomflow: running on the CPU backend (slow): {unsupported or why}", file=sys.stderr)
         return CpuBackend(model, max_context)
     from atomflow.backends.cuda import CudaBackend
+
     return CudaBackend(model, max_context, eager=eager, verbose=verbose)

@@ -1,5 +1,6 @@
 """The CPU backend: the numpy reference forward pass (atomflow/model/reference.py) behind the
 backend contract (atomflow/backends/__init__.py)."""
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -74,4 +75,3 @@ class CpuBackend:
             if i + 1 == budget:
                 return
             logits = self.decode(token)
-

@@ -5,6 +5,7 @@ the first decode step's input, and every step samples on the device and feeds it
 next step on the device. The host keeps up to IN_FLIGHT steps enqueued and collects tokens from
 the engine's pinned ring as they complete, so it never stands between two steps.
 """
+
 from __future__ import annotations
 
 import os
@@ -84,8 +85,7 @@ class CudaBackend:
 
     name = "cuda"
 
-    def __init__(self, model: AtomflowFile, max_context: int, eager: bool | None = None, verbose: bool = True,
-                 **plan: bool):
+    def __init__(self, model: AtomflowFile, max_context: int, eager: bool | None = None, verbose: bool = True, **plan: bool):
         if model.spec.cuda_unsupported():  # before the core sees a spec it has no kernels for
             raise UnsupportedModelError(model.spec.cuda_unsupported() + " (--backend cpu runs it)")
         core = _core_module()
@@ -95,9 +95,15 @@ class CudaBackend:
         self.spec = model.spec
         self.max_context = int(max_context)
         self._run: _Run | None = None  # the generate_ids() run that drives the pipeline now
-        self.engine = core.Engine(str(model.path), model.spec.to_dict(), model.tensor_table(),
-                                  np.ascontiguousarray(model.spec.rope_inv_freq(), dtype=np.float32),
-                                  self.max_context, verbose=verbose, **options)
+        self.engine = core.Engine(
+            str(model.path),
+            model.spec.to_dict(),
+            model.tensor_table(),
+            np.ascontiguousarray(model.spec.rope_inv_freq(), dtype=np.float32),
+            self.max_context,
+            verbose=verbose,
+            **options,
+        )
 
     # -- the backend contract -------------------------------------------------------------------
     @property
@@ -181,8 +187,9 @@ class CudaBackend:
             eng.set_position(start)  # the cache already holds ids[:start] (a reused prefix)
         else:
             eng.reset()
-        eng.set_sampling(float(params.temperature), int(params.top_k or 0),
-                         float(1.0 if params.top_p is None else params.top_p), seed)
+        eng.set_sampling(
+            float(params.temperature), int(params.top_k or 0), float(1.0 if params.top_p is None else params.top_p), seed
+        )
         if n - 1 > start:
             eng.prefill(ids[start:-1])
         eng.begin(int(ids[-1]))

@@ -5,6 +5,7 @@ that report.py renders.
 Order matters for memory: the streaming-read probe (2 GiB, freed) first, then our engine (freed),
 then the torch baselines one at a time, vLLM last (it keeps most of the GPU once started).
 """
+
 from __future__ import annotations
 
 import gc
@@ -67,13 +68,32 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] = log_stderr) -> di
         rows += baselines.run(name, hf_dir, opts, bandwidth, log)
 
     return dict(
-        schema=SCHEMA, date=runinfo.now(), commit=runinfo.commit(),
-        versions=runinfo.versions(with_torch=bool(opts.baselines)), device=runinfo.device(),
+        schema=SCHEMA,
+        date=runinfo.now(),
+        commit=runinfo.commit(),
+        versions=runinfo.versions(with_torch=bool(opts.baselines)),
+        device=runinfo.device(),
         read_bandwidth_gbs=bandwidth,
-        model=dict(path=str(Path(opts.model).resolve()), name=Path(opts.model).name, spec=model.spec.to_dict(),
-                   weight_bytes=model.weight_bytes, quantization=model.quantization),
+        model=dict(
+            path=str(Path(opts.model).resolve()),
+            name=Path(opts.model).name,
+            spec=model.spec.to_dict(),
+            weight_bytes=model.weight_bytes,
+            quantization=model.quantization,
+        ),
         hf_dir=str(hf_dir) if hf_dir else None,
-        options=dict(n_prompt=list(opts.n_prompt), n_gen=list(opts.n_gen), contexts=list(opts.contexts),
-                     repetitions=opts.repetitions, warmup=opts.warmup, seed=opts.seed, max_context=opts.max_context,
-                     compile_prefill=opts.compile_prefill),
-        tests=[t.name for t in opts.tests], baselines=list(order), rows=rows, speedups=speedups(rows))
+        options=dict(
+            n_prompt=list(opts.n_prompt),
+            n_gen=list(opts.n_gen),
+            contexts=list(opts.contexts),
+            repetitions=opts.repetitions,
+            warmup=opts.warmup,
+            seed=opts.seed,
+            max_context=opts.max_context,
+            compile_prefill=opts.compile_prefill,
+        ),
+        tests=[t.name for t in opts.tests],
+        baselines=list(order),
+        rows=rows,
+        speedups=speedups(rows),
+    )

@@ -7,6 +7,7 @@ random token ids (no tokenizer, no text), greedy, EOS ignored.
             one fed to the first decode step); TPOT = the intervals between consecutive tokens
             as the host receives them, N - 1 per repetition; prefill time excluded.
 """
+
 from __future__ import annotations
 
 import time
@@ -70,18 +71,15 @@ def time_tg(eng: Engine, test: BenchTest, opts: BenchOptions) -> dict:
     return dict(tokens_per_s=tps, tpot_ms=gaps)
 
 
-def run_engine_tests(eng: Engine, opts: BenchOptions, bandwidth_gbs: float | None,
-                     log: Callable[[str], None]) -> list[dict]:
+def run_engine_tests(eng: Engine, opts: BenchOptions, bandwidth_gbs: float | None, log: Callable[[str], None]) -> list[dict]:
     rows = []
     for test in opts.tests:
         log(f"atomflow: {test.name}")
         if test.kind == "pp":
             s = time_pp(eng, test, opts)
-            nbytes = prompt_bytes_per_token(eng.spec, eng.model.weight_bytes, head_bytes(eng), test.n_prompt,
-                                            PREFILL_CHUNK)
+            nbytes = prompt_bytes_per_token(eng.spec, eng.model.weight_bytes, head_bytes(eng), test.n_prompt, PREFILL_CHUNK)
         else:
             s = time_tg(eng, test, opts)
             nbytes = token_bytes(eng.spec, eng.model.weight_bytes, test.mean_context)
-        rows.append(measured_row("atomflow", test, bytes_per_token=nbytes, bandwidth_gbs=bandwidth_gbs,
-                             weight_dtype="fp8", **s))
+        rows.append(measured_row("atomflow", test, bytes_per_token=nbytes, bandwidth_gbs=bandwidth_gbs, weight_dtype="fp8", **s))
     return rows

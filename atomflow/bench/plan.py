@@ -4,6 +4,7 @@ llama-bench's tests: pp<P> (prompt processing of P random tokens), tg<N> (N gene
 from an empty cache) and tg<N>@d<D> (N tokens after the cache was filled to depth D). -p, -n and
 --context take comma-separated lists; 0 in -p or -n skips that kind of test.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -16,10 +17,10 @@ FORMATS = ("md", "json", "csv")
 
 @dataclass(frozen=True)
 class BenchTest:
-    kind: str         # "pp" or "tg"
-    n_prompt: int     # pp: prompt tokens
-    n_gen: int        # tg: generated tokens (TPOT from the n_gen - 1 gaps between them)
-    depth: int = 0    # tg: tokens in the cache before the first generated one
+    kind: str  # "pp" or "tg"
+    n_prompt: int  # pp: prompt tokens
+    n_gen: int  # tg: generated tokens (TPOT from the n_gen - 1 gaps between them)
+    depth: int = 0  # tg: tokens in the cache before the first generated one
 
     @property
     def name(self) -> str:
@@ -83,10 +84,19 @@ def one_int(text: str, flag: str, minimum: int) -> int:
     return values[0]
 
 
-def make_options(model: str, n_prompt: str = "512", n_gen: str = "128", context: str | None = None,
-                 repetitions: str = "5", warmup: bool = True, output: str = "md",
-                 baselines: list[str] | None = None, hf_dir: str | None = None, seed: str = "0",
-                 compile_prefill: bool = True) -> BenchOptions:
+def make_options(
+    model: str,
+    n_prompt: str = "512",
+    n_gen: str = "128",
+    context: str | None = None,
+    repetitions: str = "5",
+    warmup: bool = True,
+    output: str = "md",
+    baselines: list[str] | None = None,
+    hf_dir: str | None = None,
+    seed: str = "0",
+    compile_prefill: bool = True,
+) -> BenchOptions:
     """The command line's strings -> checked options and their tests. ValueError names the flag."""
     ps = int_list(n_prompt, "-p", 0)
     ns = int_list(n_gen, "-n", 0)
@@ -104,23 +114,35 @@ def make_options(model: str, n_prompt: str = "512", n_gen: str = "128", context:
         raise ValueError(f"-o: output format must be one of {', '.join(FORMATS)}, got {output!r}")
     names: list[str] = []
     for b in baselines or []:
-        for name in (BASELINES if b == "all" else (b,)):
+        for name in BASELINES if b == "all" else (b,):
             if name not in BASELINES:
                 raise ValueError(f"--baseline: unknown baseline {name!r} (known: {', '.join(BASELINES)}, all)")
             if name not in names:
                 names.append(name)
-    return BenchOptions(model=model, n_prompt=ps, n_gen=ns, contexts=depths,
-                        repetitions=one_int(repetitions, "-r", 1), warmup=warmup, output=output,
-                        baselines=tuple(names), hf_dir=hf_dir, seed=one_int(seed, "--seed", 0),
-                        compile_prefill=compile_prefill, tests=tuple(tests))
+    return BenchOptions(
+        model=model,
+        n_prompt=ps,
+        n_gen=ns,
+        contexts=depths,
+        repetitions=one_int(repetitions, "-r", 1),
+        warmup=warmup,
+        output=output,
+        baselines=tuple(names),
+        hf_dir=hf_dir,
+        seed=one_int(seed, "--seed", 0),
+        compile_prefill=compile_prefill,
+        tests=tuple(tests),
+    )
 
 
 def check_fits_model(opts: BenchOptions, max_positions: int) -> None:
     """Every test's cache must fit the model's position range (GPU memory is checked at load)."""
     worst = max(opts.tests, key=lambda t: t.positions)
     if worst.positions > max_positions:
-        raise ValueError(f"{worst.name} needs {worst.positions} positions; the model supports {max_positions} "
-                         f"(max_position_embeddings): lower --context, -p or -n")
+        raise ValueError(
+            f"{worst.name} needs {worst.positions} positions; the model supports {max_positions} "
+            f"(max_position_embeddings): lower --context, -p or -n"
+        )
 
 
 def prompt_ids(vocab: int, n: int, seed: int) -> np.ndarray:

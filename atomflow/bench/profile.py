@@ -8,6 +8,7 @@ bandwidth measured in the same run. For comparison: the same eager step without 
 (kernels keep their programmatic-dependent-launch overlap), the CUDA-graph step on the device,
 and the graph TPOT as the host receives tokens.
 """
+
 from __future__ import annotations
 
 import time
@@ -55,8 +56,9 @@ def kernel_bytes(model: AtomflowFile, context: float) -> dict[str, float]:
     }
 
 
-def breakdown(entries: list[tuple[str, int, float]], steps: int, nbytes: dict[str, float],
-              bandwidth_gbs: float | None) -> list[dict]:
+def breakdown(
+    entries: list[tuple[str, int, float]], steps: int, nbytes: dict[str, float], bandwidth_gbs: float | None
+) -> list[dict]:
     """(label, layer, us) of `steps` steps -> one row per label, slowest first: launches per step,
     mean us per launch, us per step, share of the step, GB/s, fraction of the read bandwidth."""
     by: dict[str, list[float]] = {}
@@ -68,9 +70,18 @@ def breakdown(entries: list[tuple[str, int, float]], steps: int, nbytes: dict[st
         avg = float(np.mean(us))
         b = nbytes.get(label)
         gbs = b / (avg * 1e3) if b and avg > 0 else None
-        rows.append(dict(label=label, count_per_step=len(us) / steps, avg_us=avg, step_us=sum(us) / steps,
-                         share=sum(us) / steps / total if total > 0 else None, bytes=b, achieved_gbs=gbs,
-                         efficiency=gbs / bandwidth_gbs if gbs and bandwidth_gbs else None))
+        rows.append(
+            dict(
+                label=label,
+                count_per_step=len(us) / steps,
+                avg_us=avg,
+                step_us=sum(us) / steps,
+                share=sum(us) / steps / total if total > 0 else None,
+                bytes=b,
+                achieved_gbs=gbs,
+                efficiency=gbs / bandwidth_gbs if gbs and bandwidth_gbs else None,
+            )
+        )
     return sorted(rows, key=lambda r: -r["step_us"])
 
 
@@ -93,8 +104,10 @@ def preflight(model_path: str, steps: int, context: int) -> AtomflowFile:
     model = AtomflowFile(model_path)
     need = context + max(steps + WARMUP_STEPS, GRAPH_TOKENS) + 1
     if need > model.spec.max_position_embeddings:
-        raise ValueError(f"--context {context} with --steps {steps} needs {need} positions; the model supports "
-                         f"{model.spec.max_position_embeddings}")
+        raise ValueError(
+            f"--context {context} with --steps {steps} needs {need} positions; the model supports "
+            f"{model.spec.max_position_embeddings}"
+        )
     ok, why = cuda_status()
     if not ok:
         raise BackendUnavailableError(f"cuda backend unavailable: {why}")
@@ -123,39 +136,62 @@ def run_profile(model_path: str, steps: int = 20, context: int = 128, seed: int 
     kernels = run("kernels", steps)
     eager = run("eager", steps)
     graph = run("graph", steps) if core.graph_enabled else []
-    stamps = [time.perf_counter() for _ in eng.generate_tokens(
-        ids, SamplingParams(temperature=0.0, max_new_tokens=GRAPH_TOKENS, ignore_eos=True))]
+    stamps = [
+        time.perf_counter()
+        for _ in eng.generate_tokens(ids, SamplingParams(temperature=0.0, max_new_tokens=GRAPH_TOKENS, ignore_eos=True))
+    ]
     tpot_ms = float(np.median(np.diff(stamps))) * 1e3
 
     mean_context = context + (steps - 1) / 2
     rows = breakdown(kernels, steps, kernel_bytes(model, mean_context), bandwidth)
     missing = [label for label in LABELS if label not in {r["label"] for r in rows}]
     return dict(
-        model=model_path, spec=model.spec.to_dict(), device=runinfo.device(), commit=runinfo.commit(),
-        versions=runinfo.versions(), date=runinfo.now(), read_bandwidth_gbs=bandwidth, context=context, steps=steps,
-        rows=rows, per_layer=per_layer(kernels), missing_labels=missing,
-        kernel_sum_us=sum(r["step_us"] for r in rows), eager_step_us=step_us(eager), graph_step_us=step_us(graph),
-        tpot_ms=tpot_ms, tpot_mode="graph" if core.graph_enabled else "eager")
+        model=model_path,
+        spec=model.spec.to_dict(),
+        device=runinfo.device(),
+        commit=runinfo.commit(),
+        versions=runinfo.versions(),
+        date=runinfo.now(),
+        read_bandwidth_gbs=bandwidth,
+        context=context,
+        steps=steps,
+        rows=rows,
+        per_layer=per_layer(kernels),
+        missing_labels=missing,
+        kernel_sum_us=sum(r["step_us"] for r in rows),
+        eager_step_us=step_us(eager),
+        graph_step_us=step_us(graph),
+        tpot_ms=tpot_ms,
+        tpot_mode="graph" if core.graph_enabled else "eager",
+    )
 
 
 def format_table(result: dict) -> str:
     dev = (result.get("device") or {}).get("name", "unknown GPU")
-    lines = [f"atomflow profile: {result['model']} | {dev} | read bandwidth {result['read_bandwidth_gbs']:.0f} GB/s | "
-             f"context {result['context']} | {result['steps']} eager steps, a CUDA event after each launch group", "",
-             f"{'kernel':<20} {'count/step':>10} {'avg us':>9} {'us/step':>9} {'% step':>7} {'GB/s':>7} {'eff':>6}"]
+    lines = [
+        f"atomflow profile: {result['model']} | {dev} | read bandwidth {result['read_bandwidth_gbs']:.0f} GB/s | "
+        f"context {result['context']} | {result['steps']} eager steps, a CUDA event after each launch group",
+        "",
+        f"{'kernel':<20} {'count/step':>10} {'avg us':>9} {'us/step':>9} {'% step':>7} {'GB/s':>7} {'eff':>6}",
+    ]
     for r in result["rows"]:
         gbs = "-" if r["achieved_gbs"] is None else f"{r['achieved_gbs']:.0f}"
         eff = "-" if r["efficiency"] is None else f"{100 * r['efficiency']:.1f}%"
-        lines.append(f"{r['label']:<20} {r['count_per_step']:>10g} {r['avg_us']:>9.2f} {r['step_us']:>9.1f} "
-                     f"{100 * r['share']:>6.1f}% {gbs:>7} {eff:>6}")
+        lines.append(
+            f"{r['label']:<20} {r['count_per_step']:>10g} {r['avg_us']:>9.2f} {r['step_us']:>9.1f} "
+            f"{100 * r['share']:>6.1f}% {gbs:>7} {eff:>6}"
+        )
     lines.append(f"{'sum of kernels':<20} {'':>10} {'':>9} {result['kernel_sum_us']:>9.1f} {100.0:>6.1f}%")
     lines.append("")
 
     def us(x):
         return "-" if x is None else f"{x:.1f} us"
+
     lines.append(f"eager step (no events inside, PDL overlap kept): {us(result['eager_step_us'])} on the GPU")
-    lines.append(f"graph step: {us(result['graph_step_us'])} on the GPU | {result['tpot_mode']} TPOT "
-                 f"{result['tpot_ms']:.3f} ms p50 (tokens as the host receives them)")
+    lines.append(
+        f"graph step: {us(result['graph_step_us'])} on the GPU | {result['tpot_mode']} TPOT "
+        f"{result['tpot_ms']:.3f} ms p50 (tokens as the host receives them)"
+    )
     if result.get("missing_labels"):
         lines.append(f"warning: no time recorded for {', '.join(result['missing_labels'])}")
     return "\n".join(lines)
@@ -164,8 +200,10 @@ def format_table(result: dict) -> str:
 def plot(result: dict, path: str) -> None:
     """Horizontal bars of us per step by kernel group (matplotlib, imported here only)."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     rows = list(reversed(result["rows"]))
     fig, ax = plt.subplots(figsize=(8, 0.4 * len(rows) + 1.5))
     ax.barh([r["label"] for r in rows], [r["step_us"] for r in rows], color="#4c72b0")

@@ -1,16 +1,38 @@
 """Render an `atomflow bench` result (result.py) as markdown (llama-bench's table plus TPOT
 percentiles, bytes and efficiency, then our speedups), JSON (everything, every sample) or CSV
 (one line per engine and test)."""
+
 from __future__ import annotations
 
 import csv
 import io
 import json
 
-CSV_COLUMNS = ("engine", "test", "status", "reason", "n_prompt", "n_gen", "depth", "tokens_per_s_avg",
-               "tokens_per_s_std", "tpot_ms_p50", "tpot_ms_p90", "tpot_ms_p99", "ttft_ms", "bytes_per_token",
-               "achieved_gbs", "efficiency", "speedup", "gpu", "read_bandwidth_gbs", "commit", "recipe", "compile_s",
-               "prefill_compile_s")
+CSV_COLUMNS = (
+    "engine",
+    "test",
+    "status",
+    "reason",
+    "n_prompt",
+    "n_gen",
+    "depth",
+    "tokens_per_s_avg",
+    "tokens_per_s_std",
+    "tpot_ms_p50",
+    "tpot_ms_p90",
+    "tpot_ms_p99",
+    "ttft_ms",
+    "bytes_per_token",
+    "achieved_gbs",
+    "efficiency",
+    "speedup",
+    "gpu",
+    "read_bandwidth_gbs",
+    "commit",
+    "recipe",
+    "compile_s",
+    "prefill_compile_s",
+)
 
 
 def render(result: dict, fmt: str) -> str:
@@ -34,11 +56,14 @@ def _gpu(result: dict) -> str:
 def to_markdown(result: dict) -> str:
     model = result["model"]
     opts = result["options"]
-    lines = [f"atomflow bench: {model['name']} | {_gpu(result)} | read bandwidth "
-             f"{_num(result.get('read_bandwidth_gbs'), '.0f')} GB/s | commit {result.get('commit')} | "
-             f"{opts['repetitions']} repetitions", "",
-             "| engine | test | t/s | TPOT p50 ms | p90 | p99 | TTFT ms | MB/token | GB/s | eff |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"atomflow bench: {model['name']} | {_gpu(result)} | read bandwidth "
+        f"{_num(result.get('read_bandwidth_gbs'), '.0f')} GB/s | commit {result.get('commit')} | "
+        f"{opts['repetitions']} repetitions",
+        "",
+        "| engine | test | t/s | TPOT p50 ms | p90 | p99 | TTFT ms | MB/token | GB/s | eff |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     rows, shown_skip = result["rows"], set()
     for r in rows:
         if r["status"] != "ok":
@@ -53,17 +78,27 @@ def to_markdown(result: dict) -> str:
         tps = f"{r['tokens_per_s_avg']:.2f} ± {r['tokens_per_s_std']:.2f}"
         mb = None if r["bytes_per_token"] is None else r["bytes_per_token"] / 1e6
         eff = "-" if r["efficiency"] is None else f"{100 * r['efficiency']:.1f}%"
-        lines.append(f"| {r['engine']} | {r['test']} | {tps} | {_num(r['tpot_ms_p50'], '.3f')} | "
-                     f"{_num(r['tpot_ms_p90'], '.3f')} | {_num(r['tpot_ms_p99'], '.3f')} | "
-                     f"{_num(r['ttft_ms'], '.2f')} | {_num(mb, '.1f')} | {_num(r['achieved_gbs'], '.0f')} | {eff} |")
-    lines += ["", "pp: prompt tokens/s, TTFT = prefill + first token; its bytes/efficiency are a floor "
-              "(prefill is compute-bound). tg: TPOT percentiles over every gap; GB/s = bytes / TPOT p50."]
+        lines.append(
+            f"| {r['engine']} | {r['test']} | {tps} | {_num(r['tpot_ms_p50'], '.3f')} | "
+            f"{_num(r['tpot_ms_p90'], '.3f')} | {_num(r['tpot_ms_p99'], '.3f')} | "
+            f"{_num(r['ttft_ms'], '.2f')} | {_num(mb, '.1f')} | {_num(r['achieved_gbs'], '.0f')} | {eff} |"
+        )
+    lines += [
+        "",
+        "pp: prompt tokens/s, TTFT = prefill + first token; its bytes/efficiency are a floor "
+        "(prefill is compute-bound). tg: TPOT percentiles over every gap; GB/s = bytes / TPOT p50.",
+    ]
     lines += recipes(rows)
     ups = result.get("speedups") or []
     if result.get("baselines"):
         tests = [t for t in dict.fromkeys(r["test"] for r in result["rows"] if r["engine"] == "atomflow")]
-        lines += ["", "Speedup of atomflow (tg: baseline TPOT p50 / ours; pp: our prompt t/s / the baseline's)", "",
-                  "| baseline | " + " | ".join(tests) + " |", "|---|" + "---:|" * len(tests)]
+        lines += [
+            "",
+            "Speedup of atomflow (tg: baseline TPOT p50 / ours; pp: our prompt t/s / the baseline's)",
+            "",
+            "| baseline | " + " | ".join(tests) + " |",
+            "|---|" + "---:|" * len(tests),
+        ]
         for b in result["baselines"]:
             cells = []
             for t in tests:
@@ -79,12 +114,20 @@ def recipes(rows: list[dict]) -> list[str]:
     out = []
     for engine in dict.fromkeys(r["engine"] for r in rows if r.get("recipe")):
         mine = [r for r in rows if r["engine"] == engine and r.get("recipe")]
-        times = [f"{r['test']}: " + ", ".join(f"{what} {r[key]:.1f} s" for what, key in
-                                            (("decode", "compile_s"), ("prefill", "prefill_compile_s"))
-                                            if r.get(key) is not None)
-                 for r in mine if r.get("compile_s") is not None or r.get("prefill_compile_s") is not None]
-        out.append(f"- {engine}: {mine[0]['recipe']}" +
-                   (f". Compile (untimed warm-up, compiles included): {'; '.join(times)}" if times else ""))
+        times = [
+            f"{r['test']}: "
+            + ", ".join(
+                f"{what} {r[key]:.1f} s"
+                for what, key in (("decode", "compile_s"), ("prefill", "prefill_compile_s"))
+                if r.get(key) is not None
+            )
+            for r in mine
+            if r.get("compile_s") is not None or r.get("prefill_compile_s") is not None
+        ]
+        out.append(
+            f"- {engine}: {mine[0]['recipe']}"
+            + (f". Compile (untimed warm-up, compiles included): {'; '.join(times)}" if times else "")
+        )
     return ["", "How each baseline ran:", "", *out] if out else []
 
 
@@ -94,7 +137,13 @@ def to_csv(result: dict) -> str:
     w.writeheader()
     ups = {(u["baseline"], u["test"]): u["speedup"] for u in result.get("speedups") or []}
     for r in result["rows"]:
-        w.writerow({**{k: ("" if r.get(k) is None else r.get(k)) for k in CSV_COLUMNS},
-                    "speedup": ups.get((r["engine"], r["test"]), ""), "gpu": _gpu(result),
-                    "read_bandwidth_gbs": result.get("read_bandwidth_gbs") or "", "commit": result.get("commit")})
+        w.writerow(
+            {
+                **{k: ("" if r.get(k) is None else r.get(k)) for k in CSV_COLUMNS},
+                "speedup": ups.get((r["engine"], r["test"]), ""),
+                "gpu": _gpu(result),
+                "read_bandwidth_gbs": result.get("read_bandwidth_gbs") or "",
+                "commit": result.get("commit"),
+            }
+        )
     return buf.getvalue()

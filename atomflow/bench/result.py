@@ -7,6 +7,7 @@ repetition; None for pp), ttft_ms (pp only: prefill + first token, mean), bytes_
 achieved_gbs (bytes / p50 TPOT, or bytes x tokens/s for pp), efficiency (achieved / read
 bandwidth), samples {tokens_per_s: [...], tpot_ms: [[...] per repetition], ttft_ms: [...]}.
 """
+
 from __future__ import annotations
 
 import math
@@ -22,9 +23,16 @@ def _f(x) -> float | None:
     return None if x is None or not math.isfinite(float(x)) else float(x)
 
 
-def measured_row(engine: str, test: BenchTest, tokens_per_s: list[float], tpot_ms: list[list[float]] | None = None,
-             ttft_ms: list[float] | None = None, bytes_per_token: float | None = None,
-             bandwidth_gbs: float | None = None, **extra) -> dict:
+def measured_row(
+    engine: str,
+    test: BenchTest,
+    tokens_per_s: list[float],
+    tpot_ms: list[list[float]] | None = None,
+    ttft_ms: list[float] | None = None,
+    bytes_per_token: float | None = None,
+    bandwidth_gbs: float | None = None,
+    **extra,
+) -> dict:
     """A measured row. tokens_per_s: one value per repetition; tpot_ms: each repetition's gaps
     between consecutive tokens (tg); ttft_ms: one per repetition (pp)."""
     tps = np.asarray(tokens_per_s, dtype=np.float64)
@@ -42,9 +50,11 @@ def measured_row(engine: str, test: BenchTest, tokens_per_s: list[float], tpot_m
         row["achieved_gbs"] = _f(bytes_per_token * per_s / 1e9)
         if bandwidth_gbs and row["achieved_gbs"] is not None:
             row["efficiency"] = row["achieved_gbs"] / bandwidth_gbs
-    row["samples"] = dict(tokens_per_s=[float(x) for x in tps],
-                          tpot_ms=[[float(x) for x in g] for g in (tpot_ms or [])],
-                          ttft_ms=[float(x) for x in (ttft_ms or [])])
+    row["samples"] = dict(
+        tokens_per_s=[float(x) for x in tps],
+        tpot_ms=[[float(x) for x in g] for g in (tpot_ms or [])],
+        ttft_ms=[float(x) for x in (ttft_ms or [])],
+    )
     row.update(extra)
     return row
 
@@ -55,11 +65,25 @@ def skipped_row(engine: str, test: BenchTest | None, reason: str) -> dict:
 
 
 def _base(engine: str, test: BenchTest | None, status: str, reason: str | None) -> dict:
-    return dict(engine=engine, test=test.name if test else "-", kind=test.kind if test else None,
-                n_prompt=test.n_prompt if test else None, n_gen=test.n_gen if test else None,
-                depth=test.depth if test else None, status=status, reason=reason,
-                tokens_per_s_avg=None, tokens_per_s_std=None, tpot_ms_p50=None, tpot_ms_p90=None,
-                tpot_ms_p99=None, ttft_ms=None, bytes_per_token=None, achieved_gbs=None, efficiency=None)
+    return dict(
+        engine=engine,
+        test=test.name if test else "-",
+        kind=test.kind if test else None,
+        n_prompt=test.n_prompt if test else None,
+        n_gen=test.n_gen if test else None,
+        depth=test.depth if test else None,
+        status=status,
+        reason=reason,
+        tokens_per_s_avg=None,
+        tokens_per_s_std=None,
+        tpot_ms_p50=None,
+        tpot_ms_p90=None,
+        tpot_ms_p99=None,
+        ttft_ms=None,
+        bytes_per_token=None,
+        achieved_gbs=None,
+        efficiency=None,
+    )
 
 
 def speedups(rows: list[dict], ours: str = "atomflow") -> list[dict]:
@@ -72,9 +96,14 @@ def speedups(rows: list[dict], ours: str = "atomflow") -> list[dict]:
         if r["engine"] == ours or r["status"] != "ok" or m is None:
             continue
         if r["kind"] == "tg" and r["tpot_ms_p50"] and m["tpot_ms_p50"]:
-            out.append(dict(baseline=r["engine"], test=r["test"], metric="tpot_p50",
-                            speedup=r["tpot_ms_p50"] / m["tpot_ms_p50"]))
+            out.append(dict(baseline=r["engine"], test=r["test"], metric="tpot_p50", speedup=r["tpot_ms_p50"] / m["tpot_ms_p50"]))
         elif r["kind"] == "pp" and r["tokens_per_s_avg"] and m["tokens_per_s_avg"]:
-            out.append(dict(baseline=r["engine"], test=r["test"], metric="prompt_tokens_per_s",
-                            speedup=m["tokens_per_s_avg"] / r["tokens_per_s_avg"]))
+            out.append(
+                dict(
+                    baseline=r["engine"],
+                    test=r["test"],
+                    metric="prompt_tokens_per_s",
+                    speedup=m["tokens_per_s_avg"] / r["tokens_per_s_avg"],
+                )
+            )
     return out

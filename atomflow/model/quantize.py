@@ -5,6 +5,7 @@ one chunk of one tensor (tens of MiB), not the model. FP8 rounding is ml_dtypes'
 float8_e4m3fn (round to nearest even); values are clipped to +-448 first because ml_dtypes
 turns overflow into NaN rather than saturating.
 """
+
 from __future__ import annotations
 
 import collections
@@ -27,8 +28,8 @@ from atomflow.model.fileformat import FORMAT_NAME, FORMAT_VERSION, FileWriter, d
 from atomflow.model.spec import QUANT_GROUP, ModelSpec, scale_groups
 
 FP8_MAX = 448.0
-CHUNK_BYTES = 8 << 20   # fp32 bytes of one row block
-MAX_THREADS = 8         # row blocks quantized in parallel (numpy releases the GIL); bounds memory too
+CHUNK_BYTES = 8 << 20  # fp32 bytes of one row block
+MAX_THREADS = 8  # row blocks quantized in parallel (numpy releases the GIL); bounds memory too
 SOURCE_DTYPES = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}
 SOURCE_FILE = ".atomflow-source.json"  # written by `atomflow download`: repo id and revision
 
@@ -95,7 +96,7 @@ class _Source:
                 raise UnsupportedModelError(f"{name}: shape {list(got)}, config.json implies {list(shape)}")
             step = max(1, CHUNK_BYTES // (4 * shape[-1]))
             for a in range(0, shape[0], step):
-                yield self._finite(name, np.asarray(sl[a:min(a + step, shape[0])], dtype=np.float32), a)
+                yield self._finite(name, np.asarray(sl[a : min(a + step, shape[0])], dtype=np.float32), a)
 
     def vector(self, name: str, n: int) -> np.ndarray:
         with self.slice(name) as sl:
@@ -107,14 +108,14 @@ class _Source:
         """NaN / Inf in a source weight would quantize to NaN scales: a file no reader takes."""
         if not np.isfinite(block).all():
             row = row0 + int(np.argwhere(~np.isfinite(block))[0][0])
-            raise UnsupportedModelError(f"{self.dir / self.weight_map[name]}: tensor {name!r} holds NaN or Inf "
-                                        f"(row {row})")
+            raise UnsupportedModelError(f"{self.dir / self.weight_map[name]}: tensor {name!r} holds NaN or Inf (row {row})")
         return block
 
 
 @dataclass
 class _ErrStats:
     """Relative quantization error ||W - W'|| / ||W|| of each matrix, accumulated over row blocks."""
+
     err: dict[str, list[float]] = field(default_factory=dict)
 
     def add(self, key: str, sums: tuple[float, float]) -> None:
@@ -124,8 +125,7 @@ class _ErrStats:
 
     @staticmethod
     def sums(w: np.ndarray, q: np.ndarray, s: np.ndarray) -> tuple[float, float]:
-        return (float(np.square(w - dequantize_rows(q, s)).sum(dtype=np.float64)),
-                float(np.square(w).sum(dtype=np.float64)))
+        return (float(np.square(w - dequantize_rows(q, s)).sum(dtype=np.float64)), float(np.square(w).sum(dtype=np.float64)))
 
     def rel(self, key: str) -> float:
         num, den = self.err[key]
@@ -145,11 +145,12 @@ def _metadata(hf_dir: Path, spec: ModelSpec, lm_head: str, source_dtype: str) ->
     if (hf_dir / "chat_template.jinja").is_file():
         chat_template, template_src = quantize_io.read_text(hf_dir / "chat_template.jinja"), "chat_template.jinja"
     if isinstance(chat_template, list):  # named templates: take the default one
-        chat_template = next((t.get("template") for t in chat_template if isinstance(t, dict) and t.get("name") == "default"),
-                             "")
+        chat_template = next((t.get("template") for t in chat_template if isinstance(t, dict) and t.get("name") == "default"), "")
     if not isinstance(chat_template, str):
-        raise UnsupportedModelError(f"{hf_dir / 'tokenizer_config.json'}: chat_template must be a string or a list of "
-                                    f"named templates, got {chat_template!r:.60}")
+        raise UnsupportedModelError(
+            f"{hf_dir / 'tokenizer_config.json'}: chat_template must be a string or a list of "
+            f"named templates, got {chat_template!r:.60}"
+        )
 
     def token_text(key: str):
         v = tok_cfg.get(key)
@@ -165,17 +166,21 @@ def _metadata(hf_dir: Path, spec: ModelSpec, lm_head: str, source_dtype: str) ->
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
         "spec": spec.to_json(),
-        "quantization": json.dumps(dict(scheme="fp8_e4m3fn_w8a16", group_size=QUANT_GROUP, scale_dtype="F32",
-                                        lm_head=lm_head, source_dtype=source_dtype)),
+        "quantization": json.dumps(
+            dict(scheme="fp8_e4m3fn_w8a16", group_size=QUANT_GROUP, scale_dtype="F32", lm_head=lm_head, source_dtype=source_dtype)
+        ),
         "tokenizer": quantize_io.read_text(tok),
-        "tokenizer_config": json.dumps(dict(bos_token=token_text("bos_token"),
-                                            eos_token=token_text("eos_token"),
-                                            add_bos_token=tok_cfg.get("add_bos_token") is True,
-                                            chat_template_source=template_src)),
+        "tokenizer_config": json.dumps(
+            dict(
+                bos_token=token_text("bos_token"),
+                eos_token=token_text("eos_token"),
+                add_bos_token=tok_cfg.get("add_bos_token") is True,
+                chat_template_source=template_src,
+            )
+        ),
         "chat_template": chat_template,
         "generation_config": json.dumps(generation),
-        "source": json.dumps(dict(repo_id=source.get("repo_id"), revision=source.get("revision"),
-                                  path=str(hf_dir.resolve()))),
+        "source": json.dumps(dict(repo_id=source.get("repo_id"), revision=source.get("revision"), path=str(hf_dir.resolve()))),
         "created_by": f"atomflow {__version__}",
     }
 
@@ -187,11 +192,14 @@ def resolve_hf_dir(model: str | Path) -> Path:
         return p
     if re.fullmatch(r"[\w.-]+/[\w.-]+", str(model)) and not p.exists():  # looks like org/name
         from huggingface_hub import snapshot_download
+
         try:
             return Path(snapshot_download(str(model), local_files_only=True))
         except Exception:
-            raise FileNotFoundError(f"{model}: not a local directory, and not in the Hugging Face cache "
-                                    f"(run `atomflow download {model} --dir DIR` first)") from None
+            raise FileNotFoundError(
+                f"{model}: not a local directory, and not in the Hugging Face cache "
+                f"(run `atomflow download {model} --dir DIR` first)"
+            ) from None
     raise FileNotFoundError(f"no such model directory: {model}")
 
 
@@ -200,6 +208,7 @@ def open_source(model: str | Path, lm_head_fp8: bool = True):
     unsupported model fails here, before anything is written."""
     if str(model).lower().endswith(".gguf"):
         from atomflow.model.gguf import GGUFSource
+
         src = GGUFSource(model, lm_head_fp8=lm_head_fp8)
         return src.spec, src, src.metadata
     hf_dir = resolve_hf_dir(model)
@@ -217,11 +226,13 @@ def open_source(model: str | Path, lm_head_fp8: bool = True):
         meta = _metadata(hf_dir, spec, head_mode, first)
         quantize_io.check_tokenizer(hf_dir, meta, spec)
         return meta
+
     return spec, src, metadata
 
 
-def quantize(hf_dir: str | Path, out: str | Path, lm_head: str = "fp8", progress: bool = True,
-             log=None, force: bool = False) -> dict:
+def quantize(
+    hf_dir: str | Path, out: str | Path, lm_head: str = "fp8", progress: bool = True, log=None, force: bool = False
+) -> dict:
     """Quantize `hf_dir` (an HF directory or a .gguf file) into `out`. lm_head: 'fp8' (default) or
     'bf16'. force: overwrite an existing `out`. Returns a summary dict (per-matrix relative errors,
     bytes, checksum).
@@ -254,8 +265,10 @@ def _quantize(source: Path, out: Path, lm_head: str, progress: bool, log) -> dic
     d, f = spec.hidden_size, spec.intermediate_size
 
     from tqdm import tqdm
-    bar = tqdm(total=sum(t.nbytes for t in tensors), unit="B", unit_scale=True, desc="quantize",
-               disable=not progress, file=sys.stderr)
+
+    bar = tqdm(
+        total=sum(t.nbytes for t in tensors), unit="B", unit_scale=True, desc="quantize", disable=not progress, file=sys.stderr
+    )
 
     def write(w: FileWriter, name: str, a: np.ndarray) -> None:
         w.write(name, a)
@@ -297,20 +310,34 @@ def _quantize(source: Path, out: Path, lm_head: str, progress: bool, log) -> dic
                 p, h = f"layers.{i}.", f"model.layers.{i}."
                 a = h + "self_attn."
                 write(w, p + "attn_norm", src.vector(h + "input_layernorm.weight", d).astype(ml_dtypes.bfloat16))
-                write_fp8(w, p + "wqkv", [(a + "q_proj.weight", (spec.q_dim, d)), (a + "k_proj.weight", (spec.kv_dim, d)),
-                                          (a + "v_proj.weight", (spec.kv_dim, d))], f"{i}.wqkv")
+                write_fp8(
+                    w,
+                    p + "wqkv",
+                    [
+                        (a + "q_proj.weight", (spec.q_dim, d)),
+                        (a + "k_proj.weight", (spec.kv_dim, d)),
+                        (a + "v_proj.weight", (spec.kv_dim, d)),
+                    ],
+                    f"{i}.wqkv",
+                )
                 if spec.attention_bias:
-                    write(w, p + "bqkv", np.concatenate([src.vector(a + "q_proj.bias", spec.q_dim),
-                                                         src.vector(a + "k_proj.bias", spec.kv_dim),
-                                                         src.vector(a + "v_proj.bias", spec.kv_dim)]))
+                    write(
+                        w,
+                        p + "bqkv",
+                        np.concatenate(
+                            [
+                                src.vector(a + "q_proj.bias", spec.q_dim),
+                                src.vector(a + "k_proj.bias", spec.kv_dim),
+                                src.vector(a + "v_proj.bias", spec.kv_dim),
+                            ]
+                        ),
+                    )
                 if spec.qk_norm:
                     write(w, p + "q_norm", src.vector(a + "q_norm.weight", spec.head_dim).astype(ml_dtypes.bfloat16))
                     write(w, p + "k_norm", src.vector(a + "k_norm.weight", spec.head_dim).astype(ml_dtypes.bfloat16))
                 write_fp8(w, p + "wo", [(a + "o_proj.weight", (d, spec.q_dim))], f"{i}.wo")
-                write(w, p + "mlp_norm",
-                      src.vector(h + "post_attention_layernorm.weight", d).astype(ml_dtypes.bfloat16))
-                write_fp8(w, p + "w13", [(h + "mlp.gate_proj.weight", (f, d)),
-                                         (h + "mlp.up_proj.weight", (f, d))], f"{i}.w13")
+                write(w, p + "mlp_norm", src.vector(h + "post_attention_layernorm.weight", d).astype(ml_dtypes.bfloat16))
+                write_fp8(w, p + "w13", [(h + "mlp.gate_proj.weight", (f, d)), (h + "mlp.up_proj.weight", (f, d))], f"{i}.w13")
                 write_fp8(w, p + "w2", [(h + "mlp.down_proj.weight", (d, f))], f"{i}.w2")
             write(w, "final_norm", src.vector("model.norm.weight", d).astype(ml_dtypes.bfloat16))
             if head_mode == "fp8":
@@ -321,8 +348,14 @@ def _quantize(source: Path, out: Path, lm_head: str, progress: bool, log) -> dic
         bar.close()
         pool.shutdown(cancel_futures=True)
 
-    summary = dict(path=str(out), bytes=Path(out).stat().st_size, spec=spec.to_dict(), lm_head=head_mode,
-                   source_dtypes=sorted(src.dtypes), errors={k: stats.rel(k) for k in stats.err})
+    summary = dict(
+        path=str(out),
+        bytes=Path(out).stat().st_size,
+        spec=spec.to_dict(),
+        lm_head=head_mode,
+        source_dtypes=sorted(src.dtypes),
+        errors={k: stats.rel(k) for k in stats.err},
+    )
     return summary
 
 

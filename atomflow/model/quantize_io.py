@@ -1,6 +1,7 @@
 """What quantize reads and writes, checked: the model directory's JSON files, index and shards
 (every one it cannot take is a one-line UnsupportedModelError naming the file), the output path
 (before any work), the temporaries of killed runs, and the signals that must not leave one behind."""
+
 from __future__ import annotations
 
 import contextlib
@@ -26,8 +27,9 @@ def weight_map(index: Path) -> dict[str, str]:
         raise UnsupportedModelError(f"{index}: no weight_map (an object of tensor name -> shard file)")
     for name, shard in wm.items():
         if not isinstance(shard, str) or not shard or Path(shard).name != shard:
-            raise UnsupportedModelError(f"{index}: weight_map[{name!r}] must name a file in the same directory, "
-                                        f"got {shard!r:.60}")
+            raise UnsupportedModelError(
+                f"{index}: weight_map[{name!r}] must name a file in the same directory, got {shard!r:.60}"
+            )
     return wm
 
 
@@ -66,6 +68,7 @@ def read_text(path: Path) -> str:
 def generation_config(hf_dir: Path, config: dict, gen: dict, vocab: int) -> dict:
     """The file's generation_config from generation_config.json (and config.json's ids): EOS and
     BOS ids in the vocab, default sampling values the sampler takes, else a one-line error."""
+
     def where(key: str) -> Path:
         return hf_dir / ("generation_config.json" if key in gen else "config.json")
 
@@ -76,14 +79,16 @@ def generation_config(hf_dir: Path, config: dict, gen: dict, vocab: int) -> dict
 
     eos: list[int] = []
     for src in (gen.get("eos_token_id"), config.get("eos_token_id")):
-        for e in (src if isinstance(src, list) else [] if src is None else [src]):
+        for e in src if isinstance(src, list) else [] if src is None else [src]:
             if token_id("eos_token_id", e) not in eos:
                 eos.append(e)
     bos = gen.get("bos_token_id", config.get("bos_token_id"))
     out = dict(bos_token_id=None if bos is None else token_id("bos_token_id", bos), eos_token_ids=eos)
-    for key, ok, want in (("temperature", lambda v: 0 <= v <= 1e6, "a number >= 0"),
-                          ("top_p", lambda v: 0 < v <= 1, "a number in (0, 1]"),
-                          ("top_k", lambda v: isinstance(v, int) and 0 <= v < 2**31, "an integer >= 0")):
+    for key, ok, want in (
+        ("temperature", lambda v: 0 <= v <= 1e6, "a number >= 0"),
+        ("top_p", lambda v: 0 < v <= 1, "a number in (0, 1]"),
+        ("top_k", lambda v: isinstance(v, int) and 0 <= v < 2**31, "an integer >= 0"),
+    ):
         v = gen.get(key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not ok(v)):
             raise UnsupportedModelError(f"{hf_dir / 'generation_config.json'}: {key} must be {want}, got {v!r:.60}")
@@ -96,10 +101,17 @@ def check_tokenizer(hf_dir: Path, meta: dict[str, str], spec: ModelSpec) -> None
     the vocab, the chat template renders, the documents have their types."""
     from atomflow.errors import FormatError
     from atomflow.model.tokenizer import checked_tokenizer
+
     try:
         docs = filecheck.check_documents(hf_dir, meta, spec)
-        checked_tokenizer(hf_dir / "tokenizer.json", meta["tokenizer"], docs["tokenizer_config"],
-                          meta["chat_template"], docs["generation_config"], spec.vocab_size)
+        checked_tokenizer(
+            hf_dir / "tokenizer.json",
+            meta["tokenizer"],
+            docs["tokenizer_config"],
+            meta["chat_template"],
+            docs["generation_config"],
+            spec.vocab_size,
+        )
     except FormatError as e:
         raise UnsupportedModelError(str(e)) from None
 
@@ -118,7 +130,7 @@ def check_output_path(out: str | Path, hf_dir: Path, force: bool = False) -> Pat
     if not os.access(parent, os.W_OK | os.X_OK):
         raise OutputPathError(f"{out}: directory {parent} is not writable")
     if out.exists():
-        for f in (hf_dir.iterdir() if hf_dir.is_dir() else [hf_dir]):  # a directory, or one .gguf file
+        for f in hf_dir.iterdir() if hf_dir.is_dir() else [hf_dir]:  # a directory, or one .gguf file
             with contextlib.suppress(OSError):
                 if f.is_file() and os.path.samefile(f, out):
                     raise OutputPathError(f"{out}: is {f.name} of the source model {hf_dir}; choose another output path")
@@ -155,9 +167,24 @@ def sweep_stale_temps(out: Path, log) -> list[Path]:
 # Signals whose default action ends the process and that a handler can catch (SIGKILL and
 # SIGSTOP cannot be; SIGPIPE and SIGXFSZ Python ignores, so a write fails with an exception instead;
 # the synchronous faults SIGSEGV, SIGBUS, SIGILL, SIGFPE, SIGABRT are not for Python handlers).
-CLEANUP_SIGNALS = tuple(getattr(signal, n) for n in ("SIGHUP", "SIGINT", "SIGQUIT", "SIGTERM", "SIGUSR1", "SIGUSR2",
-                                                     "SIGALRM", "SIGXCPU", "SIGVTALRM", "SIGPROF", "SIGIO", "SIGPWR")
-                        if hasattr(signal, n)) + tuple(range(signal.SIGRTMIN, signal.SIGRTMAX + 1))
+CLEANUP_SIGNALS = tuple(
+    getattr(signal, n)
+    for n in (
+        "SIGHUP",
+        "SIGINT",
+        "SIGQUIT",
+        "SIGTERM",
+        "SIGUSR1",
+        "SIGUSR2",
+        "SIGALRM",
+        "SIGXCPU",
+        "SIGVTALRM",
+        "SIGPROF",
+        "SIGIO",
+        "SIGPWR",
+    )
+    if hasattr(signal, n)
+) + tuple(range(signal.SIGRTMIN, signal.SIGRTMAX + 1))
 
 
 @contextlib.contextmanager
@@ -197,5 +224,6 @@ def check_spec(hf_dir: Path, spec: ModelSpec, weight_map: dict[str, str]) -> Non
             raise UnsupportedModelError(f"{hf_dir / 'config.json'}: {name} {v} is past what atomflow reads ({limit})")
     layers = {int(k.split(".")[2]) for k in weight_map if k.startswith("model.layers.") and k.split(".")[2].isdigit()}
     if layers and (len(layers) != spec.num_layers or max(layers) != spec.num_layers - 1):
-        raise UnsupportedModelError(f"{hf_dir / 'config.json'}: num_hidden_layers {spec.num_layers}, but the checkpoint "
-                                    f"holds {len(layers)} layers")
+        raise UnsupportedModelError(
+            f"{hf_dir / 'config.json'}: num_hidden_layers {spec.num_layers}, but the checkpoint holds {len(layers)} layers"
+        )

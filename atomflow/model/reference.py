@@ -7,6 +7,7 @@ architecture's extras: a QKV bias (Qwen2), per-head q/k RMSNorm before RoPE (Qwe
 Probes: set `probe = fn(name, layer, array)` to receive the named activations of every
 layer ([M, ...] rows for the M tokens of the current call); the validator uses them.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -49,9 +50,13 @@ class ReferenceModel:
         for i in range(spec.num_layers):
             p = f"layers.{i}."
             layer = dict(
-                attn_norm=model.weight_f32(p + "attn_norm"), wqkv=model.weight_f32(p + "wqkv"),
-                wo=model.weight_f32(p + "wo"), mlp_norm=model.weight_f32(p + "mlp_norm"),
-                w13=model.weight_f32(p + "w13"), w2=model.weight_f32(p + "w2"))
+                attn_norm=model.weight_f32(p + "attn_norm"),
+                wqkv=model.weight_f32(p + "wqkv"),
+                wo=model.weight_f32(p + "wo"),
+                mlp_norm=model.weight_f32(p + "mlp_norm"),
+                w13=model.weight_f32(p + "w13"),
+                w2=model.weight_f32(p + "w2"),
+            )
             if spec.attention_bias:
                 layer["bqkv"] = model.weight_f32(p + "bqkv")
             if spec.qk_norm:
@@ -75,8 +80,7 @@ class ReferenceModel:
             raise ValueError(f"{len(ids)} tokens at position {self.pos} do not fit max_context {self.max_context}")
         if ids.min() < 0 or ids.max() >= self.spec.vocab_size:
             raise ValueError(f"token id out of range [0, {self.spec.vocab_size})")
-        out = [self._forward_chunk(ids[a:a + PREFILL_CHUNK], all_logits)
-               for a in range(0, len(ids), PREFILL_CHUNK)]
+        out = [self._forward_chunk(ids[a : a + PREFILL_CHUNK], all_logits) for a in range(0, len(ids), PREFILL_CHUNK)]
         return np.concatenate(out) if all_logits else out[-1]
 
     def _emit(self, name: str, layer: int, a: np.ndarray) -> None:
@@ -94,13 +98,13 @@ class ReferenceModel:
             qkv = h @ L["wqkv"].T
             if s.attention_bias:
                 qkv = qkv + L["bqkv"]
-            q = qkv[:, :s.q_dim].reshape(m, s.num_heads, s.head_dim)
-            k = qkv[:, s.q_dim:s.q_dim + s.kv_dim].reshape(m, s.num_kv_heads, s.head_dim)
-            v = qkv[:, s.q_dim + s.kv_dim:].reshape(m, s.num_kv_heads, s.head_dim)
+            q = qkv[:, : s.q_dim].reshape(m, s.num_heads, s.head_dim)
+            k = qkv[:, s.q_dim : s.q_dim + s.kv_dim].reshape(m, s.num_kv_heads, s.head_dim)
+            v = qkv[:, s.q_dim + s.kv_dim :].reshape(m, s.num_kv_heads, s.head_dim)
             if s.qk_norm:  # per head, over head_dim, before RoPE (Qwen3)
                 q, k = rmsnorm(q, L["q_norm"], s.rms_norm_eps), rmsnorm(k, L["k_norm"], s.rms_norm_eps)
-            self.k_cache[i, p0:p0 + m] = rope(k, positions, self.inv_freq)
-            self.v_cache[i, p0:p0 + m] = v
+            self.k_cache[i, p0 : p0 + m] = rope(k, positions, self.inv_freq)
+            self.v_cache[i, p0 : p0 + m] = v
             attn = self._attention(rope(q, positions, self.inv_freq), i, p0)
             o = attn @ L["wo"].T
             self._emit("attn_out", i, o)
@@ -108,7 +112,7 @@ class ReferenceModel:
             self._emit("resid_mid", i, x)
             h = rmsnorm(x, L["mlp_norm"], s.rms_norm_eps)
             gu = h @ L["w13"].T
-            mlp = (silu(gu[:, :s.intermediate_size]) * gu[:, s.intermediate_size:]) @ L["w2"].T
+            mlp = (silu(gu[:, : s.intermediate_size]) * gu[:, s.intermediate_size :]) @ L["w2"].T
             self._emit("mlp_out", i, mlp)
             x = x + mlp
             self._emit("layer_out", i, x)
@@ -128,7 +132,7 @@ class ReferenceModel:
         k, v = self.k_cache[layer, :t], self.v_cache[layer, :t]  # [T, Hkv, D]
         qg = q.reshape(m, s.num_kv_heads, s.group_size, s.head_dim).transpose(1, 2, 0, 3)  # [Hkv, G, M, D]
         # batched matmuls (BLAS), not einsum (numpy's einsum does not use BLAS for these)
-        scores = (qg @ k.transpose(1, 2, 0)[:, None]) * np.float32(s.head_dim ** -0.5)   # [Hkv, G, M, T]
+        scores = (qg @ k.transpose(1, 2, 0)[:, None]) * np.float32(s.head_dim**-0.5)  # [Hkv, G, M, T]
         if m > 1:  # key after query: -inf (a one-token step sees the whole cache)
             causal = np.arange(t)[None, :] > (p0 + np.arange(m))[:, None]  # [M, T]
             scores += np.where(causal, np.float32(-np.inf), np.float32(0))

@@ -5,6 +5,7 @@ bias, per-head q/k RMSNorm, rope scaling, a sliding window that is never in effe
 Mirrored as a POD struct in include/atomflow/spec.h (same field names). Anything the engine
 does not support fails here, with a message naming the config field and its value.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -20,15 +21,19 @@ from atomflow.errors import UnsupportedModelError
 QUANT_GROUP = 128  # input columns per FP8 scale; the last group of a row covers K % 128 (docs/FORMAT.md)
 SUPPORTED_HEAD_DIMS = (64, 80, 96, 128, 256)
 MAX_HEAD_RATIO = 16  # query heads per KV head
-SIZE_MULTIPLE = 64   # hidden and intermediate sizes
+SIZE_MULTIPLE = 64  # hidden and intermediate sizes
 ROPE_TYPES = ("default", "linear", "llama3")
 
 # Spec fields a version-1 file (Llama only) does not have: their defaults describe it.
 V1_ABSENT_FIELDS = ("arch", "attention_bias", "qk_norm", "sliding_window")
 
 # HF architecture -> the spec's arch name
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-                 "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
 _MODEL_TYPES = {v: k for k, v in ARCHITECTURES.items()}  # config model_type -> architecture
 
 # What the CUDA engine runs today (csrc/): everything else is refused before loading.
@@ -62,10 +67,10 @@ class ModelSpec:
     tie_word_embeddings: bool
     lm_head_fp8: bool = True
     # format version 2 (absent from version-1 files: these defaults are what those files hold)
-    arch: str = "llama"            # llama | mistral | qwen2 | qwen3
-    attention_bias: bool = False   # q/k/v projections have a bias (Qwen2): tensor layers.{i}.bqkv
-    qk_norm: bool = False          # RMSNorm per head on q and k before RoPE (Qwen3): layers.{i}.q_norm, k_norm
-    sliding_window: int = 0        # 0: none; else no context longer than this may be used (Mistral v0.1)
+    arch: str = "llama"  # llama | mistral | qwen2 | qwen3
+    attention_bias: bool = False  # q/k/v projections have a bias (Qwen2): tensor layers.{i}.bqkv
+    qk_norm: bool = False  # RMSNorm per head on q and k before RoPE (Qwen3): layers.{i}.q_norm, k_norm
+    sliding_window: int = 0  # 0: none; else no context longer than this may be used (Mistral v0.1)
 
     # -- derived sizes ---------------------------------------------------------------------
     @property
@@ -103,8 +108,15 @@ class ModelSpec:
             why.append(f"head_dim {self.head_dim} (CUDA: {', '.join(map(str, CUDA_HEAD_DIMS))})")
         if self.group_size not in CUDA_HEAD_RATIOS:
             why.append(f"{self.group_size} query heads per KV head (CUDA: {', '.join(map(str, CUDA_HEAD_RATIOS))})")
-        tails = [f"{n} {k}" for n, k in (("hidden_size", self.hidden_size), ("intermediate_size", self.intermediate_size),
-                                          ("heads x head_dim", self.q_dim)) if k % QUANT_GROUP]
+        tails = [
+            f"{n} {k}"
+            for n, k in (
+                ("hidden_size", self.hidden_size),
+                ("intermediate_size", self.intermediate_size),
+                ("heads x head_dim", self.q_dim),
+            )
+            if k % QUANT_GROUP
+        ]
         if tails:
             why.append(f"a tail FP8 group ({', '.join(tails)} not a multiple of {QUANT_GROUP})")
         if self.rope_type not in CUDA_ROPE_TYPES:
@@ -181,8 +193,9 @@ class ModelSpec:
         # Llama's and Qwen3's attention_bias also puts one on o_proj, which the engine does not have.
         bias = arch == "qwen2"
         if arch in ("llama", "qwen3") and config.get("attention_bias"):
-            raise UnsupportedModelError("unsupported: attention_bias = true (a bias on q/k/v/o_proj; "
-                                        "only Qwen2's q/k/v bias is supported)")
+            raise UnsupportedModelError(
+                "unsupported: attention_bias = true (a bias on q/k/v/o_proj; only Qwen2's q/k/v bias is supported)"
+            )
         sliding = _sliding_window(config, arch)
         hidden, heads = config["hidden_size"], config["num_attention_heads"]
         kv_heads = config.get("num_key_value_heads") or heads
@@ -225,8 +238,16 @@ class ModelSpec:
         def bad(msg: str):
             raise UnsupportedModelError(f"unsupported model: {msg}")
 
-        for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
-                  "head_dim", "max_position_embeddings"):
+        for f in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             if not isinstance(getattr(self, f), int) or getattr(self, f) <= 0:
                 bad(f"{f} must be a positive integer, got {getattr(self, f)!r}")
         if self.arch not in _MODEL_TYPES:
@@ -251,8 +272,7 @@ class ModelSpec:
         if not (self.rope_theta > 0 and math.isfinite(self.rope_theta)):
             bad(f"rope_theta {self.rope_theta}")
         if self.rope_type == "llama3":
-            if not (self.rope_factor > 0 and self.rope_low_freq_factor > 0
-                    and self.rope_original_max_position_embeddings > 0):
+            if not (self.rope_factor > 0 and self.rope_low_freq_factor > 0 and self.rope_original_max_position_embeddings > 0):
                 bad("llama3 rope scaling needs factor > 0, low_freq_factor > 0 and original_max_position_embeddings > 0")
             if not self.rope_high_freq_factor > self.rope_low_freq_factor:
                 bad("llama3 rope scaling needs high_freq_factor > low_freq_factor")
@@ -262,12 +282,27 @@ class ModelSpec:
 # transformers writes null for "the default").
 _NUMBER = (int, float)
 CONFIG_TYPES: dict[str, tuple[type, ...]] = {
-    "architectures": (list,), "model_type": (str,), "vocab_size": (int,), "hidden_size": (int,),
-    "intermediate_size": (int,), "num_hidden_layers": (int,), "num_attention_heads": (int,),
-    "num_key_value_heads": (int,), "head_dim": (int,), "rms_norm_eps": _NUMBER, "rope_theta": _NUMBER,
-    "rope_scaling": (dict,), "rope_parameters": (dict,), "max_position_embeddings": (int,),
-    "tie_word_embeddings": (bool,), "hidden_act": (str,), "attention_bias": (bool,), "mlp_bias": (bool,),
-    "sliding_window": (int,), "bos_token_id": (int,), "eos_token_id": (int, list),
+    "architectures": (list,),
+    "model_type": (str,),
+    "vocab_size": (int,),
+    "hidden_size": (int,),
+    "intermediate_size": (int,),
+    "num_hidden_layers": (int,),
+    "num_attention_heads": (int,),
+    "num_key_value_heads": (int,),
+    "head_dim": (int,),
+    "rms_norm_eps": _NUMBER,
+    "rope_theta": _NUMBER,
+    "rope_scaling": (dict,),
+    "rope_parameters": (dict,),
+    "max_position_embeddings": (int,),
+    "tie_word_embeddings": (bool,),
+    "hidden_act": (str,),
+    "attention_bias": (bool,),
+    "mlp_bias": (bool,),
+    "sliding_window": (int,),
+    "bos_token_id": (int,),
+    "eos_token_id": (int, list),
 }
 
 _NOT_NULL = ("rms_norm_eps", "rope_theta", "max_position_embeddings")  # read through float() / int()
@@ -284,9 +319,14 @@ def check_config_types(config) -> None:
         if v is None and (key not in _NOT_NULL or key not in config):
             continue
         if not isinstance(v, types) or (isinstance(v, bool) and bool not in types):
-            want = "a number" if types == _NUMBER else " or ".join(
-                {int: "an integer", str: "a string", list: "a list", dict: "an object", bool: "true or false"}[t]
-                for t in types)
+            want = (
+                "a number"
+                if types == _NUMBER
+                else " or ".join(
+                    {int: "an integer", str: "a string", list: "a list", dict: "an object", bool: "true or false"}[t]
+                    for t in types
+                )
+            )
             raise UnsupportedModelError(f"config.json: {key} must be {want}, got {v!r:.60}")
         if isinstance(v, float) and not math.isfinite(v):
             raise UnsupportedModelError(f"config.json: {key} must be finite, got {v!r}")
@@ -308,20 +348,29 @@ def _rope_settings(config: dict) -> dict:
     theta = config.get("rope_theta", (params or {}).get("rope_theta", 10000.0))
     rope_type = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
     if rope_type not in ROPE_TYPES:
-        raise UnsupportedModelError(f"unsupported: rope_scaling rope_type = {rope_type!r} "
-                                    f"(supported: none/default, linear, llama3)")
-    out = dict(rope_theta=float(theta), rope_type=rope_type, rope_factor=1.0, rope_low_freq_factor=1.0,
-               rope_high_freq_factor=4.0, rope_original_max_position_embeddings=0)
+        raise UnsupportedModelError(
+            f"unsupported: rope_scaling rope_type = {rope_type!r} (supported: none/default, linear, llama3)"
+        )
+    out = dict(
+        rope_theta=float(theta),
+        rope_type=rope_type,
+        rope_factor=1.0,
+        rope_low_freq_factor=1.0,
+        rope_high_freq_factor=4.0,
+        rope_original_max_position_embeddings=0,
+    )
     if rope_type == "linear":
         if not isinstance(scaling.get("factor"), (int, float)):
             raise UnsupportedModelError(f"linear rope scaling needs a numeric factor, got {scaling.get('factor')!r}")
         out.update(rope_factor=float(scaling["factor"]))
     if rope_type == "llama3":
         try:
-            out.update(rope_factor=float(scaling["factor"]),
-                       rope_low_freq_factor=float(scaling["low_freq_factor"]),
-                       rope_high_freq_factor=float(scaling["high_freq_factor"]),
-                       rope_original_max_position_embeddings=int(scaling["original_max_position_embeddings"]))
+            out.update(
+                rope_factor=float(scaling["factor"]),
+                rope_low_freq_factor=float(scaling["low_freq_factor"]),
+                rope_high_freq_factor=float(scaling["high_freq_factor"]),
+                rope_original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+            )
         except KeyError as e:
             raise UnsupportedModelError(f"llama3 rope scaling is missing {e.args[0]!r}") from None
     return out
@@ -334,13 +383,16 @@ def _architecture(config: dict) -> str:
         raise UnsupportedModelError(f"config.json: architectures must be a list of strings, got {archs!r:.60}")
     if archs:
         if len(archs) != 1 or archs[0] not in ARCHITECTURES:
-            raise UnsupportedModelError(f"unsupported architecture {', '.join(archs)}: architectures = {archs} "
-                                        f"(supported: {', '.join(ARCHITECTURES)})")
+            raise UnsupportedModelError(
+                f"unsupported architecture {', '.join(archs)}: architectures = {archs} (supported: {', '.join(ARCHITECTURES)})"
+            )
         return ARCHITECTURES[archs[0]]
     model_type = config.get("model_type")
     if model_type not in _MODEL_TYPES:
-        raise UnsupportedModelError(f"unsupported architecture model_type {model_type!r}: model_type = {model_type!r} "
-                                    f"(no architectures given; supported: {', '.join(_MODEL_TYPES)})")
+        raise UnsupportedModelError(
+            f"unsupported architecture model_type {model_type!r}: model_type = {model_type!r} "
+            f"(no architectures given; supported: {', '.join(_MODEL_TYPES)})"
+        )
     return model_type
 
 

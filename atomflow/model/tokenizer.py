@@ -3,6 +3,7 @@ rendered through jinja2 exactly as transformers renders it, and a UTF-8-safe str
 
 Reads either an HF model directory or the strings stored in a .atomflow file's metadata.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -72,12 +73,10 @@ class Tokenizer:
             template = next((t["template"] for t in template if t.get("name") == "default"), "")
         if (path / "chat_template.jinja").is_file():
             template = (path / "chat_template.jinja").read_text(encoding="utf-8")
-        return cls(_HFTokenizer.from_file(str(path / "tokenizer.json")), config, template,
-                   read_json("generation_config.json"))
+        return cls(_HFTokenizer.from_file(str(path / "tokenizer.json")), config, template, read_json("generation_config.json"))
 
     @classmethod
-    def from_metadata(cls, tokenizer_json: str, tokenizer_config: dict, chat_template: str,
-                      generation_config: dict) -> Tokenizer:
+    def from_metadata(cls, tokenizer_json: str, tokenizer_config: dict, chat_template: str, generation_config: dict) -> Tokenizer:
         """From a .atomflow file's metadata (tokenizer_config's chat_template key names the source
         file there; the template itself is the chat_template argument)."""
         config = {k: v for k, v in (tokenizer_config or {}).items() if k != "chat_template"}
@@ -118,9 +117,11 @@ class Tokenizer:
         tokens (bos_token, eos_token, ...) and any extra kwargs (e.g. date_string)."""
         if not self.has_chat_template:
             raise ValueError("this model has no chat template; encode the prompt raw (chat=False)")
-        special = {k: _token_text(self.config[k]) for k in
-                   ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
-                   if self.config.get(k) is not None}
+        special = {
+            k: _token_text(self.config[k])
+            for k in ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+            if self.config.get(k) is not None
+        }
         context = {**special, "tools": None, "documents": None, **kwargs}
         context.update(messages=copy.deepcopy(list(messages)), add_generation_prompt=add_generation_prompt)
         template = _compile_checked(self.chat_template)
@@ -176,8 +177,9 @@ def _time_limit(seconds: float, message: str):
         signal.signal(signal.SIGALRM, old)
 
 
-def checked_tokenizer(path, tokenizer_json: str, tokenizer_config: dict, chat_template: str,
-                      generation_config: dict, vocab_size: int) -> Tokenizer:
+def checked_tokenizer(
+    path, tokenizer_json: str, tokenizer_config: dict, chat_template: str, generation_config: dict, vocab_size: int
+) -> Tokenizer:
     """Tokenizer.from_metadata, with every failure a one-line FormatError naming `path`: the
     tokenizer must parse and know no more ids than the model's vocab, the chat template (if any)
     must compile and render one user turn to at least one token."""
@@ -197,8 +199,9 @@ def checked_tokenizer(path, tokenizer_json: str, tokenizer_config: dict, chat_te
     except Exception as e:
         raise FormatError(f"{path}: the tokenizer fails to encode text ({_one_line(e)})") from None
     if not ids:
-        raise FormatError(f"{path}: the {'chat template' if tok.has_chat_template else 'tokenizer'} turns a prompt "
-                          f"into no tokens")
+        raise FormatError(
+            f"{path}: the {'chat template' if tok.has_chat_template else 'tokenizer'} turns a prompt into no tokens"
+        )
     return tok
 
 
@@ -212,6 +215,7 @@ def _compile(template: str):
     class Generation(Extension):
         """`{% generation %}...{% endgeneration %}` marks assistant text for training masks;
         rendering only needs the body."""
+
         tags = {"generation"}
 
         def parse(self, parser):
@@ -256,7 +260,7 @@ class IncrementalDecoder:
         self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = []
         self.prefix = 0  # start of the decode window
-        self.read = 0    # ids before this are printed
+        self.read = 0  # ids before this are printed
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
@@ -264,11 +268,11 @@ class IncrementalDecoder:
     def feed(self, token_id: int) -> str:
         """The new printable text after appending token_id ("" while a character is incomplete)."""
         self.ids.append(int(token_id))
-        printed = self._decode(self.ids[self.prefix:self.read])
-        text = self._decode(self.ids[self.prefix:])
+        printed = self._decode(self.ids[self.prefix : self.read])
+        text = self._decode(self.ids[self.prefix :])
         if len(text) > len(printed) and not text.endswith("\ufffd"):
             self.prefix, self.read = self.read, len(self.ids)
-            return text[len(printed):]
+            return text[len(printed) :]
         if not text and len(self.ids) - self.prefix > self.MAX_SILENT:
             # a run of ids that print nothing (specials, ids the tokenizer lacks: a random model's):
             # nothing is pending, so keep one id of context and stop decoding an ever longer window
@@ -277,7 +281,7 @@ class IncrementalDecoder:
 
     def flush(self) -> str:
         """Whatever is held back at the end (a truly incomplete tail decodes to U+FFFD)."""
-        printed = self._decode(self.ids[self.prefix:self.read])
-        text = self._decode(self.ids[self.prefix:])
+        printed = self._decode(self.ids[self.prefix : self.read])
+        text = self._decode(self.ids[self.prefix :])
         self.prefix = self.read = len(self.ids)
-        return text[len(printed):]
+        return text[len(printed) :]

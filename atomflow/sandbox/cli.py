@@ -7,15 +7,21 @@
 
 Until then: python -m atomflow.sandbox.cli bench ... (the same arguments after `sandbox`).
 """
+
 from __future__ import annotations
 
 import json
 import sys
 
-QUICK = dict(contexts="1024,8192,32768", batches="1,8,64", block_sizes="16,128", iters=10, steps=16,
-             prefix="16,1024,64,8")
-FULL = dict(contexts="512,1024,2048,4096,8192,16384,32768", batches="1,2,4,8,16,32,64", block_sizes="16,32,64,128",
-            iters=20, steps=32, prefix="32,1024,64,16")
+QUICK = dict(contexts="1024,8192,32768", batches="1,8,64", block_sizes="16,128", iters=10, steps=16, prefix="16,1024,64,8")
+FULL = dict(
+    contexts="512,1024,2048,4096,8192,16384,32768",
+    batches="1,2,4,8,16,32,64",
+    block_sizes="16,32,64,128",
+    iters=20,
+    steps=32,
+    prefix="32,1024,64,16",
+)
 # Llama-3.2-3B: 28 layers x 8 KV heads x 128 x (K, V) x 2 bytes, when no --model gives the spec.
 KV_BYTES_3B = 28 * 8 * 128 * 2 * 2
 
@@ -33,6 +39,7 @@ def _ints(text: str, what: str) -> list[int]:
 def cmd_bench(a) -> int:
     from atomflow.sandbox import bench as sbb
     from atomflow.sandbox.model import cuda_status
+
     d = QUICK if a.quick else FULL
     pick = lambda v, k: v if v is not None else d[k]  # noqa: E731
     parts = [p.strip() for p in a.parts.split(",") if p.strip()]
@@ -49,6 +56,7 @@ def cmd_bench(a) -> int:
     res: dict = dict(device=None, notes=[])
     if gpu:
         from atomflow.sandbox.model import ext
+
         name, total, _ = ext().device_info()
         res["device"] = dict(name=name, memory_gib=total / 2**30)
         res["ceiling_gbs"] = sbb.ceiling_gbs()
@@ -59,21 +67,24 @@ def cmd_bench(a) -> int:
 
     if "attention" in parts and gpu:
         log("attention: contiguous vs paged")
-        res["attention"] = sbb.bench_attention(contexts, batches, block_sizes, iters=iters, scatter=not a.in_order,
-                                               ceiling=res["ceiling_gbs"], log=log)
+        res["attention"] = sbb.bench_attention(
+            contexts, batches, block_sizes, iters=iters, scatter=not a.in_order, ceiling=res["ceiling_gbs"], log=log
+        )
         print(sbb.format_attention(res["attention"]) + "\n")
     if "decode" in parts and gpu:
         if a.model is None:
             res["notes"].append("decode skipped: needs --model")
         else:
             log("decode: batched vs single-stream")
-            res["decode"] = sbb.bench_decode(a.model, batches, lo, hi, block_sizes[0], steps, core=not a.no_core,
-                                             ceiling=res["ceiling_gbs"], log=log)
+            res["decode"] = sbb.bench_decode(
+                a.model, batches, lo, hi, block_sizes[0], steps, core=not a.no_core, ceiling=res["ceiling_gbs"], log=log
+            )
             print(sbb.format_decode(res["decode"]) + "\n")
     if "memory" in parts:
         kvpt, src = KV_BYTES_3B, "Llama-3.2-3B shape"
         if a.model is not None:
             from atomflow.model.fileformat import AtomflowFile
+
             with AtomflowFile(a.model) as f:
                 kvpt, src = f.spec.kv_bytes_per_token(), str(a.model)
         res["memory"] = sbb.bench_memory(kvpt, batches, a.max_context, lo, hi, block_sizes)
@@ -81,8 +92,7 @@ def cmd_bench(a) -> int:
         print(sbb.format_memory(res["memory"]) + "\n")
     if "prefix" in parts:
         log("prefix: shared system prompt, cache off vs on")
-        res["prefix"] = sbb.bench_prefix(a.model if gpu else None, n_req, sys_len, user_len, new, block_sizes[0],
-                                         log=log)
+        res["prefix"] = sbb.bench_prefix(a.model if gpu else None, n_req, sys_len, user_len, new, block_sizes[0], log=log)
         print(sbb.format_prefix(res["prefix"]) + "\n")
     if a.plots:
         for path in sbb.plot_all(res, a.plots):
@@ -98,27 +108,37 @@ def cmd_bench(a) -> int:
 
 def cmd_test_blocks(a) -> int:
     from atomflow.sandbox.selftest import stress_block_manager, stress_scheduler
+
     r = stress_block_manager(a.num_blocks, a.block_size, a.ops, a.seed, not a.no_prefix_caching)
-    print(f"block manager: {a.ops} random operations on {a.num_blocks} blocks of {a.block_size}: "
-          f"{r['allocate']} allocate, {r['append']} append, {r['fork']} fork, {r['free']} free, "
-          f"{r['out_of_blocks']} clean out-of-blocks, {r['copies']} copy-on-write copies; "
-          f"prefix hits {r['stats']['cached_tokens']} of {r['stats']['prompt_tokens']} prompt tokens, "
-          f"{r['stats']['evictions']} evictions; every invariant held, nothing leaked")
+    print(
+        f"block manager: {a.ops} random operations on {a.num_blocks} blocks of {a.block_size}: "
+        f"{r['allocate']} allocate, {r['append']} append, {r['fork']} fork, {r['free']} free, "
+        f"{r['out_of_blocks']} clean out-of-blocks, {r['copies']} copy-on-write copies; "
+        f"prefix hits {r['stats']['cached_tokens']} of {r['stats']['prompt_tokens']} prompt tokens, "
+        f"{r['stats']['evictions']} evictions; every invariant held, nothing leaked"
+    )
     s = stress_scheduler(a.runs, a.seed)
-    print(f"scheduler: {a.runs} random workloads, {s['requests']} requests in {s['steps']} steps "
-          f"({s['preemptions']} preemptions, {s['cached_tokens']} prefix-cached tokens, {s['cow_copies']} copies): "
-          f"every request (forks included) equals single-stream generation")
+    print(
+        f"scheduler: {a.runs} random workloads, {s['requests']} requests in {s['steps']} steps "
+        f"({s['preemptions']} preemptions, {s['cached_tokens']} prefix-cached tokens, {s['cow_copies']} copies): "
+        f"every request (forks included) equals single-stream generation"
+    )
     return 0
 
 
 def register(subparsers) -> None:
     """Adds `sandbox bench` and `sandbox test-blocks` to the atomflow command."""
-    sp = subparsers.add_parser("sandbox", help="paged KV + batching sandbox: measurements and self-tests",
-                               description="The sandbox (docs/SANDBOX.md): what paging and batching cost, and when "
-                                           "they pay.")
+    sp = subparsers.add_parser(
+        "sandbox",
+        help="paged KV + batching sandbox: measurements and self-tests",
+        description="The sandbox (docs/SANDBOX.md): what paging and batching cost, and when they pay.",
+    )
     sub = sp.add_subparsers(dest="sandbox_command", required=True)
-    b = sub.add_parser("bench", help="contiguous vs paged attention, batched vs single-stream decode, KV memory, "
-                                     "prefix caching; tables + JSON (+ PNG plots)")
+    b = sub.add_parser(
+        "bench",
+        help="contiguous vs paged attention, batched vs single-stream decode, KV memory, "
+        "prefix caching; tables + JSON (+ PNG plots)",
+    )
     b.add_argument("--model", default=None, help=".atomflow file (decode and prefix timings need one; fp8 lm_head)")
     b.add_argument("--parts", default="attention,decode,memory,prefix", help="comma list of parts to run")
     b.add_argument("--quick", action="store_true", help="a smaller grid (a few minutes of GPU time at most)")
@@ -148,14 +168,16 @@ def register(subparsers) -> None:
 def main(argv: list[str] | None = None) -> int:
     """`python -m atomflow.sandbox.cli bench ...` until atomflow/cli.py wires register()."""
     import argparse
+
     p = argparse.ArgumentParser(prog="atomflow")
     register(p.add_subparsers(dest="command", required=True))
     a = p.parse_args(["sandbox"] + list(sys.argv[1:] if argv is None else argv))
     try:
         return a.fn(a)
     except (ValueError, RuntimeError, OSError) as e:
-        print(f"atomflow sandbox: error: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}",
-              file=sys.stderr)
+        print(
+            f"atomflow sandbox: error: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}", file=sys.stderr
+        )
         return 1
 
 

@@ -9,6 +9,7 @@ links the core. This module is the thin Python side:
 The scheduler is in scheduler.py, the benchmark drivers in bench.py, the self-test in
 selftest.py, the `atomflow sandbox ...` subcommands in cli.py.
 """
+
 from __future__ import annotations
 
 import math
@@ -54,19 +55,28 @@ class SandboxModel:
     runs one scheduler iteration: rows [0, n_decode) are one decode token per sequence, the
     remaining rows one prefill chunk of one sequence (see csrc/sandbox/paged_model.h)."""
 
-    def __init__(self, impl, spec, num_blocks: int, block_size: int, max_rows: int, max_seqs: int,
-                 max_blocks_per_seq: int, path: Path):
+    def __init__(
+        self, impl, spec, num_blocks: int, block_size: int, max_rows: int, max_seqs: int, max_blocks_per_seq: int, path: Path
+    ):
         self.impl, self.spec, self.path = impl, spec, path
         self.num_blocks, self.block_size = num_blocks, block_size
         self.max_rows, self.max_seqs, self.max_blocks_per_seq = max_rows, max_seqs, max_blocks_per_seq
         self.vocab_size = spec.vocab_size
 
     @classmethod
-    def load(cls, path, block_size: int = 16, max_batch: int = 64, prefill_chunk: int = 256,
-             max_context: int = 4096, num_blocks: int | None = None) -> SandboxModel:
+    def load(
+        cls,
+        path,
+        block_size: int = 16,
+        max_batch: int = 64,
+        prefill_chunk: int = 256,
+        max_context: int = 4096,
+        num_blocks: int | None = None,
+    ) -> SandboxModel:
         """Uploads every tensor into its own device buffer and makes a pool of num_blocks KV blocks
         (default: max_batch * max_context tokens' worth, the contiguous-equivalent)."""
         from atomflow.model.fileformat import AtomflowFile
+
         ok, why = cuda_status()
         if not ok:
             raise BackendUnavailableError(f"the sandbox model needs a GPU: {why}")
@@ -75,13 +85,16 @@ class SandboxModel:
         if spec.cuda_unsupported():
             raise UnsupportedModelError(f"{path}: {spec.cuda_unsupported()}")
         if model.quantization.get("lm_head", "fp8") != "fp8":
-            raise UnsupportedModelError(f"{path}: the sandbox runs files with an fp8 lm_head only "
-                                        f"(this one is {model.quantization.get('lm_head')}); re-quantize with --lm-head fp8")
+            raise UnsupportedModelError(
+                f"{path}: the sandbox runs files with an fp8 lm_head only "
+                f"(this one is {model.quantization.get('lm_head')}); re-quantize with --lm-head fp8"
+            )
         max_blocks = math.ceil(max_context / block_size)
         num_blocks = num_blocks or max_batch * max_blocks
         f16 = options_from_env()["f16_activations"]  # ATOMFLOW_BF16_ACTS, read where the core engine's is
-        impl = ext().PagedModel(spec.to_dict(), num_blocks, block_size, max_batch + prefill_chunk, max_batch, max_blocks,
-                                f16_activations=f16)
+        impl = ext().PagedModel(
+            spec.to_dict(), num_blocks, block_size, max_batch + prefill_chunk, max_batch, max_blocks, f16_activations=f16
+        )
         for t in model.tensor_table():
             impl.upload(t["name"], model.array(t["name"]).view(np.uint8))
         impl.upload_inv_freq(spec.rope_inv_freq())
@@ -132,8 +145,16 @@ class FakeModel:
     unwritten slot and raises), so "batched == single-stream" tests the scheduler and the block
     manager end to end without a GPU."""
 
-    def __init__(self, num_blocks: int, block_size: int, vocab_size: int = 1000, max_batch: int = 64,
-                 prefill_chunk: int = 256, max_context: int = 4096, strict: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        vocab_size: int = 1000,
+        max_batch: int = 64,
+        prefill_chunk: int = 256,
+        max_context: int = 4096,
+        strict: bool = True,
+    ):
         self.num_blocks, self.block_size, self.vocab_size = num_blocks, block_size, vocab_size
         self.strict = strict  # False: an unwritten slot reads as the empty prefix (synthetic-KV benchmarks)
         self.max_seqs, self.max_rows = max_batch, max_batch + prefill_chunk
@@ -165,8 +186,19 @@ class FakeModel:
             raise RuntimeError(f"FakeModel: read of unwritten KV slot {slot} (position {p})")
         return self.pool[slot]
 
-    def step(self, tokens, positions, slots, n_decode, decode_tables=None, decode_lens=None,
-             prefill_table=None, prefill_len=0, logit_rows=(), want_logits=False):
+    def step(
+        self,
+        tokens,
+        positions,
+        slots,
+        n_decode,
+        decode_tables=None,
+        decode_lens=None,
+        prefill_table=None,
+        prefill_len=0,
+        logit_rows=(),
+        want_logits=False,
+    ):
         self.steps += 1
         row_hash = []
         for r in range(len(tokens)):

@@ -12,6 +12,7 @@ prompt plus what it generated so far): the block manager decides who (preemption
 
 Greedy decoding only; `model` is a SandboxModel (GPU) or a FakeModel (CPU, same contract).
 """
+
 from __future__ import annotations
 
 import time
@@ -29,10 +30,10 @@ class Request:
     prompt: list[int]
     max_new_tokens: int
     output: list[int] = field(default_factory=list)
-    cursor: int = 0            # tokens of `pending` whose KV is in the cache
+    cursor: int = 0  # tokens of `pending` whose KV is in the cache
     pending: list[int] = field(default_factory=list)  # what the next admission prefills
     preemptions: int = 0
-    cached_tokens: int = 0     # prompt tokens served by the prefix cache (last admission)
+    cached_tokens: int = 0  # prompt tokens served by the prefix cache (last admission)
     t_add: float = 0.0
     t_first: float = 0.0
     t_done: float = 0.0
@@ -46,15 +47,23 @@ class Request:
 class StepReport:
     n_decode: int
     n_prefill: int
-    tokens: list[tuple[int, int]]   # (rid, token) produced this step
+    tokens: list[tuple[int, int]]  # (rid, token) produced this step
     device_ms: float
     wall_ms: float
     preempted: list[int]
 
 
 class Scheduler:
-    def __init__(self, model, block_size: int | None = None, max_batch: int | None = None,
-                 prefill_chunk: int = 256, prefix_caching: bool = True, eos_ids=(), watermark: bool = True):
+    def __init__(
+        self,
+        model,
+        block_size: int | None = None,
+        max_batch: int | None = None,
+        prefill_chunk: int = 256,
+        prefix_caching: bool = True,
+        eos_ids=(),
+        watermark: bool = True,
+    ):
         self.model = model
         self.block_size = block_size or model.block_size
         if self.block_size != model.block_size:
@@ -67,7 +76,7 @@ class Scheduler:
         self.eos = set(int(t) for t in eos_ids)
         self.watermark = watermark
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []   # decode phase, admission order (= priority)
+        self.running: list[Request] = []  # decode phase, admission order (= priority)
         self.prefilling: Request | None = None
         self.finished: dict[int, Request] = {}
         self._next_rid = 0
@@ -80,8 +89,10 @@ class Scheduler:
             raise ValueError("a request needs a non-empty prompt and max_new_tokens >= 1")
         need = -(-(len(prompt) + max_new_tokens) // self.block_size)
         if need > self.model.num_blocks or need > self.model.max_blocks_per_seq:
-            raise ValueError(f"a request of {len(prompt)} + {max_new_tokens} tokens needs {need} blocks; the pool has "
-                             f"{self.model.num_blocks}, a table at most {self.model.max_blocks_per_seq}")
+            raise ValueError(
+                f"a request of {len(prompt)} + {max_new_tokens} tokens needs {need} blocks; the pool has "
+                f"{self.model.num_blocks}, a table at most {self.model.max_blocks_per_seq}"
+            )
         r = Request(self._next_rid, prompt, max_new_tokens, pending=list(prompt), t_add=time.perf_counter())
         self._next_rid += 1
         self.waiting.append(r)
@@ -94,9 +105,16 @@ class Scheduler:
             raise ValueError(f"request {rid} is not running (only decode-phase requests fork)")
         if len(self.running) + (self.prefilling is not None) >= self.max_batch:
             raise ValueError(f"fork: the batch is full ({self.max_batch} sequences)")
-        child = Request(self._next_rid, list(parent.prompt), parent.max_new_tokens, output=list(parent.output),
-                        cursor=parent.cursor, pending=list(parent.pending), t_add=time.perf_counter(),
-                        t_first=parent.t_first)
+        child = Request(
+            self._next_rid,
+            list(parent.prompt),
+            parent.max_new_tokens,
+            output=list(parent.output),
+            cursor=parent.cursor,
+            pending=list(parent.pending),
+            t_add=time.perf_counter(),
+            t_first=parent.t_first,
+        )
         self._next_rid += 1
         self.bm.fork(parent.rid, child.rid)
         self.running.append(child)
@@ -174,7 +192,7 @@ class Scheduler:
             n_pf = min(self.prefill_chunk, len(pf.pending) - pf.cursor)
             table = np.array(self.bm.block_table(pf.rid), np.int32)
             pos = np.arange(pf.cursor, pf.cursor + n_pf, dtype=np.int32)
-            tokens += pf.pending[pf.cursor:pf.cursor + n_pf]
+            tokens += pf.pending[pf.cursor : pf.cursor + n_pf]
             positions += pos.tolist()
             slots += (table[pos // bs] * bs + pos % bs).tolist()
             pf_table, pf_len = table, pf.cursor + n_pf
@@ -185,8 +203,9 @@ class Scheduler:
 
         self.model.copy_blocks(copies)
         a = lambda x: np.ascontiguousarray(x, dtype=np.int32)  # noqa: E731
-        nxt = self.model.step(a(tokens), a(positions), a(slots), n_dec, dec_tables, dec_lens if n_dec else None,
-                              pf_table, pf_len, a(logit_rows))
+        nxt = self.model.step(
+            a(tokens), a(positions), a(slots), n_dec, dec_tables, dec_lens if n_dec else None, pf_table, pf_len, a(logit_rows)
+        )
         self.steps += 1
         now = time.perf_counter()
 
@@ -206,8 +225,7 @@ class Scheduler:
             r.t_done = now
             self.finished[r.rid] = r
         self.running = [r for r in self.running if r.rid not in self.finished]
-        return StepReport(n_dec, n_pf, produced, float(getattr(self.model, "last_step_ms", 0.0)),
-                          1e3 * (now - t0), preempted)
+        return StepReport(n_dec, n_pf, produced, float(getattr(self.model, "last_step_ms", 0.0)), 1e3 * (now - t0), preempted)
 
     def _emit(self, r: Request, token: int, now: float) -> tuple[int, int]:
         if not r.output:

@@ -4,6 +4,7 @@ the device (each KV slot holds the token prefix ending there), invariants checke
 operation; then random continuous-batching workloads through the scheduler on FakeModel, whose
 tokens must equal single-stream generation. tests/test_sandbox_blocks.py is the same idea under
 hypothesis."""
+
 from __future__ import annotations
 
 import random
@@ -24,7 +25,7 @@ def stress_block_manager(num_blocks: int, block_size: int, ops: int, seed: int, 
         slot = bm.slot(seq, p)
         if bm.refcount(slot // block_size) != 1:
             raise AssertionError(f"write into a shared block (sequence {seq}, position {p})")
-        data[slot] = tuple(tokens[seq][:p + 1])
+        data[slot] = tuple(tokens[seq][: p + 1])
 
     for _ in range(ops):
         op = rng.choices(["allocate", "append", "fork", "free"], [3, 8, 1, 2])[0]
@@ -38,7 +39,7 @@ def stress_block_manager(num_blocks: int, block_size: int, ops: int, seed: int, 
                 continue
             tokens[next_id] = prompt
             for p in range(cached):
-                if data.get(bm.slot(next_id, p)) != tuple(prompt[:p + 1]):
+                if data.get(bm.slot(next_id, p)) != tuple(prompt[: p + 1]):
                     raise AssertionError("a prefix hit returned different KV")
             for p in range(cached, len(prompt)):
                 write(next_id, p)
@@ -74,7 +75,7 @@ def stress_block_manager(num_blocks: int, block_size: int, ops: int, seed: int, 
         bm.check()
         for s, toks in tokens.items():
             for p in range(len(toks)):
-                if data.get(bm.slot(s, p)) != tuple(toks[:p + 1]):
+                if data.get(bm.slot(s, p)) != tuple(toks[: p + 1]):
                     raise AssertionError(f"sequence {s} reads foreign KV at position {p}")
     for s in list(tokens):
         bm.free(s)
@@ -86,13 +87,13 @@ def stress_block_manager(num_blocks: int, block_size: int, ops: int, seed: int, 
 
 def stress_scheduler(runs: int, seed: int) -> dict:
     from atomflow.sandbox.scheduler import Scheduler
+
     rng = random.Random(seed)
     totals = dict(requests=0, steps=0, preemptions=0, cached_tokens=0, cow_copies=0)
     for _ in range(runs):
         bs = rng.choice([1, 4, 16])
         nb = rng.randint(8, 64)
-        model = FakeModel(nb, bs, 50, max_batch=rng.randint(1, 8), prefill_chunk=rng.randint(1, 40),
-                          max_context=nb * bs)
+        model = FakeModel(nb, bs, 50, max_batch=rng.randint(1, 8), prefill_chunk=rng.randint(1, 40), max_context=nb * bs)
         sch = Scheduler(model, prefix_caching=rng.random() < 0.8)
         system = [rng.randrange(50) for _ in range(rng.randint(0, 40))]
         want = {}

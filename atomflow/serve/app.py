@@ -5,6 +5,7 @@ Every error is {"error": {"message", "type", "param", "code"}} with its HTTP sta
 answers with a traceback. Requests are validated and tokenized here, then queued for the engine
 thread (worker.py); a client that leaves, streaming or not, cancels its job.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -36,15 +37,15 @@ STATIC = Path(__file__).resolve().parent / "static"
 
 @dataclass
 class ServeConfig:
-    model: str                      # the .atomflow file
-    model_name: str                 # the id clients send as "model"
+    model: str  # the .atomflow file
+    model_name: str  # the id clients send as "model"
     max_context: int | None = None  # KV cache length (None: the engine's default)
     backend: str = "auto"
-    max_queue: int = 16             # requests that may wait while one runs
+    max_queue: int = 16  # requests that may wait while one runs
     request_timeout: float = 300.0  # seconds a request may wait in the queue (then 504)
-    api_key: str | None = None      # Bearer key for /v1/* and /metrics (None: open)
-    max_tokens: int = 4096          # the most tokens one request may generate
-    max_body_bytes: int = 4 << 20   # request bodies past this: 413
+    api_key: str | None = None  # Bearer key for /v1/* and /metrics (None: open)
+    max_tokens: int = 4096  # the most tokens one request may generate
+    max_body_bytes: int = 4 << 20  # request bodies past this: 413
     eager: bool | None = None
 
 
@@ -63,8 +64,9 @@ class Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope.get("path", "")
-        endpoint = path if path in ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics",
-                                    "/") else "other"
+        endpoint = (
+            path if path in ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/") else "other"
+        )
         status = {}
 
         async def counted_send(message):
@@ -85,8 +87,7 @@ class Guard:
                 if message["type"] == "http.request":
                     seen += len(message.get("body", b""))
                     if seen > self.max_body:
-                        raise ApiError(413, f"request body too large: the limit is {self.max_body} bytes",
-                                       code="body_too_large")
+                        raise ApiError(413, f"request body too large: the limit is {self.max_body} bytes", code="body_too_large")
                 return message
 
             await self.app(scope, limited_receive, counted_send)
@@ -98,7 +99,7 @@ def warm_up(eng) -> None:
     the first call's one-time costs (template compile, first kernels, allocator pools)."""
     if eng.tokenizer.has_chat_template:
         eng.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
-    ids = eng.tokenizer.encode("Hello there", add_special_tokens=True)[:max(1, eng.max_context - 4)]
+    ids = eng.tokenizer.encode("Hello there", add_special_tokens=True)[: max(1, eng.max_context - 4)]
     for _ in eng.generate_tokens(ids, SamplingParams(temperature=1.0, seed=0, max_new_tokens=4, ignore_eos=True)):
         pass
     eng.reset()
@@ -108,11 +109,14 @@ def create_app(cfg: ServeConfig, load=None) -> FastAPI:
     """load: () -> Engine (default: Engine.load(cfg.model, ...)); it runs on the engine thread."""
     metrics = Metrics()
     if load is None:
+
         def load():
             from atomflow.engine import Engine
+
             eng = Engine.load(cfg.model, backend=cfg.backend, max_context=cfg.max_context, eager=cfg.eager)
             warm_up(eng)
             return eng
+
     worker = EngineWorker(load, cfg.max_queue, metrics)
 
     @contextlib.asynccontextmanager
@@ -147,8 +151,11 @@ def create_app(cfg: ServeConfig, load=None) -> FastAPI:
         auth = request.headers.get("authorization", "")
         scheme, _, key = auth.partition(" ")
         if scheme.lower() != "bearer" or not secrets.compare_digest(key.strip().encode(), cfg.api_key.encode()):
-            raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'" if not auth else
-                           "Incorrect API key provided", code="invalid_api_key")
+            raise ApiError(
+                401,
+                "missing or wrong API key: send 'Authorization: Bearer KEY'" if not auth else "Incorrect API key provided",
+                code="invalid_api_key",
+            )
 
     def engine():
         if worker.load_error:
@@ -173,33 +180,47 @@ def create_app(cfg: ServeConfig, load=None) -> FastAPI:
         if bad is not None:
             raise bad
         if req.model is not None and req.model != cfg.model_name:
-            raise ApiError(404, f"The model '{req.model}' does not exist (this server runs '{cfg.model_name}')",
-                           "model", "model_not_found")
+            raise ApiError(
+                404, f"The model '{req.model}' does not exist (this server runs '{cfg.model_name}')", "model", "model_not_found"
+            )
         return req
 
     def sampling(eng, req, n_prompt: int) -> SamplingParams:
         limit, field = req.token_limit
         room = eng.max_context - n_prompt
         if limit is not None and limit > cfg.max_tokens:
-            raise ApiError(400, f"{field} is {limit}; this server allows at most {cfg.max_tokens} (--max-tokens)",
-                           field, "invalid_value")
+            raise ApiError(
+                400, f"{field} is {limit}; this server allows at most {cfg.max_tokens} (--max-tokens)", field, "invalid_value"
+            )
         if room < 1 or (limit is not None and limit > room):
             if limit is None or room < 1:
-                asked, param = f"{n_prompt} tokens in the prompt and at least 1 to generate", \
-                    "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
+                asked, param = (
+                    f"{n_prompt} tokens in the prompt and at least 1 to generate",
+                    "messages" if isinstance(req, ChatCompletionRequest) else "prompt",
+                )
             else:
                 asked, param = f"{n_prompt + limit} tokens ({n_prompt} in the prompt, {limit} in the completion)", field
-            raise ApiError(400, f"This model's maximum context length is {eng.max_context} tokens. However, you "
-                           f"requested {asked}.", param, "context_length_exceeded")
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {eng.max_context} tokens. However, you requested {asked}.",
+                param,
+                "context_length_exceeded",
+            )
         gc = eng.model.metadata_json("generation_config", {}) or {}
 
         def pick(v, key, fallback):
             return v if v is not None else (gc.get(key) if gc.get(key) is not None else fallback)
+
         try:
-            return SamplingParams(temperature=pick(req.temperature, "temperature", 1.0),
-                                  top_p=pick(req.top_p, "top_p", 1.0), top_k=max(int(pick(req.top_k, "top_k", 0)), 0),
-                                  seed=req.seed, max_new_tokens=limit or min(cfg.max_tokens, room), stop=req.stops,
-                                  ignore_eos=req.ignore_eos)
+            return SamplingParams(
+                temperature=pick(req.temperature, "temperature", 1.0),
+                top_p=pick(req.top_p, "top_p", 1.0),
+                top_k=max(int(pick(req.top_k, "top_k", 0)), 0),
+                seed=req.seed,
+                max_new_tokens=limit or min(cfg.max_tokens, room),
+                stop=req.stops,
+                ignore_eos=req.ignore_eos,
+            )
         except ValueError as e:  # a generation_config default out of range
             raise ApiError(400, str(e)) from None
 
@@ -223,8 +244,11 @@ def create_app(cfg: ServeConfig, load=None) -> FastAPI:
                 if gone in done:
                     return None
                 metrics.rejected.labels("timeout").inc()
-                raise ApiError(504, f"the request waited {cfg.request_timeout:g} s in the queue without starting "
-                               "(--request-timeout)", code="queue_timeout")
+                raise ApiError(
+                    504,
+                    f"the request waited {cfg.request_timeout:g} s in the queue without starting (--request-timeout)",
+                    code="queue_timeout",
+                )
             return await get  # it started just as the deadline passed
         finally:
             gone.cancel()
@@ -242,9 +266,12 @@ def create_app(cfg: ServeConfig, load=None) -> FastAPI:
         if req.stream:
             # background: runs however the response ends, even when the client left before the
             # stream started (then the generator's own finally never runs)
-            return StreamingResponse(stream(job, rid, created, chat, req.include_usage), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-                                     background=BackgroundTask(job.cancel))
+            return StreamingResponse(
+                stream(job, rid, created, chat, req.include_usage),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                background=BackgroundTask(job.cancel),
+            )
         collect = asyncio.ensure_future(collect_text(job))
         gone = asyncio.ensure_future(wait_disconnect(request))
         done, _ = await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -255,13 +282,25 @@ def create_app(cfg: ServeConfig, load=None) -> FastAPI:
         gone.cancel()
         text, res = collect.result()
         if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": res.finish_reason}
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": res.finish_reason,
+            }
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": res.finish_reason}
-        return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-                             "model": cfg.model_name, "choices": [choice], "usage": usage(res),
-                             "system_fingerprint": None})
+        return JSONResponse(
+            {
+                "id": rid,
+                "object": "chat.completion" if chat else "text_completion",
+                "created": created,
+                "model": cfg.model_name,
+                "choices": [choice],
+                "usage": usage(res),
+                "system_fingerprint": None,
+            }
+        )
 
     async def collect_text(job: Job) -> tuple[str, Result]:
         parts = []
@@ -275,9 +314,12 @@ def create_app(cfg: ServeConfig, load=None) -> FastAPI:
                 raise rest[0]
 
     def usage(res: Result) -> dict:
-        return {"prompt_tokens": res.prompt_tokens, "completion_tokens": res.completion_tokens,
-                "total_tokens": res.prompt_tokens + res.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": res.cached_tokens}}
+        return {
+            "prompt_tokens": res.prompt_tokens,
+            "completion_tokens": res.completion_tokens,
+            "total_tokens": res.prompt_tokens + res.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": res.cached_tokens},
+        }
 
     async def stream(job: Job, rid: str, created: int, chat: bool, include_usage: bool):
         obj = "chat.completion.chunk" if chat else "text_completion"
@@ -288,8 +330,15 @@ def create_app(cfg: ServeConfig, load=None) -> FastAPI:
                 choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
             else:
                 choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-            return "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": cfg.model_name,
-                                          "choices": [choice]}, ensure_ascii=False) + "\n\n"
+            return (
+                "data: "
+                + json.dumps(
+                    {"id": rid, "object": obj, "created": created, "model": cfg.model_name, "choices": [choice]},
+                    ensure_ascii=False,
+                )
+                + "\n\n"
+            )
+
         try:
             if chat:
                 yield chunk(None, first=True)
@@ -308,9 +357,20 @@ def create_app(cfg: ServeConfig, load=None) -> FastAPI:
                     res = end[1]
                     yield chunk(None, res.finish_reason)
                     if include_usage:
-                        yield "data: " + json.dumps({"id": rid, "object": obj, "created": created,
-                                                     "model": cfg.model_name, "choices": [],
-                                                     "usage": usage(res)}) + "\n\n"
+                        yield (
+                            "data: "
+                            + json.dumps(
+                                {
+                                    "id": rid,
+                                    "object": obj,
+                                    "created": created,
+                                    "model": cfg.model_name,
+                                    "choices": [],
+                                    "usage": usage(res),
+                                }
+                            )
+                            + "\n\n"
+                        )
                 break
             yield "data: [DONE]\n\n"
         finally:
@@ -333,6 +393,7 @@ def create_app(cfg: ServeConfig, load=None) -> FastAPI:
             except Exception as e:  # the template's raise_exception (e.g. roles must alternate), sandbox refusals
                 raise ApiError(400, f"the chat template refused the messages: {e}", "messages") from None
             return tok.encode(text, add_special_tokens=False)
+
         ids = await run_in_threadpool(encode)
         return await run(request, req, ids, sampling(eng, req, len(ids)), chat=True)
 
@@ -356,8 +417,12 @@ def create_app(cfg: ServeConfig, load=None) -> FastAPI:
     async def models(request: Request):
         check_key(request)
         eng = engine()
-        return {"object": "list", "data": [{"id": cfg.model_name, "object": "model", "created": 0,
-                                            "owned_by": "atomflow", "max_model_len": eng.max_context}]}
+        return {
+            "object": "list",
+            "data": [
+                {"id": cfg.model_name, "object": "model", "created": 0, "owned_by": "atomflow", "max_model_len": eng.max_context}
+            ],
+        }
 
     @app.get("/health")
     async def health():
@@ -366,8 +431,14 @@ def create_app(cfg: ServeConfig, load=None) -> FastAPI:
         if not worker.ready:
             return JSONResponse({"status": "loading"}, status_code=503)
         eng = worker.engine
-        return {"status": "ok", "model": cfg.model_name, "backend": eng.backend_name, "max_context": eng.max_context,
-                "busy": worker.busy, "queued": worker.queued}
+        return {
+            "status": "ok",
+            "model": cfg.model_name,
+            "backend": eng.backend_name,
+            "max_context": eng.max_context,
+            "busy": worker.busy,
+            "queued": worker.queued,
+        }
 
     @app.get("/metrics")
     async def prometheus(request: Request):

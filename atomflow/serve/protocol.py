@@ -5,6 +5,7 @@ supplied: x"): a misspelt parameter is an error, not a silent default. Parameter
 does not support yet (n > 1, tools, logprobs, penalties) are known fields refused with a 400
 that names them. Extensions, as in vLLM: top_k, ignore_eos.
 """
+
 from __future__ import annotations
 
 from typing import Any, Literal
@@ -17,13 +18,25 @@ MAX_STOP = 4  # the OpenAI API's limit on stop strings
 class ApiError(Exception):
     """An error the client caused or must handle, answered as {"error": {...}} with `status`."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str | None = None, headers: dict | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+        headers: dict | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
-        self.type = type or {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                             413: "invalid_request_error", 503: "service_unavailable", 504: "timeout"}.get(
-                                 status, "server_error")
+        self.type = type or {
+            400: "invalid_request_error",
+            401: "authentication_error",
+            404: "not_found_error",
+            413: "invalid_request_error",
+            503: "service_unavailable",
+            504: "timeout",
+        }.get(status, "server_error")
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -130,8 +143,7 @@ class ChatCompletionRequest(_Request):
         if self.top_logprobs:
             return ApiError(400, "logprobs are not supported yet", "top_logprobs", "unsupported_parameter")
         if self.response_format and self.response_format.get("type") not in (None, "text"):
-            return ApiError(400, "only response_format {\"type\": \"text\"} is supported", "response_format",
-                            "unsupported_parameter")
+            return ApiError(400, 'only response_format {"type": "text"} is supported', "response_format", "unsupported_parameter")
         for i, m in enumerate(self.messages):
             if m.role == "tool" or m.tool_calls:
                 return ApiError(400, "tool messages are not supported yet", f"messages[{i}]", "unsupported_parameter")
@@ -156,8 +168,9 @@ class CompletionRequest(_Request):
     def unsupported(self) -> ApiError | None:
         if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list)):
             if len(self.prompt) != 1:
-                return ApiError(400, "one prompt per request (a batch of prompts is not supported)", "prompt",
-                                "unsupported_parameter")
+                return ApiError(
+                    400, "one prompt per request (a batch of prompts is not supported)", "prompt", "unsupported_parameter"
+                )
         if self.echo:
             return ApiError(400, "echo is not supported yet", "echo", "unsupported_parameter")
         if self.suffix:

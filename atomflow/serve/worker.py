@@ -12,6 +12,7 @@ Cancellation is a flag the generation loop reads after every token: set it and t
 within a step, closing the engine's generator (which ends the CUDA pipeline and leaves the
 cache holding what was computed, for the next request's prefix reuse).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -36,8 +37,8 @@ class Result:
     cached_tokens: int
     completion_tokens: int
     finish_reason: str  # stop | length | cancelled
-    ttft_s: float       # arrival to first token
-    decode_s: float     # first token to last
+    ttft_s: float  # arrival to first token
+    decode_s: float  # first token to last
 
 
 class Job:
@@ -112,8 +113,12 @@ class EngineWorker:
             idle = self.current is None and not self._queue and self.ready  # it starts at once: no place taken
             if len(self._queue) >= self.max_queue and not idle:
                 self.metrics.rejected.labels("queue_full").inc()
-                raise ApiError(503, f"the server is busy: {self.max_queue} requests are already waiting (--queue); "
-                               "retry later", code="queue_full", headers={"Retry-After": "1"})
+                raise ApiError(
+                    503,
+                    f"the server is busy: {self.max_queue} requests are already waiting (--queue); retry later",
+                    code="queue_full",
+                    headers={"Retry-After": "1"},
+                )
             self._queue.append(job)
             self.metrics.queue_depth.set(len(self._queue))
             self._cv.notify()
@@ -201,5 +206,9 @@ class EngineWorker:
             if text:
                 job.post("text", text)
             finish = "stop" if st.stop_reason == "eos" else "length"
-        job.post("done", Result(st.prompt_tokens, st.reused_tokens, n, finish,
-                                (t_first or t_last) - job.arrival, t_last - (t_first or t_last)))
+        job.post(
+            "done",
+            Result(
+                st.prompt_tokens, st.reused_tokens, n, finish, (t_first or t_last) - job.arrival, t_last - (t_first or t_last)
+            ),
+        )

@@ -18,6 +18,7 @@ A baseline that cannot run here (no torch, no CUDA, no HF directory, an import e
 memory) gives rows marked skipped with the reason; nothing is estimated. torch is imported only
 inside the runners, on demand.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -46,16 +47,19 @@ def check_hf_dir(hf_dir: str | Path | None) -> Path:
     return p
 
 
-def run(name: str, hf_dir: str | Path | None, opts: BenchOptions, bandwidth_gbs: float | None,
-        log: Callable[[str], None]) -> list[dict]:
+def run(
+    name: str, hf_dir: str | Path | None, opts: BenchOptions, bandwidth_gbs: float | None, log: Callable[[str], None]
+) -> list[dict]:
     """Rows for every test of opts; a baseline that cannot start gives one skipped row per test."""
     tests: tuple[BenchTest, ...] = opts.tests
     try:
         path = check_hf_dir(hf_dir)
         if name == "vllm":
             from atomflow.bench.baselines.vllm_runner import run_vllm
+
             return run_vllm(path, opts, bandwidth_gbs, log)
         from atomflow.bench.baselines.torch_runner import run_torch_baseline
+
         return run_torch_baseline(name, path, opts, bandwidth_gbs, log)
     except Skip as e:
         return [skipped_row(name, t, str(e)) for t in tests]

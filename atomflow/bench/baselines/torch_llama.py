@@ -24,6 +24,7 @@ row, dequantized in the matmul: y = (x @ int8_w.to(x.dtype).T) * scale. fp8: Fp8
 e4m3 weights with an fp32 scale per output row and activations quantized per token at run time,
 multiplied by torch._scaled_mm with rowwise scales (the usual FP8 recipe on Hopper).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -113,8 +114,7 @@ class Block(nn.Module):
         self.spec = spec
         self.attn_norm = nn.Parameter(w["input_layernorm.weight"], requires_grad=False)
         self.mlp_norm = nn.Parameter(w["post_attention_layernorm.weight"], requires_grad=False)
-        self.wqkv = linear(torch.cat([w["self_attn.q_proj.weight"], w["self_attn.k_proj.weight"],
-                                      w["self_attn.v_proj.weight"]]))
+        self.wqkv = linear(torch.cat([w["self_attn.q_proj.weight"], w["self_attn.k_proj.weight"], w["self_attn.v_proj.weight"]]))
         self.wo = linear(w["self_attn.o_proj.weight"])
         self.w13 = linear(torch.cat([w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"]]))
         self.w2 = linear(w["mlp.down_proj.weight"])
@@ -142,8 +142,8 @@ class Block(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:  # after earlier chunks: the cache's first start + T keys under the mask
             rep = s.num_heads // s.num_kv_heads
-            k = self.k_cache[:, :, :start + T].repeat_interleave(rep, dim=1)
-            v = self.v_cache[:, :, :start + T].repeat_interleave(rep, dim=1)
+            k = self.k_cache[:, :, : start + T].repeat_interleave(rep, dim=1)
+            v = self.v_cache[:, :, : start + T].repeat_interleave(rep, dim=1)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         x = x + self.wo(y.transpose(1, 2).reshape(1, T, s.q_dim))
         gate, up = self.w13(rms_norm(x, self.mlp_norm, s.rms_norm_eps)).chunk(2, dim=-1)
@@ -158,9 +158,13 @@ class Transformer(nn.Module):
         linear = LINEARS[linear]
         self.embed = nn.Parameter(weights["model.embed_tokens.weight"], requires_grad=False)
         self.layers = nn.ModuleList(
-            Block(spec, {k[len(f"model.layers.{i}."):]: v for k, v in weights.items()
-                         if k.startswith(f"model.layers.{i}.")}, linear)
-            for i in range(spec.num_layers))
+            Block(
+                spec,
+                {k[len(f"model.layers.{i}.") :]: v for k, v in weights.items() if k.startswith(f"model.layers.{i}.")},
+                linear,
+            )
+            for i in range(spec.num_layers)
+        )
         self.norm = nn.Parameter(weights["model.norm.weight"], requires_grad=False)
         self.output = linear(weights.get("lm_head.weight", weights["model.embed_tokens.weight"]))
         for name in ("cos", "sin", "keys"):
@@ -199,8 +203,8 @@ class Transformer(nn.Module):
         T = tokens.shape[1]
         x = F.embedding(tokens, self.embed)
         pos = torch.arange(start, start + T, device=tokens.device)
-        cos, sin = self.cos[start:start + T], self.sin[start:start + T]
-        mask = pos[:, None] >= self.keys[None, :start + T] if start > 0 else None
+        cos, sin = self.cos[start : start + T], self.sin[start : start + T]
+        mask = pos[:, None] >= self.keys[None, : start + T] if start > 0 else None
         for b in self.layers:
             x = b(x, pos, cos, sin, mask, start)
         return self.head(x)
@@ -211,6 +215,7 @@ class Transformer(nn.Module):
 
 def read_safetensors(hf_dir: str | Path) -> dict[str, torch.Tensor]:
     from safetensors import safe_open
+
     files = sorted(Path(hf_dir).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {hf_dir}")
@@ -223,8 +228,7 @@ def read_safetensors(hf_dir: str | Path) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def load(hf_dir: str | Path, device: str = "cuda", dtype: torch.dtype = torch.bfloat16,
-         linear: str = "bf16") -> Transformer:
+def load(hf_dir: str | Path, device: str = "cuda", dtype: torch.dtype = torch.bfloat16, linear: str = "bf16") -> Transformer:
     """linear: "bf16" (dense, in dtype), "int8" (weight-only) or "fp8" (Fp8Linear)."""
     if linear not in LINEARS:
         raise ValueError(f"linear must be one of {', '.join(LINEARS)}, got {linear!r}")

@@ -10,6 +10,7 @@ A decoder keeps its own KV cache and position:
   step(token)            token [1, 1] -> the next token [1, 1]; never synchronizes, so the host runs
                          ahead of the GPU as in our pipelined generate
 """
+
 from __future__ import annotations
 
 import gc
@@ -49,11 +50,13 @@ def fp8_unsupported(torch, device: str = "cuda") -> str | None:
             return f"FP8 matmuls need compute capability >= 8.9; this GPU is {cc[0]}.{cc[1]}"
     try:
         from atomflow.bench.baselines.torch_llama import Fp8Linear
+
         dtype = torch.bfloat16 if device == "cuda" else torch.float32
         w = torch.randn(32, 64, device=device, dtype=dtype)
         Fp8Linear(w)(torch.randn(3, 64, device=device, dtype=dtype))
     except Exception as e:  # noqa: BLE001 - the reason is the row's
         from atomflow.bench.baselines import reason
+
         return f"torch._scaled_mm with rowwise scales failed here ({reason(e)})"
     return None
 
@@ -66,6 +69,7 @@ def fused_sdpa(torch, spec: ModelSpec, device: str, dtype) -> tuple[list, str]:
     if device != "cuda":
         return [], "SDPA (CPU)"
     from torch.nn.attention import SDPBackend, sdpa_kernel
+
     q = torch.randn(1, spec.num_heads, 64, spec.head_dim, device=device, dtype=dtype)
     tried = []
     for backend, word in ((SDPBackend.FLASH_ATTENTION, "flash"), (SDPBackend.EFFICIENT_ATTENTION, "efficient")):
@@ -76,8 +80,7 @@ def fused_sdpa(torch, spec: ModelSpec, device: str, dtype) -> tuple[list, str]:
             tried.append(f"{word}: {str(e).strip().splitlines()[0][:80] if str(e).strip() else type(e).__name__}")
             continue
         fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
-        return fused, (f"SDPA {word} (start 0, is_causal) / efficient (later chunks, mask), "
-                       "KV heads repeated")
+        return fused, (f"SDPA {word} (start 0, is_causal) / efficient (later chunks, mask), KV heads repeated")
     return [], "SDPA math path, no fused kernel ran (" + "; ".join(tried) + ")"
 
 
@@ -90,6 +93,7 @@ class HfDecoder:
 
     def __init__(self, hf_dir: Path, device: str = "cuda", dtype=None):
         import torch
+
         try:
             import transformers
             from transformers import AutoModelForCausalLM
@@ -98,8 +102,11 @@ class HfDecoder:
         self.torch = torch
         major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
         dtype_kw = "dtype" if (major, minor) >= (4, 56) else "torch_dtype"  # renamed in 4.56
-        self.model = AutoModelForCausalLM.from_pretrained(str(hf_dir), attn_implementation="eager",
-                                                          **{dtype_kw: dtype or torch.bfloat16}).to(device).eval()
+        self.model = (
+            AutoModelForCausalLM.from_pretrained(str(hf_dir), attn_implementation="eager", **{dtype_kw: dtype or torch.bfloat16})
+            .to(device)
+            .eval()
+        )
         params = inspect.signature(self.model.forward).parameters
         # Only the last row's logits, as generate() asks for them (a full [T, vocab] is not the baseline's cost).
         self.keep = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
@@ -122,7 +129,7 @@ class HfDecoder:
 
     def prefill(self, ids):
         for s in range(0, ids.shape[1], self.prefill_chunk):
-            tok = self._forward(ids[:, s:s + self.prefill_chunk])
+            tok = self._forward(ids[:, s : s + self.prefill_chunk])
         return tok
 
     def step(self, token):
@@ -139,13 +146,13 @@ class CompiledDecoder:
 
     prefill_chunk = 2048
 
-    def __init__(self, hf_dir: Path, linear: str = "bf16", compile_prefill: bool = True, device: str = "cuda",
-                 dtype=None):
+    def __init__(self, hf_dir: Path, linear: str = "bf16", compile_prefill: bool = True, device: str = "cuda", dtype=None):
         import torch
         import torch._dynamo.config
         import torch._inductor.config as inductor
 
         from atomflow.bench.baselines import torch_llama
+
         # gpt-fast's generate.py settings, but for unique_kernel_names (kernel names only): gpt-fast's
         # True makes every layer's copy of a kernel distinct, compiled and tuned once per layer.
         inductor.coordinate_descent_tuning = True
@@ -167,16 +174,21 @@ class CompiledDecoder:
         self.model = torch_llama.load(hf_dir, device, dtype or torch.bfloat16, linear=linear)
         self._step = torch.compile(torch_llama.decode_one, mode="reduce-overhead", fullgraph=True, dynamic=False)
         self.compile_prefill = compile_prefill
-        self._prefill = (torch.compile(torch_llama.prefill_one, fullgraph=True, dynamic=True) if compile_prefill
-                         else torch_llama.prefill_one)
+        self._prefill = (
+            torch.compile(torch_llama.prefill_one, fullgraph=True, dynamic=True) if compile_prefill else torch_llama.prefill_one
+        )
         self.sdpa_backends, attention = fused_sdpa(torch, self.model.spec, device, self.model.embed.dtype)
-        precision = {"bf16": f"{str(self.model.embed.dtype).removeprefix('torch.')}",
-                     "int8": "int8 weight-only (per-row scales)",
-                     "fp8": "fp8 e4m3 weights (per-row fp32 scales) x activations (per-token scales), "
-                            "torch._scaled_mm rowwise, lm_head included"}[linear]
-        self.recipe = (f"{precision}; decode: torch.compile(mode=reduce-overhead, fullgraph, static shapes); "
-                       f"prefill: {'torch.compile(fullgraph, dynamic shapes)' if compile_prefill else 'eager'}, "
-                       f"{attention}; decode attention: SDPA enable_gqa over the static cache, masked")
+        precision = {
+            "bf16": f"{str(self.model.embed.dtype).removeprefix('torch.')}",
+            "int8": "int8 weight-only (per-row scales)",
+            "fp8": "fp8 e4m3 weights (per-row fp32 scales) x activations (per-token scales), "
+            "torch._scaled_mm rowwise, lm_head included",
+        }[linear]
+        self.recipe = (
+            f"{precision}; decode: torch.compile(mode=reduce-overhead, fullgraph, static shapes); "
+            f"prefill: {'torch.compile(fullgraph, dynamic shapes)' if compile_prefill else 'eager'}, "
+            f"{attention}; decode attention: SDPA enable_gqa over the static cache, masked"
+        )
         self.compile_s: dict[int, float] = {}
         self.prefill_compile_s: dict[tuple[int, int], float] = {}
 
@@ -217,13 +229,14 @@ class CompiledDecoder:
     def cudagraph_skips() -> int:
         """Times inductor fell back from CUDA graphs (reported: the baseline then ran without them)."""
         from torch._dynamo.utils import counters
+
         return int(counters["inductor"].get("cudagraph_skips", 0))
 
     def prefill(self, ids):
         torch = self.torch
         with torch.no_grad(), self._sdpa_held():
             for s in range(0, ids.shape[1], self.prefill_chunk):
-                chunk = ids[:, s:s + self.prefill_chunk]
+                chunk = ids[:, s : s + self.prefill_chunk]
                 tok = self._prefill(self.model, chunk, self.p)
                 self.p += chunk.shape[1]
         self.pos.fill_(self.p)
@@ -233,8 +246,10 @@ class CompiledDecoder:
         """Prefill attention held to the fused SDPA backends found at load (none found: no hold)."""
         if not self.sdpa_backends:
             import contextlib
+
             return contextlib.nullcontext()
         from torch.nn.attention import sdpa_kernel
+
         return sdpa_kernel(self.sdpa_backends)
 
     def step(self, token):
@@ -269,6 +284,7 @@ def weight_bytes(spec: ModelSpec, weight_dtype: str) -> tuple[float, float]:
 # ---------------------------------------------------------------------------------------
 # timing
 
+
 def time_pp(torch, dec, test: BenchTest, opts: BenchOptions, ids) -> dict:
     """Prefill of the whole prompt plus the greedy first token, synchronized on both ends."""
     runs = []
@@ -280,7 +296,7 @@ def time_pp(torch, dec, test: BenchTest, opts: BenchOptions, ids) -> dict:
         dec.prefill(ids)
         torch.cuda.synchronize()
         runs.append(time.perf_counter() - t0)
-    runs = runs[int(opts.warmup):]
+    runs = runs[int(opts.warmup) :]
     return dict(tokens_per_s=[test.n_prompt / s for s in runs], ttft_ms=[1e3 * s for s in runs])
 
 
@@ -290,14 +306,14 @@ def time_tg(torch, dec, test: BenchTest, opts: BenchOptions, ids) -> dict:
     n = test.n_gen
     tps, gaps_all = [], []
     if test.depth:
-        dec.prepare_prefill(ids[:, :test.depth], test.depth + n)
+        dec.prepare_prefill(ids[:, : test.depth], test.depth + n)
     dec.prepare(test.depth + n)
     for rep in range(opts.repetitions + int(opts.warmup)):
         dec.start(test.depth + n)
         if test.depth:
-            dec.prefill(ids[:, :test.depth])
+            dec.prefill(ids[:, : test.depth])
         # its own [1, 1] tensor with a step output's strides (a strided one recompiles the step)
-        token = ids[:, test.depth:test.depth + 1].clone(memory_format=torch.contiguous_format)
+        token = ids[:, test.depth : test.depth + 1].clone(memory_format=torch.contiguous_format)
         events = [torch.cuda.Event(enable_timing=True) for _ in range(n + 1)]
         torch.cuda.synchronize()
         events[0].record()
@@ -325,8 +341,9 @@ def compile_extras(dec: CompiledDecoder, test: BenchTest) -> dict:
     return out
 
 
-def run_torch_baseline(name: str, hf_dir: Path, opts: BenchOptions, bandwidth_gbs: float | None,
-                       log: Callable[[str], None]) -> list[dict]:
+def run_torch_baseline(
+    name: str, hf_dir: Path, opts: BenchOptions, bandwidth_gbs: float | None, log: Callable[[str], None]
+) -> list[dict]:
     torch = require_torch_cuda()
     spec = ModelSpec.from_hf_dir(hf_dir)
     log(f"{name}: loading {hf_dir}")
@@ -340,8 +357,12 @@ def run_torch_baseline(name: str, hf_dir: Path, opts: BenchOptions, bandwidth_gb
     try:
         for test in opts.tests:
             log(f"{name}: {test.name}")
-            ids = torch.from_numpy(prompt_ids(spec.vocab_size, max(test.n_prompt, test.depth + 1), opts.seed)
-                                   ).long().view(1, -1).cuda()
+            ids = (
+                torch.from_numpy(prompt_ids(spec.vocab_size, max(test.n_prompt, test.depth + 1), opts.seed))
+                .long()
+                .view(1, -1)
+                .cuda()
+            )
             try:
                 if test.kind == "pp":
                     s = time_pp(torch, dec, test, opts, ids)
@@ -356,8 +377,11 @@ def run_torch_baseline(name: str, hf_dir: Path, opts: BenchOptions, bandwidth_gb
             extra = dict(recipe=dec.recipe)
             if isinstance(dec, CompiledDecoder):
                 extra.update(compile_extras(dec, test))
-            rows.append(measured_row(name, test, bytes_per_token=nbytes, bandwidth_gbs=bandwidth_gbs,
-                                 weight_dtype=dec.weight_dtype, **s, **extra))
+            rows.append(
+                measured_row(
+                    name, test, bytes_per_token=nbytes, bandwidth_gbs=bandwidth_gbs, weight_dtype=dec.weight_dtype, **s, **extra
+                )
+            )
     finally:
         compiled = isinstance(dec, CompiledDecoder)
         del dec
@@ -366,4 +390,3 @@ def run_torch_baseline(name: str, hf_dir: Path, opts: BenchOptions, bandwidth_gb
         gc.collect()
         torch.cuda.empty_cache()
     return rows
-

@@ -3,6 +3,7 @@ repetition recomputes its prompt), greedy, EOS ignored. Its API returns whole re
 is measured per request: pp = a 1-token request (prefill + first token = TTFT), tg = (time of an
 n-token request - time of a 1-token one) / (n - 1), one TPOT value per repetition (a mean, so
 its p50/p90/p99 are over repetitions, not over single steps)."""
+
 from __future__ import annotations
 
 import time
@@ -23,8 +24,9 @@ def run_vllm(hf_dir: Path, opts: BenchOptions, bandwidth_gbs: float | None, log:
         raise Skip(f"vllm is not importable ({type(e).__name__}: {str(e).strip()[:120]})") from None
     spec = ModelSpec.from_hf_dir(hf_dir)
     log(f"vllm: loading {hf_dir}")
-    llm = LLM(model=str(hf_dir), dtype="bfloat16", max_model_len=opts.max_context + 8,
-              enable_prefix_caching=False, seed=opts.seed)
+    llm = LLM(
+        model=str(hf_dir), dtype="bfloat16", max_model_len=opts.max_context + 8, enable_prefix_caching=False, seed=opts.seed
+    )
     weights = dense_weight_bytes(spec, "bf16")
     head = spec.vocab_size * spec.hidden_size * 2 + spec.hidden_size * 2
 
@@ -57,8 +59,22 @@ def run_vllm(hf_dir: Path, opts: BenchOptions, bandwidth_gbs: float | None, log:
                     tpot.append(sample[1])
                 if sample[2]:
                     ttft.append(sample[2])
-        nbytes = (prompt_bytes_per_token(spec, weights, head, test.n_prompt, test.n_prompt) if test.kind == "pp"
-                  else token_bytes(spec, weights, test.mean_context))
-        rows.append(measured_row("vllm", test, tps, tpot or None, ttft or None, nbytes, bandwidth_gbs,
-                             weight_dtype="bf16", tpot_method="per-request mean"))
+        nbytes = (
+            prompt_bytes_per_token(spec, weights, head, test.n_prompt, test.n_prompt)
+            if test.kind == "pp"
+            else token_bytes(spec, weights, test.mean_context)
+        )
+        rows.append(
+            measured_row(
+                "vllm",
+                test,
+                tps,
+                tpot or None,
+                ttft or None,
+                nbytes,
+                bandwidth_gbs,
+                weight_dtype="bf16",
+                tpot_method="per-request mean",
+            )
+        )
     return rows
