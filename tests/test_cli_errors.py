@@ -375,3 +375,15 @@ def test_force_overwrites(capsys, hf_copy, tmp_path):
     assert rc == 0, se
     AtomflowFile(out, verify=True).close()
     assert sorted(os.listdir(tmp_path)) == sorted(["hf", "m.atomflow"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("temperature", ["0", "0.8"])
+def test_cuda_generation_refuses_nan_weights(files, temperature, capsys):
+    """The CUDA backend samples on the device; its generation checks the prompt prefill's logits,
+    which NaN in the weights reaches: one line, exit 1, nothing sampled."""
+    argv = ["run", str(files / "nan.atomflow"), "-p", "Hello there", "-n", "4", "--backend", "cuda", "-q"]
+    assert cli.main([*argv, "--temperature", temperature]) == 1
+    captured = capsys.readouterr()
+    assert "produce NaN/Inf" in captured.err and len(captured.err.strip().splitlines()) == 1, captured.err
+    assert captured.out.strip() == "", captured.out

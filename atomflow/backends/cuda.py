@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from atomflow.errors import BackendUnavailableError, UnsupportedModelError
+from atomflow.errors import BackendUnavailableError, NonFiniteLogitsError, UnsupportedModelError
 from atomflow.model.fileformat import AtomflowFile
 from atomflow.sampling import SamplingParams
 from atomflow.tokens import check_ids, generation_budget
@@ -191,7 +191,11 @@ class CudaBackend:
             float(params.temperature), int(params.top_k or 0), float(1.0 if params.top_p is None else params.top_p), seed
         )
         if n - 1 > start:
-            eng.prefill(ids[start:-1])
+            # The decode steps sample on the device from logits the host never sees; the prefill's
+            # last row comes back anyway, and NaN/Inf in the weights reaches every row: checked here.
+            logits = eng.prefill(ids[start:-1])
+            if not np.isfinite(logits).all():
+                raise NonFiniteLogitsError(f"non-finite logits at position {n - 2}", n - 2)
         eng.begin(int(ids[-1]))
         run = self._run = _Run(keep=n - 1)
         enqueued = yielded = 0
