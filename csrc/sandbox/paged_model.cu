@@ -214,9 +214,8 @@ void PagedModel::check_step(const StepInput& in) const {
 }
 
 // As the core: one row streams the weights through the GEMV, more rows go to the tensor-core GEMM.
-void PagedModel::linear(const Linear& w, const void* x, bool x_f16, int rows, int N, int K, int epilogue, void* out) {
+void PagedModel::linear(const Linear& w, const void* x, bool x_f16, int rows, int N, int K, k::Epilogue ep, void* out) {
   const k::Act xt = x_f16 ? k::Act::F16 : k::Act::BF16;
-  const k::Epilogue ep = static_cast<k::Epilogue>(epilogue);
   if (rows == 1)
     k::gemv_w8a16(k::plan_gemv(ep, static_cast<k::GemvIn>(xt), N, K), w.w, w.scales, x, xt, N, K, ep, out, stream_,
                   tickets_.get<unsigned>());
@@ -225,16 +224,15 @@ void PagedModel::linear(const Linear& w, const void* x, bool x_f16, int rows, in
 }
 
 // As the core: one row takes the fused RMSNorm + GEMV (bit-identical to the two kernels).
-void PagedModel::normed_linear(const bf16* norm, const Linear& w, int rows, int N, int epilogue, void* out,
+void PagedModel::normed_linear(const bf16* norm, const Linear& w, int rows, int N, k::Epilogue ep, void* out,
                                int* f16_overflow) {
   if (rows == 1) {
-    const k::Epilogue ep = static_cast<k::Epilogue>(epilogue);
     k::gemv_w8a16_rmsnorm(k::plan_gemv(ep, k::GemvIn::NORM, N, dims_.d), w.w, w.scales, x_.get<float>(), norm,
                           dims_.eps, N, dims_.d, ep, out, stream_, tickets_.get<unsigned>(), f16_overflow);
     return;
   }
   k::rmsnorm(x_.get<float>(), norm, rows, dims_.d, dims_.eps, xn_.get<f16>(), stream_);
-  linear(w, xn_.get(), true, rows, N, dims_.d, epilogue, out);
+  linear(w, xn_.get(), true, rows, N, dims_.d, ep, out);
 }
 
 void PagedModel::step(const StepInput& in, int32_t* next_tokens, float* logits) {
@@ -278,7 +276,7 @@ void PagedModel::step(const StepInput& in, int32_t* next_tokens, float* logits) 
     k::embedding(embed_, d + o_tok, R, m.d, m.vocab, x_.get<float>(), stream_);
     for (int l = 0; l < m.layers; ++l) {
       const Layer& lw = layers_[static_cast<size_t>(l)];
-      normed_linear(lw.attn_norm, lw.wqkv, R, m.qkv_dim(), 0, qkv_.get());
+      normed_linear(lw.attn_norm, lw.wqkv, R, m.qkv_dim(), k::Epilogue::Store, qkv_.get());
       k::rope_kv_append_slots(qkv_.get<float>(), inv_freq_.get<float>(), d + o_pos, d + o_slot, R, m.H, m.Hkv, m.D,
                               num_slots, q_.get<bf16>(), k_pool(l), v_pool(l), stream_);
       if (in.n_decode > 0)
@@ -289,9 +287,9 @@ void PagedModel::step(const StepInput& in, int32_t* next_tokens, float* logits) 
         k::attention_paged(q_.get<bf16>() + in.n_decode * qrow, k_pool(l), v_pool(l), d + o_ptab, d + o_plen, 1,
                            n_prefill, m.H, m.Hkv, m.D, p.block_size, p.num_blocks, in.prefill_stride, scale,
                            scratch_.get(), attn_.get<bf16>() + in.n_decode * qrow, stream_, overflow);
-      linear(lw.wo, attn_.get(), half, R, m.d, m.q_dim(), 1, x_.get());
-      normed_linear(lw.mlp_norm, lw.w13, R, 2 * m.f, 2, ffn_.get(), overflow);
-      linear(lw.w2, ffn_.get(), half, R, m.d, m.f, 1, x_.get());
+      linear(lw.wo, attn_.get(), half, R, m.d, m.q_dim(), k::Epilogue::AddResidual, x_.get());
+      normed_linear(lw.mlp_norm, lw.w13, R, 2 * m.f, k::Epilogue::SwiGLU, ffn_.get(), overflow);
+      linear(lw.w2, ffn_.get(), half, R, m.d, m.f, k::Epilogue::AddResidual, x_.get());
     }
     if (L == 1) {  // the core's head: fused final norm + lm_head GEMV on the one row
       k::gemv_w8a16_rmsnorm(k::plan_gemv(k::Epilogue::Store, k::GemvIn::NORM, m.vocab, m.d), lm_head_.w,

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "atomflow/device_buffer.h"
+#include "atomflow/kernels.h"
 #include "block_manager.h"
 
 namespace atomflow::sandbox {
@@ -104,8 +105,8 @@ class PagedModel {
   bf16* k_pool(int layer) const;
   bf16* v_pool(int layer) const;
   void check_step(const StepInput& in) const;
-  void linear(const Linear& w, const void* x, bool x_f16, int rows, int N, int K, int epilogue, void* out);
-  void normed_linear(const bf16* norm, const Linear& w, int rows, int N, int epilogue, void* out,
+  void linear(const Linear& w, const void* x, bool x_f16, int rows, int N, int K, kernels::Epilogue ep, void* out);
+  void normed_linear(const bf16* norm, const Linear& w, int rows, int N, kernels::Epilogue ep, void* out,
                      int* f16_overflow = nullptr);
 
   ModelDims dims_;
