@@ -84,7 +84,7 @@ def cmd_plan(a) -> int:
     from atomflow.model.fileformat import AtomflowFile
 
     with AtomflowFile(a.model) as m:
-        ctx = a.max_context or min(DEFAULT_MAX_CONTEXT, m.spec.max_position_embeddings)
+        ctx = a.max_context or min(DEFAULT_MAX_CONTEXT, m.spec.max_context_limit)  # as Engine.load
         try:
             p = plan_for(m, ctx)
         except BackendUnavailableError as e:

@@ -53,6 +53,7 @@ class Engine:
         self.spec = model.spec
         self.stats = GenerationStats(load_s=load_s)
         self._cached: list[int] = []  # the token ids the cache holds, in order (len == position)
+        self._run: object | None = None  # the generate_tokens() run whose tokens the cache holds
 
     @classmethod
     def load(
@@ -99,6 +100,7 @@ class Engine:
     def prefill(self, ids: Sequence[int]) -> np.ndarray:
         """Appends token ids to the cache; fp32 logits [vocab] of the last one."""
         ids = self._check_ids(ids, room=0)
+        self._run = None
         self._cached = self.cached_ids  # what the cache held before (or [] if unknown)
         logits = self.backend.prefill(ids)
         self._cached += ids.tolist()
@@ -107,6 +109,7 @@ class Engine:
     def decode(self, token: int) -> np.ndarray:
         """Appends one token; its fp32 logits [vocab]."""
         self._check_ids([token], room=0)
+        self._run = None
         self._cached = self.cached_ids
         logits = self.backend.decode(int(token))
         self._cached.append(int(token))
@@ -126,6 +129,7 @@ class Engine:
 
     def reset(self) -> None:
         self.backend.reset()
+        self._run = None
         self._cached = []
 
     @property
@@ -173,6 +177,7 @@ class Engine:
         budget = generation_budget(len(ids), params.max_new_tokens, self.max_context)
         stats.stop_reason = "length" if budget == params.max_new_tokens else "context"
         self._cached = self._cached[:start]
+        run = self._run = object()
         gen = self.backend.generate_ids(ids, params, start=start)
         sampled: list[int] = []  # every id the backend yielded (an EOS too): the cache keeps all but the last
         t0 = t_first = time.perf_counter()
@@ -192,7 +197,8 @@ class Engine:
                     return
         finally:
             gen.close()
-            self._cached = (ids.tolist() + sampled)[: self.backend.position]  # prompt + sampled but the last
+            if self._run is run:  # not when a later call has filled the cache since
+                self._cached = (ids.tolist() + sampled)[: self.backend.position]  # prompt + sampled but the last
 
     def generate(
         self, prompt: str | Sequence[int], params: SamplingParams | None = None, chat: bool | None = None

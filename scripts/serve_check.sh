@@ -12,7 +12,9 @@ PY=${PYTHON:-python3}
 PORT=${PORT:-8090}
 P=${N_PROMPT:-128}
 G=${N_GEN:-256}
+MODEL=$(realpath "$MODEL")
 mkdir -p "$OUT"
+OUT=$(realpath "$OUT")
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 URL="http://127.0.0.1:$PORT"

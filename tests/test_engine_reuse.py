@@ -77,6 +77,25 @@ def test_cancelled_generation_leaves_a_reusable_cache(eng):
 # -- the CUDA backend: the same contract (skipped without a GPU) ---------------------------------
 
 
+def test_closing_an_older_generation_keeps_the_newer_cache_record(eng):
+    """A generator left open while a later call refills the cache, closed afterwards: the record of
+    what the cache holds stays the later call's, so a reuse after it is the fresh run's output; and
+    resuming the superseded generator is an error, not a decode at the other run's position."""
+    eng.reset()
+    a, b = list(range(10, 60)), list(range(100, 120))
+    g1 = eng.generate_tokens(a, greedy(20), reuse_prefix=True)
+    out_a = [next(g1) for _ in range(5)]
+    out_b = list(eng.generate_tokens(b, greedy(20), reuse_prefix=True))
+    with pytest.raises(RuntimeError, match="ended by a later call"):
+        next(g1)
+    g1.close()
+    assert eng.cached_ids == b + out_b[:-1]
+    prompt = a + out_a + [7, 8, 9]
+    reused = list(eng.generate_tokens(prompt, greedy(8), reuse_prefix=True))
+    eng.reset()
+    assert reused == list(eng.generate_tokens(prompt, greedy(8)))
+
+
 @pytest.fixture(scope="module")
 def cuda_eng(tiny_model_file):
     from atomflow.device import cuda_status

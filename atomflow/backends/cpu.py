@@ -22,21 +22,26 @@ class CpuBackend:
         self.spec = model.spec
         self.max_context = max_context
         self.ref = ReferenceModel(model, max_context)
+        self._run: object | None = None  # the generate_ids() run that owns the cache now (as CudaBackend's)
 
     @property
     def position(self) -> int:
         return self.ref.pos
 
     def prefill(self, ids: np.ndarray) -> np.ndarray:
+        self._run = None
         return self.ref.forward(np.asarray(ids, dtype=np.int32))
 
     def decode(self, token: int) -> np.ndarray:
+        self._run = None
         return self.ref.forward(np.array([token], dtype=np.int32))
 
     def reset(self) -> None:
+        self._run = None
         self.ref.pos = 0
 
     def rollback(self, position: int) -> None:
+        self._run = None
         if not 0 <= position <= self.ref.pos:
             raise ValueError(f"rollback to {position}: must be in [0, {self.ref.pos}]")
         self.ref.pos = position
@@ -68,10 +73,13 @@ class CpuBackend:
             raise ValueError(f"start {start} must be in [0, {len(prompt_ids)}) (at least one prompt token runs)")
         self.rollback(start)
         logits = self.prefill(prompt_ids[start:])
+        run = self._run = object()
         budget = generation_budget(len(prompt_ids), params.max_new_tokens, self.max_context)
         for i in range(budget):
             token = sample_numpy(logits, params, self.position)
             yield token
             if i + 1 == budget:
                 return
-            logits = self.decode(token)
+            if self._run is not run:  # the cache now holds another run's tokens
+                raise RuntimeError("this generation was ended by a later call on the same backend")
+            logits = self.ref.forward(np.array([token], dtype=np.int32))

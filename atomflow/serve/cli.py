@@ -47,6 +47,7 @@ def cmd_serve(a) -> int:
         ("--request-timeout", a.request_timeout, a.request_timeout > 0),
         ("--max-tokens", a.max_tokens, a.max_tokens >= 1),
         ("--port", a.port, 0 <= a.port < 65536),
+        ("--max-context", a.max_context, a.max_context is None or a.max_context >= 2),  # a prompt token + one generated
     ):
         if not ok:
             raise ValueError(f"{name} {v} is out of range")
