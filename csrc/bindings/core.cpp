@@ -41,7 +41,7 @@ T field(const py::dict& d, const char* what, const char* key) {
 
 }  // namespace
 
-// The dict of atomflow.spec.ModelSpec.to_dict(); keys the engine does not use are ignored.
+// The dict of atomflow.model.spec.ModelSpec.to_dict(); keys the engine does not use are ignored.
 // (Also plan.cpp's.)
 ModelSpec spec_from_dict(const py::dict& d) {
   ModelSpec s;

@@ -136,7 +136,7 @@ void gemm_w8a16(const uint8_t* w, const float* scales, const void* x, Act x_type
 // rope.cu: RoPE (HF rotate-half convention) on q and k of a fused qkv row, then the KV append.
 //   qkv fp32 [M, (H + 2 * Hkv) * D]: q heads, then k heads, then v heads.
 //   token m sits at position p = *pos + m; angle_i = p * inv_freq[i], i < D / 2
-//   (inv_freq computed on the host by atomflow/spec.py, llama3 scaling included, fp32).
+//   (inv_freq computed on the host by atomflow/model/spec.py, llama3 scaling included, fp32).
 //   q_out bf16 [M, H, D] = rope(q); k_cache[p] = bf16(rope(k)); v_cache[p] = bf16(v).
 void rope_kv_append(const float* qkv, const float* inv_freq, const int32_t* pos, int M, int H, int Hkv, int D,
                     int max_context, bf16* q_out, bf16* k_cache, bf16* v_cache, cudaStream_t stream);

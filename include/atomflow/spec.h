@@ -1,4 +1,4 @@
-// ModelSpec: the C++ mirror of atomflow/spec.py's validated dataclass. Plain data, no logic
+// ModelSpec: the C++ mirror of atomflow/model/spec.py's validated dataclass. Plain data, no logic
 // beyond derived sizes; Python validates, C++ trusts (and asserts what kernels need).
 #pragma once
 #include <cstdint>

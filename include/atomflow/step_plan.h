@@ -13,7 +13,7 @@
 namespace atomflow {
 
 // What a caller may choose (EngineOptions::plan; the Python front fills it from its arguments and
-// the environment, atomflow/backend_cuda.py). eager and f16_activations are user settings; the
+// the environment, atomflow/backends/cuda.py). eager and f16_activations are user settings; the
 // others change the schedule, never the bits, and exist so that tests compare both ways in one
 // process (tests/test_engine_gpu.py, tests/test_kernels_gpu.py).
 struct PlanOptions {
