@@ -30,5 +30,6 @@ def test_a_kernel_inside_anothers_shadow_is_charged_nothing():
 
 def test_labels():
     assert timeline.label(HEAD, 0) == "lm_head"
+    assert timeline.label(HEAD.replace("false>", "false, true>"), 0) == "lm_head"  # the tail-group instance
     assert timeline.label(ADD, 0) == "gemv o" and timeline.label(ADD, 1) == "gemv down"
     assert timeline.label("void atomflow::kernels::sample_kernel<(int)1>(float const*)", 0) == "sample_kernel"

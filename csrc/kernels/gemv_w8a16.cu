@@ -5,12 +5,14 @@
 // ticket variants in gemv_w8a16_variants.cuh, the launch decisions in gemv_w8a16_plan.cpp, and the
 // measurements behind all of them in docs/design/gemv_w8a16.md.
 //
-// Contract of gemv_w8a16_kernel<EP, IN, WHOLE>(P, eps, rope), grid plan.blocks x 256 threads:
+// Contract of gemv_w8a16_kernel<EP, IN, WHOLE, TAIL>(P, eps, rope), grid plan.blocks x 256 threads:
 //  Inputs   W fp8 e4m3 [N, K] row-major (one row = K contiguous bytes, 16-byte aligned), scales fp32
-//           [N, K / 128]; x per IN: bf16 or fp16 [K] (16-byte aligned), or for NORM the fp32
+//           [N, ceil(K / 128)]; x per IN: bf16 or fp16 [K] (16-byte aligned), or for NORM the fp32
 //           residual stream [K] and the bf16 norm weight [K] (x_n = f16(x * rsqrt(mean(x^2) + eps)
 //           * norm_w), rmsnorm.cu's arithmetic and reduction tree: bit-identical to the two kernels).
-//           K % 128 == 0; WHOLE: K % 512 == 0.
+//           K % 64 == 0. WHOLE: K % 512 == 0. TAIL: K % 128 == 64, the last scale group of a row
+//           64 columns wide (ceil(K / 128) scales per row; never WHOLE). Every other K, a multiple of
+//           128, takes the instances without TAIL, whose machine code does not depend on it.
 //  Work     A warp owns a PAIR of rows (SwiGLU: gate row p and up row F + p; RopeKV: rows i and
 //           i + D/2 of a q or k head, then consecutive v rows; otherwise 2p and 2p + 1) and streams
 //           both across K, lane l reading 16 bytes of each row at chunk l + 32 u (u < 8) per
@@ -32,7 +34,8 @@
 //  Leaves   the ticket counters at zero (each launch resets what it used), nothing else behind.
 //  Invariants  x enters the tensor-core products as fp16 (bf16 x scaled into fp16's range by a
 //           power of two first and the sums scaled back: exact in practice); a 16-byte chunk never
-//           straddles a 128-column scale group; blocks of 256 threads, at most 2 per SM.
+//           straddles a 128-column scale group, and the chunks past a row's end fill whole groups of
+//           4 lanes (K % 64 == 0), whose sums are dropped; blocks of 256 threads, at most 2 per SM.
 #include <algorithm>
 #include <mutex>
 #include <vector>
@@ -48,9 +51,10 @@ namespace atomflow::kernels {
 static __device__ trace::Buf g_trace;  // set by gemv_trace_arm (trace.cuh)
 #endif
 
-template <Ep EP, In IN, bool WHOLE>
+template <Ep EP, In IN, bool WHOLE, bool TAIL>
 static __global__ void __launch_bounds__(kGemvThreads, 2)
     gemv_w8a16_kernel(const Product P, float eps, const RopeKVArgs rope) {
+  static_assert(!(WHOLE && TAIL), "a row of whole 512-column steps has no tail group");
   extern __shared__ uint4 smem[];  // Staging
   __shared__ float red[kGemvWarps];
   const Staging st(smem, P.K);
@@ -79,7 +83,7 @@ static __global__ void __launch_bounds__(kGemvThreads, 2)
   if (pre && p0 < n_pairs) {
     int r0, r1;
     pairs.rows(p0, r0, r1);
-    load_iter<WHOLE>(first, P, r0, r1, lane, policy);
+    load_iter<WHOLE, TAIL>(first, P, r0, r1, lane, policy);
   }
   stage_weights<IN>(P, st);
   // The decode QKV product lets the attention after it launch only once the kernel before it has
@@ -123,12 +127,12 @@ static __global__ void __launch_bounds__(kGemvThreads, 2)
     float acc0 = 0.f, acc1 = 0.f;
     dot_iter<WHOLE>(first, st.xs, lane, P.K / 16, acc0, acc1);
     tr.iter();
-    finish_rows<EP, WHOLE>(P, pairs, rope, pr, st.xs, x_scale, p, 32 * kGemvUnroll, acc0, acc1, policy, tr, top);
+    finish_rows<EP, WHOLE, TAIL>(P, pairs, rope, pr, st.xs, x_scale, p, 32 * kGemvUnroll, acc0, acc1, policy, tr, top);
     p += stride;
   } else if (staged) {
     // A staged warp past kQkvPreWarps (none in the Llama 3 shapes: 3B and 8B stage 2 and 4 warps per
     // block) sums its first pair with the plain loop.
-    finish_rows<EP, WHOLE>(P, pairs, rope, pr, st.xs, x_scale, p, 0, 0.f, 0.f, policy, tr, top);
+    finish_rows<EP, WHOLE, TAIL>(P, pairs, rope, pr, st.xs, x_scale, p, 0, 0.f, 0.f, policy, tr, top);
     p += stride;
   }
   if (staged) {
@@ -156,7 +160,7 @@ static __global__ void __launch_bounds__(kGemvThreads, 2)
         if (q >= n_pairs) break;
         grab = t_ctr;
       }
-      finish_rows<EP, WHOLE>(P, pairs, rope, pr, st.xs, x_scale, q, 0, 0.f, 0.f, policy, tr, top, grab, &ticket);
+      finish_rows<EP, WHOLE, TAIL>(P, pairs, rope, pr, st.xs, x_scale, q, 0, 0.f, 0.f, policy, tr, top, grab, &ticket);
       p += stride;
       own = !ticketed && p < n_pairs;
     }
@@ -167,7 +171,7 @@ static __global__ void __launch_bounds__(kGemvThreads, 2)
     }
   } else {
     for (; p < n_pairs; p += stride)
-      finish_rows<EP, WHOLE>(P, pairs, rope, pr, st.xs, x_scale, p, 0, 0.f, 0.f, policy, tr, top);
+      finish_rows<EP, WHOLE, TAIL>(P, pairs, rope, pr, st.xs, x_scale, p, 0, 0.f, 0.f, policy, tr, top);
   }
   if constexpr (EP == Ep::Store) {
     // The head's argmax for the greedy sampler: the block's largest key over its warps' lane 0s.
@@ -202,13 +206,13 @@ void gemv_trace_arm(const trace::Buf& b) { AF_CUDA_CHECK(cudaMemcpyToSymbol(g_tr
 
 // ---- launchers ----
 
-// How many blocks of gemv_w8a16_kernel<EP, IN, WHOLE> with `smem` bytes of dynamic shared memory are resident at
+// How many blocks of gemv_w8a16_kernel<EP, IN, WHOLE, TAIL> with `smem` bytes of dynamic shared memory are resident at
 // once on the current device: 2 per SM, fewer only if fewer fit. The first launch of a (device, smem)
 // queries it and raises the kernel's dynamic limit to what it needs (not only above 48 KB: the
 // default limit counts the static `red` too, so K = 12288, exactly 48 KB of x, failed); later launches
 // take it from the cache, so eager mode does not pay the queries on every GEMV (a captured graph pays
 // them once either way). Host-side, capture-safe.
-template <Ep EP, In IN, bool WHOLE>
+template <Ep EP, In IN, bool WHOLE, bool TAIL>
 static int resident_blocks(size_t smem) {
   struct Seen {
     int device;
@@ -231,30 +235,37 @@ static int resident_blocks(size_t smem) {
   AF_CUDA_CHECK(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   AF_CHECK(smem <= static_cast<size_t>(smem_optin), "gemv_w8a16: K too large to stage x in shared memory");
   if (smem > raised)
-    AF_CUDA_CHECK(cudaFuncSetAttribute(gemv_w8a16_kernel<EP, IN, WHOLE>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       static_cast<int>(smem)));
+    AF_CUDA_CHECK(cudaFuncSetAttribute(gemv_w8a16_kernel<EP, IN, WHOLE, TAIL>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   int per_sm = 0;
-  AF_CUDA_CHECK(
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_w8a16_kernel<EP, IN, WHOLE>, kGemvThreads, smem));
+  AF_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_w8a16_kernel<EP, IN, WHOLE, TAIL>,
+                                                              kGemvThreads, smem));
   AF_CHECK(per_sm >= 1, "gemv_w8a16: kernel does not fit on an SM");
   seen.push_back({device, smem, sms * std::min(per_sm, 2)});
   return seen.back().blocks;
 }
 
-int gemv_resident_blocks(Epilogue ep, GemvIn in, bool whole, size_t smem) {
+// The three instances of one (EP, IN): whole steps, a ragged last step, and a ragged last step with
+// the tail group (whole steps never have one).
+template <Ep EP, In IN>
+static int resident_blocks_of(bool whole, bool tail, size_t smem) {
+  if (whole) return resident_blocks<EP, IN, true, false>(smem);
+  return tail ? resident_blocks<EP, IN, false, true>(smem) : resident_blocks<EP, IN, false, false>(smem);
+}
+
+int gemv_resident_blocks(Epilogue ep, GemvIn in, bool whole, bool tail, size_t smem) {
+  AF_CHECK(!(whole && tail), "gemv_w8a16: a row of whole steps has no tail group");
   // The instances the launchers below use: RopeKV only with the fused RMSNorm.
   const auto by_in = [&](auto ep_c) {
     constexpr Ep EP = decltype(ep_c)::value;
     if constexpr (EP == Ep::RopeKV) {
       AF_CHECK(in == In::NORM, "gemv_w8a16: the RopeKV epilogue needs the fused RMSNorm");
-      return whole ? resident_blocks<EP, In::NORM, true>(smem) : resident_blocks<EP, In::NORM, false>(smem);
+      return resident_blocks_of<EP, In::NORM>(whole, tail, smem);
     } else {
       switch (in) {
-        case In::BF16:
-          return whole ? resident_blocks<EP, In::BF16, true>(smem) : resident_blocks<EP, In::BF16, false>(smem);
-        case In::F16:
-          return whole ? resident_blocks<EP, In::F16, true>(smem) : resident_blocks<EP, In::F16, false>(smem);
-        default: return whole ? resident_blocks<EP, In::NORM, true>(smem) : resident_blocks<EP, In::NORM, false>(smem);
+        case In::BF16: return resident_blocks_of<EP, In::BF16>(whole, tail, smem);
+        case In::F16: return resident_blocks_of<EP, In::F16>(whole, tail, smem);
+        default: return resident_blocks_of<EP, In::NORM>(whole, tail, smem);
       }
     }
   };
@@ -271,13 +282,15 @@ int gemv_resident_blocks(Epilogue ep, GemvIn in, bool whole, size_t smem) {
 // The plan's launch: the kernel instance, grid and shared memory it names, and its per-warp choices
 // in the Product. resident_blocks (cached) makes sure the instance's shared memory limit admits
 // plan.smem on this device.
-template <Ep EP, In IN, bool WHOLE>
+template <Ep EP, In IN, bool WHOLE, bool TAIL>
 static void launch_gemv_as(const GemvPlan& plan, Product P, float eps, const RopeKVArgs& rope, cudaStream_t stream) {
-  AF_CHECK((resident_blocks<EP, IN, WHOLE>(plan.smem) >= plan.blocks), "gemv_w8a16: the plan's grid does not fit");
+  AF_CHECK((resident_blocks<EP, IN, WHOLE, TAIL>(plan.smem) >= plan.blocks),
+           "gemv_w8a16: the plan's grid does not fit");
   P.staged_warps = plan.staged_warps;
   P.pre_warps = plan.pre_warps;
   if (!plan.ticketed) P.tickets = nullptr;
-  af_launch(gemv_w8a16_kernel<EP, IN, WHOLE>, dim3(plan.blocks), dim3(kGemvThreads), plan.smem, stream, P, eps, rope);
+  af_launch(gemv_w8a16_kernel<EP, IN, WHOLE, TAIL>, dim3(plan.blocks), dim3(kGemvThreads), plan.smem, stream, P, eps,
+            rope);
 }
 
 template <Ep EP, In IN>
@@ -285,18 +298,20 @@ static void launch_gemv(const GemvPlan& plan, const uint8_t* w, const float* sca
                         float eps, int N, int K, void* out, const RopeKVArgs& rope, cudaStream_t stream,
                         unsigned* tickets = nullptr, uint64_t* best = nullptr, int* f16_overflow = nullptr) {
   AF_CHECK(plan.ep == EP && plan.in == IN && plan.N == N && plan.K == K && plan.whole == gemv_whole_steps(K) &&
-               plan.threads == kGemvThreads && plan.blocks >= 1,
+               plan.tail == gemv_tail_group(K) && plan.threads == kGemvThreads && plan.blocks >= 1,
            "gemv_w8a16: the plan is not this launch's (plan_gemv(ep, in, N, K))");
   const Product P{w, scales, x, norm_w, N, K, out, 0, tickets, best, f16_overflow, 0};
   if (plan.whole)
-    launch_gemv_as<EP, IN, true>(plan, P, eps, rope, stream);
+    launch_gemv_as<EP, IN, true, false>(plan, P, eps, rope, stream);
+  else if (plan.tail)
+    launch_gemv_as<EP, IN, false, true>(plan, P, eps, rope, stream);
   else
-    launch_gemv_as<EP, IN, false>(plan, P, eps, rope, stream);
+    launch_gemv_as<EP, IN, false, false>(plan, P, eps, rope, stream);
 }
 
 static void check_args(const uint8_t* w, const void* x, int N, int K) {
-  AF_CHECK(N >= 1 && K >= kQuantGroup, "gemv_w8a16: N must be >= 1 and K >= 128");
-  AF_CHECK(K % kQuantGroup == 0, "gemv_w8a16: K must be a multiple of 128 (the scale group)");
+  AF_CHECK(N >= 1 && K >= kGemvKStep, "gemv_w8a16: N must be >= 1 and K >= 64");
+  AF_CHECK(K % kGemvKStep == 0, "gemv_w8a16: K must be a multiple of 64 (scales [N, ceil(K / 128)])");
   AF_CHECK(reinterpret_cast<uintptr_t>(w) % 16 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0,
            "gemv_w8a16: w and x must be 16-byte aligned");
 }

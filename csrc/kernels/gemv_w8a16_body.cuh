@@ -151,7 +151,9 @@ struct WarpTrace {
 // c0 + 32 u), with their scales. All loads are issued before any math, and they are the only
 // weight loads in flight when the math waits for them (see the top of this file).
 // The scales: an iteration spans 32 scale groups of each row, so lane l loads group l's scale of each
-// (coalesced) and the lane that accumulates chunk c fetches group c / 8's by a shuffle.
+// (coalesced) and the lane that accumulates chunk c fetches group c / 8's by a shuffle. A tail group
+// (TAIL: K % 128 == 64) is group c / 8 of its 4 chunks like any other; only the row's count of
+// scales, ceil(K / 128), differs.
 struct Iter {
   uint4 wa[kGemvUnroll], wb[kGemvUnroll];
   float sa, sb;
@@ -167,9 +169,9 @@ struct Steps {
   __device__ bool active(int u) const { return WHOLE ? u < n : c0 + 32 * u - static_cast<int>(threadIdx.x % 32) < C; }
 };
 
-template <bool WHOLE>
+template <bool WHOLE, bool TAIL>
 static __device__ __forceinline__ void load_iter(Iter& it, const Product& P, int r0, int r1, int c0, uint64_t policy) {
-  const int C = P.K / 16, G = P.K / kQuantGroup;
+  const int C = P.K / 16, G = gemv_scale_groups<TAIL>(P.K);
   const uint8_t* w0 = P.w + static_cast<size_t>(r0) * P.K;
   const uint8_t* w1 = P.w + static_cast<size_t>(r1) * P.K;
   const float* s0 = P.scales + static_cast<size_t>(r0) * G;
@@ -210,8 +212,8 @@ static __device__ __forceinline__ void load_iter(Iter& it, const Product& P, int
 }
 
 // One iteration's math. Chunks past the row's end (K not a multiple of 512) belong to whole lane
-// groups (C is a multiple of 8), so they only touch their own groups' diagonal entries, which are not
-// accumulated (their x reads land in the staging's padding); the products are warp-wide and run
+// groups (C is a multiple of 4: K % 64 == 0), so they only touch their own groups' diagonal entries,
+// which are not accumulated (their x reads land in the staging's padding); the products are warp-wide and run
 // whenever any lane's chunk is in range. (c >> 2) & 1 is the same for c0 + 32 u as for c0, so the
 // swizzle is fixed per iteration and each x load is a base register plus a constant.
 template <bool WHOLE>
@@ -513,7 +515,7 @@ static __device__ __forceinline__ void finish_pair(const Product& P, const RowPa
 // SwiGLU's ticketed pairs (Tickets): with `grab`, lane 0 takes the warp's next ticket into *ticket
 // right after the first iteration's loads are issued, so the atomic's round trip runs beside
 // theirs (issued before them, it held the loads: they share its scoreboard).
-template <Ep EP, bool WHOLE>
+template <Ep EP, bool WHOLE, bool TAIL>
 static __device__ __forceinline__ void finish_rows(const Product& P, const RowPairs<EP>& pairs, const RopeKVArgs& rope,
                                                    const Prior& pr, const uint4* xs, float x_scale, int p, int base,
                                                    float acc0, float acc1, uint64_t policy, WarpTrace& tr,
@@ -524,7 +526,7 @@ static __device__ __forceinline__ void finish_rows(const Product& P, const RowPa
   pairs.rows(p, r0, r1);
   for (; base < C; base += 32 * kGemvUnroll) {
     Iter it;
-    load_iter<WHOLE>(it, P, r0, r1, base + lane, policy);
+    load_iter<WHOLE, TAIL>(it, P, r0, r1, base + lane, policy);
     if constexpr (EP == Ep::SwiGLU) {
       if (grab != nullptr && lane == 0) *ticket = atomicAdd(grab, 1u);
       grab = nullptr;

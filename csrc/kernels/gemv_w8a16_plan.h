@@ -18,6 +18,10 @@ constexpr int kGemvUnroll = 8;  // 16-byte chunks per row per lane per iteration
 constexpr int kGemvPreWarps = kGemvWarps / 2;
 constexpr int kQkvPreWarps = 6;
 constexpr int kQuantGroup = 128;
+// K of every product is a multiple of 64: a row's 16-byte chunks then fill whole groups of 4 lanes
+// (one tensor-core row each, dot_chunk), and K % 128 == 64 leaves a last scale group of 64 columns
+// (the tail group, docs/FORMAT.md).
+constexpr int kGemvKStep = 64;
 // K of a row that one iteration of a warp covers (32 lanes x kGemvUnroll chunks of 16 weights).
 constexpr int kGemvIterK = 32 * kGemvUnroll * 16;
 // SwiGLU's ticket counters (gemv_w8a16_variants.cuh): classes, one counter per 128-byte line.
@@ -42,14 +46,25 @@ __host__ __device__ constexpr size_t gemv_staging_bytes(GemvIn in, int K) {
 // need no clamp at the row's end.
 constexpr bool gemv_whole_steps(int K) { return K % (32 * 16) == 0; }
 
+// K % 128 == 64: the last scale group of a row is 64 columns wide, so a row has ceil(K / 128) scales.
+// Such a K takes the tail instance (never whole: 512 is a multiple of 128); every other K keeps the
+// instances whose machine code predates tail groups.
+constexpr bool gemv_tail_group(int K) { return K % kQuantGroup != 0; }
+
+// Scales per row of W: K / 128, or ceil(K / 128) in the tail instance.
+template <bool TAIL>
+__host__ __device__ constexpr int gemv_scale_groups(int K) {
+  return TAIL ? CEIL_DIV(K, kQuantGroup) : K / kQuantGroup;
+}
+
 // Row pairs of a product: SwiGLU and RopeKV pair rows of two halves, the others consecutive rows.
 constexpr int gemv_row_pairs(Epilogue ep, int N) {
   return ep == Epilogue::SwiGLU || ep == Epilogue::RopeKV ? N / 2 : CEIL_DIV(N, 2);
 }
 
-// gemv_w8a16.cu: blocks of the (ep, in, whole) instance with `smem` bytes of dynamic shared memory
-// resident at once on the current device (2 per SM, fewer only if fewer fit); raises the instance's
-// dynamic shared memory limit to smem the first time.
-int gemv_resident_blocks(Epilogue ep, GemvIn in, bool whole, size_t smem);
+// gemv_w8a16.cu: blocks of the (ep, in, whole, tail) instance with `smem` bytes of dynamic shared
+// memory resident at once on the current device (2 per SM, fewer only if fewer fit); raises the
+// instance's dynamic shared memory limit to smem the first time.
+int gemv_resident_blocks(Epilogue ep, GemvIn in, bool whole, bool tail, size_t smem);
 
 }  // namespace atomflow::kernels

@@ -12,7 +12,9 @@
 //    residual stream is fp32 (at M = 1 it is a few KB, so full precision costs nothing in
 //    bandwidth); accumulation is fp32.
 //  - Linear weights are FP8 E4M3 (OCP e4m3fn) stored row-major [N, K] (one output row is K
-//    contiguous bytes), with fp32 scales [N, K / 128]: w[n, k] = fp8[n, k] * scale[n, k / 128].
+//    contiguous bytes), with fp32 scales [N, ceil(K / 128)]: w[n, k] = fp8[n, k] * scale[n, k / 128].
+//    K is a multiple of 64; where K % 128 == 64 the last scale group of a row (the tail group)
+//    covers its last 64 columns (docs/FORMAT.md).
 //  - The current position (tokens already in the KV cache) lives in DEVICE memory (`pos`), so
 //    a captured CUDA graph serves every position. Kernels read it; only the engine advances it.
 //  - KV cache per layer: K and V each [max_context, num_kv_heads, head_dim] bf16, contiguous.
@@ -68,6 +70,7 @@ struct GemvPlan {
   GemvIn in;
   int N, K;
   bool whole;        // K % 512 == 0: the instance whose loads need no clamp at a row's end
+  bool tail;         // K % 128 == 64: the instance whose rows end in a 64-column scale group (never whole)
   int blocks;        // grid: at most the blocks resident at once (2 per SM), fewer when there are
                      // fewer row pairs than resident warps
   int threads;       // per block (256: 8 warps)
@@ -84,12 +87,13 @@ struct GemvKnobs {
 };
 // Needs the device (occupancy): call with the GPU that will run the launch current.
 GemvPlan plan_gemv(Epilogue ep, GemvIn in, int N, int K, const GemvKnobs& knobs = {});
-// "gemv_w8a16<RopeKV, NORM, whole>": the kernel instance a plan launches.
+// "gemv_w8a16<RopeKV, NORM, whole>" (or "ragged", "ragged, tail group"): the kernel instance a plan
+// launches.
 std::string gemv_variant_name(const GemvPlan& plan);
 
-// M = 1 decode. K % 128 == 0. Weights read exactly once with 16-byte register loads; the plan's
-// pre_warps load their first iteration of weights into registers before the kernel waits for its
-// predecessor (PDL). plan: plan_gemv(ep, GemvIn(x_type), N, K) (or the step plan's).
+// M = 1 decode. K % 64 == 0, scales [N, ceil(K / 128)]. Weights read exactly once with 16-byte register loads; the
+// plan's pre_warps load their first iteration of weights into registers before the kernel waits for its predecessor
+// (PDL). plan: plan_gemv(ep, GemvIn(x_type), N, K) (or the step plan's).
 //
 // tickets (SwiGLU only, may be null): kGemvTicketBytes of zeroed device memory, used by one stream.
 // With it, a plan with `ticketed` hands out the pairs past the first round by atomic counters
@@ -128,7 +132,7 @@ void gemv_w8a16_rmsnorm_argmax(const GemvPlan& plan, const uint8_t* w, const flo
                                const bf16* norm_w, float eps, int N, int K, float* out, uint64_t* block_best,
                                cudaStream_t stream);
 // M > 1 prefill on tensor cores (FP8 converted exactly to the activation's 16-bit type in the
-// main loop). x [M, K] of x_type.
+// main loop). x [M, K] of x_type; K % 64 == 0, scales [N, ceil(K / 128)].
 void gemm_w8a16(const uint8_t* w, const float* scales, const void* x, Act x_type, int M, int N, int K, Epilogue ep,
                 void* out, cudaStream_t stream);
 
