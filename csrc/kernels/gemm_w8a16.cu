@@ -15,8 +15,13 @@
 //  - SwiGLU: a block's 64 columns are 32 gate rows and the 32 matching up rows, arranged so that the
 //    same lane holds gate (n-tiles 0, 1) and up (n-tiles 2, 3) of the same outputs.
 //
-// Contract of gemm_w8a16_kernel<EP, A>, grid (ceil(M / 128), N tiles of 64 columns) x 128 threads:
-//  Inputs   w fp8 e4m3 [N, K] row-major, scales fp32 [N, K / 128], x 16-bit [M, K] of type A; K % 128 == 0.
+//  - K % 128 == 64 (TAIL): the last k-tile is the row's 64-column tail group. Its columns past K are
+//    zero-filled by the copies (x and w alike, so no stale shared memory enters a product) and the
+//    tile runs as a full one; the instances for K % 128 == 0 compile without that check.
+//
+// Contract of gemm_w8a16_kernel<EP, A, TAIL>, grid (ceil(M / 128), N tiles of 64 columns) x 128 threads:
+//  Inputs   w fp8 e4m3 [N, K] row-major, scales fp32 [N, ceil(K / 128)], x 16-bit [M, K] of type A;
+//           K % 128 == 0, or with TAIL K % 128 == 64.
 //  Before its PDL wait nothing: pdl_prologue() lets the next kernel launch, then waits.
 //  Writes   Store: out fp32 [M, N]; AddResidual: out += y; SwiGLU: out 16-bit [M, N / 2]. Each element once.
 //  Leaves   nothing else; no scratch.
@@ -95,7 +100,7 @@ static __device__ __forceinline__ int weight_row(int j, int n_tile, int N) {
   }
 }
 
-template <Epilogue EP, Act A>
+template <Epilogue EP, Act A, bool TAIL>
 static __global__ void __launch_bounds__(kGemmThreads, 2)
     gemm_w8a16_kernel(const uint8_t* __restrict__ w, const float* __restrict__ scales, const uint16_t* x, int M, int N,
                       int K, void* __restrict__ out) {
@@ -107,8 +112,8 @@ static __global__ void __launch_bounds__(kGemmThreads, 2)
   // blockIdx.x walks M so the blocks sharing a weight tile run together (weights leave DRAM once).
   const int m0 = blockIdx.x * kBM;
   const int n_tile = blockIdx.y;
-  const int KT = K / kBK;
-  const int G = K / kBK;  // scale groups per row (kBK is the group size)
+  const int KT = TAIL ? CEIL_DIV(K, kBK) : K / kBK;
+  const int G = TAIL ? CEIL_DIV(K, kBK) : K / kBK;  // scale groups per row (kBK is the group size)
 
   // Loader assignment: A = 128 rows x 16 chunks, 16 per thread (fixed chunk column, 16 rows);
   // B = 64 rows x 8 chunks, 4 per thread.
@@ -121,19 +126,22 @@ static __global__ void __launch_bounds__(kGemmThreads, 2)
   auto load_tile = [&](int kt, int stage) {
     uint8_t* sA = smem + stage * kStageBytes;
     uint8_t* sB = sA + kABytes;
+    // TAIL: this thread's chunk column past the row's end (only in the last tile) is zero-filled.
+    const bool a_in = !TAIL || kt * kBK + a_col * 8 < K;
+    const bool b_in = !TAIL || kt * kBK + b_col * 16 < K;
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
       const int r = a_row0 + 8 * i;
       const bool ok = m0 + r < M;
       const uint16_t* src = x + static_cast<size_t>(ok ? m0 + r : 0) * K + kt * kBK + a_col * 8;
-      cp_async16(sA + r * kAStride + a_col * 16, src, ok);
+      cp_async16(sA + r * kAStride + a_col * 16, a_in ? src : x, ok && a_in);
     }
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int r = b_row0 + 16 * i;
       const bool ok = b_wrow[i] >= 0;
       const uint8_t* src = w + static_cast<size_t>(ok ? b_wrow[i] : 0) * K + kt * kBK + b_col * 16;
-      cp_async16(sB + r * kBStride + b_col * 16, src, ok);
+      cp_async16(sB + r * kBStride + b_col * 16, b_in ? src : w, ok && b_in);
     }
     asm volatile("cp.async.commit_group;");
   };
@@ -265,32 +273,32 @@ static __global__ void __launch_bounds__(kGemmThreads, 2)
 
 // ---- launcher ----
 
-template <Epilogue EP, Act A>
+template <Epilogue EP, Act A, bool TAIL>
 static void launch_gemm(const uint8_t* w, const float* scales, const void* x, int M, int N, int K, void* out,
                         cudaStream_t stream) {
   // 100 KB of dynamic shared memory: set once (not inside a graph capture).
   static const bool configured = [] {
     AF_CUDA_CHECK(
-        cudaFuncSetAttribute(gemm_w8a16_kernel<EP, A>, cudaFuncAttributeMaxDynamicSharedMemorySize, kGemmSmem));
+        cudaFuncSetAttribute(gemm_w8a16_kernel<EP, A, TAIL>, cudaFuncAttributeMaxDynamicSharedMemorySize, kGemmSmem));
     return true;
   }();
   (void)configured;
   const int n_tiles = EP == Epilogue::SwiGLU ? CEIL_DIV(N / 2, kBN / 2) : CEIL_DIV(N, kBN);
   AF_CHECK(n_tiles <= 65535, "gemm_w8a16: N too large for the grid");
   const dim3 grid(CEIL_DIV(M, kBM), n_tiles);
-  af_launch(gemm_w8a16_kernel<EP, A>, grid, dim3(kGemmThreads), kGemmSmem, stream, w, scales,
+  af_launch(gemm_w8a16_kernel<EP, A, TAIL>, grid, dim3(kGemmThreads), kGemmSmem, stream, w, scales,
             static_cast<const uint16_t*>(x), M, N, K, out);
 }
 
-template <Act A>
+template <Act A, bool TAIL>
 static void dispatch_gemm(const uint8_t* w, const float* scales, const void* x, int M, int N, int K, Epilogue ep,
                           void* out, cudaStream_t stream) {
   switch (ep) {
-    case Epilogue::Store: launch_gemm<Epilogue::Store, A>(w, scales, x, M, N, K, out, stream); break;
-    case Epilogue::AddResidual: launch_gemm<Epilogue::AddResidual, A>(w, scales, x, M, N, K, out, stream); break;
+    case Epilogue::Store: launch_gemm<Epilogue::Store, A, TAIL>(w, scales, x, M, N, K, out, stream); break;
+    case Epilogue::AddResidual: launch_gemm<Epilogue::AddResidual, A, TAIL>(w, scales, x, M, N, K, out, stream); break;
     case Epilogue::SwiGLU:
       AF_CHECK(N % 2 == 0, "gemm_w8a16: SwiGLU needs N = 2F (gate rows, then up rows)");
-      launch_gemm<Epilogue::SwiGLU, A>(w, scales, x, M, N, K, out, stream);
+      launch_gemm<Epilogue::SwiGLU, A, TAIL>(w, scales, x, M, N, K, out, stream);
       break;
     default: AF_CHECK(false, "gemm_w8a16: unknown epilogue");
   }
@@ -298,14 +306,18 @@ static void dispatch_gemm(const uint8_t* w, const float* scales, const void* x, 
 
 void gemm_w8a16(const uint8_t* w, const float* scales, const void* x, Act x_type, int M, int N, int K, Epilogue ep,
                 void* out, cudaStream_t stream) {
-  AF_CHECK(M >= 1 && N >= 1 && K >= kBK, "gemm_w8a16: M, N must be >= 1 and K >= 128");
-  AF_CHECK(K % kBK == 0, "gemm_w8a16: K must be a multiple of 128 (the scale group)");
+  AF_CHECK(M >= 1 && N >= 1 && K >= kBK / 2, "gemm_w8a16: M, N must be >= 1 and K >= 64");
+  AF_CHECK(K % (kBK / 2) == 0, "gemm_w8a16: K must be a multiple of 64 (scales [N, ceil(K / 128)])");
   AF_CHECK(reinterpret_cast<uintptr_t>(w) % 16 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0,
            "gemm_w8a16: w and x must be 16-byte aligned");
+  // K % 128 == 64: the instances whose last k-tile is a 64-column tail group.
+  const bool tail = K % kBK != 0;
   if (x_type == Act::F16)
-    dispatch_gemm<Act::F16>(w, scales, x, M, N, K, ep, out, stream);
+    tail ? dispatch_gemm<Act::F16, true>(w, scales, x, M, N, K, ep, out, stream)
+         : dispatch_gemm<Act::F16, false>(w, scales, x, M, N, K, ep, out, stream);
   else
-    dispatch_gemm<Act::BF16>(w, scales, x, M, N, K, ep, out, stream);
+    tail ? dispatch_gemm<Act::BF16, true>(w, scales, x, M, N, K, ep, out, stream)
+         : dispatch_gemm<Act::BF16, false>(w, scales, x, M, N, K, ep, out, stream);
 }
 
 }  // namespace atomflow::kernels
