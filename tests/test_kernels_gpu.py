@@ -435,7 +435,7 @@ def test_linear_rejects_bad_arguments():
     with pytest.raises(ValueError):
         ops.gemv(w, s, x.astype(np.float32))  # x must be bf16 bits
     with pytest.raises(ValueError):
-        ops.gemv(np.zeros((4, 100), np.uint8), np.ones((4, 1), np.float32), np.zeros(100, np.uint16))  # K % 128
+        ops.gemv(np.zeros((4, 100), np.uint8), np.ones((4, 1), np.float32), np.zeros(100, np.uint16))  # K % 64
     with pytest.raises(ValueError):
         ops.gemv(np.zeros((3, 128), np.uint8), np.ones((3, 1), np.float32), x, 2)  # SwiGLU needs even N
     with pytest.raises(ValueError):

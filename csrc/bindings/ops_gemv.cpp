@@ -18,6 +18,9 @@ namespace {
 
 using atomflow::median_us;
 
+// Scales per row of a [N, K] weight: ceil(K / 128), the last group 64 wide where K % 128 == 64.
+py::ssize_t scale_groups(int K) { return (K + 127) / 128; }
+
 // Shared by gemv (M = 1, x [K]) and gemm (x [M, K]). out_init: the AddResidual starting values.
 // out_dtype: SwiGLU's output of the gemv (Out16).
 py::object linear(const py::array& w_, const py::array& s_, const py::array& x_, int ep_, const py::object& out_init_,
@@ -27,8 +30,8 @@ py::object linear(const py::array& w_, const py::array& s_, const py::array& x_,
   const k::Epilogue ep = epilogue_arg(ep_);
   auto w = arg<uint8_t>(w_, "w", {-1, -1});
   const int N = static_cast<int>(w.shape(0)), K = static_cast<int>(w.shape(1));
-  require(K % 128 == 0, "w: K = " + std::to_string(K) + " must be a multiple of 128");
-  auto s = arg<float>(s_, "scales", {N, K / 128});
+  require(K % 64 == 0, "w: K = " + std::to_string(K) + " must be a multiple of 64");
+  auto s = arg<float>(s_, "scales", {N, scale_groups(K)});
   auto x = gemm ? arg<uint16_t>(x_, "x", {-1, K}) : arg<uint16_t>(x_, "x", {K});
   const int M = gemm ? static_cast<int>(x.shape(0)) : 1;
   require(M >= 1, "x must have at least one row");
@@ -59,7 +62,7 @@ py::object linear(const py::array& w_, const py::array& s_, const py::array& x_,
 }
 
 // The inputs of a GEMV with RMSNorm fused into its prologue, checked and on the device: w u8 [N, K]
-// (N: any with -1), scales f32 [N, K / 128], x f32 [K] (the residual stream), norm_w u16 [K].
+// (N: any with -1), scales f32 [N, ceil(K / 128)], x f32 [K] (the residual stream), norm_w u16 [K].
 struct NormedGemvInputs {
   int N, K;
   DeviceBuffer w, scales, x, norm_w;
@@ -69,8 +72,8 @@ NormedGemvInputs normed_gemv_inputs(const py::array& w_, const py::array& s_, co
                                     py::ssize_t rows = -1) {
   auto w = arg<uint8_t>(w_, "w", {rows, -1});
   const int N = static_cast<int>(w.shape(0)), K = static_cast<int>(w.shape(1));
-  require(K % 128 == 0, "w: K = " + std::to_string(K) + " must be a multiple of 128");
-  auto s = arg<float>(s_, "scales", {N, K / 128});
+  require(K % 64 == 0, "w: K = " + std::to_string(K) + " must be a multiple of 64");
+  auto s = arg<float>(s_, "scales", {N, scale_groups(K)});
   auto x = arg<float>(x_, "x", {K});
   auto nw = arg<uint16_t>(nw_, "norm_w", {K});
   return NormedGemvInputs{N, K, to_device(w), to_device(s), to_device(x), to_device(nw)};
@@ -153,7 +156,7 @@ int gemv_argmax_blocks(int N, int K) { return k::plan_gemv(k::Epilogue::Store, k
 // every byte 0x38 (1.0 in e4m3, and a finite fp32 scale) keeps every value finite.
 double time_gemv(int N, int K, int iters, int ep_) {
   const k::Epilogue ep = epilogue_arg(ep_);
-  const size_t wbytes = static_cast<size_t>(N) * K, sbytes = static_cast<size_t>(N) * (K / 128) * sizeof(float);
+  const size_t wbytes = static_cast<size_t>(N) * K, sbytes = static_cast<size_t>(N) * scale_groups(K) * sizeof(float);
   Rotating ws(wbytes + sbytes);
   ws.buf.fill(0x38);
   DeviceBuffer x(sizeof(bf16) * K), out(sizeof(float) * N);
@@ -170,7 +173,7 @@ double time_gemv(int N, int K, int iters, int ep_) {
 
 double time_gemm(int M, int N, int K, int iters, int ep_) {
   const k::Epilogue ep = epilogue_arg(ep_);
-  const size_t wbytes = static_cast<size_t>(N) * K, sbytes = static_cast<size_t>(N) * (K / 128) * sizeof(float);
+  const size_t wbytes = static_cast<size_t>(N) * K, sbytes = static_cast<size_t>(N) * scale_groups(K) * sizeof(float);
   DeviceBuffer w(wbytes), s(sbytes), x(sizeof(bf16) * M * K), out(sizeof(float) * M * N);
   w.fill(0x38);
   s.fill(0);
@@ -193,9 +196,9 @@ void register_gemv(py::module_& m) {
          bool tickets) { return linear(w, s, x, ep, out_init, false, x_dtype, out_dtype, tickets); },
       py::arg("w"), py::arg("scales"), py::arg("x"), py::arg("epilogue") = 0, py::arg("out_init") = py::none(),
       py::arg("x_dtype") = "bf16", py::arg("out_dtype") = "bf16", py::arg("tickets") = true,
-      "w u8 [N, K], scales f32 [N, K/128], x u16 [K] (bf16 or f16 bits, x_dtype); epilogue 0 Store -> f32 [N], "
-      "1 AddResidual (out_init f32 [N]) -> f32 [N], 2 SwiGLU -> u16 [N/2] (bf16; out_dtype 'f16': (f16 bits, "
-      "overflow flag))");
+      "w u8 [N, K] (K % 64 == 0), scales f32 [N, ceil(K/128)], x u16 [K] (bf16 or f16 bits, x_dtype); "
+      "epilogue 0 Store -> f32 [N], 1 AddResidual (out_init f32 [N]) -> f32 [N], 2 SwiGLU -> u16 [N/2] (bf16; "
+      "out_dtype 'f16': (f16 bits, overflow flag))");
   m.def("gemv_qkv_staged_warps", &gemv_qkv_staged_warps, py::arg("H"), py::arg("Hkv"), py::arg("D"), py::arg("K"),
         py::arg("staged_pair") = true,
         "warps per block of the decode QKV launch of this shape that copy their second row pair into shared memory "

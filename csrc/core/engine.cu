@@ -81,8 +81,9 @@ void Engine::init(const std::string& path, const std::vector<TensorInfo>& table,
            "every size in the model spec must be positive");
   AF_CHECK(s.num_heads % s.num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
   AF_CHECK(s.head_dim == 64 || s.head_dim == 128, "head_dim must be 64 or 128");
-  AF_CHECK(s.hidden_size % kQuantGroup == 0 && s.intermediate_size % kQuantGroup == 0 && s.q_dim() % kQuantGroup == 0,
-           "hidden_size, intermediate_size and num_heads * head_dim must be multiples of 128");
+  // Multiples of 64: a size with K % 128 == 64 ends its rows in a tail scale group (kernels.h).
+  AF_CHECK(s.hidden_size % 64 == 0 && s.intermediate_size % 64 == 0 && s.q_dim() % 64 == 0,
+           "hidden_size, intermediate_size and num_heads * head_dim must be multiples of 64");
 
   for (int i = 0; i < s.num_layers; ++i) layer_names_.push_back("layer " + std::to_string(i));  // NVTX
 

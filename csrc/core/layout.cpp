@@ -68,21 +68,21 @@ ModelTensors resolve_tensors(const ModelSpec& s, const std::vector<TensorInfo>& 
     LayerTensors L;
     L.attn_norm = idx.need(p + "attn_norm", "BF16", {d});
     L.wqkv = idx.need(p + "wqkv", "F8_E4M3", {s.qkv_dim(), d});
-    L.wqkv_scale = idx.need(p + "wqkv.scale", "F32", {s.qkv_dim(), d / g});
+    L.wqkv_scale = idx.need(p + "wqkv.scale", "F32", {s.qkv_dim(), CEIL_DIV(d, g)});
     L.wo = idx.need(p + "wo", "F8_E4M3", {d, s.q_dim()});
-    L.wo_scale = idx.need(p + "wo.scale", "F32", {d, s.q_dim() / g});
+    L.wo_scale = idx.need(p + "wo.scale", "F32", {d, CEIL_DIV(s.q_dim(), g)});
     L.mlp_norm = idx.need(p + "mlp_norm", "BF16", {d});
     L.w13 = idx.need(p + "w13", "F8_E4M3", {2 * f, d});
-    L.w13_scale = idx.need(p + "w13.scale", "F32", {2 * f, d / g});
+    L.w13_scale = idx.need(p + "w13.scale", "F32", {2 * f, CEIL_DIV(d, g)});
     L.w2 = idx.need(p + "w2", "F8_E4M3", {d, f});
-    L.w2_scale = idx.need(p + "w2.scale", "F32", {d, f / g});
+    L.w2_scale = idx.need(p + "w2.scale", "F32", {d, CEIL_DIV(f, g)});
     m.layers.push_back(L);
   }
   m.final_norm = idx.need("final_norm", "BF16", {d});
   m.lm_head_fp8 = s.lm_head_fp8;
   if (s.lm_head_fp8) {
     m.lm_head = idx.need("lm_head", "F8_E4M3", {s.vocab_size, d});
-    m.lm_head_scale = idx.need("lm_head.scale", "F32", {s.vocab_size, d / g});
+    m.lm_head_scale = idx.need("lm_head.scale", "F32", {s.vocab_size, CEIL_DIV(d, g)});
   } else if (idx.has("lm_head")) {
     m.lm_head = idx.need("lm_head", "BF16", {s.vocab_size, d});
   } else if (s.tie_word_embeddings) {

@@ -19,7 +19,7 @@ std::map<std::string, size_t> expected_bytes(const ModelDims& m) {
   std::map<std::string, size_t> t;
   auto fp8 = [&](const std::string& name, size_t n, size_t kk) {
     t[name] = n * kk;
-    t[name + ".scale"] = n * (kk / 128) * sizeof(float);
+    t[name + ".scale"] = n * CEIL_DIV(kk, 128) * sizeof(float);  // the last group may be 64 wide
   };
   const size_t d = m.d, f = m.f;
   t["embed"] = static_cast<size_t>(m.vocab) * d * 2;
@@ -42,10 +42,9 @@ std::map<std::string, size_t> expected_bytes(const ModelDims& m) {
 PagedModel::PagedModel(const ModelDims& dims, const PoolConfig& pool, bool f16_activations)
     : dims_(dims), pool_cfg_(pool), f16_acts_(f16_activations) {
   const ModelDims& m = dims_;
-  AF_CHECK(m.vocab >= 1 && m.d >= 128 && m.f >= 128 && m.layers >= 1 && m.H >= 1 && m.Hkv >= 1,
+  AF_CHECK(m.vocab >= 1 && m.d >= 64 && m.f >= 64 && m.layers >= 1 && m.H >= 1 && m.Hkv >= 1,
            "PagedModel: bad model dims");
-  AF_CHECK(m.d % 128 == 0 && m.f % 128 == 0 && m.q_dim() % 128 == 0,
-           "PagedModel: d, f and H * D must be multiples of 128");
+  AF_CHECK(m.d % 64 == 0 && m.f % 64 == 0 && m.q_dim() % 64 == 0, "PagedModel: d, f and H * D must be multiples of 64");
   AF_CHECK(m.D == 64 || m.D == 128, "PagedModel: head_dim must be 64 or 128");
   AF_CHECK(pool.num_blocks >= 1 && pool.max_rows >= 1 && pool.max_seqs >= 1 && pool.max_blocks_per_seq >= 1,
            "PagedModel: pool sizes must be >= 1");
