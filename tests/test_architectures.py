@@ -18,7 +18,7 @@ pytest.importorskip("transformers")
 
 # preset -> (file tensors of layer 0 beyond Llama's, the CUDA refusal's words or None)
 CASES = {
-    "llama-tail": ((), "tail FP8 group (hidden_size 192"),
+    "llama-tail": ((), None),
     "mistral": ((), None),
     "qwen2": (("bqkv",), "7 query heads per KV head"),
     "qwen2-r5": (("bqkv",), "5 query heads per KV head"),
