@@ -1,6 +1,6 @@
 """Write a random Hugging Face Llama directory (config, sharded safetensors, tokenizer) with numpy only.
 
-    python tools/make_tiny_model.py OUT_DIR [--preset tiny|llama-3.2-1b|llama-3.2-3b|llama-3.1-8b]
+    python tools/make_tiny_model.py OUT_DIR [--preset tiny|tiny-tail|llama-3.2-1b|llama-3.2-3b|llama-3.1-8b]
         [--seed N] [--dtype bf16|fp16|fp32] [--untied] [--num-layers N] [--shard-size-mb N]
         [--transformers-version 4|5]
 
@@ -101,6 +101,9 @@ class Preset:
 
 PRESETS = {
     "tiny": Preset(256, 640, 3, 4, 2, 64, None, 8.0, 64, 16384, True),
+    # SmolLM2-135M's widths (hidden 576 = 4 x 128 + 64: tail FP8 groups; 9 query heads on 3 KV heads)
+    # on the tiny vocabulary and two layers.
+    "tiny-tail": Preset(576, 1536, 2, 9, 3, 64, None, 8.0, 64, 16384, True),
     "llama-3.2-1b": Preset(2048, 8192, 16, 32, 8, 64, 128256, 32.0, 8192, 131072, True),
     "llama-3.2-3b": Preset(3072, 8192, 28, 24, 8, 128, 128256, 32.0, 8192, 131072, True),
     "llama-3.1-8b": Preset(4096, 14336, 32, 32, 8, 128, 128256, 8.0, 8192, 131072, False),
