@@ -206,12 +206,12 @@ void gemv_trace_arm(const trace::Buf& b) { AF_CUDA_CHECK(cudaMemcpyToSymbol(g_tr
 
 // ---- launchers ----
 
-// How many blocks of gemv_w8a16_kernel<EP, IN, WHOLE, TAIL> with `smem` bytes of dynamic shared memory are resident at
-// once on the current device: 2 per SM, fewer only if fewer fit. The first launch of a (device, smem)
-// queries it and raises the kernel's dynamic limit to what it needs (not only above 48 KB: the
-// default limit counts the static `red` too, so K = 12288, exactly 48 KB of x, failed); later launches
-// take it from the cache, so eager mode does not pay the queries on every GEMV (a captured graph pays
-// them once either way). Host-side, capture-safe.
+// How many blocks of gemv_w8a16_kernel<EP, IN, WHOLE, TAIL> with `smem` bytes of dynamic shared
+// memory are resident at once on the current device: 2 per SM, fewer only if fewer fit. The first
+// launch of a (device, smem) queries it and raises the kernel's dynamic limit to what it needs (not
+// only above 48 KB: the default limit counts the static `red` too, so K = 12288, exactly 48 KB of x,
+// failed); later launches take it from the cache, so eager mode does not pay the queries on every
+// GEMV (a captured graph pays them once either way). Host-side, capture-safe.
 template <Ep EP, In IN, bool WHOLE, bool TAIL>
 static int resident_blocks(size_t smem) {
   struct Seen {

@@ -91,9 +91,10 @@ GemvPlan plan_gemv(Epilogue ep, GemvIn in, int N, int K, const GemvKnobs& knobs 
 // launches.
 std::string gemv_variant_name(const GemvPlan& plan);
 
-// M = 1 decode. K % 64 == 0, scales [N, ceil(K / 128)]. Weights read exactly once with 16-byte register loads; the
-// plan's pre_warps load their first iteration of weights into registers before the kernel waits for its predecessor
-// (PDL). plan: plan_gemv(ep, GemvIn(x_type), N, K) (or the step plan's).
+// M = 1 decode. K % 64 == 0, scales [N, ceil(K / 128)]. Weights read exactly once with 16-byte
+// register loads; the plan's pre_warps load their first iteration of weights into registers before
+// the kernel waits for its predecessor (PDL). plan: plan_gemv(ep, GemvIn(x_type), N, K) (or the
+// step plan's).
 //
 // tickets (SwiGLU only, may be null): kGemvTicketBytes of zeroed device memory, used by one stream.
 // With it, a plan with `ticketed` hands out the pairs past the first round by atomic counters
