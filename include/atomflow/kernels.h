@@ -149,7 +149,9 @@ void rope_kv_append(const float* qkv, const float* inv_freq, const int32_t* pos,
 // max_context, the work per block is derived from *pos on the device), each K/V row is loaded once
 // for all H / Hkv query heads of its group, and the groups' partials are merged in the shared
 // memory of a thread-block cluster (when one cluster holds every split a max_context can have: up to
-// 16) or by the last block of the group to finish. D in {64, 128}, Hkv <= 256.
+// 16) or by the last block of the group to finish. D in {64, 80, 96, 128, 256}, H / Hkv in 1..16
+// (more than 8 query heads per kv head, 4 at D = 256, are served by several blocks per kv head, each
+// streaming its keys), Hkv x those blocks <= 256 (attention_supported).
 // The grid is the call's plan (plan_attention): the splits s_max, fixed by M and the capacity the grid
 // is planned for, and the blocks per cluster (1: a plain launch, the splits merged through the
 // scratch; cluster_merge = false plans that for every shape, the same bits).
@@ -158,6 +160,10 @@ void rope_kv_append(const float* qkv, const float* inv_freq, const int32_t* pos,
 // calls or graph replays, and calls of any B, M and capacity may share one scratch sized for the
 // largest). A caller that allocates its own scratch clears it once with attention_scratch_clear
 // (zeroes the counters only, on `stream`; the rest needs no initial value).
+constexpr int kMaxAttnGroup = 16;  // the most query heads per kv head (H / Hkv)
+// Whether every attention launcher (attention, attention_batched, attention_paged) runs head_dim D
+// with `group` = H / Hkv query heads per kv head.
+bool attention_supported(int D, int group);
 size_t attention_scratch_bytes(int M, int H, int D, int max_context);
 struct AttnPlan {
   int M, H, Hkv, D, capacity;  // the call's shape; capacity: the keys the grid is planned for
