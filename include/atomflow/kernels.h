@@ -191,8 +191,10 @@ void attention(const AttnPlan& plan, const bf16* q, const bf16* k_cache, const b
 // sits at position lens[b] - M + m and sees keys [0, lens[b] - M + m]. Requires M <= lens[b].
 //  - attention_paged: caches are pools bf16 [num_blocks, block_size, Hkv, D]; key p of sequence b
 //    is in block block_tables[b * max_blocks + p / block_size], slot p % block_size. block_size a
-//    power of two in [8, 256]; lens[b] <= max_blocks * block_size.
-//  - attention_batched: contiguous caches bf16 [B, capacity, Hkv, D] (the paging-free baseline).
+//    power of two in [8, 256]; lens[b] <= max_blocks * block_size. head_dim 64 or 128 (the sandbox's
+//    model's; each further one would cost compile time), H / Hkv in 1..16.
+//  - attention_batched: contiguous caches bf16 [B, capacity, Hkv, D] (the paging-free baseline); the
+//    shapes of attention().
 size_t attention_paged_scratch_bytes(int B, int M, int H, int D, int max_blocks, int block_size);
 void attention_paged(const bf16* q, const bf16* k_pool, const bf16* v_pool, const int32_t* block_tables,
                      const int32_t* lens, int B, int M, int H, int Hkv, int D, int block_size, int num_blocks,
