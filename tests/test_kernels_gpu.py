@@ -701,7 +701,7 @@ def llama_inv_freq(D, theta=500000.0):
     return (1.0 / theta ** (np.arange(0, D, 2, dtype=np.float64) / D)).astype(np.float32)
 
 
-@pytest.mark.parametrize("H,Hkv,D", [(24, 8, 128), (32, 8, 64), (3, 1, 64)])
+@pytest.mark.parametrize("H,Hkv,D", [(24, 8, 128), (32, 8, 64), (3, 1, 64), (8, 2, 80), (8, 1, 96), (8, 1, 256)])
 @pytest.mark.parametrize(
     "M,pos,C", [(1, 0, 4), (1, 4095, 4100), (5, 17, 30), (2, 70000, 70003), (33, 100000, 64), (3, 126, 128)]
 )  # last two: tokens past the cache
@@ -744,6 +744,9 @@ def test_rope_kv_append(rng, M, pos, C, H, Hkv, D):
         (30, 6, 128, 2560),
         (28, 4, 128, 3584),
         (56, 8, 64, 3072),
+        (8, 2, 80, 256),  # the head dims attention takes past 64 and 128
+        (8, 1, 96, 256),
+        (8, 1, 256, 256),
     ],
 )
 @pytest.mark.parametrize("pos,C", [(0, 4), (4095, 4100), (70000, 70001), (126, 126)])  # last: past the cache
