@@ -20,10 +20,10 @@ pytest.importorskip("transformers")
 CASES = {
     "llama-tail": ((), None),
     "mistral": ((), None),
-    "qwen2": (("bqkv",), "7 query heads per KV head"),
-    "qwen2-r5": (("bqkv",), "5 query heads per KV head"),
+    "qwen2": (("bqkv",), "QKV bias"),
+    "qwen2-r5": (("bqkv",), "QKV bias"),
     "qwen3": (("q_norm", "k_norm"), "per-head q/k RMSNorm"),
-    "llama-r16": ((), "16 query heads per KV head"),
+    "llama-r16": ((), None),
 }
 
 

@@ -606,7 +606,7 @@ F16_OUT_CASES = [(1, 4), (300, 303), (500, 503), (230, 2000), (4097, 4100)]
 
 
 @pytest.mark.parametrize("context,C", F16_OUT_CASES)
-@pytest.mark.parametrize("D,G", [(64, 4), (128, 3)])
+@pytest.mark.parametrize("D,G", [(64, 4), (128, 3), (96, 7), (256, 16)])
 def test_attention_f16_output(rng, context, C, D, G):
     """The decode step's attention writes fp16 (kernels.h): the reference within fp16's rounding
     (F16_REL, below bf16's), the overflow flag left at 0 while every output fits fp16, set once one
@@ -632,12 +632,66 @@ def test_attention_f16_output(rng, context, C, D, G):
         assert np.all(np.abs(from_f16(got[0]) - ref16) <= 2.0**-8 * np.abs(ref16) + 2.0**-24), what
 
 
+# Every GQA ratio 1..16 at every head_dim the kernel takes. Ratios past the built group sizes (1, 2,
+# 3, 4, 6, 8; 1..4 at D = 256) run the next size up with the extra rows masked, and past 8 (4) query
+# heads per kv head several blocks serve one kv head (attention_decode.cu, HeadMap).
+ATTN_RATIOS = list(range(1, 17))
+ATTN_HEAD_DIMS = [64, 80, 96, 128, 256]
+# (M, position of the first query, cache rows): decode at positions 0, 1, 99 (4 splits: a cluster of 4
+# for every shape), 511 (16 splits: a cluster of 16 where the leader's buffer holds them, else the
+# scratch), 513 and 4097 (the scratch); prefill chunks of 3, 17 and 64 tokens, one split to 7.
+ATTN_CASES = {
+    "decode": [(1, 0, 3), (1, 1, 64), (1, 99, 128), (1, 511, 512), (1, 513, 600), (1, 4097, 4100)],
+    "prefill": [(3, 0, 8), (3, 4097, 4100), (17, 1, 128), (17, 513, 600), (64, 511, 600)],
+}
+
+
+@pytest.mark.parametrize("D", ATTN_HEAD_DIMS)
+@pytest.mark.parametrize("G", ATTN_RATIOS)
+@pytest.mark.parametrize("kind", list(ATTN_CASES))
+def test_attention_every_ratio_and_head_dim(rng, kind, G, D):
+    """The reference at every ratio and head_dim, cache rows past each call's context NaN, the output
+    poisoned by the harness; each call under its default plan (clusters where one holds every split,
+    cached rows read early for decode) and under the scratch merge (cluster_merge=False): the same bits."""
+    Hkv = 2 if kind == "decode" else 3
+    H, scale = Hkv * G, 1.0 / np.sqrt(D)
+    for M, pos, C in ATTN_CASES[kind]:
+        context = pos + M
+        kc = bf16_bits(rng.standard_normal((C, Hkv, D)))
+        vc = bf16_bits(rng.standard_normal((C, Hkv, D)))
+        kc[context:] = vc[context:] = 0x7FC0  # bf16 NaN
+        q = bf16_bits(rng.standard_normal((M, H, D)) * 2.0)
+        what = f"attention G={G} D={D} M={M} pos={pos} C={C} Hkv={Hkv}"
+        got = ops.attention(q, kc, vc, pos, scale, early=M == 1)
+        plain = ops.attention(q, kc, vc, pos, scale, cluster_merge=False)
+        want = reference_attention(q, kc, vc, pos, scale)
+        for m in range(M):
+            assert_close(from_bf16(got[m]), want[m], 6e-3, f"{what} query {m}")
+        np.testing.assert_array_equal(got, plain, err_msg=f"{what}: cluster plan != scratch merge (bits)")
+
+
+@pytest.mark.parametrize(
+    "M,H,Hkv,D,max_context,want",
+    [
+        (1, 14, 2, 64, 512, 16),  # ratio 7 runs G = 8: G * D = 512, 16 splits in a 16-block cluster
+        (1, 10, 2, 96, 256, 8),  # ratio 5 runs G = 6: G * D = 576, the leader's buffer holds 8
+        (1, 10, 2, 96, 512, 1),  # 16 splits: more than the buffer holds
+        (1, 16, 1, 256, 128, 4),  # ratio 16 at D = 256: blocks of 4 heads, G * D = 1024, 4 splits
+        (1, 32, 2, 80, 512, 1),  # ratio 16: blocks of 8 heads, G * D = 640 holds 8, not 16 splits
+        (1, 32, 2, 80, 256, 8),
+    ],
+)
+def test_attention_cluster_sizes_of_the_new_shapes(M, H, Hkv, D, max_context, want):
+    assert ops.attention_cluster_size(M, H, Hkv, D, max_context) == want
+    assert ops.attention_cluster_size(M, H, Hkv, D, max_context, cluster_merge=False) == 1
+
+
 def test_attention_rejects_unsupported():
     z = lambda *s: np.zeros(s, np.uint16)
     with pytest.raises(ValueError, match="head_dim"):
-        ops.attention(z(1, 4, 96), z(8, 2, 96), z(8, 2, 96), 0)
+        ops.attention(z(1, 4, 72), z(8, 2, 72), z(8, 2, 72), 0)
     with pytest.raises(ValueError, match="GQA"):
-        ops.attention(z(1, 10, 64), z(8, 2, 64), z(8, 2, 64), 0)  # G = 5
+        ops.attention(z(1, 34, 64), z(8, 2, 64), z(8, 2, 64), 0)  # G = 17
 
 
 # ----------------------------------------------------------------------------- rope + KV append
@@ -647,7 +701,7 @@ def llama_inv_freq(D, theta=500000.0):
     return (1.0 / theta ** (np.arange(0, D, 2, dtype=np.float64) / D)).astype(np.float32)
 
 
-@pytest.mark.parametrize("H,Hkv,D", [(24, 8, 128), (32, 8, 64), (3, 1, 64)])
+@pytest.mark.parametrize("H,Hkv,D", [(24, 8, 128), (32, 8, 64), (3, 1, 64), (8, 2, 80), (8, 1, 96), (8, 1, 256)])
 @pytest.mark.parametrize(
     "M,pos,C", [(1, 0, 4), (1, 4095, 4100), (5, 17, 30), (2, 70000, 70003), (33, 100000, 64), (3, 126, 128)]
 )  # last two: tokens past the cache
@@ -690,6 +744,9 @@ def test_rope_kv_append(rng, M, pos, C, H, Hkv, D):
         (30, 6, 128, 2560),
         (28, 4, 128, 3584),
         (56, 8, 64, 3072),
+        (8, 2, 80, 256),  # the head dims attention takes past 64 and 128
+        (8, 1, 96, 256),
+        (8, 1, 256, 256),
     ],
 )
 @pytest.mark.parametrize("pos,C", [(0, 4), (4095, 4100), (70000, 70001), (126, 126)])  # last: past the cache

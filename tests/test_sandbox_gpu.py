@@ -2,7 +2,8 @@
 - paged attention is the contiguous kernel with another addressing policy: the same K/V
   scattered into random blocks of a pool (the other blocks NaN) gives the SAME bits as the
   batched-contiguous and the core's attention(), and matches a float64 reference, for every
-  block size, head_dim 64/128, GQA groups 1/4/8, batches of different lengths, outputs poisoned;
+  block size, head_dim 64/128, GQA ratios 1..16, batches of different lengths, outputs poisoned;
+- the batched (contiguous) launcher at head_dim 80, 96, 256;
 - attention calls of different shapes in a row on one scratch give the bits each gives alone;
 - rope_kv_append_slots equals the core's rope_kv_append bit for bit;
 - a batch of sequences through PagedModel + the scheduler gives each sequence the greedy tokens
@@ -108,6 +109,41 @@ def test_paged_decode_equals_contiguous(rng, bs, D, G):
         check_paged(rng, lens[:B], 1, 2, G, D, bs)
 
 
+@pytest.mark.parametrize("G", range(1, 17))
+def test_paged_every_ratio_equals_contiguous(rng, G):
+    """Every GQA ratio 1..16 (past 8 query heads per KV head, several blocks per KV head), decode and a
+    prefill chunk, the head_dims the paged policy is built for."""
+    D = 64 if G % 2 else 128
+    check_paged(rng, [700, 1, 64], 1, 2, G, D, 16)
+    check_paged(rng, [300, 17], 17, 3, G, D, 32)
+
+
+def check_batched(rng, lens, M, Hkv, G, D):
+    """attention_batched (contiguous caches [B, C, Hkv, D], rows past each sequence NaN) against the
+    float64 reference."""
+    B, H, scale = len(lens), Hkv * G, 1.0 / np.sqrt(D)
+    kc = bf16_bits(rng.standard_normal((B, max(lens), Hkv, D)))
+    vc = bf16_bits(rng.standard_normal((B, max(lens), Hkv, D)))
+    for b, n in enumerate(lens):
+        kc[b, n:] = vc[b, n:] = NAN16
+    q = bf16_bits(rng.standard_normal((B, M, H, D)) * 2.0)
+    got = sb.attention_batched(q, kc, vc, np.array(lens, np.int32), scale)
+    for b, n in enumerate(lens):
+        want = reference_attention(from_bf16(q[b]), from_bf16(kc[b]), from_bf16(vc[b]), n, M, scale)
+        out = from_bf16(got[b * M : (b + 1) * M])
+        assert np.isfinite(out).all(), f"lens={lens} M={M} G={G} D={D}: non-finite output"
+        err = np.linalg.norm(out - want) / np.linalg.norm(want)
+        assert err < 6e-3, f"lens={lens} M={M} G={G} D={D} sequence {b}: rel-L2 {err:.2e}"
+
+
+@pytest.mark.parametrize("D", [80, 96, 256])
+@pytest.mark.parametrize("G", [1, 5, 7, 16])
+def test_batched_head_dims(rng, D, G):
+    """The batched (contiguous) launcher takes every head_dim the core does (the paged one: 64, 128)."""
+    check_batched(rng, [700, 1, 64], 1, 2, G, D)
+    check_batched(rng, [300, 17], 17, 2, G, D)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("bs", [16, 128])
 def test_paged_decode_long_context(rng, bs):
@@ -126,10 +162,10 @@ def test_paged_rejects_unsupported():
     t, n = np.zeros((1, 2), np.int32), np.array([1], np.int32)
     with pytest.raises(ValueError, match="block_size"):
         sb.attention_paged(z(1, 1, 4, 64), z(4, 12, 2, 64), z(4, 12, 2, 64), t, n)
-    with pytest.raises(ValueError, match="head_dim"):
+    with pytest.raises(ValueError, match="head_dim must be 64 or 128"):  # the core's attention takes 96
         sb.attention_paged(z(1, 1, 4, 96), z(4, 16, 2, 96), z(4, 16, 2, 96), t, n)
     with pytest.raises(ValueError, match="GQA"):
-        sb.attention_paged(z(1, 1, 10, 64), z(4, 16, 2, 64), z(4, 16, 2, 64), t, n)
+        sb.attention_paged(z(1, 1, 34, 64), z(4, 16, 2, 64), z(4, 16, 2, 64), t, n)  # G = 17
 
 
 def test_attention_calls_share_one_scratch(rng):

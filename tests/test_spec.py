@@ -160,12 +160,12 @@ def qwen2_config(**over) -> dict:
         (
             qwen2_config(),
             dict(arch="qwen2", attention_bias=True, qk_norm=False, head_dim=128, group_size=7, sliding_window=0),
-            "QKV bias (attention_bias); 7 query heads per KV head",
+            "QKV bias (attention_bias)",
         ),
         (
             qwen2_config(hidden_size=5120, intermediate_size=13824, num_attention_heads=40, num_key_value_heads=8),
             dict(group_size=5),
-            "5 query heads per KV head",
+            "QKV bias (attention_bias)",
         ),
         (
             qwen2_config(
@@ -227,7 +227,7 @@ def qwen2_config(**over) -> dict:
             dict(rope_type="linear", rope_factor=2.0),
             None,
         ),  # the CUDA engine takes the inv_freq table, which carries the factor
-        (llama_config(head_dim=96, num_attention_heads=32), dict(head_dim=96), "head_dim 96 (CUDA: 64, 128)"),
+        (llama_config(head_dim=96, num_attention_heads=32), dict(head_dim=96), None),
         (llama_config(), dict(arch="llama"), None),
     ],
 )
@@ -238,6 +238,15 @@ def test_architectures(cfg, expect, cuda):
     assert ModelSpec.from_dict(spec.to_dict()) == spec
     why = spec.cuda_unsupported()
     assert (why is None) if cuda is None else (cuda in why and "\n" not in why), why
+
+
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
+def test_cuda_runs_every_head_ratio(head_dim):
+    """The CUDA attention takes 1..16 query heads per KV head at every supported head_dim
+    (attention_decode.cu): nothing about the heads is refused."""
+    for g in range(1, 17):
+        spec = ModelSpec.from_hf_config(llama_config(num_attention_heads=8 * g, num_key_value_heads=8, head_dim=head_dim))
+        assert spec.group_size == g and spec.cuda_unsupported() is None, (g, spec.cuda_unsupported())
 
 
 def test_version1_spec_dict_loads_as_llama():

@@ -4,7 +4,8 @@ classes (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalL
     python tools/make_tiny_arch.py OUT_DIR --arch qwen2|qwen3|mistral|llama [--preset NAME] [--seed N]
 
 The shapes are chosen to be awkward: sizes that are multiples of 64 but not of 128 (a tail FP8
-group), 3, 5, 7 and 16 query heads per KV head, Qwen3's head_dim independent of hidden / heads.
+group), 3, 5, 7 and 16 query heads per KV head, Qwen3's head_dim independent of hidden / heads,
+head_dim 80, 96 and 256.
 Every parameter is redrawn (transformers initializes biases to zero and norms to one, which
 would hide a mapping error): weights N(0, 1/fan_in), o/down smaller, biases N(0, 0.5^2), norms
 1 + N(0, 0.1^2). The tokenizer is tools/make_tiny_model.py's (1024 ids, Llama 3 chat template).
@@ -27,6 +28,13 @@ PRESETS = {
     "qwen2-r5": ("qwen2", 320, 640, 2, 10, 2, 32 * 2, {}),
     "qwen3": ("qwen3", 192, 384, 2, 4, 2, 128, {"attention_bias": False}),
     "llama-r16": ("llama", 256, 512, 2, 16, 1, 64, {}),
+    # Shapes the CUDA engine runs (sizes multiples of 128 and of the heads, no bias or q/k norm): GQA ratios 7
+    # and 5, and head_dim 80, 96, 256 (the last at ratio 8: two blocks of 4 query heads per KV head).
+    "llama-r7": ("llama", 896, 512, 2, 14, 2, 64, {}),
+    "llama-r5": ("llama", 640, 512, 2, 10, 2, 128, {}),
+    "llama-d80": ("llama", 256, 512, 2, 8, 2, 80, {}),
+    "llama-d96": ("llama", 256, 512, 2, 8, 1, 96, {}),
+    "llama-d256": ("llama", 256, 512, 2, 8, 1, 256, {}),
 }
 DEFAULT_PRESET = {"llama": "llama-tail", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
 

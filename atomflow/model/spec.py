@@ -37,8 +37,8 @@ ARCHITECTURES = {
 _MODEL_TYPES = {v: k for k, v in ARCHITECTURES.items()}  # config model_type -> architecture
 
 # What the CUDA engine runs today (csrc/): everything else is refused before loading.
-CUDA_HEAD_DIMS = (64, 128)
-CUDA_HEAD_RATIOS = (1, 2, 3, 4, 6, 8)
+CUDA_HEAD_DIMS = (64, 80, 96, 128, 256)  # kernels::attention_supported
+CUDA_HEAD_RATIOS = tuple(range(1, MAX_HEAD_RATIO + 1))
 CUDA_ROPE_TYPES = ("default", "llama3", "linear")  # the engine takes the inv_freq table, which carries the type
 
 
@@ -107,7 +107,7 @@ class ModelSpec:
         if self.head_dim not in CUDA_HEAD_DIMS:
             why.append(f"head_dim {self.head_dim} (CUDA: {', '.join(map(str, CUDA_HEAD_DIMS))})")
         if self.group_size not in CUDA_HEAD_RATIOS:
-            why.append(f"{self.group_size} query heads per KV head (CUDA: {', '.join(map(str, CUDA_HEAD_RATIOS))})")
+            why.append(f"{self.group_size} query heads per KV head (CUDA: 1..{CUDA_HEAD_RATIOS[-1]})")
         if self.rope_type not in CUDA_ROPE_TYPES:
             why.append(f"rope_type {self.rope_type}")
         return ("the CUDA engine does not run this model yet: " + "; ".join(why)) if why else None

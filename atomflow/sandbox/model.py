@@ -20,6 +20,9 @@ import numpy as np
 from atomflow.backends.cuda import options_from_env
 from atomflow.errors import BackendUnavailableError, UnsupportedModelError
 
+# The paged attention is built for these (csrc/kernels/attention_decode.cu); the core engine runs more.
+SANDBOX_HEAD_DIMS = (64, 128)
+
 
 def ext():
     """atomflow._sandbox, or BackendUnavailableError saying why it is missing."""
@@ -84,6 +87,11 @@ class SandboxModel:
         spec = model.spec
         if spec.cuda_unsupported():
             raise UnsupportedModelError(f"{path}: {spec.cuda_unsupported()}")
+        if spec.head_dim not in SANDBOX_HEAD_DIMS:
+            raise UnsupportedModelError(
+                f"{path}: the sandbox's paged attention runs head_dim {', '.join(map(str, SANDBOX_HEAD_DIMS))} only "
+                f"(this model's is {spec.head_dim})"
+            )
         if model.quantization.get("lm_head", "fp8") != "fp8":
             raise UnsupportedModelError(
                 f"{path}: the sandbox runs files with an fp8 lm_head only "

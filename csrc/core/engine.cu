@@ -80,7 +80,8 @@ void Engine::init(const std::string& path, const std::vector<TensorInfo>& table,
                s.num_kv_heads > 0,
            "every size in the model spec must be positive");
   AF_CHECK(s.num_heads % s.num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
-  AF_CHECK(s.head_dim == 64 || s.head_dim == 128, "head_dim must be 64 or 128");
+  AF_CHECK(kernels::attention_supported(s.head_dim, s.num_heads / s.num_kv_heads),
+           "head_dim must be one of 64, 80, 96, 128, 256 and num_heads / num_kv_heads in 1..16");
   // Multiples of 64: a size with K % 128 == 64 ends its rows in a tail scale group (kernels.h).
   AF_CHECK(s.hidden_size % 64 == 0 && s.intermediate_size % 64 == 0 && s.q_dim() % 64 == 0,
            "hidden_size, intermediate_size and num_heads * head_dim must be multiples of 64");

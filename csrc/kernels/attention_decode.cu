@@ -32,9 +32,9 @@
 // steps of at most 512 keys for 512 (step_plan.h, kShortKeys). Why 64 and 32, and what more splits
 // cost: docs/design/attention_decode.md.
 //
-// Inside a block: D / 8 lanes hold one key row (16 B each), so a warp covers 32 / (D / 8) keys per
-// load; each such lane group is an independent "key stream" with its own online softmax (scores
-// in the log2 domain, q prescaled by scale * log2 e) over KT keys per step (all K and V loads of
+// Inside a block: D / 8 lanes hold one key row (16 B each; padded to a power of two, kLanesPerRow),
+// so a warp covers 32 / kLanesPerRow<D> keys per load; each such lane group is an independent "key stream" with its own
+// online softmax (scores in the log2 domain, q prescaled by scale * log2 e) over KT keys per step (all K and V loads of
 // the step issued first). Streams are merged in-warp by shuffles, then across warps in shared memory.
 //
 // Addressing policies (STYLE.md habit 11: one kernel, several variants): the kernel is templated
@@ -44,11 +44,13 @@
 // each sequence has its own length. For the same keys and split count every policy does the same
 // arithmetic in the same order (bit-identical results).
 //
-// Contract of attention_kernel<KV, D, G, QT>, grid (Hkv, splits padded to whole clusters, B x query
-// tiles) x 128 threads, in clusters of (1, plan.cluster, 1) when plan.cluster > 1:
+// Contract of attention_kernel<KV, D, G, QT>, grid (Hkv x hm.blocks, splits padded to whole clusters,
+// B x query tiles) x 128 threads, in clusters of (1, plan.cluster, 1) when plan.cluster > 1:
 //  Inputs   q bf16 [B * M, H, D]; K / V bf16 rows as the policy addresses them ([capacity, Hkv, D]
 //           per sequence for ContiguousKV); the sequence's start (*pos, or lens[b] - M) in device
-//           memory; scale folded into q with log2 e. D in {64, 128}, G = H / Hkv in {1,2,3,4,6,8}.
+//           memory; scale folded into q with log2 e. D in {64, 80, 96, 128, 256}; G in {1,2,3,4,6,8}
+//           (1..4 at D = 256) query heads of kv head blockIdx.x / hm.blocks per block, the call's
+//           H / Hkv in 1..16 mapped onto them by HeadMap (a block's rows past its heads are masked).
 //  Before its PDL wait (pdl.cuh) only with `early` (the core's decode, whose QKV GEMV triggers after
 //           its own wait): *pos and the cached K / V rows below it (earlier steps' rows). Otherwise
 //           nothing: the wait comes first.
@@ -92,12 +94,37 @@ template <int R, int D>
 constexpr int kClusterSplits = R * D <= 512 ? 16 : (R * D <= 768 ? 8 : 4);  // the leader's buffer: <= 32 KB
 constexpr float kNegInit = -1e30f;  // finite "no key yet": exp2(kNegInit - kNegInit) = 1, never NaN
 
+// Lanes per key row: D / 8 (16 B each) rounded up to a power of two, so a row's lanes form an
+// aligned group the xor shuffles stay inside. Head dims 80 and 96 take the 128 layout: their lanes
+// past D / 8 load nothing and hold zeros (the loads, hence the bytes read, are D's own).
+template <int D>
+constexpr int kLanesPerRow = D / 8 <= 8 ? 8 : (D / 8 <= 16 ? 16 : 32);
+
+// The most query heads of one kv head per block. A block holds R = G x QT query rows, each with 8 q
+// values and 8 accumulators per lane: at most 8 rows keep the key loop off the stack (G = 8 uses
+// ~225 registers). At D = 256 the rows' shared memory (sm_acc, 4 KB per row, and the leader's
+// buffer) allows 4 of the 48 KB static limit.
+template <int D>
+constexpr int kMaxGroup = D <= 128 ? 8 : 4;
+
+// Which query heads a block serves. A kv head's `group` = H / Hkv query heads are served by `blocks`
+// blocks (grid.x = Hkv x blocks) of `per` heads each (the last may hold fewer): one block when the
+// group fits kMaxGroup, otherwise each block streams the kv head's keys for its share (the second
+// read of a key mostly from L2: the blocks of one kv head are adjacent in grid.x). The kernel is
+// built for G in {1, 2, 3, 4, 6, 8} (at D = 256: 1..4); a block of `per` heads runs the smallest
+// G >= per and masks its rows past `per` (no loads, no keys, no writes).
+struct HeadMap {
+  int group;   // H / Hkv
+  int blocks;  // blocks per kv head (grid.x = Hkv x blocks)
+  int per;     // query heads per block (G >= per)
+};
+
 // The merge counters, one int per (sequence, query tile, kv head), at the start of the scratch
 // with a size fixed by no call's shape: the engines share one scratch between calls of different
 // B and M (decode, then a prefill chunk), and a call's partials must never land where a later
 // call's counters are. Only calls with 2+ splits count, and those have B * M <= kMaxSplitBlocks / 2
-// query rows (max_splits), hence at most kMaxSplitBlocks / 2 * Hkv counters. A multiple of 16
-// bytes: the float4 partials follow.
+// query rows (max_splits), hence at most kMaxSplitBlocks / 2 * grid.x counters (grid.x = Hkv x blocks
+// per kv head, HeadMap). A multiple of 16 bytes: the float4 partials follow.
 constexpr int kMaxKvHeads = 256;
 constexpr size_t kCounterBytes = static_cast<size_t>(kMaxSplitBlocks / 2) * kMaxKvHeads * sizeof(int);
 
@@ -203,13 +230,13 @@ static __device__ __forceinline__ void store_out4(void* __restrict__ out, size_t
 // has the same bits whichever way its partials travelled.
 template <int R, int D, int G, int SPL, int CS>
 static __device__ __forceinline__ void merge_in_cluster(const float4 (&acc)[CS][R][D / 4], const float2 (&ml)[CS][R],
-                                                        int n_splits, int b, int M, int m0, int H, int h,
+                                                        int n_splits, int b, int M, int m0, int H, int hq0, int nq,
                                                         void* __restrict__ out, int* f16_overflow) {
   constexpr int C4 = D / 4;
   const int per = CEIL_DIV(n_splits, SPL);
   for (int idx = threadIdx.x; idx < R * C4; idx += kAttnThreads) {
     const int r = idx / C4, c = idx % C4;
-    if (m0 + r / G >= M) continue;
+    if (m0 + r / G >= M || r % G >= nq) continue;
     float mx = kNegInit;
     for (int s = 0; s < n_splits; ++s) mx = fmaxf(mx, ml[s][r].x);
     float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -238,7 +265,7 @@ static __device__ __forceinline__ void merge_in_cluster(const float4 (&acc)[CS][
         l += tl;
       }
     }
-    const size_t o_row = (static_cast<size_t>(b) * M + m0 + r / G) * H + h * G + r % G;
+    const size_t o_row = (static_cast<size_t>(b) * M + m0 + r / G) * H + hq0 + r % G;
     const float inv_l = 1.f / l;  // > 0: split 0 holds key 0, seen by every query
     store_out4<D>(out, o_row, c, o.x * inv_l, o.y * inv_l, o.z * inv_l, o.w * inv_l, f16_overflow);
   }
@@ -257,9 +284,10 @@ static __device__ __forceinline__ void merge_in_cluster(const float4 (&acc)[CS][
 // new key (row pos, written by the QKV GEMV) are read after it.
 template <class KV, int D, int G, int QT>
 static __global__ void __launch_bounds__(kAttnThreads)
-    attention_kernel(const bf16* q, KV kv, int M, int H, int Hkv, int s_max, float q_scale, int* counters,
+    attention_kernel(const bf16* q, KV kv, int M, int H, int Hkv, HeadMap hm, int s_max, float q_scale, int* counters,
                      float* part_acc, float* part_ml, void* __restrict__ out, int* f16_overflow, bool early) {
-  constexpr int LPR = D / 8;                                      // lanes per key row
+  constexpr int LD = D / 8;                                       // lanes holding a key row's data (16 B each)
+  constexpr int LPR = kLanesPerRow<D>;                            // lanes per key row: LD padded to a power of two
   constexpr int GPW = 32 / LPR;                                   // key streams per warp
   constexpr int NS = kAttnWarps * GPW;                            // key streams per block
   constexpr int R = G * QT;                                       // query rows per block
@@ -304,7 +332,12 @@ static __global__ void __launch_bounds__(kAttnThreads)
   // (docs/design/attention_decode.md).
   if (!early) pdl_wait();
   const int tiles = CEIL_DIV(M, QT);
-  const int h = blockIdx.x, split = blockIdx.y, b = blockIdx.z / tiles, m0 = (blockIdx.z % tiles) * QT;
+  const int h = blockIdx.x / hm.blocks, split = blockIdx.y, b = blockIdx.z / tiles, m0 = (blockIdx.z % tiles) * QT;
+  // This block's query heads: hq0 .. hq0 + nq - 1 (nq <= G), share blockIdx.x % hm.blocks of kv head h's.
+  // Row r = (token m0 + r / G, head hq0 + r % G) is a row of the call while valid(r).
+  const int hq0 = h * hm.group + (blockIdx.x % hm.blocks) * hm.per;
+  const int nq = min(hm.per, hm.group - (blockIdx.x % hm.blocks) * hm.per);
+  const auto valid = [&](int r) { return m0 + r / G < M && r % G < nq; };
   const int pos = kv.seq.start(b);
   const int n_keys = call_keys(kv, b, M);
   const auto [n_active, chunk] = plan_splits<NS * KT>(n_keys, s_max);
@@ -328,7 +361,7 @@ static __global__ void __launch_bounds__(kAttnThreads)
   const int grp = lane / LPR, li = lane % LPR;
   const int stream = warp * GPW + grp;
   const size_t key_stride = static_cast<size_t>(Hkv) * D;
-  const bf16* k_base = kv.k + static_cast<size_t>(h) * D + li * 8;
+  const bf16* k_base = kv.k + static_cast<size_t>(h) * D + li * 8;  // li >= LD: never loaded
   const bf16* v_base = kv.v + static_cast<size_t>(h) * D + li * 8;
 
   // This stream's keys of a step are base + j * NS + stream (j < KT). `entries` reads their row
@@ -346,7 +379,7 @@ static __global__ void __launch_bounds__(kAttnThreads)
 #pragma unroll
     for (int j = 0; j < KT; ++j) {
       const int key = base + j * NS + stream;
-      if (key >= lo && key < hi) {
+      if (key >= lo && key < hi && (LD == LPR || li < LD)) {
         const size_t row = kv.row(b, ent[j], key);
         kd[j] = ld_kv(k_base + row * key_stride);
         vd[j] = ld_kv(v_base + row * key_stride);
@@ -368,15 +401,18 @@ static __global__ void __launch_bounds__(kAttnThreads)
   load_rows(kb, cached, ke, kr, vr);
   entries(kb + NS * KT);
 
-  // Row r = (query token m0 + r / G, head h * G + r % G): this lane's 8 q values, prescaled.
+  // Row r = (query token m0 + r / G, head hq0 + r % G): this lane's 8 q values, prescaled (zero on a
+  // padding lane, li >= LD, and on a row past the call's, which sees no keys).
   float qf[R][8];
   int end_r[R];  // exclusive key bound of row r in this block (causal and split)
 #pragma unroll
   for (int r = 0; r < R; ++r) {
     const int m = m0 + r / G;
-    if (m < M) {
+    if (valid(r)) {
       const size_t row = static_cast<size_t>(b) * M + m;
-      const uint4 raw = __ldcg(reinterpret_cast<const uint4*>(q + (row * H + h * G + r % G) * D) + li);
+      const uint4 raw = LD == LPR || li < LD
+                            ? __ldcg(reinterpret_cast<const uint4*>(q + (row * H + hq0 + r % G) * D) + li)
+                            : make_uint4(0, 0, 0, 0);
       bf16x8_to_float(raw, qf[r]);
 #pragma unroll
       for (int e = 0; e < 8; ++e) qf[r][e] *= q_scale;
@@ -486,8 +522,9 @@ static __global__ void __launch_bounds__(kAttnThreads)
   if (grp == 0) {
 #pragma unroll
     for (int r = 0; r < R; ++r) {
+      if (LD == LPR || li < LD)
 #pragma unroll
-      for (int e = 0; e < 8; ++e) sm_acc[warp][r][li * 8 + e] = acc[r][e];
+        for (int e = 0; e < 8; ++e) sm_acc[warp][r][li * 8 + e] = acc[r][e];
       if (lane == 0) {
         sm_m[warp][r] = m_run[r];
         sm_l[warp][r] = l_run[r];
@@ -508,7 +545,7 @@ static __global__ void __launch_bounds__(kAttnThreads)
   for (int idx = threadIdx.x; idx < R * D; idx += kAttnThreads) {
     const int r = idx / D, d = idx % D;
     const int m = m0 + r / G;
-    if (m >= M) continue;
+    if (!valid(r)) continue;
     float mx = sm_m[0][r];
 #pragma unroll
     for (int w = 1; w < kAttnWarps; ++w) mx = fmaxf(mx, sm_m[w][r]);
@@ -524,7 +561,7 @@ static __global__ void __launch_bounds__(kAttnThreads)
       if (d == 0) cl_ml0[split * R + r] = make_float2(mx, l);
       continue;
     }
-    const size_t p = ((static_cast<size_t>(b) * M + m) * H + h * G + r % G) * s_max + split;
+    const size_t p = ((static_cast<size_t>(b) * M + m) * H + hq0 + r % G) * s_max + split;
     part_acc[p * D + d] = a;
     if (d == 0) {
       part_ml[2 * p] = mx;
@@ -541,7 +578,7 @@ static __global__ void __launch_bounds__(kAttnThreads)
     }
     __cluster_barrier_wait();  // acquire: every active split's partial
     stamp(kATicket);           // the leader: every partial in
-    merge_in_cluster<R, D, G, SPL>(cl_acc, cl_ml, n_splits, b, M, m0, H, h, out, f16_overflow);
+    merge_in_cluster<R, D, G, SPL>(cl_acc, cl_ml, n_splits, b, M, m0, H, hq0, nq, out, f16_overflow);
     stamp(kAMerged);
     flush(true);
     return;
@@ -586,18 +623,19 @@ static __global__ void __launch_bounds__(kAttnThreads)
 #pragma unroll
   for (int i = 0; i < IPT; ++i) {
     const int idx = threadIdx.x % NO + i * kAttnThreads;
-    ok[i] = idx < NO && m0 + idx / C4 / G < M;
-    // An output not to write still sums (no branch in the loop below) a valid row: token m0's.
+    ok[i] = idx < NO && valid(idx / C4);
+    // An output not to write still sums (no branch in the loop below) a valid row: row 0's.
     r_of[i] = ok[i] ? idx / C4 : 0;
     c_of[i] = idx % C4;
-    const size_t o_row = (static_cast<size_t>(b) * M + m0 + r_of[i] / G) * H + h * G + r_of[i] % G;
+    const size_t o_row = (static_cast<size_t>(b) * M + m0 + r_of[i] / G) * H + hq0 + r_of[i] % G;
     src[i] = reinterpret_cast<const float4*>(part_acc + o_row * s_max * D) + c_of[i];
     o[i] = make_float4(0.f, 0.f, 0.f, 0.f);
     l[i] = 0.f;
   }
   // The first PF splits' partials are read now, with the (m, l) pairs below, so the merge waits for
   // one round trip instead of two when a group has at most PF splits (short contexts).
-  constexpr int PF = R <= 3 ? 8 : (IPT >= 4 ? 1 : 4 / IPT);  // registers: G = 4 and 8 at 8 kept them at 160+
+  // Registers: G = 4 and 8 at 8 kept them at 160+; so would 3 rows of two outputs per thread (D = 256).
+  constexpr int PF = R <= 3 && IPT == 1 ? 8 : (IPT >= 4 ? 1 : 4 / IPT);
   float4 pre[PF][IPT];
 #pragma unroll
   for (int k = 0; k < PF; ++k)
@@ -609,8 +647,8 @@ static __global__ void __launch_bounds__(kAttnThreads)
 #pragma unroll
   for (int r = warp; r < R; r += kAttnWarps) {
     const int m = m0 + r / G;
-    if (m >= M) continue;
-    const size_t p0 = ((static_cast<size_t>(b) * M + m) * H + h * G + r % G) * s_max;
+    if (!valid(r)) continue;
+    const size_t p0 = ((static_cast<size_t>(b) * M + m) * H + hq0 + r % G) * s_max;
     float2 ml[kMaxSplits / 32];
     float mx = kNegInit;
 #pragma unroll
@@ -670,7 +708,7 @@ static __global__ void __launch_bounds__(kAttnThreads)
   for (int i = 0; i < IPT; ++i) {
     if (part != 0 || !ok[i]) continue;  // part > 0 here: past SPL * NO (NO = 96: threads 96..127)
     const int r = r_of[i];
-    const size_t o_row = (static_cast<size_t>(b) * M + m0 + r / G) * H + h * G + r % G;
+    const size_t o_row = (static_cast<size_t>(b) * M + m0 + r / G) * H + hq0 + r % G;
     const float inv_l = 1.f / l[i];  // > 0: split 0 holds key 0, seen by every query
     store_out4<D>(out, o_row, c_of[i], o[i].x * inv_l, o[i].y * inv_l, o[i].z * inv_l, o[i].w * inv_l, f16_overflow);
   }
@@ -733,8 +771,9 @@ static int cluster_splits(int s_max, bool merge) {
 }
 
 template <class KV, int D, int G, int QT>
-static void launch_attention(const bf16* q, const KV& kv, int B, int M, int H, int Hkv, int s_max, int cs, float scale,
-                             void* scratch, void* out, int* f16_overflow, cudaStream_t stream, bool early) {
+static void launch_attention(const bf16* q, const KV& kv, int B, int M, int H, int Hkv, const HeadMap& hm, int s_max,
+                             int cs, float scale, void* scratch, void* out, int* f16_overflow, cudaStream_t stream,
+                             bool early) {
   AF_CHECK(s_max == max_splits(B * M, kv.capacity) && cs >= 1 && (cs == 1 || cs >= s_max),
            "attention: the plan's splits are not this call's");
   int* counters = static_cast<int*>(scratch);
@@ -744,42 +783,74 @@ static void launch_attention(const bf16* q, const KV& kv, int B, int M, int H, i
   // (split < n_active) come before the ones past it, which only wait for the previous kernel and exit
   // (with the capacity of a default context, 8192 keys, 64 splits: 7 in 8 blocks at 256 keys).
   // grid.y is padded to whole clusters; the padding's blocks are past every n_active and exit.
-  const dim3 grid(Hkv, CEIL_DIV(s_max, cs) * cs, B * CEIL_DIV(M, QT));
+  const dim3 grid(Hkv * hm.blocks, CEIL_DIV(s_max, cs) * cs, B * CEIL_DIV(M, QT));
   const float q_scale = scale * 1.4426950408889634f;  // scores in log2 units: exp2f in the softmax
   early = early && std::is_same_v<KV, ContiguousKV>;  // a paged table is read with the rows: after the wait
   af_launch_clusters(attention_kernel<KV, D, G, QT>, grid, dim3(kAttnThreads), dim3(1, cs, 1), 0, stream, q, kv, M, H,
-                     Hkv, s_max, q_scale, counters, part_acc, part_ml, out, f16_overflow, early);
+                     Hkv, hm, s_max, q_scale, counters, part_acc, part_ml, out, f16_overflow, early);
 }
 
-// Decode uses one query token per block; prefill chunks tile QT tokens so that G * QT <= 8 query
-// rows share each K/V load.
-template <int G>
-constexpr int kQueryTile = 8 / G > 1 ? 8 / G : 1;
+// Decode uses one query token per block; prefill chunks tile QT tokens so that G * QT <= kMaxGroup<D>
+// query rows share each K/V load.
+template <int G, int D>
+constexpr int kQueryTile = kMaxGroup<D> / G > 1 ? kMaxGroup<D> / G : 1;
+
+bool attention_supported(int D, int group) {
+  return (D == 64 || D == 80 || D == 96 || D == 128 || D == 256) && group >= 1 && group <= kMaxAttnGroup;
+}
+
+static HeadMap head_map(int D, int group) {
+  const int most = D <= 128 ? kMaxGroup<128> : kMaxGroup<256>;
+  const int blocks = CEIL_DIV(group, most);
+  return {group, blocks, CEIL_DIV(group, blocks)};
+}
 
 // fn(D, G, QT) as std::integral_constants, for the head dims and GQA group sizes the kernel is built
-// for and the query tile of M tokens per sequence (1 for decode, kQueryTile<G> for a chunk): the one
-// place that maps a call's shape to its template instance.
-template <class Fn>
-static decltype(auto) for_shape(int D, int G, int M, Fn&& fn) {
-  AF_CHECK(D == 64 || D == 128, "attention: head_dim must be 64 or 128");
-  AF_CHECK(G == 1 || G == 2 || G == 3 || G == 4 || G == 6 || G == 8,
-           "attention: GQA group size H / Hkv must be one of 1, 2, 3, 4, 6, 8");
+// for and the query tile of M tokens per sequence (1 for decode, kQueryTile<G, D> for a chunk): the
+// one place that maps a call's shape to its template instance. G: the smallest built size that holds
+// the block's heads (head_map). The paged policy is built for head_dim 64 and 128 only (the sandbox's
+// model takes those; each further head_dim costs ~10 instances of compile time per policy).
+template <class KV, class Fn>
+static decltype(auto) for_shape(int D, int group, int M, Fn&& fn) {
+  constexpr bool every_dim = std::is_same_v<KV, ContiguousKV>;
+  if constexpr (every_dim)
+    AF_CHECK(attention_supported(D, 1), "attention: head_dim must be one of 64, 80, 96, 128, 256");
+  else
+    AF_CHECK(D == 64 || D == 128, "attention_paged: head_dim must be 64 or 128");
+  AF_CHECK(attention_supported(D, group), "attention: GQA group size H / Hkv must be in 1..16");
+  const int per = head_map(D, group).per;
+  const int G = per <= 4 ? per : (per <= 6 ? 6 : 8);
   const auto tile = [&](auto d, auto g) -> decltype(auto) {
     using One = std::integral_constant<int, 1>;
-    using Tile = std::integral_constant<int, kQueryTile<decltype(g)::value>>;
+    using Tile = std::integral_constant<int, kQueryTile<decltype(g)::value, decltype(d)::value>>;
     return M == 1 ? fn(d, g, One{}) : fn(d, g, Tile{});
   };
-  const auto group = [&](auto d) -> decltype(auto) {
+  const auto group_of = [&](auto d) -> decltype(auto) {
     switch (G) {
       case 1: return tile(d, std::integral_constant<int, 1>{});
       case 2: return tile(d, std::integral_constant<int, 2>{});
       case 3: return tile(d, std::integral_constant<int, 3>{});
       case 4: return tile(d, std::integral_constant<int, 4>{});
-      case 6: return tile(d, std::integral_constant<int, 6>{});
-      default: return tile(d, std::integral_constant<int, 8>{});
+      default:
+        if constexpr (kMaxGroup<decltype(d)::value> >= 8) {
+          if (G == 6) return tile(d, std::integral_constant<int, 6>{});
+          return tile(d, std::integral_constant<int, 8>{});
+        } else {
+          return tile(d, std::integral_constant<int, 4>{});  // not reached: per <= kMaxGroup<D>
+        }
     }
   };
-  return D == 64 ? group(std::integral_constant<int, 64>{}) : group(std::integral_constant<int, 128>{});
+  if constexpr (every_dim) {
+    switch (D) {
+      case 64: return group_of(std::integral_constant<int, 64>{});
+      case 80: return group_of(std::integral_constant<int, 80>{});
+      case 96: return group_of(std::integral_constant<int, 96>{});
+      case 128: return group_of(std::integral_constant<int, 128>{});
+      default: return group_of(std::integral_constant<int, 256>{});
+    }
+  } else {
+    return D == 64 ? group_of(std::integral_constant<int, 64>{}) : group_of(std::integral_constant<int, 128>{});
+  }
 }
 
 // plan: the contiguous core's (attention()); null for the sandbox's batched and paged calls, which
@@ -790,13 +861,15 @@ static void dispatch(const AttnPlan* plan, const bf16* q, const KV& kv, int B, i
                      int* f16_overflow = nullptr) {
   AF_CHECK(B >= 1 && M >= 1 && H >= 1 && Hkv >= 1, "attention: B, M, H, Hkv must be >= 1");
   AF_CHECK(H % Hkv == 0, "attention: H must be a multiple of Hkv");
-  AF_CHECK(Hkv <= kMaxKvHeads, "attention: at most 256 kv heads (the scratch's counters)");
-  for_shape(D, H / Hkv, M, [&](auto d, auto g, auto qt) {
+  for_shape<KV>(D, H / Hkv, M, [&](auto d, auto g, auto qt) {
     constexpr int Dc = decltype(d)::value, Gc = decltype(g)::value, QTc = decltype(qt)::value;
+    const HeadMap hm = head_map(D, H / Hkv);
+    AF_CHECK(Hkv * hm.blocks <= kMaxKvHeads, "attention: at most 256 kv heads x blocks per kv head (the counters)");
     AF_CHECK(static_cast<long long>(B) * M <= 65535, "attention: B * M too large for the grid");
     const int s_max = plan ? plan->splits : max_splits(B * M, kv.capacity);
     const int cs = plan ? plan->cluster : cluster_splits<KV, Dc, Gc, QTc>(s_max, true);
-    launch_attention<KV, Dc, Gc, QTc>(q, kv, B, M, H, Hkv, s_max, cs, scale, scratch, out, f16_overflow, stream, early);
+    launch_attention<KV, Dc, Gc, QTc>(q, kv, B, M, H, Hkv, hm, s_max, cs, scale, scratch, out, f16_overflow, stream,
+                                      early);
   });
 }
 
@@ -804,7 +877,7 @@ AttnPlan plan_attention(int M, int H, int Hkv, int D, int capacity, bool cluster
   AF_CHECK(M >= 1 && H >= 1 && Hkv >= 1 && capacity >= 1 && H % Hkv == 0,
            "plan_attention: M, H, Hkv, capacity must be >= 1, H a multiple of Hkv");
   AttnPlan plan{M, H, Hkv, D, capacity, max_splits(M, capacity), 1};
-  plan.cluster = for_shape(D, H / Hkv, M, [&](auto d, auto g, auto qt) {
+  plan.cluster = for_shape<ContiguousKV>(D, H / Hkv, M, [&](auto d, auto g, auto qt) {
     return cluster_splits<ContiguousKV, decltype(d)::value, decltype(g)::value, decltype(qt)::value>(plan.splits,
                                                                                                      cluster_merge);
   });

@@ -154,7 +154,9 @@ void rope_kv_append(const float* qkv, const float* inv_freq, const int32_t* pos,
 // max_context, the work per block is derived from *pos on the device), each K/V row is loaded once
 // for all H / Hkv query heads of its group, and the groups' partials are merged in the shared
 // memory of a thread-block cluster (when one cluster holds every split a max_context can have: up to
-// 16) or by the last block of the group to finish. D in {64, 128}, Hkv <= 256.
+// 16) or by the last block of the group to finish. D in {64, 80, 96, 128, 256}, H / Hkv in 1..16
+// (more than 8 query heads per kv head, 4 at D = 256, are served by several blocks per kv head, each
+// streaming its keys), Hkv x those blocks <= 256 (attention_supported).
 // The grid is the call's plan (plan_attention): the splits s_max, fixed by M and the capacity the grid
 // is planned for, and the blocks per cluster (1: a plain launch, the splits merged through the
 // scratch; cluster_merge = false plans that for every shape, the same bits).
@@ -163,6 +165,10 @@ void rope_kv_append(const float* qkv, const float* inv_freq, const int32_t* pos,
 // calls or graph replays, and calls of any B, M and capacity may share one scratch sized for the
 // largest). A caller that allocates its own scratch clears it once with attention_scratch_clear
 // (zeroes the counters only, on `stream`; the rest needs no initial value).
+constexpr int kMaxAttnGroup = 16;  // the most query heads per kv head (H / Hkv)
+// Whether every attention launcher (attention, attention_batched, attention_paged) runs head_dim D
+// with `group` = H / Hkv query heads per kv head.
+bool attention_supported(int D, int group);
 size_t attention_scratch_bytes(int M, int H, int D, int max_context);
 struct AttnPlan {
   int M, H, Hkv, D, capacity;  // the call's shape; capacity: the keys the grid is planned for
@@ -190,8 +196,10 @@ void attention(const AttnPlan& plan, const bf16* q, const bf16* k_cache, const b
 // sits at position lens[b] - M + m and sees keys [0, lens[b] - M + m]. Requires M <= lens[b].
 //  - attention_paged: caches are pools bf16 [num_blocks, block_size, Hkv, D]; key p of sequence b
 //    is in block block_tables[b * max_blocks + p / block_size], slot p % block_size. block_size a
-//    power of two in [8, 256]; lens[b] <= max_blocks * block_size.
-//  - attention_batched: contiguous caches bf16 [B, capacity, Hkv, D] (the paging-free baseline).
+//    power of two in [8, 256]; lens[b] <= max_blocks * block_size. head_dim 64 or 128 (the sandbox's
+//    model's; each further one would cost compile time), H / Hkv in 1..16.
+//  - attention_batched: contiguous caches bf16 [B, capacity, Hkv, D] (the paging-free baseline); the
+//    shapes of attention().
 size_t attention_paged_scratch_bytes(int B, int M, int H, int D, int max_blocks, int block_size);
 void attention_paged(const bf16* q, const bf16* k_pool, const bf16* v_pool, const int32_t* block_tables,
                      const int32_t* lens, int B, int M, int H, int Hkv, int D, int block_size, int num_blocks,
