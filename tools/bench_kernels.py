@@ -85,6 +85,33 @@ def main(argv=None) -> int:
         rows.append([model, "all linears / token", "", f"{step_us:.0f}", f"{step_bytes / 2**20:.0f}", f"{gbs:.0f}", pct(gbs)])
     table("gemv_w8a16 (M = 1)", ["model", "layer", "N x K", "us", "MiB", "GB/s", "of ceiling"], rows)
 
+    # Small-M GEMV (gemv_w8a16_m): each weight byte read once for M rows of x. Every linear of a layer
+    # at M = 1..64 against the M = 1 GEMV (x = the layer's time over the decode GEMV's) and the prefill
+    # GEMM at the same M, so the crossovers can be read off one run. Bytes: weights + scales + x + out.
+    rows, results["gemv_m"] = [], []
+    for model in ("3B", "8B"):
+        m = MODELS[model]
+        layer = linear_shapes(m)[:4]
+        m1_us = sum(ops.time_gemv(N, K, iters=args.iters, epilogue=ep) for _, N, K, ep in layer)
+        for M in [1, 2, 4, 8, 16, 32, 64]:
+            us = gemm_us = 0.0
+            nbytes = 0
+            for _, N, K, ep in layer:
+                us += ops.time_gemv_m(M, N, K, iters=args.iters, epilogue=ep)
+                gemm_us += ops.time_gemm(M, N, K, iters=max(5, args.iters // 5), epilogue=ep)
+                out = {STORE: 4 * N, ADD: 8 * N, SWIGLU: 2 * (N // 2)}[ep] * M
+                nbytes += N * K + N * (-(-K // 128)) * 4 + 2 * K * M + out
+            gbs = nbytes / us / 1e3
+            plans = " ".join(f"{ops.gemv_m_plan(M, N, K, ep)['nc']}" for _, N, K, ep in layer)
+            mib = f"{nbytes / 2**20:.1f}"
+            rows.append([model, str(M), f"{us:.1f}", f"{us / m1_us:.2f}", f"{gemm_us:.1f}", mib, f"{gbs:.0f}", pct(gbs), plans])
+            results["gemv_m"].append(dict(model=model, M=M, us=us, m1_us=m1_us, gemm_us=gemm_us, bytes=nbytes, GBps=gbs))
+    table(
+        "gemv_w8a16_m (one layer's qkv + o + gate_up + down)",
+        ["model", "M", "us", "x M=1 gemv", "gemm us", "MiB", "GB/s", "of ceiling", "nc qkv/o/gu/down"],
+        rows,
+    )
+
     # Decode attention: KV read = 2 (K, V) x context x Hkv x D x 2 B per layer.
     rows, results["attention"] = [], []
     for model, m in MODELS.items():

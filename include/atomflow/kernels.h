@@ -138,6 +138,43 @@ void gemm_w8a16(const uint8_t* w, const float* scales, const void* x, Act x_type
                 void* out, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------
+// gemv_w8a16_m.cu: the GEMV for small M (1 <= M <= 64 rows of x: short prompts, a chunked prompt's
+// tail, speculative verification, batched decode). Each weight byte is read once for all M rows;
+// row m of the result is bit-identical to gemv_w8a16 (M = 1) on x[m] (the decode GEMV's products, k
+// order, per-class fp32 chains and reduction tree; docs/design/gemv_w8a16_m.md). K % 64 == 0, scales
+// [N, ceil(K / 128)] (a last group of 64 columns when K % 128 == 64). Epilogues Store, AddResidual and
+// SwiGLU as gemm_w8a16's, outputs [M, N] / [M, N / 2].
+struct GemvMPlan {
+  Epilogue ep;
+  GemvIn in;
+  int M, N, K;
+  int nt;       // token tiles of 8 (M padded to 8 nt): 1, 2, 4 or 8
+  int nc;       // column classes (64-column groups mod 8) per warp: 8 / nc warps share a 16-row tile
+  int slab;     // columns of x staged in shared memory at once; >= K: x staged once per block
+  int blocks;   // grid: the block tiles (nc tiles each), at most the blocks resident at once
+  int threads;  // per block (256)
+  size_t smem;  // dynamic shared memory per block
+};
+// Overrides of the table, for the tests and the benches (0: the table's choice).
+struct GemvMKnobs {
+  int nc = 0;
+  int slab = 0;
+};
+// Needs the device (occupancy): call with the GPU that will run the launch current.
+GemvMPlan plan_gemv_m(Epilogue ep, GemvIn in, int M, int N, int K, const GemvMKnobs& knobs = {});
+std::string gemv_m_variant_name(const GemvMPlan& plan);  // "gemv_w8a16_m<SwiGLU, F16, nt=2, nc=8, slab=3072>"
+// x [M, K] of x_type. plan: plan_gemv_m(ep, GemvIn(x_type), M, N, K). f16_overflow (SwiGLU only, may be
+// null): the output is fp16 instead of bf16, and *f16_overflow = 1 when a value passes kF16Max.
+void gemv_w8a16_m(const GemvMPlan& plan, const uint8_t* w, const float* scales, const void* x, Act x_type, int M, int N,
+                  int K, Epilogue ep, void* out, cudaStream_t stream, int* f16_overflow = nullptr);
+// The same with RMSNorm fused into the prologue: x the fp32 residual stream [M, K], row m normalized as
+// rmsnorm() does (bit-identical to rmsnorm() followed by gemv_w8a16_m(..., Act::F16, ...)).
+// plan: plan_gemv_m(ep, GemvIn::NORM, M, N, K).
+void gemv_w8a16_m_rmsnorm(const GemvMPlan& plan, const uint8_t* w, const float* scales, const float* x,
+                          const bf16* norm_w, float eps, int M, int N, int K, Epilogue ep, void* out,
+                          cudaStream_t stream, int* f16_overflow = nullptr);
+
+// ---------------------------------------------------------------------------------------
 // rope.cu: RoPE (HF rotate-half convention) on q and k of a fused qkv row, then the KV append.
 //   qkv fp32 [M, (H + 2 * Hkv) * D]: q heads, then k heads, then v heads.
 //   token m sits at position p = *pos + m; angle_i = p * inv_freq[i], i < D / 2

@@ -1,0 +1,126 @@
+// _core.ops: the small-M W8A16 GEMV (gemv_w8a16_m.cu), its plan, and its timer. The knobs (nc, slab)
+// override the plan table so the tests can run every kernel instance and the benches sweep them.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "atomflow/timing.h"
+#include "ops_common.h"
+
+namespace atomflow::bindings::ops {
+
+namespace {
+
+using atomflow::median_us;
+
+k::GemvMPlan plan_of(k::Epilogue ep, k::GemvIn in, int M, int N, int K, int nc, int slab) {
+  k::GemvMKnobs knobs;
+  knobs.nc = nc;
+  knobs.slab = slab;
+  return k::plan_gemv_m(ep, in, M, N, K, knobs);
+}
+
+// x [M, K]: u16 (bf16 or f16 bits, x_dtype) or, with norm_w, f32 (the residual stream, RMSNorm fused).
+py::object gemv_m(const py::array& w_, const py::array& s_, const py::array& x_, int ep_, const py::object& out_init_,
+                  const std::string& x_dtype, const py::object& norm_w_, float eps, const std::string& out_dtype,
+                  int nc, int slab) {
+  const k::Epilogue ep = epilogue_arg(ep_);
+  auto w = arg<uint8_t>(w_, "w", {-1, -1});
+  const int N = static_cast<int>(w.shape(0)), K = static_cast<int>(w.shape(1));
+  require(K % 64 == 0, "w: K = " + std::to_string(K) + " must be a multiple of 64");
+  auto s = arg<float>(s_, "scales", {N, (K + 127) / 128});
+  const bool norm = !norm_w_.is_none();
+  k::GemvIn in = k::GemvIn::NORM;
+  DeviceBuffer dx, dnw;
+  int M = 0;
+  if (norm) {
+    auto x = arg<float>(x_, "x", {-1, K});
+    M = static_cast<int>(x.shape(0));
+    dx = to_device(x);
+    dnw = to_device(arg<uint16_t>(norm_w_.cast<py::array>(), "norm_w", {K}));
+  } else {
+    require(x_dtype == "bf16" || x_dtype == "f16", "x_dtype must be 'bf16' or 'f16', got '" + x_dtype + "'");
+    in = x_dtype == "f16" ? k::GemvIn::F16 : k::GemvIn::BF16;
+    auto x = arg<uint16_t>(x_, "x", {-1, K});
+    M = static_cast<int>(x.shape(0));
+    dx = to_device(x);
+  }
+  require(M >= 1 && M <= 64, "x must have 1 to 64 rows, got " + std::to_string(M));
+  if (ep == k::Epilogue::SwiGLU) require(N % 2 == 0, "SwiGLU needs an even N (gate rows, then up rows)");
+  const bool add = ep == k::Epilogue::AddResidual;
+  require(add == !out_init_.is_none(), "out_init is required with AddResidual and only with it");
+  Out16 o16(out_dtype);
+  require(!o16.f16 || ep == k::Epilogue::SwiGLU, "out_dtype 'f16' is SwiGLU's only");
+  DeviceBuffer dw = to_device(w), ds = to_device(s);
+  DeviceBuffer out =
+      add ? to_device(arg<float>(out_init_.cast<py::array>(), "out_init", {M, N}))
+          : DeviceBuffer::poisoned(ep == k::Epilogue::SwiGLU ? sizeof(bf16) * M * (N / 2) : sizeof(float) * M * N);
+  const k::GemvMPlan plan = plan_of(ep, in, M, N, K, nc, slab);
+  if (norm)
+    k::gemv_w8a16_m_rmsnorm(plan, dw.get<uint8_t>(), ds.get<float>(), dx.get<float>(), dnw.get<bf16>(), eps, M, N, K,
+                            ep, out.get(), nullptr, o16.ptr());
+  else
+    k::gemv_w8a16_m(plan, dw.get<uint8_t>(), ds.get<float>(), dx.get(), static_cast<k::Act>(in), M, N, K, ep, out.get(),
+                    nullptr, o16.ptr());
+  sync();
+  if (ep == k::Epilogue::SwiGLU) return o16.result(to_host<uint16_t>(out, {M, N / 2}));
+  return to_host<float>(out, {M, N});
+}
+
+// The plan's choices for a shape, as the tests and `bench_kernels.py` print them.
+py::dict gemv_m_plan(int M, int N, int K, int ep_, const std::string& x_in, int nc, int slab) {
+  require(x_in == "bf16" || x_in == "f16" || x_in == "norm", "x_in must be 'bf16', 'f16' or 'norm'");
+  const k::GemvIn in = x_in == "norm" ? k::GemvIn::NORM : x_in == "f16" ? k::GemvIn::F16 : k::GemvIn::BF16;
+  const k::GemvMPlan p = plan_of(epilogue_arg(ep_), in, M, N, K, nc, slab);
+  py::dict d;
+  d["variant"] = k::gemv_m_variant_name(p);
+  d["nt"] = p.nt;
+  d["nc"] = p.nc;
+  d["slab"] = p.slab;
+  d["blocks"] = p.blocks;
+  d["smem"] = p.smem;
+  return d;
+}
+
+// us per launch on x bf16 [M, K], weights rotated so L2 cannot serve them (time_gemv's method).
+double time_gemv_m(int M, int N, int K, int iters, int ep_, int nc, int slab) {
+  const k::Epilogue ep = epilogue_arg(ep_);
+  require(K % 64 == 0, "K must be a multiple of 64");
+  const size_t wbytes = static_cast<size_t>(N) * K, sbytes = static_cast<size_t>(N) * ((K + 127) / 128) * sizeof(float);
+  Rotating ws(wbytes + sbytes);
+  ws.buf.fill(0x38);
+  DeviceBuffer x(sizeof(bf16) * M * K), out(sizeof(float) * M * N);
+  x.fill(0);
+  out.fill(0);
+  const k::GemvMPlan plan = plan_of(ep, k::GemvIn::BF16, M, N, K, nc, slab);
+  return median_us(
+      [&](int i) {
+        k::gemv_w8a16_m(plan, ws.at<uint8_t>(i), ws.at<float>(i, wbytes), x.get(), k::Act::BF16, M, N, K, ep, out.get(),
+                        nullptr);
+      },
+      iters, std::min(ws.copies, 32));
+}
+
+}  // namespace
+
+void register_gemv_m(py::module_& m) {
+  m.def("gemv_m", &gemv_m, py::arg("w"), py::arg("scales"), py::arg("x"), py::arg("epilogue") = 0,
+        py::arg("out_init") = py::none(), py::arg("x_dtype") = "bf16", py::arg("norm_w") = py::none(),
+        py::arg("eps") = 1e-5f, py::arg("out_dtype") = "bf16", py::arg("nc") = 0, py::arg("slab") = 0,
+        "small-M gemv: w u8 [N, K] (K % 64 == 0), scales f32 [N, ceil(K/128)], x u16 [M, K] (bf16 or f16 bits, "
+        "x_dtype) or, given norm_w u16 [K], f32 [M, K] normalized in the prologue; epilogue 0 Store -> f32 [M, N], "
+        "1 AddResidual (out_init f32 [M, N]) -> f32 [M, N], 2 SwiGLU -> u16 [M, N/2] (out_dtype 'f16': (bits, flag)); "
+        "nc, slab: plan overrides (0: the table's)");
+  m.def("gemv_m_plan", &gemv_m_plan, py::arg("M"), py::arg("N"), py::arg("K"), py::arg("epilogue") = 0,
+        py::arg("x_in") = "bf16", py::arg("nc") = 0, py::arg("slab") = 0,
+        "plan_gemv_m's choices for a shape: {variant, nt, nc, slab, blocks, smem}");
+  m.def("time_gemv_m", &time_gemv_m, py::arg("M"), py::arg("N"), py::arg("K"), py::arg("iters") = 50,
+        py::arg("epilogue") = 0, py::arg("nc") = 0, py::arg("slab") = 0,
+        "us per gemv_w8a16_m launch on bf16 x [M, K] (median of iters batches), weights rotated past L2");
+}
+
+}  // namespace atomflow::bindings::ops

@@ -1,0 +1,246 @@
+"""The small-M W8A16 GEMV (gemv_w8a16_m.cu, _core.ops.gemv_m) against a float64 numpy reference on
+awkward sizes (M = 1..17, 63, 64; every linear layer of the target models, tail scale groups where
+K % 128 == 64), outputs poisoned before the launch (the harness fills them with 0xFF: NaN), and row m
+against the M = 1 decode GEMV on x[m]: bit-identical (same products, k order, per-class chains and
+reduction tree), for every epilogue, both 16-bit inputs and the fused RMSNorm. Skipped cleanly
+without the CUDA core or a GPU."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+ml_dtypes = pytest.importorskip("ml_dtypes")
+FP8 = ml_dtypes.float8_e4m3fn
+from numerics import bf16_bits, f16_bits, from_bf16, from_f16  # noqa: E402
+
+
+def _load_ops():
+    try:
+        from atomflow import _core
+    except ImportError as e:
+        return None, f"atomflow._core is not importable ({e})"
+    ok, why = _core.cuda_available()
+    if not ok:
+        return None, why
+    if not hasattr(_core, "ops") or not hasattr(_core.ops, "gemv_m"):
+        return None, "atomflow._core was built without ops.gemv_m"
+    return _core.ops, ""
+
+
+ops, WHY_NOT = _load_ops()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(ops is None, reason=f"gpu: {WHY_NOT}")]
+
+FP32_REL, BF16_REL = 1e-5, 4e-3
+BF16_TINY = 2.0**-126
+FP8_TO_F64 = np.arange(256, dtype=np.uint8).view(FP8).astype(np.float64)
+STORE, ADD, SWIGLU = 0, 1, 2
+
+# (name, N, K) of every linear layer of the models the engine runs (the heads left out: the decode
+# GEMV serves them); K = 576 and 960 end in a 64-column scale group.
+MODELS = {
+    "llama-3.2-1b": dict(d=2048, ffn=8192, H=32, Hkv=8, D=64),
+    "llama-3.2-3b": dict(d=3072, ffn=8192, H=24, Hkv=8, D=128),
+    "llama-3.1-8b": dict(d=4096, ffn=14336, H=32, Hkv=8, D=128),
+    "smollm2-135m": dict(d=576, ffn=1536, H=9, Hkv=3, D=64),
+    "smollm2-360m": dict(d=960, ffn=2560, H=15, Hkv=5, D=64),
+    "qwen2.5-7b": dict(d=3584, ffn=18944, H=28, Hkv=4, D=128),
+}
+
+
+def model_shapes():
+    for name, m in MODELS.items():
+        d, ffn, qkv = m["d"], m["ffn"], (m["H"] + 2 * m["Hkv"]) * m["D"]
+        yield pytest.param(qkv, d, STORE, id=f"{name}-qkv")
+        yield pytest.param(d, m["H"] * m["D"], ADD, id=f"{name}-o")
+        yield pytest.param(2 * ffn, d, SWIGLU, id=f"{name}-gate_up")
+        yield pytest.param(d, ffn, ADD, id=f"{name}-down")
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def random_fp8(rng, shape) -> np.ndarray:
+    """Uniformly random e4m3 codes (zeros, subnormals and +-448 included), NaN codes excluded."""
+    b = rng.integers(0, 256, size=shape, dtype=np.uint8)
+    b[(b & 0x7F) == 0x7F] ^= 1
+    return b
+
+
+def random_scales(rng, n, k) -> np.ndarray:
+    """[n, ceil(k / 128)], spread over 8 binades so a scale applied to the wrong group shows."""
+    return (2.0 ** rng.uniform(-12, -4, size=(n, -(-k // 128)))).astype(np.float32)
+
+
+def reference_linear(w: np.ndarray, scales: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """float64 x [M, K] @ (fp8 w [N, K] * scale).T, the last scale group possibly 64 wide."""
+    n, k = w.shape
+    col_scale = np.repeat(np.arange(scales.shape[1]), 128)[:k]
+    y = np.empty((x.shape[0], n))
+    step = max(1, (1 << 24) // k)
+    for r in range(0, n, step):
+        wd = FP8_TO_F64[w[r : r + step]] * scales[r : r + step][:, col_scale]
+        y[:, r : r + step] = x @ wd.T
+    return y
+
+
+def silu_mul(gate, up):
+    with np.errstate(over="ignore"):
+        return gate / (1.0 + np.exp(-gate)) * up
+
+
+def assert_close(got, want, tol, what, scale=None):
+    got = np.asarray(got, np.float64)
+    assert got.shape == want.shape, f"{what}: shape {got.shape}, expected {want.shape}"
+    bad = ~np.isfinite(got)
+    assert not bad.any(), f"{what}: {int(bad.sum())} non-finite outputs (unwritten?), first at {np.argwhere(bad)[0]}"
+    den = np.linalg.norm(want) if scale is None else scale
+    err = float(np.linalg.norm(got - want) / max(den, 1e-300))
+    assert err < tol, f"{what}: rel-L2 {err:.3e} >= {tol:.0e}"
+
+
+def decode_gemv(w, s, x_row, ep, out_init, x_dtype):
+    """The M = 1 decode GEMV on one row, or None where it does not take this K (K % 128 != 0 before
+    its tail groups land)."""
+    try:
+        return ops.gemv(w, s, x_row, ep, out_init, x_dtype)
+    except ValueError:
+        return None
+
+
+def check(rng, M, N, K, ep, x_dtype="bf16", nc=0, slab=0, exact_rows=None):
+    """One product against the numpy reference, and rows against the decode GEMV to the bit."""
+    w, s = random_fp8(rng, (N, K)), random_scales(rng, N, K)
+    to_bits, from_bits = (bf16_bits, from_bf16) if x_dtype == "bf16" else (f16_bits, from_f16)
+    x = to_bits(rng.standard_normal((M, K)))
+    y = reference_linear(w, s, from_bits(x))
+    what = f"gemv_m M={M} N={N} K={K} ep={ep} x {x_dtype} nc={nc} slab={slab}"
+    out_init = None
+    if ep == ADD:
+        out_init = (rng.standard_normal((M, N)) * (np.sqrt(np.mean(y**2)) + 1.0)).astype(np.float32)
+    got = ops.gemv_m(w, s, x, ep, out_init, x_dtype, nc=nc, slab=slab)
+    if ep == STORE:
+        assert_close(got, y, FP32_REL, what)
+    elif ep == ADD:
+        scale = np.linalg.norm(out_init.astype(np.float64)) + np.linalg.norm(y)
+        assert_close(got, out_init + y, FP32_REL, what, scale=scale)
+    else:
+        F = N // 2
+        want = silu_mul(y[:, :F], y[:, F:])
+        assert_close(from_bf16(got), want, BF16_REL, what, scale=max(float(np.linalg.norm(want)), BF16_TINY))
+    rows = range(M) if exact_rows is None else exact_rows(M)
+    for m in rows:
+        one = decode_gemv(w, s, x[m], ep, None if out_init is None else out_init[m], x_dtype)
+        if one is None:
+            return
+        np.testing.assert_array_equal(got[m], one, err_msg=f"{what}: row {m} differs from the decode GEMV")
+
+
+def some_rows(M):
+    return sorted({0, M // 2, M - 1})
+
+
+# ----------------------------------------------------------------------------- tests
+
+M_SMALL = list(range(1, 18)) + [63, 64]
+
+
+@pytest.mark.parametrize("M", M_SMALL)
+@pytest.mark.parametrize("ep", [STORE, ADD, SWIGLU])
+def test_gemv_m_every_m(rng, M, ep):
+    """Every M up to 17 and the last two of the range, on a shape with a partial tile and a partial
+    512-column stripe (N = 2 x 75, K = 1152 + 64: a tail scale group)."""
+    check(rng, M, 150, 1216, ep, exact_rows=None)
+    check(rng, M, 150, 1024, ep, "f16", exact_rows=None)
+
+
+@pytest.mark.parametrize("M", [1, 2, 8, 9, 16, 17, 33, 64])
+@pytest.mark.parametrize("N,K,ep", list(model_shapes()))
+def test_gemv_m_model_shapes(rng, M, N, K, ep):
+    check(rng, M, N, K, ep, exact_rows=some_rows)
+
+
+# Every kernel instance: (M, nc) over the token tiles 1, 2, 4, 8 and their classes per warp.
+INSTANCES = [(M, nc) for M in (5, 16) for nc in (1, 2, 4, 8)] + [(M, nc) for M in (31,) for nc in (2, 4)] + [(64, 2)]
+
+
+@pytest.mark.parametrize("M,nc", INSTANCES)
+@pytest.mark.parametrize("ep", [STORE, ADD, SWIGLU])
+def test_gemv_m_every_instance_same_bits(rng, M, nc, ep):
+    """Each instance's rows equal the decode GEMV's to the bit, with x resident and in slabs (slab =
+    one iteration's columns: many restagings per block tile)."""
+    for slab in (0, 512):
+        check(rng, M, 2 * 136, 3072, ep, "f16", nc=nc, slab=slab, exact_rows=some_rows)
+
+
+@pytest.mark.parametrize("M", [1, 3, 16, 40])
+@pytest.mark.parametrize("K", [576, 3072])
+def test_gemv_m_rmsnorm_same_bits(rng, M, K):
+    """The fused RMSNorm: row m equals rmsnorm() + gemv_m(f16) and, where it takes K, the decode
+    GEMV's fused prologue on x[m], to the bit; all against the reference of the normalized input."""
+    N = 2 * 200
+    w, s = random_fp8(rng, (N, K)), random_scales(rng, N, K)
+    x = (rng.standard_normal((M, K)) * rng.uniform(0.1, 10, size=(M, 1))).astype(np.float32)
+    nw = bf16_bits(1 + 0.1 * rng.standard_normal(K))
+    xn = ops.rmsnorm(x, nw, 1e-5)  # fp16 bits [M, K]
+    for ep in (STORE, ADD, SWIGLU):
+        init = rng.standard_normal((M, N)).astype(np.float32) if ep == ADD else None
+        got = ops.gemv_m(w, s, x, ep, init, norm_w=nw, eps=1e-5)
+        np.testing.assert_array_equal(got, ops.gemv_m(w, s, xn, ep, init, "f16"))
+        if K % 128 == 0:
+            for m in some_rows(M):
+                one = ops.gemv_rmsnorm(w, s, x[m], nw, 1e-5, ep, None if init is None else init[m])
+                np.testing.assert_array_equal(got[m], one, err_msg=f"rmsnorm M={M} K={K} ep={ep} row {m}")
+    ref = reference_linear(w, s, from_f16(xn))
+    assert_close(ops.gemv_m(w, s, x, STORE, norm_w=nw, eps=1e-5), ref, FP32_REL, f"gemv_m rmsnorm M={M} K={K}")
+
+
+@pytest.mark.parametrize("mag", ["1e6", "1e-20", "wide"])
+def test_gemv_m_bf16_beyond_fp16_range(rng, mag):
+    """bf16 rows far outside fp16's range, each with its own power-of-two factor: fp32 results, and
+    the decode GEMV's bits row by row."""
+    M, N, K = 6, 258, 3072
+    w, s = random_fp8(rng, (N, K)), random_scales(rng, N, K)
+    scale = 10.0 ** rng.uniform(-20, 20, (M, K)) if mag == "wide" else float(mag) * 10.0 ** np.arange(M)[:, None]
+    x = bf16_bits(rng.standard_normal((M, K)) * scale)
+    got = ops.gemv_m(w, s, x, STORE, None, "bf16")
+    assert_close(got, reference_linear(w, s, from_bf16(x)), FP32_REL, f"gemv_m bf16 x ~ {mag}")
+    for m in range(M):
+        np.testing.assert_array_equal(got[m], ops.gemv(w, s, x[m], STORE, None, "bf16"))
+
+
+def test_gemv_m_swiglu_f16_output(rng):
+    """SwiGLU's fp16 output: the decode GEMV's bits, and the overflow flag raised past fp16's range."""
+    M, N, K = 9, 2 * 96, 1024
+    w, s = random_fp8(rng, (N, K)), random_scales(rng, N, K)
+    x = f16_bits(rng.standard_normal((M, K)))
+    out, flag = ops.gemv_m(w, s, x, SWIGLU, None, "f16", out_dtype="f16")
+    assert flag == 0
+    for m in range(M):
+        one, _ = ops.gemv(w, s, x[m], SWIGLU, None, "f16", "f16")
+        np.testing.assert_array_equal(out[m], one)
+    big = np.full_like(s, 2.0**20)
+    _, flag = ops.gemv_m(w, big, x, SWIGLU, None, "f16", out_dtype="f16")
+    assert flag == 1
+
+
+def test_gemv_m_plan_table():
+    """The table's choices for the 3B shapes at M = 16 (docs/design/gemv_w8a16_m.md): few classes per
+    warp where N is small (enough block tiles to fill the GPU), x resident where it fits."""
+    o = ops.gemv_m_plan(16, 3072, 3072, ADD)
+    gate_up = ops.gemv_m_plan(16, 16384, 3072, SWIGLU)
+    down = ops.gemv_m_plan(16, 3072, 8192, ADD)
+    assert o["nt"] == 2 and o["nc"] == 2 and o["slab"] >= 3072
+    assert gate_up["nc"] == 8
+    assert down["slab"] < 8192 and down["slab"] % 512 == 0
+    assert ops.gemv_m_plan(64, 3072, 3072)["nt"] == 8
+
+
+def test_gemv_m_rejects_bad_arguments(rng):
+    w, s = random_fp8(rng, (64, 256)), random_scales(rng, 64, 256)
+    with pytest.raises(ValueError):
+        ops.gemv_m(w, s, bf16_bits(np.zeros((65, 256))), STORE)  # M > 64
+    with pytest.raises(ValueError):
+        ops.gemv_m(random_fp8(rng, (64, 96)), random_scales(rng, 64, 96), bf16_bits(np.zeros((2, 96))), STORE)
+    with pytest.raises(ValueError):
+        ops.gemv_m(w, s, bf16_bits(np.zeros((2, 256))), STORE, nc=8 * 3)  # no such instance
