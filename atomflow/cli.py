@@ -68,6 +68,10 @@ def _print_plan(p: dict) -> None:
         for r in p["attention"]
     ]
     _table(head, rows)
+    pre = p.get("prefill_attention")
+    if pre:
+        chunks = "; ".join(f"{c['rows']} rows: {c['kernel']}, {c['blocks']} blocks of {c['warps']} warps" for c in pre["chunks"])
+        print(f"  prefill attention on tensor cores for chunks of >= {pre['min_rows']} rows ({chunks})")
 
 
 def _table(head: tuple, rows: list[tuple]) -> None:

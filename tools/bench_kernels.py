@@ -141,6 +141,37 @@ def main(argv=None) -> int:
         rows,
     )
 
+    # Prefill attention of one 512-row chunk after `prior` cached tokens, 3B shape: tensor cores
+    # (attention_prefill) vs the CUDA-core kernel (attention). FLOPs count the visible keys only:
+    # 4 H D (M prior + M (M + 1) / 2) (Q K^T and P V, 2 per multiply-add).
+    rows, results["attention_prefill"] = [], []
+    m, M = MODELS["3B"], 512
+    H, Hkv, D = m["H"], m["Hkv"], m["D"]
+    for prior in [0, 4096, 16384, 32768]:
+        flops = 4 * H * D * (M * prior + M * (M + 1) // 2)
+        iters = max(5, args.iters // 5)
+        us_tc = ops.time_attention_prefill(M, prior, H, Hkv, D, iters=iters)
+        us_cc = ops.time_attention(prior + M, H, Hkv, D, M=M, iters=iters)
+        kernel = ops.attention_prefill_plan(M, H, Hkv, D)["kernel"]
+        rows.append(
+            [
+                "3B",
+                str(prior),
+                kernel,
+                f"{us_tc:.1f}",
+                f"{flops / us_tc / 1e6:.0f}",
+                f"{us_cc:.1f}",
+                f"{flops / us_cc / 1e6:.1f}",
+                f"{us_cc / us_tc:.1f}x",
+            ]
+        )
+        results["attention_prefill"].append(dict(model="3B", M=M, prior=prior, flops=flops, us=us_tc, us_cuda_cores=us_cc))
+    table(
+        f"prefill attention ({M}-row chunk, H={H} Hkv={Hkv} D={D}, one layer)",
+        ["model", "prior", "kernel", "us", "TFLOP/s", "us (attention)", "TFLOP/s", "speedup"],
+        rows,
+    )
+
     # Prefill GEMM: compute-bound, so TFLOP/s; the last row is one 512-token prefill's linears.
     rows, results["gemm"] = [], []
     M = 512

@@ -11,10 +11,11 @@
 void register_ops(pybind11::module_& m) {
   namespace ops = atomflow::bindings::ops;
   m.doc() = "Kernel test harness: each kernel on numpy inputs (bf16 = uint16, fp8 = uint8), and timers";
-  ops::register_small(m);      // ops_small.cpp
-  ops::register_gemv(m);       // ops_gemv.cpp
-  ops::register_gemv_m(m);     // ops_gemv_m.cpp
-  ops::register_attention(m);  // ops_attention.cpp
-  ops::register_sampling(m);   // ops_sampling.cpp
-  ops::register_trace(m);      // ops_trace.cpp
+  ops::register_small(m);              // ops_small.cpp
+  ops::register_gemv(m);               // ops_gemv.cpp
+  ops::register_gemv_m(m);             // ops_gemv_m.cpp
+  ops::register_attention(m);          // ops_attention.cpp
+  ops::register_attention_prefill(m);  // ops_attention_prefill.cpp
+  ops::register_sampling(m);           // ops_sampling.cpp
+  ops::register_trace(m);              // ops_trace.cpp
 }

@@ -103,6 +103,7 @@ struct Out16 {
 void register_gemv(py::module_& m);
 void register_gemv_m(py::module_& m);
 void register_attention(py::module_& m);
+void register_attention_prefill(py::module_& m);
 void register_small(py::module_& m);
 void register_sampling(py::module_& m);
 void register_trace(py::module_& m);

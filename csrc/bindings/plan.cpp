@@ -94,6 +94,19 @@ py::dict plan_to_dict(const StepPlan& p) {
   attn.append(attention_row("decode", p.attn));
   if (p.short_keys > 0) attn.append(attention_row("decode, short steps", p.attn_short));
   d["attention"] = attn;
+  // Prefill chunks of at least min_rows rows: attention on tensor cores, one block per 64 packed
+  // (query, head) rows per kv head; shown for a chunk of min_rows and of 256 rows (the default chunk).
+  py::dict pre;
+  pre["min_rows"] = p.prefill_attn_min_rows;
+  py::list chunks;
+  for (int rows : {p.prefill_attn_min_rows, 256}) {
+    const kernels::PrefillAttnPlan a = p.prefill_attention(rows);
+    chunks.append(py::dict(py::arg("rows") = rows, py::arg("kernel") = kernels::attention_prefill_name(a),
+                           py::arg("blocks") = a.tiles * a.Hkv, py::arg("warps") = a.threads / 32,
+                           py::arg("smem") = a.smem));
+  }
+  pre["chunks"] = chunks;
+  d["prefill_attention"] = pre;
   return d;
 }
 

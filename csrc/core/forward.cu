@@ -48,10 +48,17 @@ void Engine::enqueue_layers(int rows, int attn_keys) {
   const kernels::GemvPlan& o_plan = half ? plan.o_f16 : plan.o_bf16;
   const kernels::GemvPlan& down_plan = half ? plan.down_f16 : plan.down_bf16;
   // A decode step's attention grid is the plan's for attn_keys; a prefill chunk's is planned for its
-  // M with the plan's options.
-  const kernels::AttnPlan attn_plan =
-      rows == 1 ? plan.decode_attention(attn_keys)
-                : kernels::plan_attention(rows, H, Hkv, D, attn_keys, plan.options.cluster_merge);
+  // M: on tensor cores from the plan's threshold of rows on, else the decode kernel with the plan's
+  // options.
+  const bool tc_attn = rows > 1 && plan.prefill_on_tensor_cores(rows);
+  kernels::AttnPlan attn_plan{};
+  kernels::PrefillAttnPlan prefill_plan{};
+  if (rows == 1)
+    attn_plan = plan.decode_attention(attn_keys);
+  else if (tc_attn)
+    prefill_plan = plan.prefill_attention(rows);
+  else
+    attn_plan = kernels::plan_attention(rows, H, Hkv, D, attn_keys, plan.options.cluster_merge);
   for (size_t i = 0; i < buf_.layers.size(); ++i) {
     const LayerPtrs& L = buf_.layers[i];
     const int li = static_cast<int>(i);
@@ -74,8 +81,12 @@ void Engine::enqueue_layers(int rows, int attn_keys) {
       }
       // The split count of a query row is min(64, ceil(keys / 32)) on any grid that holds its keys, so
       // the bits do not depend on attn_keys (attention_decode.cu).
-      kernels::attention(attn_plan, buf_.q, L.k_cache, L.v_cache, buf_.pos, rows, H, Hkv, D, attn_keys, scale,
-                         buf_.attn_scratch, buf_.attn_out, stream_, /*early=*/fused_qkv, overflow);
+      if (tc_attn)
+        kernels::attention_prefill(prefill_plan, buf_.q, L.k_cache, L.v_cache, buf_.pos, rows, H, Hkv, D, C, scale,
+                                   static_cast<bf16*>(buf_.attn_out), stream_);
+      else
+        kernels::attention(attn_plan, buf_.q, L.k_cache, L.v_cache, buf_.pos, rows, H, Hkv, D, attn_keys, scale,
+                           buf_.attn_scratch, buf_.attn_out, stream_, /*early=*/fused_qkv, overflow);
       mark("attention", li);
       if (probe_) probe_snapshot(rows);
       linear(o_plan, L.wo, L.wo_scale, buf_.attn_out, act, rows, d, s.q_dim(), Epilogue::AddResidual, buf_.x, stream_);

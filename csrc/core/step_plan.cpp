@@ -13,6 +13,10 @@ const kernels::AttnPlan& StepPlan::decode_attention(int attn_keys) const {
   throw std::logic_error("step plan: no decode attention planned for " + std::to_string(attn_keys) + " keys");
 }
 
+kernels::PrefillAttnPlan StepPlan::prefill_attention(int rows) const {
+  return kernels::plan_attention_prefill(rows, num_heads, num_kv_heads, head_dim, sm_count);
+}
+
 StepPlan make_step_plan(const ModelSpec& s, int max_context, const PlanOptions& options) {
   using kernels::Epilogue;
   using kernels::GemvIn;
@@ -50,6 +54,11 @@ StepPlan make_step_plan(const ModelSpec& s, int max_context, const PlanOptions& 
   const int H = s.num_heads, Hkv = s.num_kv_heads, D = s.head_dim;
   p.attn = kernels::plan_attention(1, H, Hkv, D, max_context, options.cluster_merge);
   if (p.short_keys > 0) p.attn_short = kernels::plan_attention(1, H, Hkv, D, p.short_keys, options.cluster_merge);
+  p.head_dim = D;
+  p.num_heads = H;
+  p.num_kv_heads = Hkv;
+  p.prefill_attn_min_rows = StepPlan::kPrefillAttnMinRows;
+  kernels::plan_attention_prefill(p.prefill_attn_min_rows, H, Hkv, D, p.sm_count);  // checks the shape at load
   return p;
 }
 

@@ -224,6 +224,30 @@ void attention(const AttnPlan& plan, const bf16* q, const bf16* k_cache, const b
                bool early = false, int* f16_overflow = nullptr);
 
 // ---------------------------------------------------------------------------------------
+// attention_prefill.cu: the causal GQA attention of attention() for a prefill chunk of M query
+// tokens, on tensor cores (FlashAttention-2 style: mma.sync bf16, fp32 accumulation, online softmax).
+// Query m (at position *pos + m) attends to cache rows [0, *pos + m]; rows at or past *pos + M are
+// never read. q bf16 [M, H, D] (rotated), caches bf16 [max_context, Hkv, D], out bf16 [M, H, D].
+// One block per (tile of 64 packed (query token, head) rows of one kv head, kv head) walks all the
+// keys its rows see: no split, no scratch, nothing that grows with the context. D in {64, 80, 96,
+// 128}, H / Hkv in 1..16. The step plan picks it for chunks of at least prefill_attn_min_rows rows
+// (step_plan.h); decode (M = 1) keeps attention().
+constexpr int kMaxPrefillGroup = 16;  // query heads per kv head
+struct PrefillAttnPlan {
+  int M, H, Hkv, D;  // the call's shape
+  int tiles;         // grid.x: tiles of 64 packed rows per kv head (grid.y = Hkv)
+  int key_groups;    // groups of 4 warps per block, each taking every key_groups-th key tile (1 or 2)
+  int threads;       // 128 * key_groups
+  size_t smem;       // dynamic shared memory per block
+};
+// sm_count: the SMs of the GPU that runs it (the step plan's); it picks the key groups (0: one group).
+PrefillAttnPlan plan_attention_prefill(int M, int H, int Hkv, int D, int sm_count);
+std::string attention_prefill_name(const PrefillAttnPlan& plan);  // "attention_prefill<D=128, KG=2>"
+void attention_prefill(const PrefillAttnPlan& plan, const bf16* q, const bf16* k_cache, const bf16* v_cache,
+                       const int32_t* pos, int M, int H, int Hkv, int D, int max_context, float scale, bf16* out,
+                       cudaStream_t stream);
+
+// ---------------------------------------------------------------------------------------
 // Paged and batched decode attention (the sandbox, docs/SANDBOX.md): the same kernel as
 // attention() with another KV addressing policy (STYLE.md habit 11), the same scratch contract
 // (attention_scratch_clear once after allocating). B sequences, M

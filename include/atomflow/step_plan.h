@@ -2,7 +2,8 @@
 // device and the model's shape, and printed by `atomflow info MODEL --plan`. The forward pass
 // (csrc/core/forward.cu) hands each launcher its part; no launcher reads the environment or decides
 // a grid of its own. The decisions keyed by shape are the kernels' constexpr tables
-// (gemv_w8a16_plan.cpp, attention_decode.cu's max_splits / cluster_splits); this struct holds
+// (gemv_w8a16_plan.cpp, attention_decode.cu's max_splits / cluster_splits, the prefill attention's
+// row threshold below); this struct holds
 // their answers for the shapes one model's decode step has.
 #pragma once
 #include <string>
@@ -55,12 +56,21 @@ struct StepPlan {
   kernels::GemvPlan probe_qkv, probe_gate_up, probe_head;
   // Attention of a decode step: the grid planned for max_context, and for short_keys.
   kernels::AttnPlan attn, attn_short;
-  // Prefill chunks (M > 1) run the tensor-core GEMM and plan their attention per chunk with
-  // options.cluster_merge (the chunk's M sets the splits).
+  // Prefill chunks (M > 1) run the tensor-core GEMM. Their attention: chunks of at least
+  // prefill_attn_min_rows rows run attention_prefill on tensor cores (planned per chunk by
+  // prefill_attention: its grid depends on the rows); shorter ones run the decode kernel, planned per
+  // chunk with options.cluster_merge (the chunk's M sets the splits). kPrefillAttnMinRows is a first
+  // guess at the crossover, to be measured (docs/design/attention_prefill.md).
+  static constexpr int kPrefillAttnMinRows = 32;
+  int prefill_attn_min_rows = kPrefillAttnMinRows;
+  int head_dim = 0, num_heads = 0, num_kv_heads = 0;  // the attention shape prefill_attention plans
 
   kernels::GemvKnobs knobs() const { return {options.staged_pair, options.tickets}; }
   // The attention plan of a decode step whose grid is planned for attn_keys keys.
   const kernels::AttnPlan& decode_attention(int attn_keys) const;
+  // Whether a chunk of `rows` query tokens runs attention_prefill, and its plan when it does.
+  bool prefill_on_tensor_cores(int rows) const { return rows >= prefill_attn_min_rows; }
+  kernels::PrefillAttnPlan prefill_attention(int rows) const;
 };
 
 // Needs the GPU that will run the engine as the current device.

@@ -1,0 +1,95 @@
+// _core.ops: prefill attention on tensor cores (attention_prefill.cu), its plan, its timer.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <cstdint>
+#include <string>
+
+#include "atomflow/timing.h"
+#include "ops_common.h"
+
+namespace atomflow::bindings::ops {
+
+namespace {
+
+using atomflow::median_us;
+
+// sm_count: the plan's SM count (None: this GPU's); key_groups 1 or 2 overrides the plan's choice.
+k::PrefillAttnPlan prefill_plan(int M, int H, int Hkv, int D, const py::object& key_groups) {
+  int sms = 0;
+  AF_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  if (!key_groups.is_none()) {
+    const int kg = key_groups.cast<int>();
+    require(kg == 1 || kg == 2, "key_groups must be 1 or 2");
+    sms = kg == 2 ? INT_MAX : 0;  // plan_attention_prefill: two groups when blocks <= sm_count, one for 0
+  }
+  return k::plan_attention_prefill(M, H, Hkv, D, sms);
+}
+
+py::array_t<uint16_t> attention_prefill(const py::array& q_, const py::array& k_cache_, const py::array& v_cache_,
+                                        int pos, const py::object& scale_, const py::object& key_groups) {
+  auto q = arg<uint16_t>(q_, "q", {-1, -1, -1});
+  const int M = static_cast<int>(q.shape(0)), H = static_cast<int>(q.shape(1)), D = static_cast<int>(q.shape(2));
+  auto kc = arg<uint16_t>(k_cache_, "k_cache", {-1, -1, D});
+  const int C = static_cast<int>(kc.shape(0)), Hkv = static_cast<int>(kc.shape(1));
+  auto vc = arg<uint16_t>(v_cache_, "v_cache", {C, Hkv, D});
+  require(M >= 1 && pos >= 0 && pos + M <= C, "need M >= 1, pos >= 0 and pos + M <= cache rows");
+  const float scale = scale_.is_none() ? 1.0f / std::sqrt(static_cast<float>(D)) : scale_.cast<float>();
+  const k::PrefillAttnPlan plan = prefill_plan(M, H, Hkv, D, key_groups);
+  DeviceBuffer dq = to_device(q), dk = to_device(kc), dv = to_device(vc), dpos = device_int(pos);
+  DeviceBuffer out = DeviceBuffer::poisoned(sizeof(bf16) * M * H * D);
+  k::attention_prefill(plan, dq.get<bf16>(), dk.get<bf16>(), dv.get<bf16>(), dpos.get<int32_t>(), M, H, Hkv, D, C,
+                       scale, out.get<bf16>(), nullptr);
+  sync();
+  return to_host<uint16_t>(out, {M, H, D});
+}
+
+py::dict attention_prefill_plan(int M, int H, int Hkv, int D, const py::object& key_groups) {
+  const k::PrefillAttnPlan p = prefill_plan(M, H, Hkv, D, key_groups);
+  py::dict d;
+  d["kernel"] = k::attention_prefill_name(p);
+  d["tiles"] = p.tiles;
+  d["blocks"] = p.tiles * p.Hkv;
+  d["key_groups"] = p.key_groups;
+  d["threads"] = p.threads;
+  d["smem"] = p.smem;
+  return d;
+}
+
+// A chunk of M query tokens after `prior` cached ones (pos = prior); caches rotated past L2.
+double time_attention_prefill(int M, int prior, int H, int Hkv, int D, int iters, const py::object& key_groups) {
+  require(M >= 1 && prior >= 0, "need M >= 1 and prior >= 0");
+  const int C = prior + M;
+  const size_t cache = static_cast<size_t>(C) * Hkv * D * sizeof(bf16);
+  Rotating kv(2 * cache);  // K then V of one copy
+  kv.buf.fill(0);
+  DeviceBuffer q(sizeof(bf16) * M * H * D), out(sizeof(bf16) * M * H * D), pos = device_int(prior);
+  q.fill(0);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  const k::PrefillAttnPlan plan = prefill_plan(M, H, Hkv, D, key_groups);
+  return median_us(
+      [&](int i) {
+        k::attention_prefill(plan, q.get<bf16>(), kv.at<bf16>(i), kv.at<bf16>(i, cache), pos.get<int32_t>(), M, H, Hkv,
+                             D, C, scale, out.get<bf16>(), nullptr);
+      },
+      iters, std::min(kv.copies, 8));
+}
+
+}  // namespace
+
+void register_attention_prefill(py::module_& m) {
+  m.def("attention_prefill", &attention_prefill, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("pos"),
+        py::arg("scale") = py::none(), py::arg("key_groups") = py::none(),
+        "q u16 [M, H, D], caches u16 [C, Hkv, D], pos -> u16 [M, H, D] (bf16): causal GQA attention of a prefill "
+        "chunk on tensor cores; key_groups 1 or 2 overrides the plan's");
+  m.def("attention_prefill_plan", &attention_prefill_plan, py::arg("M"), py::arg("H"), py::arg("Hkv"), py::arg("D"),
+        py::arg("key_groups") = py::none(), "the launch plan of attention_prefill for this shape on this GPU");
+  m.def("time_attention_prefill", &time_attention_prefill, py::arg("M"), py::arg("prior"), py::arg("H"), py::arg("Hkv"),
+        py::arg("D"), py::arg("iters") = 20, py::arg("key_groups") = py::none(),
+        "us per attention_prefill call: M query tokens after `prior` cached keys; caches rotated past L2");
+}
+
+}  // namespace atomflow::bindings::ops
