@@ -69,7 +69,9 @@ def _print_plan(p: dict) -> None:
     ]
     _table(head, rows)
     pre = p.get("prefill_attention")
-    if pre:
+    if pre and pre["min_rows"] is None:
+        print("  prefill attention: the decode kernel for every chunk (no tensor-core kernel for this head shape)")
+    elif pre:
         chunks = "; ".join(f"{c['rows']} rows: {c['kernel']}, {c['blocks']} blocks of {c['warps']} warps" for c in pre["chunks"])
         print(f"  prefill attention on tensor cores for chunks of >= {pre['min_rows']} rows ({chunks})")
 

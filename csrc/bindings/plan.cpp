@@ -5,6 +5,7 @@
 #include <pybind11/stl.h>
 
 #include <string>
+#include <vector>
 
 #include "atomflow/spec.h"
 
@@ -97,9 +98,10 @@ py::dict plan_to_dict(const StepPlan& p) {
   // Prefill chunks of at least min_rows rows: attention on tensor cores, one block per 64 packed
   // (query, head) rows per kv head; shown for a chunk of min_rows and of 256 rows (the default chunk).
   py::dict pre;
-  pre["min_rows"] = p.prefill_attn_min_rows;
+  const bool tc = p.prefill_attn_min_rows < StepPlan::kNever;
+  pre["min_rows"] = tc ? py::object(py::int_(p.prefill_attn_min_rows)) : py::object(py::none());
   py::list chunks;
-  for (int rows : {p.prefill_attn_min_rows, 256}) {
+  for (int rows : tc ? std::vector<int>{p.prefill_attn_min_rows, 256} : std::vector<int>{}) {
     const kernels::PrefillAttnPlan a = p.prefill_attention(rows);
     chunks.append(py::dict(py::arg("rows") = rows, py::arg("kernel") = kernels::attention_prefill_name(a),
                            py::arg("blocks") = a.tiles * a.Hkv, py::arg("warps") = a.threads / 32,

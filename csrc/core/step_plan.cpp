@@ -57,8 +57,9 @@ StepPlan make_step_plan(const ModelSpec& s, int max_context, const PlanOptions& 
   p.head_dim = D;
   p.num_heads = H;
   p.num_kv_heads = Hkv;
-  p.prefill_attn_min_rows = StepPlan::kPrefillAttnMinRows;
-  kernels::plan_attention_prefill(p.prefill_attn_min_rows, H, Hkv, D, p.sm_count);  // checks the shape at load
+  // Head dims the tensor-core kernel is not built for (256) keep every chunk on the decode kernel.
+  p.prefill_attn_min_rows =
+      kernels::attention_prefill_supported(D, H / Hkv) ? StepPlan::kPrefillAttnMinRows : StepPlan::kNever;
   return p;
 }
 

@@ -319,6 +319,10 @@ static decltype(auto) pf_for_head_dim(int D, Fn&& fn) {
   return fn(std::integral_constant<int, 64>{});  // not reached
 }
 
+bool attention_prefill_supported(int D, int group) {
+  return group >= 1 && group <= kMaxPrefillGroup && (D == 64 || D == 80 || D == 96 || D == 128);
+}
+
 PrefillAttnPlan plan_attention_prefill(int M, int H, int Hkv, int D, int sm_count) {
   AF_CHECK(M >= 1 && H >= 1 && Hkv >= 1 && H % Hkv == 0, "plan_attention_prefill: M, H, Hkv >= 1, H a multiple of Hkv");
   AF_CHECK(H / Hkv <= kMaxPrefillGroup, "attention_prefill: at most 16 query heads per kv head");

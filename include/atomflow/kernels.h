@@ -242,6 +242,8 @@ struct PrefillAttnPlan {
 };
 // sm_count: the SMs of the GPU that runs it (the step plan's); it picks the key groups (0: one group).
 PrefillAttnPlan plan_attention_prefill(int M, int H, int Hkv, int D, int sm_count);
+// Whether attention_prefill is built for this head_dim and query heads per KV head.
+bool attention_prefill_supported(int D, int group);
 std::string attention_prefill_name(const PrefillAttnPlan& plan);  // "attention_prefill<D=128, KG=2>"
 void attention_prefill(const PrefillAttnPlan& plan, const bf16* q, const bf16* k_cache, const bf16* v_cache,
                        const int32_t* pos, int M, int H, int Hkv, int D, int max_context, float scale, bf16* out,

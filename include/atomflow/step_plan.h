@@ -62,6 +62,7 @@ struct StepPlan {
   // chunk with options.cluster_merge (the chunk's M sets the splits). kPrefillAttnMinRows is a first
   // guess at the crossover, to be measured (docs/design/attention_prefill.md).
   static constexpr int kPrefillAttnMinRows = 32;
+  static constexpr int kNever = 1 << 30;  // prefill_attn_min_rows of a shape attention_prefill does not take
   int prefill_attn_min_rows = kPrefillAttnMinRows;
   int head_dim = 0, num_heads = 0, num_kv_heads = 0;  // the attention shape prefill_attention plans
 
