@@ -22,8 +22,10 @@ CASES = {
     "mistral": ((), None),
     "qwen2": (("bqkv",), "7 query heads per KV head"),
     "qwen2-r5": (("bqkv",), "5 query heads per KV head"),
-    "qwen3": (("q_norm", "k_norm"), "per-head q/k RMSNorm"),
+    "qwen3": (("q_norm", "k_norm"), "tail FP8 group (hidden_size 192"),
     "llama-r16": ((), "16 query heads per KV head"),
+    "qwen2-g2": (("bqkv",), None),
+    "qwen3-d128": (("q_norm", "k_norm"), None),
 }
 
 
@@ -89,7 +91,7 @@ def test_cuda_backend_refuses_before_loading(arch_models):
 
     with AtomflowFile(arch_models["qwen2"][1]) as m, pytest.raises(UnsupportedModelError) as e:
         make_backend("cuda", m, 64)
-    assert "QKV bias" in str(e.value) and "\n" not in str(e.value)
+    assert "7 query heads per KV head" in str(e.value) and "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize(

@@ -27,6 +27,11 @@ PRESETS = {
     "qwen2-r5": ("qwen2", 320, 640, 2, 10, 2, 32 * 2, {}),
     "qwen3": ("qwen3", 192, 384, 2, 4, 2, 128, {"attention_bias": False}),
     "llama-r16": ("llama", 256, 512, 2, 16, 1, 64, {}),
+    # Shapes the CUDA engine's kernels take today (sizes multiples of 128, head ratios 1-4, 6, 8, head_dim
+    # 64 / 128): the Qwen extras on the GPU (tests/test_architectures_gpu.py). qwen3-d128: head_dim 128
+    # while hidden / heads = 64.
+    "qwen2-g2": ("qwen2", 256, 512, 2, 4, 2, 64, {"use_sliding_window": False}),
+    "qwen3-d128": ("qwen3", 256, 512, 2, 4, 1, 128, {"attention_bias": False}),
 }
 DEFAULT_PRESET = {"llama": "llama-tail", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
 
