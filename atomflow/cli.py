@@ -34,6 +34,13 @@ def cmd_quantize(a) -> int:
 
 
 # -- info ---------------------------------------------------------------------------------
+# The decode step's QKV paths (include/atomflow/step_plan.h, StepPlan::fused_qkv) as `info --plan` names them.
+QKV_PATHS = {
+    "fused": "fused: RMSNorm + QKV GEMV (+ bias) + RoPE + KV append, one launch",
+    "split": "split: RMSNorm + QKV GEMV (Store), then rope_kv_append (bias, per-head q/k RMSNorm, RoPE, KV append)",
+}
+
+
 def _print_plan(p: dict) -> None:
     """The step plan (_core.plan_for / Engine.step_plan) as a table."""
     dev, o = p["device"], p["options"]
@@ -44,6 +51,7 @@ def _print_plan(p: dict) -> None:
     graphs = " + ".join(f"{g['keys']} keys ({g['steps']})" for g in p["graphs"]) or "none (eager)"
     print(f"  activations {p['activations']}; graphs: {graphs}; tail: {p['tail']}; PDL {'on' if o['pdl'] else 'off'}")
     print("  options     " + ", ".join(f"{k}={v}" for k, v in o.items() if k != "pdl"))
+    print("  qkv path    " + QKV_PATHS.get(p.get("qkv_path", "fused"), p.get("qkv_path", "?")))
     head = ("product", "when", "kernel", "N", "K", "blocks", "warps", "early", "staged", "tickets", "smem")
     rows = [
         (

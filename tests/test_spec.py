@@ -160,12 +160,12 @@ def qwen2_config(**over) -> dict:
         (
             qwen2_config(),
             dict(arch="qwen2", attention_bias=True, qk_norm=False, head_dim=128, group_size=7, sliding_window=0),
-            "QKV bias (attention_bias)",
+            None,
         ),
         (
             qwen2_config(hidden_size=5120, intermediate_size=13824, num_attention_heads=40, num_key_value_heads=8),
             dict(group_size=5),
-            "QKV bias (attention_bias)",
+            None,
         ),
         (
             qwen2_config(
@@ -179,7 +179,7 @@ def qwen2_config(**over) -> dict:
                 attention_bias=False,
             ),
             dict(arch="qwen3", attention_bias=False, qk_norm=True, head_dim=128),
-            "per-head q/k RMSNorm (qk_norm)",
+            None,  # the CUDA engine runs the q/k norms (rope.cu, the split QKV path)
         ),
         (
             qwen2_config(
@@ -192,7 +192,7 @@ def qwen2_config(**over) -> dict:
                 head_dim=128,
             ),  # head_dim * heads != hidden
             dict(q_dim=2048, hidden_size=1024),
-            "qk_norm",
+            None,
         ),
         (
             llama_config(

@@ -35,6 +35,10 @@ PRESETS = {
     "llama-d80": ("llama", 256, 512, 2, 8, 2, 80, {}),
     "llama-d96": ("llama", 256, 512, 2, 8, 1, 96, {}),
     "llama-d256": ("llama", 256, 512, 2, 8, 1, 256, {}),
+    # The Qwen extras on the GPU (tests/test_architectures_gpu.py); qwen3-d128: head_dim 128 while
+    # hidden / heads = 64.
+    "qwen2-g2": ("qwen2", 256, 512, 2, 4, 2, 64, {"use_sliding_window": False}),
+    "qwen3-d128": ("qwen3", 256, 512, 2, 4, 1, 128, {"attention_bias": False}),
 }
 DEFAULT_PRESET = {"llama": "llama-tail", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
 

@@ -100,10 +100,6 @@ class ModelSpec:
     def cuda_unsupported(self) -> str | None:
         """Why the CUDA engine cannot run this model yet (one line), or None. Checked before loading."""
         why = []
-        if self.attention_bias:
-            why.append("QKV bias (attention_bias)")
-        if self.qk_norm:
-            why.append("per-head q/k RMSNorm (qk_norm)")
         if self.head_dim not in CUDA_HEAD_DIMS:
             why.append(f"head_dim {self.head_dim} (CUDA: {', '.join(map(str, CUDA_HEAD_DIMS))})")
         if self.group_size not in CUDA_HEAD_RATIOS:

@@ -92,6 +92,11 @@ class SandboxModel:
                 f"{path}: the sandbox's paged attention runs head_dim {', '.join(map(str, SANDBOX_HEAD_DIMS))} only "
                 f"(this model's is {spec.head_dim})"
             )
+        if spec.attention_bias or spec.qk_norm:  # PagedModel is Llama's forward pass (csrc/sandbox/paged_model.h)
+            raise UnsupportedModelError(
+                f"{path}: the sandbox runs Llama and Mistral models only, not {spec.arch} "
+                "(QKV bias or per-head q/k RMSNorm); the core engine runs it"
+            )
         if model.quantization.get("lm_head", "fp8") != "fp8":
             raise UnsupportedModelError(
                 f"{path}: the sandbox runs files with an fp8 lm_head only "

@@ -70,6 +70,21 @@ ModelSpec spec_from_dict(const py::dict& d) {
   s.max_position_embeddings = field<int32_t>(d, "spec", "max_position_embeddings");
   s.tie_word_embeddings = field<bool>(d, "spec", "tie_word_embeddings");
   s.lm_head_fp8 = d.contains("lm_head_fp8") ? field<bool>(d, "spec", "lm_head_fp8") : true;
+  // Format version 2's fields; a version-1 spec lacks them, and their defaults describe it (a Llama).
+  const std::string arch = d.contains("arch") ? field<std::string>(d, "spec", "arch") : "llama";
+  if (arch == "llama")
+    s.arch = Arch::Llama;
+  else if (arch == "mistral")
+    s.arch = Arch::Mistral;
+  else if (arch == "qwen2")
+    s.arch = Arch::Qwen2;
+  else if (arch == "qwen3")
+    s.arch = Arch::Qwen3;
+  else
+    throw py::value_error("spec['arch'] must be 'llama', 'mistral', 'qwen2' or 'qwen3', got '" + arch + "'");
+  s.attention_bias = d.contains("attention_bias") ? field<bool>(d, "spec", "attention_bias") : false;
+  s.qk_norm = d.contains("qk_norm") ? field<bool>(d, "spec", "qk_norm") : false;
+  s.sliding_window = d.contains("sliding_window") ? field<int32_t>(d, "spec", "sliding_window") : 0;
   return s;
 }
 

@@ -119,7 +119,8 @@ py::tuple gemv_rmsnorm_argmax(const py::array& w_, const py::array& s_, const py
 // x f32 [K] (the residual stream), norm_w u16 [K], caches u16 [C, Hkv, D] (initial contents).
 py::tuple gemv_rmsnorm_rope(const py::array& w_, const py::array& s_, const py::array& x_, const py::array& nw_,
                             float eps, const py::array& inv_freq_, int pos, int H, int Hkv, int D,
-                            const py::array& k_cache_, const py::array& v_cache_, bool staged_pair) {
+                            const py::array& k_cache_, const py::array& v_cache_, bool staged_pair,
+                            const py::object& bias_) {
   require(H >= 1 && Hkv >= 1 && D >= 2 && D % 2 == 0, "need H, Hkv >= 1 and an even D");
   NormedGemvInputs in = normed_gemv_inputs(w_, s_, x_, nw_, (H + 2 * Hkv) * D);
   const int K = in.K;
@@ -130,8 +131,13 @@ py::tuple gemv_rmsnorm_rope(const py::array& w_, const py::array& s_, const py::
   require(pos >= 0, "need pos >= 0");
   DeviceBuffer dfreq = to_device(inv_freq), dk = to_device(kc), dv = to_device(vc), dpos = device_int(pos);
   DeviceBuffer q = DeviceBuffer::poisoned(sizeof(bf16) * H * D);
-  const k::RopeKVArgs rope{dfreq.get<float>(), dpos.get<int32_t>(), H, Hkv, D, C, q.get<bf16>(),
-                           dk.get<bf16>(),     dv.get<bf16>()};
+  k::RopeKVArgs rope{dfreq.get<float>(), dpos.get<int32_t>(), H, Hkv, D, C, q.get<bf16>(),
+                     dk.get<bf16>(),     dv.get<bf16>()};
+  DeviceBuffer dbias;
+  if (!bias_.is_none()) {
+    dbias = to_device(arg<float>(bias_.cast<py::array>(), "bias", {in.N}));
+    rope.bias = dbias.get<float>();
+  }
   const k::GemvPlan plan = k::plan_gemv(k::Epilogue::RopeKV, k::GemvIn::NORM, in.N, K, {staged_pair, true});
   k::gemv_w8a16_rmsnorm_rope(plan, in.w.get<uint8_t>(), in.scales.get<float>(), in.x.get<float>(),
                              in.norm_w.get<bf16>(), eps, K, rope, nullptr);
@@ -225,8 +231,8 @@ void register_gemv(py::module_& m) {
       py::arg("x_dtype") = "bf16", "like gemv with x u16 [M, K] and outputs [M, ...]");
   m.def("gemv_rmsnorm_rope", &gemv_rmsnorm_rope, py::arg("w"), py::arg("scales"), py::arg("x"), py::arg("norm_w"),
         py::arg("eps"), py::arg("inv_freq"), py::arg("pos"), py::arg("H"), py::arg("Hkv"), py::arg("D"),
-        py::arg("k_cache"), py::arg("v_cache"), py::arg("staged_pair") = true,
-        "RMSNorm -> QKV GEMV -> RoPE + KV append in one launch -> (q u16 [H, D], k_cache, v_cache)");
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("staged_pair") = true, py::arg("bias") = py::none(),
+        "RMSNorm -> QKV GEMV (+ bias f32 [N]) -> RoPE + KV append in one launch -> (q u16 [H, D], k_cache, v_cache)");
   m.def("time_gemv", &time_gemv, py::arg("N"), py::arg("K"), py::arg("iters") = 50, py::arg("epilogue") = 0,
         "us per gemv_w8a16 launch (median of iters batches), weights rotated so L2 cannot serve them");
   m.def("time_gemm", &time_gemm, py::arg("M"), py::arg("N"), py::arg("K"), py::arg("iters") = 20,

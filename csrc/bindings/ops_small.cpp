@@ -51,8 +51,29 @@ py::array_t<float> add_inplace(const py::array& x_, const py::array& y_) {
   return to_host<float>(dx, {n});
 }
 
+// The optional extras (kernels.h, QkvExtras) on the device: bias f32 [W], q_norm / k_norm u16 [D] (bf16).
+struct DeviceExtras {
+  DeviceBuffer bias, q_norm, k_norm;
+  k::QkvExtras ex;
+  DeviceExtras(const py::object& bias_, const py::object& q_norm_, const py::object& k_norm_, float eps, int W, int D) {
+    require(q_norm_.is_none() == k_norm_.is_none(), "q_norm and k_norm come together");
+    if (!bias_.is_none()) {
+      bias = to_device(arg<float>(bias_.cast<py::array>(), "bias", {W}));
+      ex.bias = bias.get<float>();
+    }
+    if (!q_norm_.is_none()) {
+      q_norm = to_device(arg<uint16_t>(q_norm_.cast<py::array>(), "q_norm", {D}));
+      k_norm = to_device(arg<uint16_t>(k_norm_.cast<py::array>(), "k_norm", {D}));
+      ex.q_norm = q_norm.get<bf16>();
+      ex.k_norm = k_norm.get<bf16>();
+    }
+    ex.eps = eps;
+  }
+};
+
 py::tuple rope_kv_append(const py::array& qkv_, const py::array& inv_freq_, int pos, int H, int Hkv, int D,
-                         const py::array& k_cache_, const py::array& v_cache_) {
+                         const py::array& k_cache_, const py::array& v_cache_, const py::object& bias_,
+                         const py::object& q_norm_, const py::object& k_norm_, float eps) {
   require(H >= 1 && Hkv >= 1 && D >= 2 && D % 2 == 0, "need H, Hkv >= 1 and an even D");
   auto qkv = arg<float>(qkv_, "qkv", {-1, static_cast<py::ssize_t>(H + 2 * Hkv) * D});
   const int M = static_cast<int>(qkv.shape(0));
@@ -63,9 +84,10 @@ py::tuple rope_kv_append(const py::array& qkv_, const py::array& inv_freq_, int 
   require(M >= 1 && pos >= 0, "need at least one token and pos >= 0");
   DeviceBuffer dqkv = to_device(qkv), dfreq = to_device(inv_freq), dk = to_device(kc), dv = to_device(vc);
   DeviceBuffer dpos = device_int(pos);
+  const DeviceExtras extras(bias_, q_norm_, k_norm_, eps, (H + 2 * Hkv) * D, D);
   DeviceBuffer q = DeviceBuffer::poisoned(sizeof(bf16) * M * H * D);
   k::rope_kv_append(dqkv.get<float>(), dfreq.get<float>(), dpos.get<int32_t>(), M, H, Hkv, D, C, q.get<bf16>(),
-                    dk.get<bf16>(), dv.get<bf16>(), nullptr);
+                    dk.get<bf16>(), dv.get<bf16>(), nullptr, extras.ex);
   sync();
   return py::make_tuple(to_host<uint16_t>(q, {M, H, D}), to_host<uint16_t>(dk, {C, Hkv, D}),
                         to_host<uint16_t>(dv, {C, Hkv, D}));
@@ -90,9 +112,11 @@ void register_small(py::module_& m) {
         "x f32 [M, d], w u16 [d] (bf16) -> u16 [M, d] (f16)");
   m.def("add_inplace", &add_inplace, py::arg("x"), py::arg("y"), "x, y f32 [n] -> x + y");
   m.def("rope_kv_append", &rope_kv_append, py::arg("qkv"), py::arg("inv_freq"), py::arg("pos"), py::arg("H"),
-        py::arg("Hkv"), py::arg("D"), py::arg("k_cache"), py::arg("v_cache"),
+        py::arg("Hkv"), py::arg("D"), py::arg("k_cache"), py::arg("v_cache"), py::arg("bias") = py::none(),
+        py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none(), py::arg("eps") = 1e-6f,
         "qkv f32 [M, (H + 2 Hkv) D], inv_freq f32 [D/2], caches u16 [C, Hkv, D] (initial contents) -> "
-        "(q u16 [M, H, D], k_cache, v_cache)");
+        "(q u16 [M, H, D], k_cache, v_cache); optional bias f32 [(H + 2 Hkv) D] and per-head q_norm / k_norm "
+        "u16 [D] (bf16) with eps, applied before RoPE");
   m.def("stream_read_bandwidth", &stream_read_bandwidth, py::arg("n_bytes"), py::arg("iters") = 20,
         "GB/s of the streaming-read kernel (median of iters batches)");
 }

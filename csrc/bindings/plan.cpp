@@ -79,6 +79,7 @@ py::dict plan_to_dict(const StepPlan& p) {
   }
   d["graphs"] = graphs;  // empty: eager
   d["tail"] = o.fused_tail ? "fused (sample_step)" : "embedding, sample, finish";
+  d["qkv_path"] = p.fused_qkv ? "fused" : "split";  // StepPlan::fused_qkv
   py::list products;
   products.append(gemv_row("qkv", "decode", p.qkv));
   products.append(gemv_row("o", "decode, f16 activations", p.o_f16));

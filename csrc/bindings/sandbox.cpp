@@ -111,6 +111,12 @@ sb::ModelDims dims_from_dict(const py::dict& d) {
   m.Hkv = get("num_kv_heads").cast<int>();
   m.D = get("head_dim").cast<int>();
   m.eps = get("rms_norm_eps").cast<float>();
+  // The paged model is Llama's forward pass: it loads no bqkv / q_norm / k_norm (atomflow/sandbox/model.py
+  // refuses such files first).
+  for (const char* key : {"attention_bias", "qk_norm"})
+    if (d.contains(key) && d[key].cast<bool>())
+      throw py::value_error(std::string("the sandbox's paged model does not run ") + key +
+                            " models (Qwen2 / Qwen3); the core engine does");
   return m;
 }
 

@@ -108,11 +108,13 @@ void Engine::init(const std::string& path, const std::vector<TensorInfo>& table,
   buf_.lm_head_scale = s.lm_head_fp8 ? arena_.at<float>(layout.lm_head_scale) : nullptr;
   buf_.inv_freq = arena_.at<float>(layout.inv_freq);
   for (const LayerSlots& l : layout.layers) {
-    buf_.layers.push_back(
-        LayerPtrs{arena_.at<bf16>(l.attn_norm), arena_.at<uint8_t>(l.wqkv), arena_.at<float>(l.wqkv_scale),
-                  arena_.at<uint8_t>(l.wo), arena_.at<float>(l.wo_scale), arena_.at<bf16>(l.mlp_norm),
-                  arena_.at<uint8_t>(l.w13), arena_.at<float>(l.w13_scale), arena_.at<uint8_t>(l.w2),
-                  arena_.at<float>(l.w2_scale), arena_.at<bf16>(l.k_cache), arena_.at<bf16>(l.v_cache)});
+    buf_.layers.push_back(LayerPtrs{
+        arena_.at<bf16>(l.attn_norm), arena_.at<uint8_t>(l.wqkv), arena_.at<float>(l.wqkv_scale),
+        arena_.at<uint8_t>(l.wo), arena_.at<float>(l.wo_scale), arena_.at<bf16>(l.mlp_norm), arena_.at<uint8_t>(l.w13),
+        arena_.at<float>(l.w13_scale), arena_.at<uint8_t>(l.w2), arena_.at<float>(l.w2_scale),
+        arena_.at<bf16>(l.k_cache), arena_.at<bf16>(l.v_cache), l.bqkv == kNoSlot ? nullptr : arena_.at<float>(l.bqkv),
+        l.q_norm == kNoSlot ? nullptr : arena_.at<bf16>(l.q_norm),
+        l.k_norm == kNoSlot ? nullptr : arena_.at<bf16>(l.k_norm)});
   }
   buf_.x = arena_.at<float>(layout.x);
   buf_.xn = arena_.at<f16>(layout.xn);

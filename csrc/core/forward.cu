@@ -36,9 +36,10 @@ void Engine::enqueue_layers(int rows, int attn_keys) {
   const int d = s.hidden_size, f = s.intermediate_size;
   const int H = s.num_heads, Hkv = s.num_kv_heads, D = s.head_dim, C = opt_.max_context;
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  // Decode outside the probes runs the fused QKV GEMV, which lets attention launch only after its own
-  // wait, so attention may read the cache rows of earlier steps early (kernels.h).
-  const bool fused_qkv = rows == 1 && !probe_;
+  // Decode outside the probes runs the fused QKV GEMV where the plan says so (StepPlan::fused_qkv), which
+  // lets attention launch only after its own wait, so attention may read the cache rows of earlier
+  // steps early (kernels.h).
+  const bool fused_qkv = rows == 1 && !probe_ && step_plan_.fused_qkv;
   // A decode step's attention and SwiGLU outputs are fp16 (kernels.h), flagged when they overflow;
   // the o and down GEMVs then take x as it is.
   const bool half = rows == 1 && f16_acts_;
@@ -66,17 +67,20 @@ void Engine::enqueue_layers(int rows, int attn_keys) {
     {
       NvtxRange r("attention_block");
       if (fused_qkv) {
-        // RMSNorm -> QKV -> RoPE + KV append in one launch (bit-identical to the three kernels).
-        const kernels::RopeKVArgs rope{buf_.inv_freq, buf_.pos, H, Hkv, D, C, buf_.q, L.k_cache, L.v_cache};
+        // RMSNorm -> QKV (+ bias) -> RoPE + KV append in one launch (bit-identical to the three kernels).
+        const kernels::RopeKVArgs rope{buf_.inv_freq, buf_.pos, H, Hkv, D, C, buf_.q, L.k_cache, L.v_cache, L.bqkv};
         kernels::gemv_w8a16_rmsnorm_rope(plan.qkv, L.wqkv, L.wqkv_scale, buf_.x, L.attn_norm, s.rms_norm_eps, d, rope,
                                          stream_);
         mark("gemv_qkv+norm+rope", li);
       } else {
-        normed_linear(L.attn_norm, "attn_norm", li, plan.probe_qkv, plan.probe_qkv, L.wqkv, L.wqkv_scale, rows,
-                      s.qkv_dim(), Epilogue::Store, buf_.qkv);
+        // Prefill chunks, probed steps, and the decode steps of a split-QKV plan (plan.qkv: Store, NORM;
+        // a fused plan never reaches here with one unprobed row).
+        normed_linear(L.attn_norm, "attn_norm", li, plan.qkv, plan.probe_qkv, L.wqkv, L.wqkv_scale, rows, s.qkv_dim(),
+                      Epilogue::Store, buf_.qkv);
         mark("gemv_qkv+norm", li);
+        const kernels::QkvExtras extras{L.bqkv, L.q_norm, L.k_norm, s.rms_norm_eps};
         kernels::rope_kv_append(buf_.qkv, buf_.inv_freq, buf_.pos, rows, H, Hkv, D, C, buf_.q, L.k_cache, L.v_cache,
-                                stream_);
+                                stream_, extras);
         mark("rope_kv_append", li);
       }
       // The split count of a query row is min(64, ceil(keys / 32)) on any grid that holds its keys, so

@@ -76,6 +76,23 @@ ModelTensors resolve_tensors(const ModelSpec& s, const std::vector<TensorInfo>& 
     L.w13_scale = idx.need(p + "w13.scale", "F32", {2 * f, CEIL_DIV(d, g)});
     L.w2 = idx.need(p + "w2", "F8_E4M3", {d, f});
     L.w2_scale = idx.need(p + "w2.scale", "F32", {d, CEIL_DIV(f, g)});
+    // The spec's extras and their tensors come together: a missing one would leave the engine without
+    // a weight, an unexpected one would be silently left out of the math.
+    const auto extra = [&](bool wanted, const char* flag, const std::string& name, const char* dtype, int64_t n) {
+      if (wanted) {
+        if (!idx.has(name))
+          throw std::invalid_argument(std::string("model file has no tensor '") + name + "' (expected " + dtype + " [" +
+                                      std::to_string(n) + "]), which the spec's " + flag + " needs");
+        return idx.need(name, dtype, {n});
+      }
+      if (idx.has(name))
+        throw std::invalid_argument("model file has a tensor '" + name + "' but the spec's " + flag +
+                                    " is false: the file does not match its spec");
+      return static_cast<const TensorInfo*>(nullptr);
+    };
+    L.bqkv = extra(s.attention_bias, "attention_bias", p + "bqkv", "F32", s.qkv_dim());
+    L.q_norm = extra(s.qk_norm, "qk_norm", p + "q_norm", "BF16", s.head_dim);
+    L.k_norm = extra(s.qk_norm, "qk_norm", p + "k_norm", "BF16", s.head_dim);
     m.layers.push_back(L);
   }
   m.final_norm = idx.need("final_norm", "BF16", {d});
@@ -100,9 +117,12 @@ Layout plan_layout(const ModelSpec& s, const ModelTensors& t, int max_context, i
   // Weights in file order, so the loader writes the arena front to back as it reads the file.
   std::vector<const TensorInfo*> weights = {t.embed, t.final_norm, t.lm_head};
   if (t.lm_head_scale) weights.push_back(t.lm_head_scale);
-  for (const LayerTensors& l : t.layers)
+  for (const LayerTensors& l : t.layers) {
     weights.insert(weights.end(), {l.attn_norm, l.wqkv, l.wqkv_scale, l.wo, l.wo_scale, l.mlp_norm, l.w13, l.w13_scale,
                                    l.w2, l.w2_scale});
+    for (const TensorInfo* extra : {l.bqkv, l.q_norm, l.k_norm})
+      if (extra) weights.push_back(extra);
+  }
   std::sort(weights.begin(), weights.end(), [](auto* a, auto* b) { return a->offset < b->offset; });
   weights.erase(std::unique(weights.begin(), weights.end()), weights.end());  // tied head == embed
   for (const TensorInfo* w : weights) L.weight_slot[w] = plan.reserve("weights", w->nbytes);
@@ -126,6 +146,9 @@ Layout plan_layout(const ModelSpec& s, const ModelTensors& t, int max_context, i
     ls.w13_scale = L.weight_slot.at(l.w13_scale);
     ls.w2 = L.weight_slot.at(l.w2);
     ls.w2_scale = L.weight_slot.at(l.w2_scale);
+    ls.bqkv = l.bqkv ? L.weight_slot.at(l.bqkv) : kNoSlot;
+    ls.q_norm = l.q_norm ? L.weight_slot.at(l.q_norm) : kNoSlot;
+    ls.k_norm = l.k_norm ? L.weight_slot.at(l.k_norm) : kNoSlot;
     ls.k_cache = plan.reserve("kv", kv_bytes);
     ls.v_cache = plan.reserve("kv", kv_bytes);
     L.layers.push_back(ls);

@@ -16,6 +16,8 @@ namespace atomflow {
 struct LayerTensors {
   const TensorInfo *attn_norm, *wqkv, *wqkv_scale, *wo, *wo_scale;
   const TensorInfo *mlp_norm, *w13, *w13_scale, *w2, *w2_scale;
+  const TensorInfo* bqkv = nullptr;                       // with the spec's attention_bias
+  const TensorInfo *q_norm = nullptr, *k_norm = nullptr;  // with the spec's qk_norm
 };
 
 struct ModelTensors {
@@ -31,9 +33,13 @@ struct ModelTensors {
 // inside a file of `file_size` bytes. Throws std::invalid_argument naming the first problem.
 ModelTensors resolve_tensors(const ModelSpec& spec, const std::vector<TensorInfo>& table, uint64_t file_size);
 
+// The slot of a tensor the model does not have (LayerSlots' optional ones).
+constexpr size_t kNoSlot = static_cast<size_t>(-1);
+
 struct LayerSlots {
   size_t attn_norm, wqkv, wqkv_scale, wo, wo_scale, mlp_norm, w13, w13_scale, w2, w2_scale;
-  size_t k_cache, v_cache;  // bf16 [max_context, kv_heads, head_dim] each
+  size_t bqkv, q_norm, k_norm;  // kNoSlot without attention_bias / qk_norm
+  size_t k_cache, v_cache;      // bf16 [max_context, kv_heads, head_dim] each
 };
 
 struct Layout {

@@ -7,6 +7,16 @@
 
 namespace atomflow {
 
+namespace {
+
+// Whether the decode QKV product may take RoPE and the KV append into its epilogue (StepPlan::fused_qkv):
+// every per-row step of the Llama family fits it (the bias is one add per output), a per-head
+// reduction does not (qk_norm: a warp holds two outputs of a head, the head's D outputs lie across
+// D / 2 warps and blocks).
+bool qkv_fusable(const ModelSpec& s) { return !s.qk_norm; }
+
+}  // namespace
+
 const kernels::AttnPlan& StepPlan::decode_attention(int attn_keys) const {
   if (attn_keys == attn.capacity) return attn;
   if (short_keys > 0 && attn_keys == attn_short.capacity) return attn_short;
@@ -37,7 +47,8 @@ StepPlan make_step_plan(const ModelSpec& s, int max_context, const PlanOptions& 
 
   const int d = s.hidden_size, f = s.intermediate_size;
   const kernels::GemvKnobs knobs = p.knobs();
-  p.qkv = kernels::plan_gemv(Epilogue::RopeKV, GemvIn::NORM, s.qkv_dim(), d, knobs);
+  p.fused_qkv = qkv_fusable(s);
+  p.qkv = kernels::plan_gemv(p.fused_qkv ? Epilogue::RopeKV : Epilogue::Store, GemvIn::NORM, s.qkv_dim(), d, knobs);
   p.o_f16 = kernels::plan_gemv(Epilogue::AddResidual, GemvIn::F16, d, s.q_dim(), knobs);
   p.o_bf16 = kernels::plan_gemv(Epilogue::AddResidual, GemvIn::BF16, d, s.q_dim(), knobs);
   p.gate_up = kernels::plan_gemv(Epilogue::SwiGLU, GemvIn::NORM, 2 * f, d, knobs);

@@ -404,7 +404,8 @@ static __device__ float stage_x(const Product& P, float eps, const Staging& st, 
 
 // What an epilogue reads from earlier kernels, loaded by lane 0 right after the PDL wait, while x is
 // staged, instead of after the math: the position (RopeKV), and for AddResidual the residual values
-// of the warp's first row pair p0 (later pairs load theirs in the epilogue).
+// of the warp's first row pair p0 (later pairs load theirs in the epilogue); for RopeKV with a bias,
+// the bias of p0's rows the same way.
 struct Prior {
   float r0, r1;
   int p0;
@@ -416,7 +417,15 @@ static __device__ __forceinline__ Prior load_prior(const Product& P, const RowPa
                                                    int p0) {
   Prior pr{0.f, 0.f, p0, 0};
   if (threadIdx.x % 32 != 0) return pr;
-  if constexpr (EP == Ep::RopeKV) pr.pos = *rope.pos;  // plain (coherent) load: the previous step wrote it
+  if constexpr (EP == Ep::RopeKV) {
+    pr.pos = *rope.pos;  // plain (coherent) load: the previous step wrote it
+    if (rope.bias != nullptr && p0 < pairs.count()) {
+      int r0, r1;
+      pairs.rows(p0, r0, r1);
+      pr.r0 = rope.bias[r0];
+      pr.r1 = rope.bias[r1];
+    }
+  }
   if constexpr (EP == Ep::AddResidual) {
     if (p0 < pairs.count()) {
       int r0, r1;
@@ -439,6 +448,10 @@ static __device__ __forceinline__ void store_pair(const Product& P, const RowPai
     const float silu = acc0 / (1.f + expf(-acc0));
     static_cast<uint16_t*>(P.out)[p] = act16_bits(silu * acc1, P.f16_overflow);  // act16.cuh
   } else if constexpr (EP == Ep::RopeKV) {
+    if (rope.bias != nullptr) {  // one rounded add each (no FMA with the scaling), as rope_kv_append adds it
+      acc0 = __fadd_rn(acc0, p == pr.p0 ? pr.r0 : rope.bias[r0]);
+      acc1 = __fadd_rn(acc1, p == pr.p0 ? pr.r1 : rope.bias[r1]);
+    }
     const int half = pairs.half;
     const int pos = pr.pos;
     const bool in_cache = pos < rope.max_context;

@@ -129,6 +129,9 @@ class Engine {
     const float* w2_scale;
     bf16* k_cache;
     bf16* v_cache;
+    const float* bqkv;   // attention_bias only, else null
+    const bf16* q_norm;  // qk_norm only, else null
+    const bf16* k_norm;
   };
   struct Buffers {
     const bf16* embed;

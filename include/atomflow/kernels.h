@@ -113,7 +113,9 @@ void gemv_w8a16_rmsnorm(const GemvPlan& plan, const uint8_t* w, const float* sca
                         unsigned* tickets = nullptr, int* f16_overflow = nullptr);
 // The decode QKV product with RMSNorm in the prologue and RoPE + KV append in the epilogue: w is
 // the fused [(H + 2 Hkv) * D, K] qkv matrix; the output is what gemv_w8a16_rmsnorm(Store) followed
-// by rope_kv_append(M = 1) writes (q_out, the cache rows at *pos), bit-identical, in one launch.
+// by rope_kv_append(M = 1, QkvExtras{bias}) writes (q_out, the cache rows at *pos), bit-identical,
+// in one launch. No per-head q/k RMSNorm: a warp holds two outputs of a head, never all D of them
+// (the step plan sends qk_norm models to the two launches, step_plan.h).
 // plan: plan_gemv(Epilogue::RopeKV, GemvIn::NORM, (H + 2 Hkv) * D, K).
 struct RopeKVArgs {
   const float* inv_freq;  // [D / 2]
@@ -122,6 +124,7 @@ struct RopeKVArgs {
   bf16* q_out;    // [H, D]
   bf16* k_cache;  // [max_context, Hkv, D]
   bf16* v_cache;
+  const float* bias = nullptr;  // fp32 [(H + 2 Hkv) D], added to each output before RoPE (Qwen2); null: none
 };
 void gemv_w8a16_rmsnorm_rope(const GemvPlan& plan, const uint8_t* w, const float* scales, const float* x,
                              const bf16* norm_w, float eps, int K, const RopeKVArgs& rope, cudaStream_t stream);
@@ -180,8 +183,18 @@ void gemv_w8a16_m_rmsnorm(const GemvMPlan& plan, const uint8_t* w, const float* 
 //   token m sits at position p = *pos + m; angle_i = p * inv_freq[i], i < D / 2
 //   (inv_freq computed on the host by atomflow/model/spec.py, llama3 scaling included, fp32).
 //   q_out bf16 [M, H, D] = rope(q); k_cache[p] = bf16(rope(k)); v_cache[p] = bf16(v).
+// With extras (the Qwen family; all null: Llama), before RoPE: row += bias (q, k and v), then each q
+// head h = row[h D, (h + 1) D) becomes h * rsqrt(mean(h^2) + eps) * q_norm, each k head the same with
+// k_norm (fp32; q_norm and k_norm come together).
+struct QkvExtras {
+  const float* bias = nullptr;   // fp32 [(H + 2 Hkv) D] (Qwen2's q/k/v biases)
+  const bf16* q_norm = nullptr;  // bf16 [D] (Qwen3)
+  const bf16* k_norm = nullptr;  // bf16 [D]
+  float eps = 0.f;               // the norms' epsilon (the spec's rms_norm_eps)
+};
 void rope_kv_append(const float* qkv, const float* inv_freq, const int32_t* pos, int M, int H, int Hkv, int D,
-                    int max_context, bf16* q_out, bf16* k_cache, bf16* v_cache, cudaStream_t stream);
+                    int max_context, bf16* q_out, bf16* k_cache, bf16* v_cache, cudaStream_t stream,
+                    const QkvExtras& extras = {});
 
 // ---------------------------------------------------------------------------------------
 // attention_decode.cu: causal GQA attention over the contiguous cache, for decode (M = 1) and
@@ -278,7 +291,7 @@ void attention_batched(const bf16* q, const bf16* k_cache, const bf16* v_cache, 
 // outside [0, num_slots) writes nothing (q is still rotated). positions, slots int32 [M] (device).
 void rope_kv_append_slots(const float* qkv, const float* inv_freq, const int32_t* positions, const int32_t* slots,
                           int M, int H, int Hkv, int D, long long num_slots, bf16* q_out, bf16* k_pool, bf16* v_pool,
-                          cudaStream_t stream);
+                          cudaStream_t stream, const QkvExtras& extras = {});
 
 // ---------------------------------------------------------------------------------------
 // elementwise.cu: small ops the fused paths do not cover.
