@@ -76,6 +76,11 @@ def _print_plan(p: dict) -> None:
         for r in p["attention"]
     ]
     _table(head, rows)
+    if p.get("prefill_small_m_max_rows"):
+        print(
+            f"  prefill products: gemv_w8a16_m for chunks of 2..{p['prefill_small_m_max_rows']} rows, "
+            "gemm_w8a16 (tensor cores) for longer ones"
+        )
     pre = p.get("prefill_attention")
     if pre and pre["min_rows"] is None:
         print("  prefill attention: the decode kernel for every chunk (no tensor-core kernel for this head shape)")

@@ -110,6 +110,7 @@ py::dict plan_to_dict(const StepPlan& p) {
   }
   pre["chunks"] = chunks;
   d["prefill_attention"] = pre;
+  d["prefill_small_m_max_rows"] = p.small_m_max_rows;  // chunks of 2..this many rows: gemv_w8a16_m
   return d;
 }
 

@@ -72,6 +72,12 @@ struct StepPlan {
   static constexpr int kNever = 1 << 30;  // prefill_attn_min_rows of a shape attention_prefill does not take
   int prefill_attn_min_rows = kPrefillAttnMinRows;
   int head_dim = 0, num_heads = 0, num_kv_heads = 0;  // the attention shape prefill_attention plans
+  // A prefill chunk's products: up to small_m_max_rows rows run the small-M GEMV (gemv_w8a16_m: each
+  // weight byte read once for all rows, planned per call), more rows the tensor-core GEMM. Measured on
+  // an H200 (bench_kernels.py, one 3B layer): 16 rows 142 us against the GEMM's 284, 32 rows 294 against
+  // 293, 64 rows 594 against 317 (docs/design/gemv_w8a16_m.md).
+  static constexpr int kSmallMMaxRows = 16;
+  int small_m_max_rows = kSmallMMaxRows;
 
   kernels::GemvKnobs knobs() const { return {options.staged_pair, options.tickets}; }
   // The attention plan of a decode step whose grid is planned for attn_keys keys.
