@@ -138,6 +138,8 @@ def test_plan_says_the_qkv_path(arch_files, preset, capsys):
     assert plan["qkv_path"] == path
     qkv = next(r for r in plan["products"] if (r["product"], r["when"]) == ("qkv", "decode"))
     assert qkv["kernel"].startswith("gemv_w8a16<RopeKV" if path == "fused" else "gemv_w8a16<Store")
+    # Qwen2's q/k/v biases take the fused product's bias instance; every other model the one without
+    assert qkv["kernel"].endswith(", bias>") == (preset == "qwen2-g2"), qkv["kernel"]
     eng = cuda(model, 1024)
     assert eng.step_plan["qkv_path"] == path
     assert main(["info", str(model.path), "--plan", "--max-context", "1024"]) == 0
@@ -151,7 +153,7 @@ def test_llama_keeps_the_fused_path(tiny_model_file):
         plan = plan_for(m, 1024)
     assert plan["qkv_path"] == "fused"
     qkv = next(r for r in plan["products"] if (r["product"], r["when"]) == ("qkv", "decode"))
-    assert qkv["kernel"].startswith("gemv_w8a16<RopeKV")
+    assert qkv["kernel"].startswith("gemv_w8a16<RopeKV") and not qkv["kernel"].endswith(", bias>")
 
 
 @pytest.mark.parametrize("preset", ["qwen2-g2", "qwen3-d128"])

@@ -31,5 +31,7 @@ def test_a_kernel_inside_anothers_shadow_is_charged_nothing():
 def test_labels():
     assert timeline.label(HEAD, 0) == "lm_head"
     assert timeline.label(HEAD.replace("false>", "false, true>"), 0) == "lm_head"  # the tail-group instance
+    bias = QKV.replace("true>", "true, false, true>")  # the QKV product with Qwen2's biases
+    assert timeline.label(bias, 0) == "gemv qkv+norm+rope"
     assert timeline.label(ADD, 0) == "gemv o" and timeline.label(ADD, 1) == "gemv down"
     assert timeline.label("void atomflow::kernels::sample_kernel<(int)1>(float const*)", 0) == "sample_kernel"

@@ -22,8 +22,9 @@ import sys
 
 import numpy as np
 
-# gemv_w8a16_kernel<Ep, In, whole, tail>: Ep 0 Store, 1 AddResidual, 2 SwiGLU, 3 RopeKV; In 2 = fused
-# RMSNorm; whole: K a multiple of 512 (the variant without the clamp at a row's end); tail: K % 128 == 64.
+# gemv_w8a16_kernel<Ep, In, whole, tail, bias>: Ep 0 Store, 1 AddResidual, 2 SwiGLU, 3 RopeKV; In 2 = fused
+# RMSNorm; whole: K a multiple of 512 (the variant without the clamp at a row's end); tail: K % 128 == 64;
+# bias: RopeKV with Qwen2's q/k/v biases.
 GEMV = re.compile(
     r"gemv_w8a16_kernel<\(atomflow::kernels::Ep\)(\d), \(atomflow::kernels::In\)(\d)"
     r"(?:, (?:true|false))*>"

@@ -138,7 +138,8 @@ py::tuple gemv_rmsnorm_rope(const py::array& w_, const py::array& s_, const py::
     dbias = to_device(arg<float>(bias_.cast<py::array>(), "bias", {in.N}));
     rope.bias = dbias.get<float>();
   }
-  const k::GemvPlan plan = k::plan_gemv(k::Epilogue::RopeKV, k::GemvIn::NORM, in.N, K, {staged_pair, true});
+  const k::GemvPlan plan =
+      k::plan_gemv(k::Epilogue::RopeKV, k::GemvIn::NORM, in.N, K, {staged_pair, true}, rope.bias != nullptr);
   k::gemv_w8a16_rmsnorm_rope(plan, in.w.get<uint8_t>(), in.scales.get<float>(), in.x.get<float>(),
                              in.norm_w.get<bf16>(), eps, K, rope, nullptr);
   sync();

@@ -48,7 +48,10 @@ StepPlan make_step_plan(const ModelSpec& s, int max_context, const PlanOptions& 
   const int d = s.hidden_size, f = s.intermediate_size;
   const kernels::GemvKnobs knobs = p.knobs();
   p.fused_qkv = qkv_fusable(s);
-  p.qkv = kernels::plan_gemv(p.fused_qkv ? Epilogue::RopeKV : Epilogue::Store, GemvIn::NORM, s.qkv_dim(), d, knobs);
+  // A fused product with q/k/v biases is its own instance (qkv.bias): one without keeps a Llama's
+  // machine code free of the bias.
+  p.qkv = kernels::plan_gemv(p.fused_qkv ? Epilogue::RopeKV : Epilogue::Store, GemvIn::NORM, s.qkv_dim(), d, knobs,
+                             p.fused_qkv && s.attention_bias);
   p.o_f16 = kernels::plan_gemv(Epilogue::AddResidual, GemvIn::F16, d, s.q_dim(), knobs);
   p.o_bf16 = kernels::plan_gemv(Epilogue::AddResidual, GemvIn::BF16, d, s.q_dim(), knobs);
   p.gate_up = kernels::plan_gemv(Epilogue::SwiGLU, GemvIn::NORM, 2 * f, d, knobs);

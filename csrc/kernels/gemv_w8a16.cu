@@ -5,7 +5,8 @@
 // ticket variants in gemv_w8a16_variants.cuh, the launch decisions in gemv_w8a16_plan.cpp, and the
 // measurements behind all of them in docs/design/gemv_w8a16.md.
 //
-// Contract of gemv_w8a16_kernel<EP, IN, WHOLE, TAIL>(P, eps, rope), grid plan.blocks x 256 threads:
+// Contract of gemv_w8a16_kernel<EP, IN, WHOLE, TAIL, BIAS>(P, eps, rope), grid plan.blocks x 256
+// threads:
 //  Inputs   W fp8 e4m3 [N, K] row-major (one row = K contiguous bytes, 16-byte aligned), scales fp32
 //           [N, ceil(K / 128)]; x per IN: bf16 or fp16 [K] (16-byte aligned), or for NORM the fp32
 //           residual stream [K] and the bf16 norm weight [K] (x_n = f16(x * rsqrt(mean(x^2) + eps)
@@ -13,6 +14,8 @@
 //           K % 64 == 0. WHOLE: K % 512 == 0. TAIL: K % 128 == 64, the last scale group of a row
 //           64 columns wide (ceil(K / 128) scales per row; never WHOLE). Every other K, a multiple of
 //           128, takes the instances without TAIL, whose machine code does not depend on it.
+//           BIAS (RopeKV only, plan.bias): rope.bias fp32 [N] added to each sum before RoPE; the
+//           instances without it never read rope.bias and compile as if it did not exist.
 //  Work     A warp owns a PAIR of rows (SwiGLU: gate row p and up row F + p; RopeKV: rows i and
 //           i + D/2 of a q or k head, then consecutive v rows; otherwise 2p and 2p + 1) and streams
 //           both across K, lane l reading 16 bytes of each row at chunk l + 32 u (u < 8) per
@@ -25,8 +28,9 @@
 //           the norm weight into shared memory. RopeKV triggers its dependents only after its wait,
 //           so the attention after it may read older cache rows early (attention_decode.cu); the
 //           other epilogues trigger before it.
-//  After the wait it reads x (and for AddResidual the residual it adds to, for RopeKV *pos) right
-//           away, beside x's staging, and takes SwiGLU's first ticket.
+//  After the wait it reads x (and for AddResidual the residual it adds to, for RopeKV *pos and with
+//           BIAS the first pair's biases) right away, beside x's staging, and takes SwiGLU's first
+//           ticket.
 //  Writes   Store: out fp32 [N] (and with P.best each block's argmax key of the rows it wrote);
 //           AddResidual: out[n] += y[n]; SwiGLU: out [N / 2] bf16, or fp16 given f16_overflow (set
 //           to 1 when a value passes kF16Max); RopeKV: q_out [H, D] bf16 and the K / V cache rows at
@@ -51,10 +55,11 @@ namespace atomflow::kernels {
 static __device__ trace::Buf g_trace;  // set by gemv_trace_arm (trace.cuh)
 #endif
 
-template <Ep EP, In IN, bool WHOLE, bool TAIL>
+template <Ep EP, In IN, bool WHOLE, bool TAIL, bool BIAS>
 static __global__ void __launch_bounds__(kGemvThreads, 2)
     gemv_w8a16_kernel(const Product P, float eps, const RopeKVArgs rope) {
   static_assert(!(WHOLE && TAIL), "a row of whole 512-column steps has no tail group");
+  static_assert(!BIAS || EP == Ep::RopeKV, "a bias is the QKV product's only");
   extern __shared__ uint4 smem[];  // Staging
   __shared__ float red[kGemvWarps];
   const Staging st(smem, P.K);
@@ -102,7 +107,7 @@ static __global__ void __launch_bounds__(kGemvThreads, 2)
   unsigned ticket = 0;
   if (ticketed && lane == 0) ticket = atomicAdd(t_ctr, 1u);
 
-  const Prior pr = load_prior<EP>(P, pairs, rope, p0);
+  const Prior pr = load_prior<EP, BIAS>(P, pairs, rope, p0);
   const float x_scale = stage_x<IN>(P, eps, st, red, tr);
   __syncthreads();
   tr.stamp(trace::kStaged);
@@ -127,12 +132,13 @@ static __global__ void __launch_bounds__(kGemvThreads, 2)
     float acc0 = 0.f, acc1 = 0.f;
     dot_iter<WHOLE>(first, st.xs, lane, P.K / 16, acc0, acc1);
     tr.iter();
-    finish_rows<EP, WHOLE, TAIL>(P, pairs, rope, pr, st.xs, x_scale, p, 32 * kGemvUnroll, acc0, acc1, policy, tr, top);
+    finish_rows<EP, BIAS, WHOLE, TAIL>(P, pairs, rope, pr, st.xs, x_scale, p, 32 * kGemvUnroll, acc0, acc1, policy, tr,
+                                       top);
     p += stride;
   } else if (staged) {
     // A staged warp past kQkvPreWarps (none in the Llama 3 shapes: 3B and 8B stage 2 and 4 warps per
     // block) sums its first pair with the plain loop.
-    finish_rows<EP, WHOLE, TAIL>(P, pairs, rope, pr, st.xs, x_scale, p, 0, 0.f, 0.f, policy, tr, top);
+    finish_rows<EP, BIAS, WHOLE, TAIL>(P, pairs, rope, pr, st.xs, x_scale, p, 0, 0.f, 0.f, policy, tr, top);
     p += stride;
   }
   if (staged) {
@@ -142,7 +148,7 @@ static __global__ void __launch_bounds__(kGemvThreads, 2)
     float acc0 = 0.f, acc1 = 0.f;
     dot_iter<WHOLE>(it, st.xs, lane, P.K / 16, acc0, acc1);
     tr.iter();
-    finish_pair<EP>(P, pairs, rope, pr, p, acc0, acc1, x_scale, top);
+    finish_pair<EP, BIAS>(P, pairs, rope, pr, p, acc0, acc1, x_scale, top);
     p += stride;
   }
   if constexpr (EP == Ep::SwiGLU) {
@@ -160,7 +166,8 @@ static __global__ void __launch_bounds__(kGemvThreads, 2)
         if (q >= n_pairs) break;
         grab = t_ctr;
       }
-      finish_rows<EP, WHOLE, TAIL>(P, pairs, rope, pr, st.xs, x_scale, q, 0, 0.f, 0.f, policy, tr, top, grab, &ticket);
+      finish_rows<EP, BIAS, WHOLE, TAIL>(P, pairs, rope, pr, st.xs, x_scale, q, 0, 0.f, 0.f, policy, tr, top, grab,
+                                         &ticket);
       p += stride;
       own = !ticketed && p < n_pairs;
     }
@@ -171,7 +178,7 @@ static __global__ void __launch_bounds__(kGemvThreads, 2)
     }
   } else {
     for (; p < n_pairs; p += stride)
-      finish_rows<EP, WHOLE, TAIL>(P, pairs, rope, pr, st.xs, x_scale, p, 0, 0.f, 0.f, policy, tr, top);
+      finish_rows<EP, BIAS, WHOLE, TAIL>(P, pairs, rope, pr, st.xs, x_scale, p, 0, 0.f, 0.f, policy, tr, top);
   }
   if constexpr (EP == Ep::Store) {
     // The head's argmax for the greedy sampler: the block's largest key over its warps' lane 0s.
@@ -206,13 +213,13 @@ void gemv_trace_arm(const trace::Buf& b) { AF_CUDA_CHECK(cudaMemcpyToSymbol(g_tr
 
 // ---- launchers ----
 
-// How many blocks of gemv_w8a16_kernel<EP, IN, WHOLE, TAIL> with `smem` bytes of dynamic shared
+// How many blocks of gemv_w8a16_kernel<EP, IN, WHOLE, TAIL, BIAS> with `smem` bytes of dynamic shared
 // memory are resident at once on the current device: 2 per SM, fewer only if fewer fit. The first
 // launch of a (device, smem) queries it and raises the kernel's dynamic limit to what it needs (not
 // only above 48 KB: the default limit counts the static `red` too, so K = 12288, exactly 48 KB of x,
 // failed); later launches take it from the cache, so eager mode does not pay the queries on every
 // GEMV (a captured graph pays them once either way). Host-side, capture-safe.
-template <Ep EP, In IN, bool WHOLE, bool TAIL>
+template <Ep EP, In IN, bool WHOLE, bool TAIL, bool BIAS>
 static int resident_blocks(size_t smem) {
   struct Seen {
     int device;
@@ -235,32 +242,34 @@ static int resident_blocks(size_t smem) {
   AF_CUDA_CHECK(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   AF_CHECK(smem <= static_cast<size_t>(smem_optin), "gemv_w8a16: K too large to stage x in shared memory");
   if (smem > raised)
-    AF_CUDA_CHECK(cudaFuncSetAttribute(gemv_w8a16_kernel<EP, IN, WHOLE, TAIL>,
+    AF_CUDA_CHECK(cudaFuncSetAttribute(gemv_w8a16_kernel<EP, IN, WHOLE, TAIL, BIAS>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   int per_sm = 0;
-  AF_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_w8a16_kernel<EP, IN, WHOLE, TAIL>,
+  AF_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_w8a16_kernel<EP, IN, WHOLE, TAIL, BIAS>,
                                                               kGemvThreads, smem));
   AF_CHECK(per_sm >= 1, "gemv_w8a16: kernel does not fit on an SM");
   seen.push_back({device, smem, sms * std::min(per_sm, 2)});
   return seen.back().blocks;
 }
 
-// The three instances of one (EP, IN): whole steps, a ragged last step, and a ragged last step with
-// the tail group (whole steps never have one).
-template <Ep EP, In IN>
+// The three instances of one (EP, IN, BIAS): whole steps, a ragged last step, and a ragged last
+// step with the tail group (whole steps never have one).
+template <Ep EP, In IN, bool BIAS = false>
 static int resident_blocks_of(bool whole, bool tail, size_t smem) {
-  if (whole) return resident_blocks<EP, IN, true, false>(smem);
-  return tail ? resident_blocks<EP, IN, false, true>(smem) : resident_blocks<EP, IN, false, false>(smem);
+  if (whole) return resident_blocks<EP, IN, true, false, BIAS>(smem);
+  return tail ? resident_blocks<EP, IN, false, true, BIAS>(smem) : resident_blocks<EP, IN, false, false, BIAS>(smem);
 }
 
-int gemv_resident_blocks(Epilogue ep, GemvIn in, bool whole, bool tail, size_t smem) {
+int gemv_resident_blocks(Epilogue ep, GemvIn in, bool whole, bool tail, bool bias, size_t smem) {
   AF_CHECK(!(whole && tail), "gemv_w8a16: a row of whole steps has no tail group");
-  // The instances the launchers below use: RopeKV only with the fused RMSNorm.
+  AF_CHECK(!bias || ep == Ep::RopeKV, "gemv_w8a16: a bias is the RopeKV epilogue's only");
+  // The instances the launchers below use: RopeKV only with the fused RMSNorm, with or without bias.
   const auto by_in = [&](auto ep_c) {
     constexpr Ep EP = decltype(ep_c)::value;
     if constexpr (EP == Ep::RopeKV) {
       AF_CHECK(in == In::NORM, "gemv_w8a16: the RopeKV epilogue needs the fused RMSNorm");
-      return resident_blocks_of<EP, In::NORM>(whole, tail, smem);
+      return bias ? resident_blocks_of<EP, In::NORM, true>(whole, tail, smem)
+                  : resident_blocks_of<EP, In::NORM, false>(whole, tail, smem);
     } else {
       switch (in) {
         case In::BF16: return resident_blocks_of<EP, In::BF16>(whole, tail, smem);
@@ -282,31 +291,32 @@ int gemv_resident_blocks(Epilogue ep, GemvIn in, bool whole, bool tail, size_t s
 // The plan's launch: the kernel instance, grid and shared memory it names, and its per-warp choices
 // in the Product. resident_blocks (cached) makes sure the instance's shared memory limit admits
 // plan.smem on this device.
-template <Ep EP, In IN, bool WHOLE, bool TAIL>
+template <Ep EP, In IN, bool WHOLE, bool TAIL, bool BIAS>
 static void launch_gemv_as(const GemvPlan& plan, Product P, float eps, const RopeKVArgs& rope, cudaStream_t stream) {
-  AF_CHECK((resident_blocks<EP, IN, WHOLE, TAIL>(plan.smem) >= plan.blocks),
+  AF_CHECK((resident_blocks<EP, IN, WHOLE, TAIL, BIAS>(plan.smem) >= plan.blocks),
            "gemv_w8a16: the plan's grid does not fit");
   P.staged_warps = plan.staged_warps;
   P.pre_warps = plan.pre_warps;
   if (!plan.ticketed) P.tickets = nullptr;
-  af_launch(gemv_w8a16_kernel<EP, IN, WHOLE, TAIL>, dim3(plan.blocks), dim3(kGemvThreads), plan.smem, stream, P, eps,
-            rope);
+  af_launch(gemv_w8a16_kernel<EP, IN, WHOLE, TAIL, BIAS>, dim3(plan.blocks), dim3(kGemvThreads), plan.smem, stream, P,
+            eps, rope);
 }
 
-template <Ep EP, In IN>
+template <Ep EP, In IN, bool BIAS = false>
 static void launch_gemv(const GemvPlan& plan, const uint8_t* w, const float* scales, const void* x, const bf16* norm_w,
                         float eps, int N, int K, void* out, const RopeKVArgs& rope, cudaStream_t stream,
                         unsigned* tickets = nullptr, uint64_t* best = nullptr, int* f16_overflow = nullptr) {
-  AF_CHECK(plan.ep == EP && plan.in == IN && plan.N == N && plan.K == K && plan.whole == gemv_whole_steps(K) &&
-               plan.tail == gemv_tail_group(K) && plan.threads == kGemvThreads && plan.blocks >= 1,
-           "gemv_w8a16: the plan is not this launch's (plan_gemv(ep, in, N, K))");
+  AF_CHECK(plan.ep == EP && plan.in == IN && plan.bias == BIAS && plan.N == N && plan.K == K &&
+               plan.whole == gemv_whole_steps(K) && plan.tail == gemv_tail_group(K) && plan.threads == kGemvThreads &&
+               plan.blocks >= 1,
+           "gemv_w8a16: the plan is not this launch's (plan_gemv(ep, in, N, K, knobs, bias))");
   const Product P{w, scales, x, norm_w, N, K, out, 0, tickets, best, f16_overflow, 0};
   if (plan.whole)
-    launch_gemv_as<EP, IN, true, false>(plan, P, eps, rope, stream);
+    launch_gemv_as<EP, IN, true, false, BIAS>(plan, P, eps, rope, stream);
   else if (plan.tail)
-    launch_gemv_as<EP, IN, false, true>(plan, P, eps, rope, stream);
+    launch_gemv_as<EP, IN, false, true, BIAS>(plan, P, eps, rope, stream);
   else
-    launch_gemv_as<EP, IN, false, false>(plan, P, eps, rope, stream);
+    launch_gemv_as<EP, IN, false, false, BIAS>(plan, P, eps, rope, stream);
 }
 
 static void check_args(const uint8_t* w, const void* x, int N, int K) {
@@ -361,9 +371,15 @@ void gemv_w8a16_rmsnorm_rope(const GemvPlan& plan, const uint8_t* w, const float
            "gemv_w8a16_rmsnorm_rope: head_dim must be even and <= 1024");
   AF_CHECK(rope.inv_freq && rope.pos && rope.q_out && rope.k_cache && rope.v_cache,
            "gemv_w8a16_rmsnorm_rope: null pointer argument");
+  // The plan names the instance, with or without the bias add: the bias is given iff it is the bias one.
+  AF_CHECK(plan.bias == (rope.bias != nullptr),
+           "gemv_w8a16_rmsnorm_rope: rope.bias must be given iff the plan is for a bias (plan_gemv(..., bias))");
   const int N = (rope.H + 2 * rope.Hkv) * rope.D;
   check_args(w, x, N, K);
-  launch_gemv<Ep::RopeKV, In::NORM>(plan, w, scales, x, norm_w, eps, N, K, nullptr, rope, stream);
+  if (plan.bias)
+    launch_gemv<Ep::RopeKV, In::NORM, true>(plan, w, scales, x, norm_w, eps, N, K, nullptr, rope, stream);
+  else
+    launch_gemv<Ep::RopeKV, In::NORM, false>(plan, w, scales, x, norm_w, eps, N, K, nullptr, rope, stream);
 }
 
 void gemv_w8a16_rmsnorm_argmax(const GemvPlan& plan, const uint8_t* w, const float* scales, const float* x,

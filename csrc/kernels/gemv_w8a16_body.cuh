@@ -404,26 +404,32 @@ static __device__ float stage_x(const Product& P, float eps, const Staging& st, 
 
 // What an epilogue reads from earlier kernels, loaded by lane 0 right after the PDL wait, while x is
 // staged, instead of after the math: the position (RopeKV), and for AddResidual the residual values
-// of the warp's first row pair p0 (later pairs load theirs in the epilogue); for RopeKV with a bias,
+// of the warp's first row pair p0 (later pairs load theirs in the epilogue); for RopeKV with BIAS,
 // the bias of p0's rows the same way.
+//
+// BIAS (RopeKV only): the epilogue adds rope.bias (Qwen2's q/k/v biases) before RoPE. A compile-time
+// choice, not a null test, so that the instances without it keep the machine code they had before
+// biases existed (docs/design/gemv_w8a16.md).
 struct Prior {
   float r0, r1;
   int p0;
   int pos;
 };
 
-template <Ep EP>
+template <Ep EP, bool BIAS>
 static __device__ __forceinline__ Prior load_prior(const Product& P, const RowPairs<EP>& pairs, const RopeKVArgs& rope,
                                                    int p0) {
   Prior pr{0.f, 0.f, p0, 0};
   if (threadIdx.x % 32 != 0) return pr;
   if constexpr (EP == Ep::RopeKV) {
     pr.pos = *rope.pos;  // plain (coherent) load: the previous step wrote it
-    if (rope.bias != nullptr && p0 < pairs.count()) {
-      int r0, r1;
-      pairs.rows(p0, r0, r1);
-      pr.r0 = rope.bias[r0];
-      pr.r1 = rope.bias[r1];
+    if constexpr (BIAS) {
+      if (p0 < pairs.count()) {
+        int r0, r1;
+        pairs.rows(p0, r0, r1);
+        pr.r0 = rope.bias[r0];
+        pr.r1 = rope.bias[r1];
+      }
     }
   }
   if constexpr (EP == Ep::AddResidual) {
@@ -439,7 +445,7 @@ static __device__ __forceinline__ Prior load_prior(const Product& P, const RowPa
 }
 
 // Row pair p's two complete sums (lane 0 of the warp stores them): apply the epilogue.
-template <Ep EP>
+template <Ep EP, bool BIAS>
 static __device__ __forceinline__ void store_pair(const Product& P, const RowPairs<EP>& pairs, const RopeKVArgs& rope,
                                                   const Prior& pr, int p, float acc0, float acc1) {
   int r0, r1;
@@ -448,7 +454,7 @@ static __device__ __forceinline__ void store_pair(const Product& P, const RowPai
     const float silu = acc0 / (1.f + expf(-acc0));
     static_cast<uint16_t*>(P.out)[p] = act16_bits(silu * acc1, P.f16_overflow);  // act16.cuh
   } else if constexpr (EP == Ep::RopeKV) {
-    if (rope.bias != nullptr) {  // one rounded add each (no FMA with the scaling), as rope_kv_append adds it
+    if constexpr (BIAS) {  // one rounded add each (no FMA with the scaling), as rope_kv_append adds it
       acc0 = __fadd_rn(acc0, p == pr.p0 ? pr.r0 : rope.bias[r0]);
       acc1 = __fadd_rn(acc1, p == pr.p0 ? pr.r1 : rope.bias[r1]);
     }
@@ -496,7 +502,7 @@ static __device__ __forceinline__ void store_pair(const Product& P, const RowPai
 // A row pair's partial sums sit in the 8 lanes that hold D's diagonal (dot_chunk): reduce them,
 // undo x's scaling, lane 0 stores, and the warp reconverges before its next loads (a lane left
 // behind would replay the whole next row pair's loads and math on its own).
-template <Ep EP>
+template <Ep EP, bool BIAS>
 static __device__ __forceinline__ void finish_pair(const Product& P, const RowPairs<EP>& pairs, const RopeKVArgs& rope,
                                                    const Prior& pr, int p, float acc0, float acc1, float x_scale,
                                                    uint64_t& top) {
@@ -509,7 +515,7 @@ static __device__ __forceinline__ void finish_pair(const Product& P, const RowPa
   }
   if (lane == 0) {
     const float y0 = acc0 * x_scale, y1 = acc1 * x_scale;
-    store_pair<EP>(P, pairs, rope, pr, p, y0, y1);
+    store_pair<EP, BIAS>(P, pairs, rope, pr, p, y0, y1);
     if constexpr (EP == Ep::Store) {  // the head's argmax (P.best): lane 0's running max of what it stored
       int r0, r1;
       pairs.rows(p, r0, r1);
@@ -528,7 +534,7 @@ static __device__ __forceinline__ void finish_pair(const Product& P, const RowPa
 // SwiGLU's ticketed pairs (Tickets): with `grab`, lane 0 takes the warp's next ticket into *ticket
 // right after the first iteration's loads are issued, so the atomic's round trip runs beside
 // theirs (issued before them, it held the loads: they share its scoreboard).
-template <Ep EP, bool WHOLE, bool TAIL>
+template <Ep EP, bool BIAS, bool WHOLE, bool TAIL>
 static __device__ __forceinline__ void finish_rows(const Product& P, const RowPairs<EP>& pairs, const RopeKVArgs& rope,
                                                    const Prior& pr, const uint4* xs, float x_scale, int p, int base,
                                                    float acc0, float acc1, uint64_t policy, WarpTrace& tr,
@@ -547,7 +553,7 @@ static __device__ __forceinline__ void finish_rows(const Product& P, const RowPa
     dot_iter<WHOLE>(it, xs, base + lane, C, acc0, acc1);
     tr.iter();
   }
-  finish_pair<EP>(P, pairs, rope, pr, p, acc0, acc1, x_scale, top);
+  finish_pair<EP, BIAS>(P, pairs, rope, pr, p, acc0, acc1, x_scale, top);
 }
 
 }  // namespace atomflow::kernels

@@ -77,27 +77,29 @@ const char* in_name(GemvIn in) {
 
 }  // namespace
 
-GemvPlan plan_gemv(Epilogue ep, GemvIn in, int N, int K, const GemvKnobs& knobs) {
+GemvPlan plan_gemv(Epilogue ep, GemvIn in, int N, int K, const GemvKnobs& knobs, bool bias) {
   AF_CHECK(N >= 1 && K >= kGemvKStep && K % kGemvKStep == 0, "plan_gemv: N >= 1, K a multiple of 64");
   AF_CHECK((ep != Epilogue::SwiGLU && ep != Epilogue::RopeKV) || N % 2 == 0,
            "plan_gemv: SwiGLU and RopeKV need an even N");
   AF_CHECK(ep != Epilogue::RopeKV || in == GemvIn::NORM, "plan_gemv: RopeKV needs the fused RMSNorm");
+  AF_CHECK(!bias || ep == Epilogue::RopeKV, "plan_gemv: a bias is the RopeKV epilogue's only");
   GemvPlan plan{};
   plan.ep = ep;
   plan.in = in;
   plan.N = N;
   plan.K = K;
+  plan.bias = bias;
   plan.whole = gemv_whole_steps(K);
   plan.tail = gemv_tail_group(K);
   plan.threads = kGemvThreads;
   plan.smem = gemv_staging_bytes(in, K);
-  const int resident = gemv_resident_blocks(ep, in, plan.whole, plan.tail, plan.smem);
+  const int resident = gemv_resident_blocks(ep, in, plan.whole, plan.tail, bias, plan.smem);
   const int n_pairs = gemv_row_pairs(ep, N);
   plan.blocks = calc_blocks(n_pairs, resident);
   if (knobs.staged_pair) {
     const int warps = calc_staged_warps(ep, plan.whole, K, n_pairs, plan.blocks);
     const size_t smem = plan.smem + warps * kStagedPairBytes;
-    if (warps > 0 && gemv_resident_blocks(ep, in, plan.whole, plan.tail, smem) == resident) {
+    if (warps > 0 && gemv_resident_blocks(ep, in, plan.whole, plan.tail, bias, smem) == resident) {
       plan.staged_warps = warps;
       plan.smem = smem;
     }
@@ -109,9 +111,10 @@ GemvPlan plan_gemv(Epilogue ep, GemvIn in, int N, int K, const GemvKnobs& knobs)
 
 std::string gemv_variant_name(const GemvPlan& plan) {
   return std::string("gemv_w8a16<") + ep_name(plan.ep) + ", " + in_name(plan.in) +
-         (plan.whole  ? ", whole>"
-          : plan.tail ? ", ragged, tail group>"
-                      : ", ragged>");
+         (plan.whole  ? ", whole"
+          : plan.tail ? ", ragged, tail group"
+                      : ", ragged") +
+         (plan.bias ? ", bias>" : ">");
 }
 
 }  // namespace atomflow::kernels

@@ -62,9 +62,9 @@ constexpr int gemv_row_pairs(Epilogue ep, int N) {
   return ep == Epilogue::SwiGLU || ep == Epilogue::RopeKV ? N / 2 : CEIL_DIV(N, 2);
 }
 
-// gemv_w8a16.cu: blocks of the (ep, in, whole, tail) instance with `smem` bytes of dynamic shared
-// memory resident at once on the current device (2 per SM, fewer only if fewer fit); raises the
-// instance's dynamic shared memory limit to smem the first time.
-int gemv_resident_blocks(Epilogue ep, GemvIn in, bool whole, bool tail, size_t smem);
+// gemv_w8a16.cu: blocks of the (ep, in, whole, tail, bias) instance with `smem` bytes of dynamic
+// shared memory resident at once on the current device (2 per SM, fewer only if fewer fit); raises
+// the instance's dynamic shared memory limit to smem the first time. bias: RopeKV only.
+int gemv_resident_blocks(Epilogue ep, GemvIn in, bool whole, bool tail, bool bias, size_t smem);
 
 }  // namespace atomflow::kernels

@@ -56,7 +56,7 @@ enum class Epilogue : int {
   AddResidual = 1,  // out fp32 [M, N]:  out += y      (O and down projections)
   SwiGLU = 2,       // N = 2F, out bf16 [M, F]: out = silu(y[:, :F]) * y[:, F:]   (fused gate/up)
                     //   (the GEMVs: fp16 given f16_overflow, kF16Max)
-  RopeKV = 3,       // the decode QKV GEMV only (gemv_w8a16_rmsnorm_rope): RoPE + KV append
+  RopeKV = 3,       // the decode QKV GEMV only (gemv_w8a16_rmsnorm_rope): RoPE + KV append (+ bias)
 };
 // What a GEMV reads as x: 16-bit activations (Act's values), or the fp32 residual stream that its
 // prologue normalizes (RMSNorm fused).
@@ -71,6 +71,8 @@ struct GemvPlan {
   int N, K;
   bool whole;        // K % 512 == 0: the instance whose loads need no clamp at a row's end
   bool tail;         // K % 128 == 64: the instance whose rows end in a 64-column scale group (never whole)
+  bool bias;         // RopeKV: the instance that adds RopeKVArgs::bias (the model's attention_bias);
+                     // without, the instance has no trace of a bias in its machine code
   int blocks;        // grid: at most the blocks resident at once (2 per SM), fewer when there are
                      // fewer row pairs than resident warps
   int threads;       // per block (256: 8 warps)
@@ -85,10 +87,11 @@ struct GemvKnobs {
   bool staged_pair = true;
   bool tickets = true;
 };
-// Needs the device (occupancy): call with the GPU that will run the launch current.
-GemvPlan plan_gemv(Epilogue ep, GemvIn in, int N, int K, const GemvKnobs& knobs = {});
-// "gemv_w8a16<RopeKV, NORM, whole>" (or "ragged", "ragged, tail group"): the kernel instance a plan
-// launches.
+// Needs the device (occupancy): call with the GPU that will run the launch current. bias (RopeKV
+// only): plan the instance that adds a bias (GemvPlan::bias).
+GemvPlan plan_gemv(Epilogue ep, GemvIn in, int N, int K, const GemvKnobs& knobs = {}, bool bias = false);
+// "gemv_w8a16<RopeKV, NORM, whole>" (or "ragged", "ragged, tail group"; then ", bias" for the bias
+// instance): the kernel instance a plan launches.
 std::string gemv_variant_name(const GemvPlan& plan);
 
 // M = 1 decode. K % 64 == 0, scales [N, ceil(K / 128)]. Weights read exactly once with 16-byte
@@ -116,7 +119,9 @@ void gemv_w8a16_rmsnorm(const GemvPlan& plan, const uint8_t* w, const float* sca
 // by rope_kv_append(M = 1, QkvExtras{bias}) writes (q_out, the cache rows at *pos), bit-identical,
 // in one launch. No per-head q/k RMSNorm: a warp holds two outputs of a head, never all D of them
 // (the step plan sends qk_norm models to the two launches, step_plan.h).
-// plan: plan_gemv(Epilogue::RopeKV, GemvIn::NORM, (H + 2 Hkv) * D, K).
+// plan: plan_gemv(Epilogue::RopeKV, GemvIn::NORM, (H + 2 Hkv) * D, K, knobs, bias = rope.bias != null):
+// the bias is a compile-time choice of the instance (plan.bias), so the launch fails unless
+// rope.bias is given exactly when the plan's instance adds it.
 struct RopeKVArgs {
   const float* inv_freq;  // [D / 2]
   const int32_t* pos;     // device: the token's position (the cache row it fills)
@@ -124,7 +129,7 @@ struct RopeKVArgs {
   bf16* q_out;    // [H, D]
   bf16* k_cache;  // [max_context, Hkv, D]
   bf16* v_cache;
-  const float* bias = nullptr;  // fp32 [(H + 2 Hkv) D], added to each output before RoPE (Qwen2); null: none
+  const float* bias = nullptr;  // fp32 [(H + 2 Hkv) D], added to each output before RoPE (Qwen2); iff plan.bias
 };
 void gemv_w8a16_rmsnorm_rope(const GemvPlan& plan, const uint8_t* w, const float* scales, const float* x,
                              const bf16* norm_w, float eps, int K, const RopeKVArgs& rope, cudaStream_t stream);

@@ -44,11 +44,12 @@ struct StepPlan {
   int short_keys = 0;
 
   // The decode step's QKV path. Fused (fused_qkv): one launch, qkv = (RopeKV, NORM): RMSNorm + QKV
-  // GEMV (+ bias) + RoPE + KV append. Split: qkv = (Store, NORM) into the activation buffer, then
-  // rope_kv_append (bias, per-head q/k RMSNorm, RoPE, KV append). A model with per-head q/k RMSNorm
-  // (qk_norm, Qwen3) takes the split path: the norm needs a head's D outputs together, and each warp
-  // of the fused epilogue holds two of them (qkv_fusable in step_plan.cpp). Attention reads the cache
-  // early only after the fused launch (kernels.h, attention's `early`).
+  // GEMV (+ bias: with attention_bias, the instance that adds it, qkv.bias) + RoPE + KV append.
+  // Split: qkv = (Store, NORM) into the activation buffer, then rope_kv_append (bias, per-head q/k
+  // RMSNorm, RoPE, KV append). A model with per-head q/k RMSNorm (qk_norm, Qwen3) takes the split
+  // path: the norm needs a head's D outputs together, and each warp of the fused epilogue holds two of
+  // them (qkv_fusable in step_plan.cpp). Attention reads the cache early only after the fused launch
+  // (kernels.h, attention's `early`).
   bool fused_qkv = true;
   // The decode step's products (M = 1), in launch order. o and down run on fp16 x while the
   // activations are fp16 and on bf16 x after an overflow (or from load without f16_activations).
