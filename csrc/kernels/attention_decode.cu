@@ -44,13 +44,20 @@
 // each sequence has its own length. For the same keys and split count every policy does the same
 // arithmetic in the same order (bit-identical results).
 //
-// Contract of attention_kernel<KV, D, G, QT>, grid (Hkv x hm.blocks, splits padded to whole clusters,
-// B x query tiles) x 128 threads, in clusters of (1, plan.cluster, 1) when plan.cluster > 1:
+// Query heads per block: the exact instances (head_dim 64 and 128, G = H / Hkv in {1, 2, 3, 4, 6, 8}:
+// the Llama shapes) serve all G query heads of kv head blockIdx.x, with no mapping arithmetic in
+// their machine code. Every other shape runs a HeadMapped<policy> instance, which carries a HeadMap:
+// padded ratios (5 -> 6, 7 -> 8; a block's rows past its heads are masked), ratios past 8 over
+// several blocks per kv head, and head_dim 80, 96, 256 (for_shape picks from the shape).
+//
+// Contract of attention_kernel<KV, D, G, QT>, grid (Hkv x blocks per kv head (1 unless HeadMapped),
+// splits padded to whole clusters, B x query tiles) x 128 threads, in clusters of (1, plan.cluster, 1)
+// when plan.cluster > 1:
 //  Inputs   q bf16 [B * M, H, D]; K / V bf16 rows as the policy addresses them ([capacity, Hkv, D]
 //           per sequence for ContiguousKV); the sequence's start (*pos, or lens[b] - M) in device
 //           memory; scale folded into q with log2 e. D in {64, 80, 96, 128, 256}; G in {1,2,3,4,6,8}
-//           (1..4 at D = 256) query heads of kv head blockIdx.x / hm.blocks per block, the call's
-//           H / Hkv in 1..16 mapped onto them by HeadMap (a block's rows past its heads are masked).
+//           (1..4 at D = 256) query heads per block: H / Hkv exactly, or HeadMapped's share of the
+//           call's H / Hkv in 1..16 (kv head blockIdx.x / hm.blocks).
 //  Before its PDL wait (pdl.cuh) only with `early` (the core's decode, whose QKV GEMV triggers after
 //           its own wait): *pos and the cached K / V rows below it (earlier steps' rows). Otherwise
 //           nothing: the wait comes first.
@@ -182,6 +189,43 @@ struct PagedKV {
   }
 };
 
+// Any policy above, with blocks serving a HeadMap's share of their kv head's query heads (grid.x =
+// Hkv x hm.blocks) instead of exactly G: the shapes the exact instances are not built for
+// (for_shape). The mapping's arithmetic is in these instances only.
+template <class KV>
+struct HeadMapped : KV {
+  HeadMap hm;
+};
+template <class KV>
+constexpr bool kHeadMapped = false;
+template <class KV>
+constexpr bool kHeadMapped<HeadMapped<KV>> = true;
+
+// The block's kv head h and its query heads first_head(h) .. first_head(h) + block_heads() - 1 (at
+// most G). Functions, not values: an exact instance computes h * G at each use (held in a variable, it
+// moved the Llama shapes' machine code and registers: docs/design/attention_decode.md).
+template <class KV>
+static __device__ __forceinline__ int kv_head(const KV& kv) {
+  if constexpr (kHeadMapped<KV>)
+    return blockIdx.x / kv.hm.blocks;
+  else
+    return blockIdx.x;
+}
+template <int G, class KV>
+static __device__ __forceinline__ int first_head(const KV& kv, int h) {
+  if constexpr (kHeadMapped<KV>)
+    return h * kv.hm.group + blockIdx.x % kv.hm.blocks * kv.hm.per;
+  else
+    return h * G;
+}
+template <int G, class KV>
+static __device__ __forceinline__ int block_heads(const KV& kv) {
+  if constexpr (kHeadMapped<KV>)
+    return min(kv.hm.per, kv.hm.group - blockIdx.x % kv.hm.blocks * kv.hm.per);
+  else
+    return G;
+}
+
 // Keys seen by the last query of sequence b, clamped so a bad position never reads past its capacity.
 template <class KV>
 static __device__ __forceinline__ int call_keys(const KV& kv, int b, int M) {
@@ -228,15 +272,15 @@ static __device__ __forceinline__ void store_out4(void* __restrict__ out, size_t
 // the same arithmetic in the same order as the merge from the scratch in attention_kernel (each
 // output sums SPL contiguous ranges of splits, then adds the ranges in order), so a group's output
 // has the same bits whichever way its partials travelled.
-template <int R, int D, int G, int SPL, int CS>
+template <int R, int D, int G, int SPL, int CS, class KV>
 static __device__ __forceinline__ void merge_in_cluster(const float4 (&acc)[CS][R][D / 4], const float2 (&ml)[CS][R],
-                                                        int n_splits, int b, int M, int m0, int H, int hq0, int nq,
-                                                        void* __restrict__ out, int* f16_overflow) {
+                                                        int n_splits, int b, int M, int m0, int H, const KV& kv, int h,
+                                                        int nq, void* __restrict__ out, int* f16_overflow) {
   constexpr int C4 = D / 4;
   const int per = CEIL_DIV(n_splits, SPL);
   for (int idx = threadIdx.x; idx < R * C4; idx += kAttnThreads) {
     const int r = idx / C4, c = idx % C4;
-    if (m0 + r / G >= M || r % G >= nq) continue;
+    if (m0 + r / G >= M || (kHeadMapped<KV> && r % G >= nq)) continue;
     float mx = kNegInit;
     for (int s = 0; s < n_splits; ++s) mx = fmaxf(mx, ml[s][r].x);
     float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -265,7 +309,7 @@ static __device__ __forceinline__ void merge_in_cluster(const float4 (&acc)[CS][
         l += tl;
       }
     }
-    const size_t o_row = (static_cast<size_t>(b) * M + m0 + r / G) * H + hq0 + r % G;
+    const size_t o_row = (static_cast<size_t>(b) * M + m0 + r / G) * H + first_head<G>(kv, h) + r % G;
     const float inv_l = 1.f / l;  // > 0: split 0 holds key 0, seen by every query
     store_out4<D>(out, o_row, c, o.x * inv_l, o.y * inv_l, o.z * inv_l, o.w * inv_l, f16_overflow);
   }
@@ -284,8 +328,9 @@ static __device__ __forceinline__ void merge_in_cluster(const float4 (&acc)[CS][
 // new key (row pos, written by the QKV GEMV) are read after it.
 template <class KV, int D, int G, int QT>
 static __global__ void __launch_bounds__(kAttnThreads)
-    attention_kernel(const bf16* q, KV kv, int M, int H, int Hkv, HeadMap hm, int s_max, float q_scale, int* counters,
+    attention_kernel(const bf16* q, KV kv, int M, int H, int Hkv, int s_max, float q_scale, int* counters,
                      float* part_acc, float* part_ml, void* __restrict__ out, int* f16_overflow, bool early) {
+  constexpr bool MAPPED = kHeadMapped<KV>;                        // rows past the block's heads are masked
   constexpr int LD = D / 8;                                       // lanes holding a key row's data (16 B each)
   constexpr int LPR = kLanesPerRow<D>;                            // lanes per key row: LD padded to a power of two
   constexpr int GPW = 32 / LPR;                                   // key streams per warp
@@ -332,12 +377,10 @@ static __global__ void __launch_bounds__(kAttnThreads)
   // (docs/design/attention_decode.md).
   if (!early) pdl_wait();
   const int tiles = CEIL_DIV(M, QT);
-  const int h = blockIdx.x / hm.blocks, split = blockIdx.y, b = blockIdx.z / tiles, m0 = (blockIdx.z % tiles) * QT;
-  // This block's query heads: hq0 .. hq0 + nq - 1 (nq <= G), share blockIdx.x % hm.blocks of kv head h's.
-  // Row r = (token m0 + r / G, head hq0 + r % G) is a row of the call while valid(r).
-  const int hq0 = h * hm.group + (blockIdx.x % hm.blocks) * hm.per;
-  const int nq = min(hm.per, hm.group - (blockIdx.x % hm.blocks) * hm.per);
-  const auto valid = [&](int r) { return m0 + r / G < M && r % G < nq; };
+  const int h = kv_head(kv), split = blockIdx.y, b = blockIdx.z / tiles, m0 = (blockIdx.z % tiles) * QT;
+  // Row r = (token m0 + r / G, head first_head(h) + r % G) is a row of the call while valid(r).
+  const int nq = block_heads<G>(kv);
+  const auto valid = [&](int r) { return m0 + r / G < M && (!MAPPED || r % G < nq); };
   const int pos = kv.seq.start(b);
   const int n_keys = call_keys(kv, b, M);
   const auto [n_active, chunk] = plan_splits<NS * KT>(n_keys, s_max);
@@ -401,8 +444,8 @@ static __global__ void __launch_bounds__(kAttnThreads)
   load_rows(kb, cached, ke, kr, vr);
   entries(kb + NS * KT);
 
-  // Row r = (query token m0 + r / G, head hq0 + r % G): this lane's 8 q values, prescaled (zero on a
-  // padding lane, li >= LD, and on a row past the call's, which sees no keys).
+  // Row r = (query token m0 + r / G, head first_head(h) + r % G): this lane's 8 q values, prescaled
+  // (zero on a padding lane, li >= LD, and on a row past the call's, which sees no keys).
   float qf[R][8];
   int end_r[R];  // exclusive key bound of row r in this block (causal and split)
 #pragma unroll
@@ -410,9 +453,10 @@ static __global__ void __launch_bounds__(kAttnThreads)
     const int m = m0 + r / G;
     if (valid(r)) {
       const size_t row = static_cast<size_t>(b) * M + m;
-      const uint4 raw = LD == LPR || li < LD
-                            ? __ldcg(reinterpret_cast<const uint4*>(q + (row * H + hq0 + r % G) * D) + li)
-                            : make_uint4(0, 0, 0, 0);
+      const uint4 raw =
+          LD == LPR || li < LD
+              ? __ldcg(reinterpret_cast<const uint4*>(q + (row * H + first_head<G>(kv, h) + r % G) * D) + li)
+              : make_uint4(0, 0, 0, 0);
       bf16x8_to_float(raw, qf[r]);
 #pragma unroll
       for (int e = 0; e < 8; ++e) qf[r][e] *= q_scale;
@@ -561,7 +605,7 @@ static __global__ void __launch_bounds__(kAttnThreads)
       if (d == 0) cl_ml0[split * R + r] = make_float2(mx, l);
       continue;
     }
-    const size_t p = ((static_cast<size_t>(b) * M + m) * H + hq0 + r % G) * s_max + split;
+    const size_t p = ((static_cast<size_t>(b) * M + m) * H + first_head<G>(kv, h) + r % G) * s_max + split;
     part_acc[p * D + d] = a;
     if (d == 0) {
       part_ml[2 * p] = mx;
@@ -578,7 +622,7 @@ static __global__ void __launch_bounds__(kAttnThreads)
     }
     __cluster_barrier_wait();  // acquire: every active split's partial
     stamp(kATicket);           // the leader: every partial in
-    merge_in_cluster<R, D, G, SPL>(cl_acc, cl_ml, n_splits, b, M, m0, H, hq0, nq, out, f16_overflow);
+    merge_in_cluster<R, D, G, SPL>(cl_acc, cl_ml, n_splits, b, M, m0, H, kv, h, nq, out, f16_overflow);
     stamp(kAMerged);
     flush(true);
     return;
@@ -627,7 +671,7 @@ static __global__ void __launch_bounds__(kAttnThreads)
     // An output not to write still sums (no branch in the loop below) a valid row: row 0's.
     r_of[i] = ok[i] ? idx / C4 : 0;
     c_of[i] = idx % C4;
-    const size_t o_row = (static_cast<size_t>(b) * M + m0 + r_of[i] / G) * H + hq0 + r_of[i] % G;
+    const size_t o_row = (static_cast<size_t>(b) * M + m0 + r_of[i] / G) * H + first_head<G>(kv, h) + r_of[i] % G;
     src[i] = reinterpret_cast<const float4*>(part_acc + o_row * s_max * D) + c_of[i];
     o[i] = make_float4(0.f, 0.f, 0.f, 0.f);
     l[i] = 0.f;
@@ -648,7 +692,7 @@ static __global__ void __launch_bounds__(kAttnThreads)
   for (int r = warp; r < R; r += kAttnWarps) {
     const int m = m0 + r / G;
     if (!valid(r)) continue;
-    const size_t p0 = ((static_cast<size_t>(b) * M + m) * H + hq0 + r % G) * s_max;
+    const size_t p0 = ((static_cast<size_t>(b) * M + m) * H + first_head<G>(kv, h) + r % G) * s_max;
     float2 ml[kMaxSplits / 32];
     float mx = kNegInit;
 #pragma unroll
@@ -708,7 +752,7 @@ static __global__ void __launch_bounds__(kAttnThreads)
   for (int i = 0; i < IPT; ++i) {
     if (part != 0 || !ok[i]) continue;  // part > 0 here: past SPL * NO (NO = 96: threads 96..127)
     const int r = r_of[i];
-    const size_t o_row = (static_cast<size_t>(b) * M + m0 + r / G) * H + hq0 + r % G;
+    const size_t o_row = (static_cast<size_t>(b) * M + m0 + r / G) * H + first_head<G>(kv, h) + r % G;
     const float inv_l = 1.f / l[i];  // > 0: split 0 holds key 0, seen by every query
     store_out4<D>(out, o_row, c_of[i], o[i].x * inv_l, o[i].y * inv_l, o[i].z * inv_l, o[i].w * inv_l, f16_overflow);
   }
@@ -771,9 +815,8 @@ static int cluster_splits(int s_max, bool merge) {
 }
 
 template <class KV, int D, int G, int QT>
-static void launch_attention(const bf16* q, const KV& kv, int B, int M, int H, int Hkv, const HeadMap& hm, int s_max,
-                             int cs, float scale, void* scratch, void* out, int* f16_overflow, cudaStream_t stream,
-                             bool early) {
+static void launch_attention(const bf16* q, const KV& kv, int B, int M, int H, int Hkv, int s_max, int cs, float scale,
+                             void* scratch, void* out, int* f16_overflow, cudaStream_t stream, bool early) {
   AF_CHECK(s_max == max_splits(B * M, kv.capacity) && cs >= 1 && (cs == 1 || cs >= s_max),
            "attention: the plan's splits are not this call's");
   int* counters = static_cast<int*>(scratch);
@@ -783,11 +826,13 @@ static void launch_attention(const bf16* q, const KV& kv, int B, int M, int H, i
   // (split < n_active) come before the ones past it, which only wait for the previous kernel and exit
   // (with the capacity of a default context, 8192 keys, 64 splits: 7 in 8 blocks at 256 keys).
   // grid.y is padded to whole clusters; the padding's blocks are past every n_active and exit.
-  const dim3 grid(Hkv * hm.blocks, CEIL_DIV(s_max, cs) * cs, B * CEIL_DIV(M, QT));
-  const float q_scale = scale * 1.4426950408889634f;  // scores in log2 units: exp2f in the softmax
-  early = early && std::is_same_v<KV, ContiguousKV>;  // a paged table is read with the rows: after the wait
+  int blocks = 1;  // per kv head
+  if constexpr (kHeadMapped<KV>) blocks = kv.hm.blocks;
+  const dim3 grid(Hkv * blocks, CEIL_DIV(s_max, cs) * cs, B * CEIL_DIV(M, QT));
+  const float q_scale = scale * 1.4426950408889634f;     // scores in log2 units: exp2f in the softmax
+  early = early && std::is_base_of_v<ContiguousKV, KV>;  // a paged table is read with the rows: after the wait
   af_launch_clusters(attention_kernel<KV, D, G, QT>, grid, dim3(kAttnThreads), dim3(1, cs, 1), 0, stream, q, kv, M, H,
-                     Hkv, hm, s_max, q_scale, counters, part_acc, part_ml, out, f16_overflow, early);
+                     Hkv, s_max, q_scale, counters, part_acc, part_ml, out, f16_overflow, early);
 }
 
 // Decode uses one query token per block; prefill chunks tile QT tokens so that G * QT <= kMaxGroup<D>
@@ -805,11 +850,13 @@ static HeadMap head_map(int D, int group) {
   return {group, blocks, CEIL_DIV(group, blocks)};
 }
 
-// fn(D, G, QT) as std::integral_constants, for the head dims and GQA group sizes the kernel is built
-// for and the query tile of M tokens per sequence (1 for decode, kQueryTile<G, D> for a chunk): the
-// one place that maps a call's shape to its template instance. G: the smallest built size that holds
-// the block's heads (head_map). The paged policy is built for head_dim 64 and 128 only (the sandbox's
-// model takes those; each further head_dim costs ~10 instances of compile time per policy).
+// fn(D, G, QT, MAPPED) as std::integral_constants, for the head dims and GQA group sizes the kernel
+// is built for and the query tile of M tokens per sequence (1 for decode, kQueryTile<G, D> for a
+// chunk): the one place that maps a call's shape to its template instance. Head dims 64 and 128 with
+// H / Hkv in {1, 2, 3, 4, 6, 8} run the exact instances (MAPPED false: one block of G = H / Hkv heads
+// per kv head); every other shape runs HeadMapped ones (head_map) of G, the smallest built size that
+// holds a block's heads. The paged policy is built for head_dim 64 and 128 only (the sandbox's model
+// takes those; each further head_dim costs ~10 instances of compile time per policy).
 template <class KV, class Fn>
 static decltype(auto) for_shape(int D, int group, int M, Fn&& fn) {
   constexpr bool every_dim = std::is_same_v<KV, ContiguousKV>;
@@ -820,38 +867,55 @@ static decltype(auto) for_shape(int D, int group, int M, Fn&& fn) {
   AF_CHECK(attention_supported(D, group), "attention: GQA group size H / Hkv must be in 1..16");
   const int per = head_map(D, group).per;
   const int G = per <= 4 ? per : (per <= 6 ? 6 : 8);
-  const auto tile = [&](auto d, auto g) -> decltype(auto) {
+  const bool exact = (D == 64 || D == 128) && G == group;  // hence one block per kv head, no padding
+  using Exact = std::false_type;
+  using Mapped = std::true_type;
+  const auto tile = [&](auto d, auto g, auto mapped) -> decltype(auto) {
     using One = std::integral_constant<int, 1>;
     using Tile = std::integral_constant<int, kQueryTile<decltype(g)::value, decltype(d)::value>>;
-    return M == 1 ? fn(d, g, One{}) : fn(d, g, Tile{});
+    return M == 1 ? fn(d, g, One{}, mapped) : fn(d, g, Tile{}, mapped);
   };
-  const auto group_of = [&](auto d) -> decltype(auto) {
-    switch (G) {
-      case 1: return tile(d, std::integral_constant<int, 1>{});
-      case 2: return tile(d, std::integral_constant<int, 2>{});
-      case 3: return tile(d, std::integral_constant<int, 3>{});
-      case 4: return tile(d, std::integral_constant<int, 4>{});
-      default:
-        if constexpr (kMaxGroup<decltype(d)::value> >= 8) {
-          if (G == 6) return tile(d, std::integral_constant<int, 6>{});
-          return tile(d, std::integral_constant<int, 8>{});
-        } else {
-          return tile(d, std::integral_constant<int, 4>{});  // not reached: per <= kMaxGroup<D>
-        }
+  const auto group_of = [&](auto d, auto mapped) -> decltype(auto) {
+    constexpr int Dc = decltype(d)::value;
+    if constexpr (decltype(mapped)::value && (Dc == 64 || Dc == 128)) {
+      // Not exact at these head dims: 5..16 heads per kv head, hence 5..8 per block.
+      if (G == 6) return tile(d, std::integral_constant<int, 6>{}, mapped);
+      return tile(d, std::integral_constant<int, 8>{}, mapped);
+    } else {
+      switch (G) {
+        case 1: return tile(d, std::integral_constant<int, 1>{}, mapped);
+        case 2: return tile(d, std::integral_constant<int, 2>{}, mapped);
+        case 3: return tile(d, std::integral_constant<int, 3>{}, mapped);
+        case 4: return tile(d, std::integral_constant<int, 4>{}, mapped);
+        default:
+          if constexpr (kMaxGroup<Dc> >= 8) {
+            if (G == 6) return tile(d, std::integral_constant<int, 6>{}, mapped);
+            return tile(d, std::integral_constant<int, 8>{}, mapped);
+          } else {
+            return tile(d, std::integral_constant<int, 4>{}, mapped);  // not reached: per <= kMaxGroup<D>
+          }
+      }
     }
   };
+  using D64 = std::integral_constant<int, 64>;
+  using D128 = std::integral_constant<int, 128>;
   if constexpr (every_dim) {
     switch (D) {
-      case 64: return group_of(std::integral_constant<int, 64>{});
-      case 80: return group_of(std::integral_constant<int, 80>{});
-      case 96: return group_of(std::integral_constant<int, 96>{});
-      case 128: return group_of(std::integral_constant<int, 128>{});
-      default: return group_of(std::integral_constant<int, 256>{});
+      case 64: return exact ? group_of(D64{}, Exact{}) : group_of(D64{}, Mapped{});
+      case 80: return group_of(std::integral_constant<int, 80>{}, Mapped{});
+      case 96: return group_of(std::integral_constant<int, 96>{}, Mapped{});
+      case 128: return exact ? group_of(D128{}, Exact{}) : group_of(D128{}, Mapped{});
+      default: return group_of(std::integral_constant<int, 256>{}, Mapped{});
     }
   } else {
-    return D == 64 ? group_of(std::integral_constant<int, 64>{}) : group_of(std::integral_constant<int, 128>{});
+    if (D == 64) return exact ? group_of(D64{}, Exact{}) : group_of(D64{}, Mapped{});
+    return exact ? group_of(D128{}, Exact{}) : group_of(D128{}, Mapped{});
   }
 }
+
+// The instance's policy: KV itself, or HeadMapped<KV> (for_shape's MAPPED).
+template <class KV, bool MAPPED>
+using PolicyOf = std::conditional_t<MAPPED, HeadMapped<KV>, KV>;
 
 // plan: the contiguous core's (attention()); null for the sandbox's batched and paged calls, which
 // plan here with the cluster merge on.
@@ -861,15 +925,20 @@ static void dispatch(const AttnPlan* plan, const bf16* q, const KV& kv, int B, i
                      int* f16_overflow = nullptr) {
   AF_CHECK(B >= 1 && M >= 1 && H >= 1 && Hkv >= 1, "attention: B, M, H, Hkv must be >= 1");
   AF_CHECK(H % Hkv == 0, "attention: H must be a multiple of Hkv");
-  for_shape<KV>(D, H / Hkv, M, [&](auto d, auto g, auto qt) {
+  for_shape<KV>(D, H / Hkv, M, [&](auto d, auto g, auto qt, auto mapped) {
     constexpr int Dc = decltype(d)::value, Gc = decltype(g)::value, QTc = decltype(qt)::value;
+    using P = PolicyOf<KV, decltype(mapped)::value>;
     const HeadMap hm = head_map(D, H / Hkv);
     AF_CHECK(Hkv * hm.blocks <= kMaxKvHeads, "attention: at most 256 kv heads x blocks per kv head (the counters)");
     AF_CHECK(static_cast<long long>(B) * M <= 65535, "attention: B * M too large for the grid");
     const int s_max = plan ? plan->splits : max_splits(B * M, kv.capacity);
-    const int cs = plan ? plan->cluster : cluster_splits<KV, Dc, Gc, QTc>(s_max, true);
-    launch_attention<KV, Dc, Gc, QTc>(q, kv, B, M, H, Hkv, hm, s_max, cs, scale, scratch, out, f16_overflow, stream,
-                                      early);
+    const int cs = plan ? plan->cluster : cluster_splits<P, Dc, Gc, QTc>(s_max, true);
+    if constexpr (kHeadMapped<P>)
+      launch_attention<P, Dc, Gc, QTc>(q, P{kv, hm}, B, M, H, Hkv, s_max, cs, scale, scratch, out, f16_overflow, stream,
+                                       early);
+    else
+      launch_attention<P, Dc, Gc, QTc>(q, kv, B, M, H, Hkv, s_max, cs, scale, scratch, out, f16_overflow, stream,
+                                       early);
   });
 }
 
@@ -877,9 +946,9 @@ AttnPlan plan_attention(int M, int H, int Hkv, int D, int capacity, bool cluster
   AF_CHECK(M >= 1 && H >= 1 && Hkv >= 1 && capacity >= 1 && H % Hkv == 0,
            "plan_attention: M, H, Hkv, capacity must be >= 1, H a multiple of Hkv");
   AttnPlan plan{M, H, Hkv, D, capacity, max_splits(M, capacity), 1};
-  plan.cluster = for_shape<ContiguousKV>(D, H / Hkv, M, [&](auto d, auto g, auto qt) {
-    return cluster_splits<ContiguousKV, decltype(d)::value, decltype(g)::value, decltype(qt)::value>(plan.splits,
-                                                                                                     cluster_merge);
+  plan.cluster = for_shape<ContiguousKV>(D, H / Hkv, M, [&](auto d, auto g, auto qt, auto mapped) {
+    using P = PolicyOf<ContiguousKV, decltype(mapped)::value>;
+    return cluster_splits<P, decltype(d)::value, decltype(g)::value, decltype(qt)::value>(plan.splits, cluster_merge);
   });
   return plan;
 }
