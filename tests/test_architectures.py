@@ -159,3 +159,80 @@ def test_version1_file_loads(tiny_model_file, tmp_path):
     with pytest.raises(FormatError) as e:
         AtomflowFile(v1)
     assert "format version '3' is not supported" in str(e.value) and "re-quantize" in str(e.value)
+
+
+# tools/make_tiny_model.py's 7-8B presets of the other architectures, shrunk (2 layers, the tiny
+# vocabulary) but with their features: Qwen2.5's q/k/v bias and 7 query heads per KV head,
+# Qwen3's q/k norm (head_dim 128 while hidden / heads = 64), Mistral's plain rope at theta 1e6.
+SHRUNK = {
+    "qwen2.5-7b": dict(hidden=896, intermediate=512, layers=2, heads=7, kv_heads=1, vocab=None),
+    "qwen3-8b": dict(hidden=256, intermediate=512, layers=2, heads=4, kv_heads=1, vocab=None),
+    "mistral-7b": dict(hidden=512, intermediate=512, layers=2, heads=4, kv_heads=1, vocab=None),
+}
+
+
+@pytest.fixture(scope="module")
+def shrunk_models(tmp_path_factory):
+    """preset -> (HF directory, .atomflow file): written by make_tiny_model with the preset table
+    patched to the shrunk shape (two shards), quantized by `atomflow quantize`."""
+    from dataclasses import replace
+
+    from conftest import load_tool
+
+    from atomflow.cli import main
+
+    tool = load_tool("make_tiny_model")
+    out = {}
+    with pytest.MonkeyPatch.context() as mp:
+        for preset, shape in SHRUNK.items():
+            mp.setitem(tool.PRESETS, preset, replace(tool.PRESETS[preset], **shape))
+            d = tool.make_model(tmp_path_factory.mktemp(preset) / "hf", preset=preset, seed=2, shard_size_mb=1)
+            f = d.parent / "m.atomflow"
+            assert main(["quantize", str(d), "-o", str(f), "-q"]) == 0
+            out[preset] = (d, f)
+    return out
+
+
+@pytest.mark.parametrize("preset", list(SHRUNK))
+def test_shrunk_big_presets_decode_like_transformers(shrunk_models, preset):
+    """Greedy tokens on the CPU backend equal transformers' own class on the file's dequantized
+    weights (logits within rel-L2 1e-4), and the first logits are the original checkpoint's, read
+    by transformers from the directory, to FP8 error (no tensor missing, none unexpected)."""
+    import transformers
+    from conftest import load_tool
+
+    from atomflow.engine import Engine
+    from atomflow.sampling import SamplingParams
+
+    hf_ref = load_tool("hf_reference")
+    hf_dir, path = shrunk_models[preset]
+    assert len(list(hf_dir.glob("model-*.safetensors"))) >= 2
+    model = AtomflowFile(path)
+    spec = model.spec
+    arch, extra = {
+        "qwen2.5-7b": ("qwen2", ("bqkv",)),
+        "qwen3-8b": ("qwen3", ("q_norm", "k_norm")),
+        "mistral-7b": ("mistral", ()),
+    }[preset]
+    assert spec.arch == arch and spec.rope_theta == 1e6 and spec.head_dim == 128 and not spec.tie_word_embeddings
+    assert all(f"layers.{i}.{t}" in model.tensors for i in range(spec.num_layers) for t in extra)
+    assert spec.cuda_unsupported() is None
+
+    steps = 5
+    prompt = np.random.default_rng(3).integers(0, spec.vocab_size, 16)
+    want, fed = hf_ref.greedy_logits(hf_ref.load_hf_dequantized(model), prompt, steps)
+    eng = Engine.load(path, backend="cpu", max_context=64)
+    params = SamplingParams(temperature=0.0, max_new_tokens=steps, ignore_eos=True)
+    assert list(eng.generate_tokens(prompt.tolist(), params)) == fed
+    eng.reset()
+    got = [eng.prefill(prompt)] + [eng.decode(t) for t in fed[:-1]]
+    errs = [rel_l2(g, w) for g, w in zip(got, want)]
+    assert max(errs) <= 1e-4, f"vs transformers on the dequantized weights: {np.round(errs, 7)}"
+
+    original, info = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, output_loading_info=True)
+    assert type(original).__name__ == hf_ref.HF_CLASSES[arch][1]
+    assert not (info["missing_keys"] or info["unexpected_keys"] or info["mismatched_keys"]), info
+    with torch.no_grad():
+        orig = original.eval()(torch.tensor([list(prompt)])).logits[0, -1].numpy()
+    err = rel_l2(got[0], orig)
+    assert err < 0.1, f"vs transformers on the original weights: rel-L2 {err:.4f} (FP8 error is ~0.02)"

@@ -87,3 +87,49 @@ def test_gpu_check_decode_row_uses_the_bench_loop(tiny_model_file):
     )
     assert r["efficiency"] == pytest.approx(r["achieved_gbs"] / 100.0)
     assert eng.position == 0
+
+
+def test_gpu_bench_compares_each_shape_with_the_8b(monkeypatch, capsys):
+    """Each row of another preset gets its efficiency minus llama-3.1-8b's in the same mode (the
+    JSON field and the table's `vs 8B` points); none without the 8B in the run; an unknown preset
+    is refused before any GPU work."""
+    from conftest import load_tool
+
+    gpu_bench = load_tool("gpu_bench")
+    row = dict(tpot_ms_p50=2.5, tpot_ms_p99=2.6, tokens_per_s=400.0, bytes_per_token=8e9, achieved_gbs=3000.0, core_load_s=0.4)
+    models = {
+        "llama-3.1-8b/graph": dict(row, efficiency=0.66),
+        "llama-3.1-8b/eager": dict(row, efficiency=0.60),
+        "qwen3-8b/graph": dict(row, efficiency=0.64),
+        "qwen3-8b/eager": dict(row, efficiency=0.61),
+    }
+    gpu_bench.add_efficiency_vs_reference(models)
+    assert gpu_bench.VS_REFERENCE not in models["llama-3.1-8b/graph"]
+    assert models["qwen3-8b/graph"][gpu_bench.VS_REFERENCE] == pytest.approx(-0.02)
+    assert models["qwen3-8b/eager"][gpu_bench.VS_REFERENCE] == pytest.approx(0.01)
+    lines = gpu_bench.table(models).splitlines()
+    assert "vs 8B" in lines[0] and " -2.0 " in lines[3] and " +1.0 " in lines[4] and "+" not in lines[1]
+    alone = {"qwen3-8b/graph": dict(row, efficiency=0.64)}
+    gpu_bench.add_efficiency_vs_reference(alone)
+    assert gpu_bench.VS_REFERENCE not in alone["qwen3-8b/graph"]
+
+    monkeypatch.setattr(sys, "argv", ["gpu_bench.py", "--out", "x.json", "--presets", "llama-3.1-8b,qwen9-1t"])
+    with pytest.raises(SystemExit):
+        gpu_bench.main()
+    assert "unknown qwen9-1t" in capsys.readouterr().err
+
+
+def test_gpu_bench_make_only_drop_hf_keeps_only_the_file(tmp_path, monkeypatch):
+    """--make-only --drop-hf: the file is made, the random HF directory goes once quantized (four
+    7-8B presets' directories would not fit the GPU machine's disk next to their files), nothing
+    is timed; a later run reuses the file."""
+    from conftest import load_tool
+
+    gpu_bench = load_tool("gpu_bench")
+    argv = ["gpu_bench.py", "--out", str(tmp_path / "x.json"), "--presets", "tiny", "--workdir", str(tmp_path)]
+    monkeypatch.setattr(sys, "argv", argv + ["--make-only", "--drop-hf"])
+    assert gpu_bench.main() == 0
+    f = tmp_path / "tiny.atomflow"
+    assert f.is_file() and not (tmp_path / "tiny").exists() and not (tmp_path / "x.json").exists()
+    mtime = f.stat().st_mtime_ns
+    assert gpu_bench.model_file("tiny", tmp_path, drop_hf=True).stat().st_mtime_ns == mtime

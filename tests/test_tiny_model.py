@@ -130,3 +130,65 @@ def test_generation_config_and_specials(tiny_hf_dir):
     ids = {t["content"]: t["id"] for t in vocab}
     assert gen["eos_token_id"] == [ids["<|end_of_text|>"], ids["<|eot_id|>"]]
     assert (gen["bos_token_id"], gen["temperature"], gen["top_p"], gen["do_sample"]) == (ids["<|begin_of_text|>"], 0.6, 0.9, True)
+
+
+@pytest.mark.parametrize(
+    "preset, params, vocab",
+    [  # the Hub checkpoints' counts (total_size / 2 of their bf16 safetensors index)
+        ("qwen2.5-7b", 7_615_616_512, 152064),
+        ("qwen3-8b", 8_190_735_360, 151936),
+        ("mistral-7b", 7_248_023_552, 32768),
+    ],
+)
+def test_preset_shapes_match_other_architectures(make_tiny_model, preset, params, vocab):
+    """Computed, not written: the HF tensor names of each architecture (Qwen2's q/k/v bias, Qwen3's
+    per-head q/k norm) and the real models' exact parameter counts; untied, like theirs."""
+    shapes = make_tiny_model.hf_tensor_shapes(preset)
+    assert shapes["model.embed_tokens.weight"] == shapes["lm_head.weight"] == (vocab, shapes["model.norm.weight"][0])
+    assert sum(math.prod(s) for s in shapes.values()) == params
+    attn = {k.split("self_attn.")[1]: s for k, s in shapes.items() if k.startswith("model.layers.0.self_attn.")}
+    extra = set(attn) - {f"{x}_proj.weight" for x in "qkvo"}
+    want = {
+        "qwen2.5-7b": {"q_proj.bias": (3584,), "k_proj.bias": (512,), "v_proj.bias": (512,)},
+        "qwen3-8b": {"q_norm.weight": (128,), "k_norm.weight": (128,)},
+        "mistral-7b": {},
+    }[preset]
+    assert {k: attn[k] for k in extra} == want
+
+
+@pytest.mark.parametrize("preset", ["qwen2.5-7b", "qwen3-8b", "mistral-7b"])
+def test_other_architectures_config_is_what_transformers_writes(make_tiny_model, tmp_path, preset):
+    """--transformers-version 5: the installed transformers' config class reads config.json and
+    writes it back unchanged (but for its version). 4 (the default, the Hub files' form): the
+    same config for transformers and the same ModelSpec as the 5.x form."""
+    from atomflow.model.spec import ModelSpec
+
+    p = make_tiny_model.resolve_preset(preset)
+    ids = {t: i for i, t in enumerate(make_tiny_model.SPECIAL_TOKENS, start=1019)}
+    v4, v5 = (make_tiny_model.config_dict(p, "bf16", ids, v) for v in (4, 5))
+    (tmp_path / "config.json").write_text(json.dumps(v5))
+    cfg5 = transformers.AutoConfig.from_pretrained(tmp_path)
+    cfg5.save_pretrained(tmp_path / "again")
+    again = json.loads((tmp_path / "again" / "config.json").read_text())
+    if transformers.__version__.startswith("5."):
+        assert {k: v for k, v in again.items() if k != "transformers_version"} == {
+            k: v for k, v in v5.items() if k != "transformers_version"
+        }
+    (tmp_path / "config.json").write_text(json.dumps(v4))
+    cfg4 = transformers.AutoConfig.from_pretrained(tmp_path)
+    assert type(cfg4) is type(cfg5) and cfg4.architectures == v5["architectures"]
+    assert cfg4.to_dict() | {"transformers_version": None} == cfg5.to_dict() | {"transformers_version": None}
+    spec = ModelSpec.from_hf_config(v4)
+    assert spec == ModelSpec.from_hf_config(v5)
+    assert (spec.rope_theta, spec.rope_type, spec.head_dim, spec.sliding_window, spec.tie_word_embeddings) == (
+        1e6,
+        "default",
+        128,
+        0,
+        False,
+    )
+    assert (spec.arch, spec.attention_bias, spec.qk_norm) == {
+        "qwen2.5-7b": ("qwen2", True, False),
+        "qwen3-8b": ("qwen3", False, True),
+        "mistral-7b": ("mistral", False, False),
+    }[preset]

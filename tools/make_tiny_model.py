@@ -1,23 +1,26 @@
-"""Write a random Hugging Face Llama directory (config, sharded safetensors, tokenizer) with numpy only.
+"""Write a random Hugging Face Llama, Qwen2, Qwen3 or Mistral directory (config, sharded safetensors,
+tokenizer) with numpy only.
 
-    python tools/make_tiny_model.py OUT_DIR [--preset tiny|tiny-tail|llama-3.2-1b|llama-3.2-3b|llama-3.1-8b]
-        [--seed N] [--dtype bf16|fp16|fp32] [--untied] [--num-layers N] [--shard-size-mb N]
-        [--transformers-version 4|5]
+    python tools/make_tiny_model.py OUT_DIR [--preset tiny|tiny-tail|llama-3.2-1b|llama-3.2-3b|llama-3.1-8b
+        |qwen2.5-7b|qwen3-8b|mistral-7b] [--seed N] [--dtype bf16|fp16|fp32] [--untied] [--num-layers N]
+        [--shard-size-mb N] [--transformers-version 4|5]
 
 No real weights can be downloaded on our machines, so tests and benchmarks run on models built
-here. The directory looks like a Llama 3.x checkpoint from the Hub: `config.json` (rope settings
-as transformers 4.x writes them, or 5.x with `--transformers-version 5`), `model.safetensors`
+here. The directory looks like a checkpoint from the Hub (Llama 3.x, Qwen2.5-7B, Qwen3-8B,
+Mistral-7B-v0.3): `config.json` (the fields the Hub's config.json has, as transformers 4.x wrote
+them, or as 5.x writes them with `--transformers-version 5`), `model.safetensors`
 or `model-0000i-of-0000n.safetensors` + `model.safetensors.index.json`, `tokenizer.json`,
 `tokenizer_config.json` (with the Llama 3 chat template), `special_tokens_map.json` and
 `generation_config.json`. The tiny preset always writes two shards so the sharded path is
-exercised.
+exercised. The Qwen2 preset adds q/k/v_proj.bias, the Qwen3 preset q_norm/k_norm.weight [head_dim]
+per layer (HF's tensor names); rope is the plain one with theta 1e6 for the three non-Llama presets.
 
 Tokenizer: a byte-level BPE (Llama 3's split regex + ByteLevel) trained on tools/corpus.txt,
 a 1019-entry BPE vocab (256 bytes + merges) + 5 special tokens = 1024 ids (specials at 1019..1023:
 <|begin_of_text|>, <|end_of_text|>, <|start_header_id|>, <|end_header_id|>, <|eot_id|>).
-Every preset uses this same small tokenizer;
-the big presets keep Llama's vocab size (128256) for their embedding and lm_head, so a random
-model may emit ids the tokenizer does not know (the detokenizer must map them to "").
+Every preset uses this same small tokenizer; the big presets keep their model's vocab size
+(128256, 152064, 151936, 32768) for their embedding and lm_head, so a random model may emit ids
+the tokenizer does not know (the detokenizer must map them to "").
 
 Weights (seeded, deterministic, independent of the number of threads): every tensor is cut into
 fixed chunks of CHUNK elements, each drawn from its own numpy generator keyed by
@@ -29,7 +32,8 @@ chaotically; the price is that greedy decoding of a random model soon repeats it
   q/k/v/gate/up: N(0, 1/fan_in)        (unit-variance outputs from a unit-RMS normed input)
   o/down:        N(0, 0.04/fan_in)     (each layer adds a small update to the residual stream)
   embed/lm_head: N(0, 1/hidden)        (small enough that sampling at T ~ 1 still varies)
-  norms:         1 + N(0, 0.05^2)
+  norms:         1 + N(0, 0.05^2)        (q_norm / k_norm too)
+  q/k/v biases:  N(0, 0.5^2)             (as tools/make_tiny_arch.py: large enough that a lost bias shows)
 """
 
 from __future__ import annotations
@@ -97,6 +101,9 @@ class Preset:
     original_max_pos: int
     max_pos: int
     tied: bool
+    arch: str = "llama"  # llama | qwen2 (q/k/v bias) | qwen3 (q/k norm) | mistral
+    rope_theta: float = 500000.0
+    rms_eps: float = 1e-5
 
 
 PRESETS = {
@@ -107,6 +114,10 @@ PRESETS = {
     "llama-3.2-1b": Preset(2048, 8192, 16, 32, 8, 64, 128256, 32.0, 8192, 131072, True),
     "llama-3.2-3b": Preset(3072, 8192, 28, 24, 8, 128, 128256, 32.0, 8192, 131072, True),
     "llama-3.1-8b": Preset(4096, 14336, 32, 32, 8, 128, 128256, 8.0, 8192, 131072, False),
+    # The other architectures' 7-8B shapes (plain rope: rope_factor 0 means no rope_scaling).
+    "qwen2.5-7b": Preset(3584, 18944, 28, 28, 4, 128, 152064, 0.0, 0, 32768, False, "qwen2", 1e6, 1e-6),
+    "qwen3-8b": Preset(4096, 12288, 36, 32, 8, 128, 151936, 0.0, 0, 40960, False, "qwen3", 1e6, 1e-6),
+    "mistral-7b": Preset(4096, 14336, 32, 32, 8, 128, 32768, 0.0, 0, 32768, False, "mistral", 1e6, 1e-5),
 }
 
 
@@ -211,6 +222,16 @@ def hf_tensor_shapes(preset: str | Preset, num_layers: int | None = None, untied
                 pre + "self_attn.q_proj.weight": (q, d),
                 pre + "self_attn.k_proj.weight": (kv, d),
                 pre + "self_attn.v_proj.weight": (kv, d),
+            }
+        )
+        if p.arch == "qwen2":
+            shapes.update(
+                {pre + "self_attn.q_proj.bias": (q,), pre + "self_attn.k_proj.bias": (kv,), pre + "self_attn.v_proj.bias": (kv,)}
+            )
+        if p.arch == "qwen3":
+            shapes.update({pre + "self_attn.q_norm.weight": (p.head_dim,), pre + "self_attn.k_norm.weight": (p.head_dim,)})
+        shapes.update(
+            {
                 pre + "self_attn.o_proj.weight": (d, q),
                 pre + "post_attention_layernorm.weight": (d,),
                 pre + "mlp.gate_proj.weight": (f, d),
@@ -228,6 +249,8 @@ def _init_stats(name: str, shape: tuple[int, ...], p: Preset) -> tuple[float, fl
     """(mean, std) of a tensor's random init; see the module docstring for why."""
     if name.endswith("norm.weight"):
         return 1.0, 0.05
+    if name.endswith(".bias"):
+        return 0.0, 0.5
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
         return 0.0, 1.0 / math.sqrt(p.hidden)
     if name.endswith(("o_proj.weight", "down_proj.weight")):
@@ -237,6 +260,8 @@ def _init_stats(name: str, shape: tuple[int, ...], p: Preset) -> tuple[float, fl
 
 def config_dict(p: Preset, dtype: str, ids: dict, transformers_version: int) -> dict:
     """config.json as transformers 4.x (rope_theta + rope_scaling) or 5.x (rope_parameters) writes it."""
+    if p.arch != "llama":
+        return _arch_config_dict(p, dtype, ids, transformers_version)
     rope = {
         "factor": p.rope_factor,
         "high_freq_factor": 4.0,
@@ -268,11 +293,72 @@ def config_dict(p: Preset, dtype: str, ids: dict, transformers_version: int) -> 
         "vocab_size": p.vocab,
     }
     if transformers_version == 4:
-        cfg.update(rope_scaling=rope, rope_theta=500000.0, torch_dtype=DTYPES[dtype][2], transformers_version="4.45.0")
+        cfg.update(rope_scaling=rope, rope_theta=p.rope_theta, torch_dtype=DTYPES[dtype][2], transformers_version="4.45.0")
     elif transformers_version == 5:
-        cfg.update(rope_parameters={**rope, "rope_theta": 500000.0}, dtype=DTYPES[dtype][2], transformers_version="5.23.0")
+        cfg.update(rope_parameters={**rope, "rope_theta": p.rope_theta}, dtype=DTYPES[dtype][2], transformers_version="5.23.0")
     else:
         raise ValueError(f"transformers_version must be 4 or 5, got {transformers_version}")
+    return dict(sorted(cfg.items()))
+
+
+# The Hub's config.json of each architecture's model, as transformers 4.x wrote it
+# (Qwen2.5-7B, Qwen3-8B, Mistral-7B-v0.3), and the fields 5.x writes for the same config class
+# (tests/test_tiny_model.py round-trips them through the installed transformers).
+_ARCH_V4 = {
+    "qwen2": ("Qwen2ForCausalLM", "4.43.1"),
+    "qwen3": ("Qwen3ForCausalLM", "4.51.0"),
+    "mistral": ("MistralForCausalLM", "4.42.0.dev0"),
+}
+
+
+def _arch_config_dict(p: Preset, dtype: str, ids: dict, transformers_version: int) -> dict:
+    if transformers_version not in (4, 5):
+        raise ValueError(f"transformers_version must be 4 or 5, got {transformers_version}")
+    arch_name, v4_version = _ARCH_V4[p.arch]
+    cfg = {
+        "architectures": [arch_name],
+        "attention_dropout": 0.0,
+        "bos_token_id": ids[BOS],
+        "eos_token_id": [ids[EOT_TEXT], ids[EOT_ID]],
+        "hidden_act": "silu",
+        "hidden_size": p.hidden,
+        "initializer_range": 0.02,
+        "intermediate_size": p.intermediate,
+        "max_position_embeddings": p.max_pos,
+        "model_type": p.arch,
+        "num_attention_heads": p.heads,
+        "num_hidden_layers": p.layers,
+        "num_key_value_heads": p.kv_heads,
+        "rms_norm_eps": p.rms_eps,
+        "sliding_window": None,
+        "tie_word_embeddings": p.tied,
+        "use_cache": True,
+        "vocab_size": p.vocab,
+    }
+    if p.arch in ("qwen2", "qwen3"):
+        # use_sliding_window false: every layer attends to the whole context.
+        cfg.update(max_window_layers=p.layers, use_sliding_window=False)
+    if p.arch == "qwen3":
+        cfg.update(attention_bias=False, head_dim=p.head_dim)
+    if transformers_version == 4:
+        if p.arch == "qwen2":
+            cfg.update(sliding_window=131072)  # Qwen2.5's file names a window that use_sliding_window turns off
+        if p.arch == "qwen3":
+            cfg.update(rope_scaling=None)
+        if p.arch == "mistral" and p.head_dim != p.hidden // p.heads:
+            cfg.update(head_dim=p.head_dim)  # Mistral v0.3's file has none (hidden / heads)
+        cfg.update(rope_theta=p.rope_theta, torch_dtype=DTYPES[dtype][2], transformers_version=v4_version)
+    else:
+        if p.arch in ("qwen2", "qwen3"):
+            cfg.update(layer_types=["full_attention"] * p.layers)
+        if p.arch == "mistral":
+            cfg.update(head_dim=p.head_dim)
+        cfg.update(
+            pad_token_id=None,
+            rope_parameters={"rope_theta": p.rope_theta, "rope_type": "default"},
+            dtype=DTYPES[dtype][2],
+            transformers_version="5.23.0",
+        )
     return dict(sorted(cfg.items()))
 
 
