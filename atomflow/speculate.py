@@ -74,7 +74,7 @@ def parse_speculate(value: str | SpecConfig | None) -> SpecConfig | None:
         raise ValueError(f"--speculate must be ngram or ngram:K (K in 1..{MAX_ROWS - 1}), got {value!r}")
     if not sep:
         return SpecConfig(method)
-    if not k.isdigit():
+    if not k.isdigit() or not 1 <= int(k) <= MAX_ROWS - 1:
         raise ValueError(f"--speculate ngram:K needs an integer K in 1..{MAX_ROWS - 1}, got {value!r}")
     return SpecConfig(method, k_max=int(k))
 

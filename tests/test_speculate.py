@@ -200,3 +200,70 @@ def test_engine_default(tiny_model_file):
     assert eng.stats.speculation is not None and eng.stats.speculation.config == "ngram:3"
     with pytest.raises(ValueError, match="--speculate must be"):
         Engine.load(tiny_model_file, backend="cpu", speculate="bogus")
+
+
+# ------------------------------------------------------------------------- CLI and serve
+@pytest.mark.parametrize("cmd", ["run", "bench"])
+@pytest.mark.parametrize("bad", ["ngram:0", "ngram:99", "eagle"])
+def test_cli_refuses_bad_values(capsys, tiny_model_file, cmd, bad):
+    from atomflow import cli
+
+    args = [cmd, str(tiny_model_file), "--speculate", bad] + (["-p", "x", "--backend", "cpu"] if cmd == "run" else [])
+    rc = cli.main(args)
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert rc == 1 and len(lines) == 1 and "--speculate" in lines[0] and "Traceback" not in err, err
+
+
+def test_cli_run_refuses_sampling(capsys, tiny_model_file):
+    from atomflow import cli
+
+    rc = cli.main(["run", str(tiny_model_file), "-p", "x", "--backend", "cpu", "--speculate", "ngram", "--temperature", "0.8"])
+    err = capsys.readouterr()[1]
+    assert rc == 1 and "greedy decoding only" in err and len(err.strip().splitlines()) == 1
+
+
+def test_cli_run_speculates_and_equals_plain(capsys, tiny_model_file):
+    from atomflow import cli
+
+    base = ["run", str(tiny_model_file), "-p", "ab ab ab ab", "--backend", "cpu", "-n", "24", "--ignore-eos"]
+    base += ["--temperature", "0"]
+    assert cli.main(base) == 0
+    plain = capsys.readouterr()[0]
+    assert cli.main(base + ["--speculate", "ngram:4"]) == 0
+    out, err = capsys.readouterr()
+    assert out == plain and "speculate     = ngram:4" in err
+
+
+def test_serve_option_is_checked_before_binding(tiny_model_file):
+    import subprocess
+    import sys
+
+    r = subprocess.run(
+        [sys.executable, "-m", "atomflow.cli", "serve", str(tiny_model_file), "--speculate", "ngram:16"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 1 and r.stderr.strip().startswith("atomflow: error:") and "ngram:16" in r.stderr
+
+
+def test_serve_speculates_greedy_and_refuses_sampling(tiny_model_file):
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from atomflow.serve.app import ServeConfig, create_app
+
+    app = create_app(
+        ServeConfig(model=str(tiny_model_file), model_name="tiny", speculate="ngram:4"),
+        load=lambda: Engine.load(tiny_model_file, backend="cpu", max_context=128, speculate="ngram:4"),
+    )
+    with TestClient(app) as client:
+        app.state.worker.loaded.wait(30)
+        body = {"prompt": "ab ab ab ab", "max_tokens": 12, "ignore_eos": True}
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        r0 = client.post("/v1/completions", json={**body, "temperature": 0})
+        assert r0.json()["choices"][0]["text"] == r.json()["choices"][0]["text"]  # no temperature: greedy
+        bad = client.post("/v1/completions", json={**body, "temperature": 0.7})
+        assert bad.status_code == 400 and "greedy decoding only" in bad.text
