@@ -208,8 +208,16 @@ def cmd_run(a) -> int:
         from atomflow.model.default import default_model
 
         a.model = default_model(progress=not a.quiet)
-    eng = Engine.load(a.model, backend=a.backend, max_context=a.max_context, eager=a.eager or None, verbose=a.verbose)
+    from atomflow.speculate import check_greedy, parse_speculate
+
+    spec = parse_speculate(a.speculate)
+    check_greedy(spec, a.temperature or 0.0)  # before the load; a model's default temperature gives way to greedy
+    eng = Engine.load(
+        a.model, backend=a.backend, max_context=a.max_context, eager=a.eager or None, verbose=a.verbose, speculate=spec
+    )
     defaults = eng.model.metadata_json("generation_config", {}) or {}
+    if spec is not None:
+        defaults = {**defaults, "temperature": 0.0}
 
     def pick(v, key, fallback):
         return v if v is not None else (defaults.get(key) if defaults.get(key) is not None else fallback)
@@ -246,6 +254,14 @@ def cmd_run(a) -> int:
             f"{st.prompt_tokens + st.generated_tokens:5d} tokens",
             file=sys.stderr,
         )
+        sp = st.speculation
+        if sp is not None:
+            print(
+                f"speculate     = {sp.config}: {sp.verify_steps} verify steps ({sp.verify_ms:.2f} ms each), "
+                f"{sp.accepted}/{sp.drafted} drafted tokens accepted, {sp.tokens_per_step:.2f} tokens per step, "
+                f"{sp.plain_steps} plain steps, {sp.pauses} pauses",
+                file=sys.stderr,
+            )
     return 0
 
 
@@ -333,6 +349,7 @@ def cmd_bench(a) -> int:
         hf_dir=a.hf_dir,
         seed=a.seed,
         compile_prefill=not a.eager_prefill,
+        speculate=a.speculate,
     )
     print(render(run_bench(opts), opts.output))
     return 0
@@ -419,6 +436,14 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--backend", choices=["auto", "cuda", "cpu"], default="auto")
     r.add_argument("--max-context", type=int, default=None, help="KV cache length (default min(8192, model))")
     r.add_argument("--eager", action="store_true", help="CUDA: run without the CUDA graph")
+    r.add_argument(
+        "--speculate",
+        default=None,
+        metavar="ngram[:K]",
+        help="speculative decoding with n-gram drafts of up to K tokens (1..15, default 8); greedy only (the "
+        "default temperature becomes 0); on CUDA the engine decodes with bf16 activations, so the output "
+        "equals plain greedy decoding's",
+    )
     r.add_argument("-v", "--verbose", action="store_true")
     r.add_argument("-q", "--quiet", action="store_true", help="no timing summary")
     r.set_defaults(fn=cmd_run)
@@ -498,6 +523,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--eager-prefill",
         action="store_true",
         help="torch-compile baselines: prefill eager (default: compiled, fullgraph, dynamic shapes)",
+    )
+    b.add_argument(
+        "--speculate",
+        default=None,
+        metavar="ngram[:K]",
+        help="also run the tg tests with n-gram speculation on an engine loaded for it (bf16 activations), "
+        "plain and speculative: tokens per step, verify time, effective TPOT",
     )
     b.set_defaults(fn=cmd_bench)
 

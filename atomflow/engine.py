@@ -19,6 +19,7 @@ from atomflow.errors import FormatError, NonFiniteLogitsError
 from atomflow.model.fileformat import AtomflowFile
 from atomflow.model.tokenizer import IncrementalDecoder, Tokenizer
 from atomflow.sampling import SamplingParams, StopChecker
+from atomflow.speculate import SpecConfig, SpecStats, check_greedy, parse_speculate, speculative_ids
 from atomflow.tokens import check_ids, generation_budget
 
 DEFAULT_MAX_CONTEXT = 8192
@@ -35,6 +36,7 @@ class GenerationStats:
     generated_tokens: int = 0
     decode_s: float = 0.0  # every token after the first
     stop_reason: str = ""  # eos | stop | length | context
+    speculation: SpecStats | None = None  # what speculative decoding did (None: plain decoding)
 
     @property
     def prefilled_tokens(self) -> int:
@@ -48,8 +50,9 @@ class GenerationStats:
 
 
 class Engine:
-    def __init__(self, model: AtomflowFile, backend, tokenizer: Tokenizer, load_s: float):
+    def __init__(self, model: AtomflowFile, backend, tokenizer: Tokenizer, load_s: float, speculate: SpecConfig | None = None):
         self.model, self.backend, self.tokenizer = model, backend, tokenizer
+        self.speculate = speculate  # the default of generate_tokens(speculate=...)
         self.spec = model.spec
         self.stats = GenerationStats(load_s=load_s)
         self._cached: list[int] = []  # the token ids the cache holds, in order (len == position)
@@ -64,11 +67,16 @@ class Engine:
         eager: bool | None = None,
         verify: bool = False,
         verbose: bool = False,
+        speculate: str | SpecConfig | None = None,
     ) -> Engine:
         """backend: auto (cuda when usable, else cpu) | cuda | cpu. max_context: KV cache length
         (default min(8192, the model's max_position_embeddings)). eager: run CUDA without the
-        graph (default: the ATOMFLOW_EAGER environment variable)."""
+        graph (default: the ATOMFLOW_EAGER environment variable). speculate: "ngram" or "ngram:K"
+        (atomflow/speculate.py), greedy only: generation drafts from n-grams of the sequence and
+        verifies K at a time; the CUDA engine then decodes with bf16 activations, so that a verify
+        chunk's rows equal decode steps bit for bit and the output equals plain greedy decoding's."""
         t0 = time.perf_counter()
+        spec = parse_speculate(speculate)
         model = AtomflowFile(path, verify=verify)
         limit = model.spec.max_context_limit  # max_position_embeddings, or a smaller sliding window
         if max_context is None:
@@ -81,8 +89,9 @@ class Engine:
             )
             raise ValueError(f"max_context must be an integer in [1, {limit}] ({what}), got {max_context!r}")
         tok = model.tokenizer()  # checked before the (slow) backend load: parses, fits the vocab, template renders
-        be = make_backend(backend, model, max_context, eager=eager, verbose=verbose)
-        return cls(model, be, tok, time.perf_counter() - t0)
+        plan = {"f16_activations": False} if spec is not None else {}
+        be = make_backend(backend, model, max_context, eager=eager, verbose=verbose, **plan)
+        return cls(model, be, tok, time.perf_counter() - t0, speculate=spec)
 
     # -- low level: logits ---------------------------------------------------------------------
     @property
@@ -163,13 +172,23 @@ class Engine:
         params: SamplingParams | None = None,
         chat: bool | None = None,
         reuse_prefix: bool = False,
+        speculate: str | SpecConfig | None = "default",
     ) -> Iterator[int]:
         """Yields sampled token ids; stops at an EOS id (not yielded; unless ignore_eos), at
         max_new_tokens, or when the context is full. Starts a fresh conversation, unless
         reuse_prefix: then the longest common prefix of the prompt and the ids the cache holds
         (cached_ids) stays, and only the rest is prefilled (llama-server's cache_prompt); at least
-        the last prompt token runs. stats.reused_tokens says how many were kept."""
+        the last prompt token runs. stats.reused_tokens says how many were kept. speculate: the
+        engine's setting (Engine.load(speculate=...)) by default, "off" for plain decoding, or
+        another "ngram[:K]" (on CUDA only where the engine was loaded for it: see load)."""
         params = params or SamplingParams()
+        spec = self.speculate if speculate == "default" else parse_speculate(speculate)
+        check_greedy(spec, params.temperature)
+        if spec is not None and not self.backend.exact_verify:
+            raise ValueError(
+                "speculation on this engine would verify with fp16 activations against bf16 chunks "
+                "(not exact): load it with Engine.load(..., speculate=...)"
+            )
         ids = self._check_ids(self.encode(prompt, chat), room=1)
         start = min(self.common_prefix(ids), len(ids) - 1) if reuse_prefix else 0
         stats = self.stats = GenerationStats(load_s=self.stats.load_s, prompt_tokens=len(ids), reused_tokens=start)
@@ -178,7 +197,11 @@ class Engine:
         stats.stop_reason = "length" if budget == params.max_new_tokens else "context"
         self._cached = self._cached[:start]
         run = self._run = object()
-        gen = self.backend.generate_ids(ids, params, start=start)
+        if spec is None:
+            gen = self.backend.generate_ids(ids, params, start=start)
+        else:
+            stats.speculation = SpecStats()
+            gen = speculative_ids(self.backend, ids, params.max_new_tokens, start, spec, stats.speculation)
         sampled: list[int] = []  # every id the backend yielded (an EOS too): the cache keeps all but the last
         t0 = t_first = time.perf_counter()
         try:
@@ -201,12 +224,16 @@ class Engine:
                 self._cached = (ids.tolist() + sampled)[: self.backend.position]  # prompt + sampled but the last
 
     def generate(
-        self, prompt: str | Sequence[int], params: SamplingParams | None = None, chat: bool | None = None
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        chat: bool | None = None,
+        speculate: str | SpecConfig | None = "default",
     ) -> Iterator[str]:
         """Streams text: incremental, UTF-8 safe, cut at the first stop string."""
         params = params or SamplingParams()
         decoder, stopper = IncrementalDecoder(self.tokenizer), StopChecker(params.stop)
-        tokens = self.generate_tokens(prompt, params, chat)
+        tokens = self.generate_tokens(prompt, params, chat, speculate=speculate)
         try:
             for token in tokens:
                 text, stopped = stopper.feed(decoder.feed(token))

@@ -24,7 +24,10 @@ from atomflow.errors import BackendUnavailableError, UnsupportedModelError
 from atomflow.model.fileformat import AtomflowFile
 
 
-def make_backend(name: str, model: AtomflowFile, max_context: int, eager: bool | None = None, verbose: bool = False):
+def make_backend(
+    name: str, model: AtomflowFile, max_context: int, eager: bool | None = None, verbose: bool = False, **plan: bool
+):
+    """plan: step plan options for the CUDA backend (atomflow/backends/cuda.py PLAN_OPTIONS); the CPU one has none."""
     if name not in ("auto", "cpu", "cuda"):
         raise ValueError(f"backend must be auto, cpu or cuda, got {name!r}")
     if name == "cpu":
@@ -40,4 +43,4 @@ def make_backend(name: str, model: AtomflowFile, max_context: int, eager: bool |
         return CpuBackend(model, max_context)
     from atomflow.backends.cuda import CudaBackend
 
-    return CudaBackend(model, max_context, eager=eager, verbose=verbose)
+    return CudaBackend(model, max_context, eager=eager, verbose=verbose, **plan)

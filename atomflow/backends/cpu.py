@@ -10,6 +10,7 @@ import numpy as np
 from atomflow.model.fileformat import AtomflowFile
 from atomflow.model.reference import ReferenceModel
 from atomflow.sampling import SamplingParams, sample_numpy
+from atomflow.speculate import greedy_rows
 from atomflow.tokens import generation_budget
 
 
@@ -67,6 +68,39 @@ class CpuBackend:
             self.ref.probe = None
         # a long prompt runs in chunks: the last chunk's final_norm/logits are the last position
         return {k: (v[-1] if k in ("final_norm", "logits") else np.concatenate(v)) for k, v in got.items()}
+
+    # -- speculative decoding (atomflow/speculate.py) -----------------------------------------------
+    # verify runs its rows one at a time: a numpy chunk rounds differently from single rows (BLAS
+    # blocking; ~4e-6 on the tiny model), so the rows equal decode steps by construction here.
+    verify_rows = 16
+    exact_verify = True
+
+    def spec_prefill(self, ids: np.ndarray, start: int) -> int:
+        """As generate_ids: the rest of the prompt in one forward; its greedy token."""
+        if not 0 <= start < len(ids):
+            raise ValueError(f"start {start} must be in [0, {len(ids)}) (at least one prompt token runs)")
+        self.rollback(start)
+        return int(greedy_rows(self.prefill(np.asarray(ids[start:])), self.position))
+
+    def verify(self, ids: np.ndarray) -> np.ndarray:
+        self._run = None
+        return np.stack([self.ref.forward(np.array([t], dtype=np.int32)) for t in np.asarray(ids).reshape(-1)])
+
+    def steps(self, token: int, n: int) -> Iterator[int]:
+        """n greedy decode steps from `token`."""
+        run = self._run = object()
+        for _ in range(n):
+            if self._run is not run:
+                raise RuntimeError("this generation was ended by a later call on the same backend")
+            token = int(greedy_rows(self.ref.forward(np.array([token], dtype=np.int32)), self.position))
+            yield token
+
+    def hold(self, keep: int) -> object:
+        self._run = object()
+        return self._run
+
+    def hold_of(self):
+        return self._run
 
     def generate_ids(self, prompt_ids: np.ndarray, params: SamplingParams, start: int = 0) -> Iterator[int]:
         if not 0 <= start < len(prompt_ids):

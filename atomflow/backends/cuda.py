@@ -196,8 +196,14 @@ class CudaBackend:
             logits = eng.prefill(ids[start:-1])
             if not np.isfinite(logits).all():
                 raise NonFiniteLogitsError(f"non-finite logits at position {n - 2}", n - 2)
-        eng.begin(int(ids[-1]))
-        run = self._run = _Run(keep=n - 1)
+        yield from self._pipeline(int(ids[-1]), budget, keep=n - 1)
+
+    def _pipeline(self, token: int, budget: int, keep: int) -> Iterator[int]:
+        """`budget` decode steps from `token` (fed at position `keep`), up to IN_FLIGHT enqueued
+        ahead of the one read; yields each sampled token as it lands in the ring."""
+        eng = self.engine
+        eng.begin(token)
+        run = self._run = _Run(keep=keep)
         enqueued = yielded = 0
         try:
             while yielded < budget:
@@ -214,6 +220,55 @@ class CudaBackend:
         finally:
             if self._run is run:
                 self._end_run()
+
+    # -- speculative decoding (atomflow/speculate.py) -----------------------------------------------
+    @property
+    def verify_rows(self) -> int:
+        """The most rows a verify chunk runs on the small-M GEMV (the decode step's bits per row)."""
+        return max(2, int(self.step_plan.get("prefill_small_m_max_rows", 16)))
+
+    @property
+    def exact_verify(self) -> bool:
+        """Whether verify rows equal decode steps bit for bit: bf16 activations on both paths."""
+        return not self.engine.f16_activations
+
+    def spec_prefill(self, ids: np.ndarray, start: int) -> None:
+        """As generate_ids: the cache holds ids but the last (from `start`); greedy sampling set.
+        Returns None: the first token comes from the first verify (or decode) step."""
+        ids = np.asarray(ids, dtype=np.int32)
+        self._end_run()
+        if not 0 <= start < len(ids) or start > self.engine.position:
+            raise ValueError(f"start {start} must be in [0, {len(ids)}) and at most the position {self.engine.position}")
+        eng = self.engine
+        if start:
+            eng.set_position(start)
+        else:
+            eng.reset()
+        eng.set_sampling(0.0, 0, 1.0, 0)
+        if len(ids) - 1 > start:
+            logits = eng.prefill(ids[start:-1])
+            if not np.isfinite(logits).all():
+                raise NonFiniteLogitsError(f"non-finite logits at position {len(ids) - 2}", len(ids) - 2)
+        return None
+
+    def verify(self, ids: np.ndarray) -> np.ndarray:
+        """Appends ids (one chunk of <= verify_rows) at the position; fp32 logits [len(ids), vocab]."""
+        ids = check_ids(ids, self.spec.vocab_size)
+        self._end_run()
+        return self.engine.prefill_rows(ids)
+
+    def steps(self, token: int, n: int) -> Iterator[int]:
+        """n pipelined decode steps from `token` with the sampling last set (spec_prefill: greedy)."""
+        self._end_run()
+        return self._pipeline(int(token), int(n), keep=self.engine.position)
+
+    def hold(self, keep: int) -> _Run:
+        """A speculative run owns the cache: a later call ends it, rolling back to `keep`."""
+        self._run = _Run(keep=keep)
+        return self._run
+
+    def hold_of(self):
+        return self._run
 
     def _end_run(self) -> None:
         """Stops the unfinished generate_ids() run, if any: drops the steps it enqueued past the

@@ -62,6 +62,14 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] = log_stderr) -> di
     rows = run_engine_tests(eng, opts, bandwidth, log)
     del eng
     gc.collect()
+    if opts.speculate:
+        from atomflow.bench.engine import run_speculate_tests
+
+        log(f"loading {opts.model} for --speculate {opts.speculate} (bf16 activations)")
+        eng = Engine.load(opts.model, backend="cuda", max_context=opts.max_context, speculate=opts.speculate)
+        rows += run_speculate_tests(eng, opts, bandwidth, log)
+        del eng
+        gc.collect()
 
     order = [b for b in opts.baselines if b != "vllm"] + [b for b in opts.baselines if b == "vllm"]
     for name in order:
@@ -91,6 +99,7 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] = log_stderr) -> di
             seed=opts.seed,
             max_context=opts.max_context,
             compile_prefill=opts.compile_prefill,
+            speculate=opts.speculate,
         ),
         tests=[t.name for t in opts.tests],
         baselines=list(order),

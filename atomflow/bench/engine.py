@@ -6,6 +6,10 @@ random token ids (no tokenizer, no text), greedy, EOS ignored.
   tg<N>@dD  the pipelined generate path from a prompt of D + 1 tokens (D prefilled, the last
             one fed to the first decode step); TPOT = the intervals between consecutive tokens
             as the host receives them, N - 1 per repetition; prefill time excluded.
+  --speculate (tg tests only), on an engine loaded for it (bf16 activations): the same test plain
+            (engine "atomflow bf16-acts": what the exact mode costs) and speculative (engine
+            "atomflow ngram:K"): tokens per step, accepted tokens per verify step, the verify
+            step's time and the effective TPOT (generation time / (N - 1)) in the row.
 """
 
 from __future__ import annotations
@@ -69,6 +73,49 @@ def time_tg(eng: Engine, test: BenchTest, opts: BenchOptions) -> dict:
         gaps.append(list(np.diff(stamps) * 1e3))
     eng.reset()
     return dict(tokens_per_s=tps, tpot_ms=gaps)
+
+
+def time_tg_speculate(eng: Engine, test: BenchTest, opts: BenchOptions, speculate: str) -> dict:
+    ids = prompt_ids(eng.spec.vocab_size, test.depth + 1, opts.seed)
+    n = test.n_gen
+    if opts.warmup:
+        list(eng.generate_tokens(ids, greedy(min(n, WARMUP_TOKENS)), speculate=speculate))
+    tps, gaps, spec = [], [], []
+    for _ in range(opts.repetitions):
+        stamps = [time.perf_counter() for _ in eng.generate_tokens(ids, greedy(n), speculate=speculate)]
+        if len(stamps) != n:
+            raise RuntimeError(f"{test.name}: the engine generated {len(stamps)} tokens, not {n}")
+        tps.append((n - 1) / (stamps[-1] - stamps[0]))
+        gaps.append(list(np.diff(stamps) * 1e3))
+        spec.append(eng.stats.speculation)
+    eng.reset()
+    out = dict(tokens_per_s=tps, tpot_ms=gaps, tpot_effective_ms=float(np.mean([1e3 / x for x in tps])))
+    if spec[0] is not None:
+        drafted, accepted = sum(x.drafted for x in spec), sum(x.accepted for x in spec)
+        verify_steps, plain = sum(x.verify_steps for x in spec), sum(x.plain_steps for x in spec)
+        out.update(
+            speculate=speculate,
+            acceptance=accepted / drafted if drafted else None,
+            tokens_per_step=(accepted + verify_steps + plain) / max(verify_steps + plain, 1),
+            accepted_per_verify=(accepted + verify_steps) / verify_steps if verify_steps else None,
+            verify_ms=1e3 * sum(x.verify_s for x in spec) / verify_steps if verify_steps else None,
+            verify_steps=verify_steps,
+            plain_steps=plain,
+        )
+    return out
+
+
+def run_speculate_tests(eng: Engine, opts: BenchOptions, bandwidth_gbs: float | None, log: Callable[[str], None]) -> list[dict]:
+    rows = []
+    for test in opts.tests:
+        if test.kind != "tg":
+            continue
+        nbytes = token_bytes(eng.spec, eng.model.weight_bytes, test.mean_context)
+        for engine, spec in (("atomflow bf16-acts", "off"), (f"atomflow {opts.speculate}", opts.speculate)):
+            log(f"{engine}: {test.name}")
+            s = time_tg_speculate(eng, test, opts, spec)
+            rows.append(measured_row(engine, test, bytes_per_token=nbytes, bandwidth_gbs=bandwidth_gbs, weight_dtype="fp8", **s))
+    return rows
 
 
 def run_engine_tests(eng: Engine, opts: BenchOptions, bandwidth_gbs: float | None, log: Callable[[str], None]) -> list[dict]:

@@ -54,6 +54,7 @@ class BenchOptions:
     hf_dir: str | None = None
     seed: int = 0
     compile_prefill: bool = True  # the torch-compile baselines' prefill under torch.compile (gpt-fast's --compile_prefill)
+    speculate: str | None = None  # "ngram:K": tg tests also run with speculation (atomflow/speculate.py)
     tests: tuple[BenchTest, ...] = field(default=(), compare=False)
 
     @property
@@ -96,6 +97,7 @@ def make_options(
     hf_dir: str | None = None,
     seed: str = "0",
     compile_prefill: bool = True,
+    speculate: str | None = None,
 ) -> BenchOptions:
     """The command line's strings -> checked options and their tests. ValueError names the flag."""
     ps = int_list(n_prompt, "-p", 0)
@@ -131,8 +133,18 @@ def make_options(
         hf_dir=hf_dir,
         seed=one_int(seed, "--seed", 0),
         compile_prefill=compile_prefill,
+        speculate=_speculate(speculate, ns),
         tests=tuple(tests),
     )
+
+
+def _speculate(value: str | None, n_gen: tuple[int, ...]) -> str | None:
+    from atomflow.speculate import parse_speculate
+
+    spec = parse_speculate(value)
+    if spec is not None and not n_gen:
+        raise ValueError("--speculate needs generated tokens: -n must be >= 2")
+    return str(spec) if spec else None
 
 
 def check_fits_model(opts: BenchOptions, max_positions: int) -> None:

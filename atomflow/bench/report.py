@@ -88,6 +88,22 @@ def to_markdown(result: dict) -> str:
         "pp: prompt tokens/s, TTFT = prefill + first token; its bytes/efficiency are a floor "
         "(prefill is compute-bound). tg: TPOT percentiles over every gap; GB/s = bytes / TPOT p50.",
     ]
+    spec_rows = [r for r in rows if r["status"] == "ok" and "tpot_effective_ms" in r]
+    if spec_rows:
+        lines += [
+            "",
+            "--speculate (one engine, bf16 activations; effective TPOT = generation time / (N - 1))",
+            "",
+            "| engine | test | t/s | effective TPOT ms | tokens/step | tokens/verify | verify ms | acceptance |",
+            "|---|---|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in spec_rows:
+            acc = r.get("acceptance")
+            lines.append(
+                f"| {r['engine']} | {r['test']} | {_num(r['tokens_per_s_avg'], '.2f')} | {_num(r['tpot_effective_ms'], '.3f')} | "
+                f"{_num(r.get('tokens_per_step'), '.2f')} | {_num(r.get('accepted_per_verify'), '.2f')} | "
+                f"{_num(r.get('verify_ms'), '.3f')} | {'-' if acc is None else f'{100 * acc:.0f}%'} |"
+            )
     lines += recipes(rows)
     ups = result.get("speedups") or []
     if result.get("baselines"):

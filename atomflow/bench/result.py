@@ -93,7 +93,7 @@ def speedups(rows: list[dict], ours: str = "atomflow") -> list[dict]:
     out = []
     for r in rows:
         m = mine.get(r["test"])
-        if r["engine"] == ours or r["status"] != "ok" or m is None:
+        if r["engine"].startswith(ours) or r["status"] != "ok" or m is None:  # ours: also the --speculate rows
             continue
         if r["kind"] == "tg" and r["tpot_ms_p50"] and m["tpot_ms_p50"]:
             out.append(dict(baseline=r["engine"], test=r["test"], metric="tpot_p50", speedup=r["tpot_ms_p50"] / m["tpot_ms_p50"]))

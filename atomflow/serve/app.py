@@ -47,6 +47,7 @@ class ServeConfig:
     max_tokens: int = 4096  # the most tokens one request may generate
     max_body_bytes: int = 4 << 20  # request bodies past this: 413
     eager: bool | None = None
+    speculate: str | None = None  # "ngram[:K]": every request decodes greedily with n-gram drafts
 
 
 def _error_response(e: ApiError) -> JSONResponse:
@@ -100,7 +101,8 @@ def warm_up(eng) -> None:
     if eng.tokenizer.has_chat_template:
         eng.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
     ids = eng.tokenizer.encode("Hello there", add_special_tokens=True)[: max(1, eng.max_context - 4)]
-    for _ in eng.generate_tokens(ids, SamplingParams(temperature=1.0, seed=0, max_new_tokens=4, ignore_eos=True)):
+    t = 0.0 if eng.speculate is not None else 1.0  # speculation is greedy only
+    for _ in eng.generate_tokens(ids, SamplingParams(temperature=t, seed=0, max_new_tokens=4, ignore_eos=True)):
         pass
     eng.reset()
 
@@ -113,7 +115,9 @@ def create_app(cfg: ServeConfig, load=None) -> FastAPI:
         def load():
             from atomflow.engine import Engine
 
-            eng = Engine.load(cfg.model, backend=cfg.backend, max_context=cfg.max_context, eager=cfg.eager)
+            eng = Engine.load(
+                cfg.model, backend=cfg.backend, max_context=cfg.max_context, eager=cfg.eager, speculate=cfg.speculate
+            )
             warm_up(eng)
             return eng
 
@@ -211,6 +215,14 @@ def create_app(cfg: ServeConfig, load=None) -> FastAPI:
         def pick(v, key, fallback):
             return v if v is not None else (gc.get(key) if gc.get(key) is not None else fallback)
 
+        if eng.speculate is not None:  # --speculate: greedy unless asked otherwise, and then refused
+            from atomflow.speculate import check_greedy
+
+            try:
+                check_greedy(eng.speculate, 0.0 if req.temperature is None else req.temperature)
+            except ValueError as e:
+                raise ApiError(400, str(e), "temperature", "unsupported_parameter") from None
+            gc = {**gc, "temperature": 0.0}
         try:
             return SamplingParams(
                 temperature=pick(req.temperature, "temperature", 1.0),

@@ -37,6 +37,13 @@ def register(subparsers) -> None:
     s.add_argument("--model-name", default=None, help="the model id clients send (default: the file's stem)")
     s.add_argument("--backend", choices=["auto", "cuda", "cpu"], default="auto")
     s.add_argument("--eager", action="store_true", help="CUDA: run without the CUDA graph")
+    s.add_argument(
+        "--speculate",
+        default=None,
+        metavar="ngram[:K]",
+        help="speculative decoding with n-gram drafts, K drafted tokens at most (1..15, default 8); greedy only: "
+        "requests default to temperature 0 and a temperature > 0 gets a 400",
+    )
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     s.set_defaults(fn=cmd_serve)
 
@@ -51,6 +58,9 @@ def cmd_serve(a) -> int:
     ):
         if not ok:
             raise ValueError(f"{name} {v} is out of range")
+    from atomflow.speculate import parse_speculate
+
+    spec = parse_speculate(a.speculate)
     try:
         import uvicorn
 
@@ -73,6 +83,7 @@ def cmd_serve(a) -> int:
         api_key=a.api_key or None,
         max_tokens=a.max_tokens,
         eager=a.eager or None,
+        speculate=str(spec) if spec else None,
     )
     # The engine thread holds the GIL between steps (all the time, on the CPU backend): hand it
     # over to the event loop more often than the default 5 ms, so streams and disconnects stay prompt.

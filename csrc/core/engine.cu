@@ -338,9 +338,7 @@ void Engine::copy_logits_out(float* logits) {
 // ---------------------------------------------------------------------------------------
 // prefill and decode
 
-void Engine::prefill(const int32_t* ids, int n, float* logits) {
-  std::lock_guard<std::mutex> lock(mu_);
-  NvtxRange range("prefill");
+void Engine::stage_prefill(const int32_t* ids, int n) {
   require_idle("prefill");
   if (n < 1) throw std::invalid_argument("prefill: the prompt is empty");
   if (n > opt_.max_context - host_pos_)
@@ -354,6 +352,12 @@ void Engine::prefill(const int32_t* ids, int n, float* logits) {
   // From pageable memory: returns once the ids are staged, so the caller's array may go.
   AF_CUDA_CHECK(
       cudaMemcpyAsync(buf_.ids, ids, static_cast<size_t>(n) * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
+}
+
+void Engine::prefill(const int32_t* ids, int n, float* logits) {
+  std::lock_guard<std::mutex> lock(mu_);
+  NvtxRange range("prefill");
+  stage_prefill(ids, n);
   int last_rows = 0;
   for (int offset = 0; offset < n; offset += opt_.prefill_chunk) {
     last_rows = std::min(opt_.prefill_chunk, n - offset);
@@ -363,6 +367,23 @@ void Engine::prefill(const int32_t* ids, int n, float* logits) {
   host_pos_ += n;
   last_output_ = kUnknown;  // the next step's input is begin()'s: x now holds the prompt's rows
   copy_logits_out(logits);
+}
+
+void Engine::prefill_rows(const int32_t* ids, int n, float* logits) {
+  std::lock_guard<std::mutex> lock(mu_);
+  NvtxRange range("prefill_rows");
+  if (n > opt_.prefill_chunk)
+    throw std::invalid_argument("prefill_rows: " + std::to_string(n) + " rows do not fit one chunk of " +
+                                std::to_string(opt_.prefill_chunk));
+  stage_prefill(ids, n);
+  enqueue_prefill_chunk(0, n);
+  // The head reads one row of x and writes buf_.logits: once per row, each copied out before the next.
+  for (int row = 0; row < n; ++row) {
+    enqueue_head(row);
+    copy_logits_out(logits + static_cast<size_t>(row) * spec_.vocab_size);
+  }
+  host_pos_ += n;
+  last_output_ = kUnknown;  // as prefill(): the next step's input is begin()'s
 }
 
 void Engine::decode(int32_t token, float* logits) {

@@ -52,6 +52,9 @@ class Engine {
 
   // Appends ids[0..n) at the current position; writes the last token's logits (fp32 [vocab]).
   void prefill(const int32_t* ids, int n, float* logits);
+  // prefill() of one chunk (n <= prefill_chunk) that writes every row's logits, fp32 [n, vocab]: the
+  // head runs once per row, as a decode step runs it. Speculative verification (atomflow/speculate.py).
+  void prefill_rows(const int32_t* ids, int n, float* logits);
   // Feeds one token at the current position, runs the decode step, writes its logits.
   void decode(int32_t token, float* logits);
 
@@ -194,6 +197,7 @@ class Engine {
   void check_token(int32_t token) const;
   void set_token(int32_t token);  // the next step's input: *token and its embedding in x[0]
   void copy_logits_out(float* logits);
+  void stage_prefill(const int32_t* ids, int n);  // prefill's checks, and the ids copied to the device
   void release() noexcept;
 
   ModelSpec spec_;

