@@ -256,13 +256,15 @@ PYBIND11_MODULE(_core, m) {
           "prefill_rows",
           [](Engine& e, const py::array& ids) {
             std::vector<int32_t> v = ids_arg(ids, e.spec().vocab_size);
-            py::array_t<float> logits({static_cast<py::ssize_t>(v.size()), static_cast<py::ssize_t>(e.spec().vocab_size)});
+            py::array_t<float> logits(
+                {static_cast<py::ssize_t>(v.size()), static_cast<py::ssize_t>(e.spec().vocab_size)});
             float* out = logits.mutable_data();
             py::gil_scoped_release nogil;
             e.prefill_rows(v.data(), static_cast<int>(v.size()), out);
             return logits;
           },
-          py::arg("ids"), "append ids (one prefill chunk) at the current position; fp32 logits [len(ids), vocab] of every one")
+          py::arg("ids"),
+          "append ids (one prefill chunk) at the current position; fp32 logits [len(ids), vocab] of every one")
       .def(
           "decode",
           [](Engine& e, long long token) {
