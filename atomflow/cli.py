@@ -77,10 +77,11 @@ def _print_plan(p: dict) -> None:
     ]
     _table(head, rows)
     if p.get("prefill_small_m_max_rows"):
-        print(
-            f"  prefill products: gemv_w8a16_m for chunks of 2..{p['prefill_small_m_max_rows']} rows, "
-            "gemm_w8a16 (tensor cores) for longer ones"
-        )
+        sm90 = p.get("prefill_sm90_gemm_min_rows")
+        longer = "gemm_w8a16 (tensor cores) for longer ones"
+        if sm90:
+            longer = f"gemm_w8a16 (tensor cores) up to {sm90 - 1} rows, gemm_w8a16_sm90 (CUTLASS wgmma) from {sm90}"
+        print(f"  prefill products: gemv_w8a16_m for chunks of 2..{p['prefill_small_m_max_rows']} rows, {longer}")
     pre = p.get("prefill_attention")
     if pre and pre["min_rows"] is None:
         print("  prefill attention: the decode kernel for every chunk (no tensor-core kernel for this head shape)")

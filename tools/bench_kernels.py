@@ -38,6 +38,12 @@ def gemv_bytes(N: int, K: int, ep: int) -> int:
     return N * K + N * (K // 128) * 4 + 2 * K + out
 
 
+def gemm_pair_row(model: str, M: int, name: str, flops: float, old_us: float, new_us: float) -> list[str]:
+    """gemm_w8a16 and gemm_w8a16_sm90 on one product (or a layer's sum): us, TFLOP/s, speedup."""
+    tf = lambda us: f"{flops / us / 1e6:.0f}"
+    return [model, str(M), name, f"{old_us:.1f}", tf(old_us), f"{new_us:.1f}", tf(new_us), f"{old_us / new_us:.2f}"]
+
+
 def table(title: str, header: list[str], rows: list[list[str]]) -> None:
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
     print(f"\n{title}")
@@ -185,6 +191,33 @@ def main(argv=None) -> int:
             results["gemm"].append(dict(model=model, layer=name, M=M, N=N, K=K, us=us, TFLOPs=tflops))
         rows.append([model, f"{m['layers']} layers", f"{M} tokens", f"{total_us:.0f}", ""])
     table("gemm_w8a16 (prefill)", ["model", "layer", "M x N x K", "us", "TFLOP/s"], rows)
+
+    # The Hopper GEMM (gemm_w8a16_sm90: scale transpose + CUTLASS TMA/wgmma GEMM (+ SwiGLU)) next to
+    # gemm_w8a16, per layer product and per layer, at the chunk sizes the step plan may route to it.
+    rows, results["gemm_sm90"] = [], []
+    if not ops.gemm_sm90_built():
+        print("\ngemm_w8a16_sm90: not in this build (nvidia-cutlass missing at build time)")
+    for model in ("3B", "8B") if ops.gemm_sm90_built() else ():
+        m = MODELS[model]
+        for M in (64, 128, 256, 512):
+            layer_old = layer_new = flops_layer = 0.0
+            for name, N, K, ep in linear_shapes(m)[:4]:
+                it = max(5, args.iters // 5)
+                old = ops.time_gemm(M, N, K, iters=it, epilogue=ep)
+                new = ops.time_gemm_sm90(M, N, K, iters=it, epilogue=ep, x_dtype="bf16")
+                flops = 2 * M * N * K
+                layer_old, layer_new, flops_layer = layer_old + old, layer_new + new, flops_layer + flops
+                rows.append(gemm_pair_row(model, M, name, flops, old, new))
+                results["gemm_sm90"].append(
+                    dict(model=model, M=M, layer=name, N=N, K=K, us_gemm=old, us_sm90=new, TFLOPs_sm90=flops / new / 1e6)
+                )
+            rows.append(gemm_pair_row(model, M, "layer", flops_layer, layer_old, layer_new))
+    if rows:
+        table(
+            "gemm_w8a16_sm90 vs gemm_w8a16 (bf16 x; us per launch, TFLOP/s)",
+            ["model", "M", "product", "gemm us", "TFLOP/s", "sm90 us", "TFLOP/s", "speedup"],
+            rows,
+        )
 
     # Sampling over the Llama 3 vocabulary.
     rows, results["sample"] = [], []

@@ -16,18 +16,28 @@ namespace {
 
 using kernels::Epilogue;
 
+// Where a chunk's product runs (the step plan's thresholds) and the sm90 GEMM's workspace.
+struct GemmRoute {
+  int small_m;      // StepPlan::small_m_max_rows
+  int sm90_min;     // StepPlan::sm90_gemm_min_rows
+  void* ws;         // the engine's gemm_ws
+  size_t ws_bytes;  // its size
+};
+
 // One row streams the weights once through the decode GEMV (as `plan` says); up to small_m rows
 // (StepPlan::small_m_max_rows) through the small-M GEMV, which also reads each weight byte once; more
-// rows go to the tensor-core GEMM. tickets: the engine's counters for SwiGLU GEMVs; f16_overflow:
-// SwiGLU's fp16 output (kernels.h).
-void linear(const kernels::GemvPlan& plan, int small_m, const uint8_t* w, const float* scales, const void* x,
+// rows go to the tensor-core GEMM, from sm90_min rows on to the Hopper one (gemm_w8a16_sm90).
+// tickets: the engine's counters for SwiGLU GEMVs; f16_overflow: SwiGLU's fp16 output (kernels.h).
+void linear(const kernels::GemvPlan& plan, const GemmRoute& route, const uint8_t* w, const float* scales, const void* x,
             kernels::Act xt, int rows, int N, int K, Epilogue ep, void* out, cudaStream_t stream,
             unsigned* tickets = nullptr, int* f16_overflow = nullptr) {
   if (rows == 1) {
     kernels::gemv_w8a16(plan, w, scales, x, xt, N, K, ep, out, stream, tickets, f16_overflow);
-  } else if (rows <= small_m) {
+  } else if (rows <= route.small_m) {
     const kernels::GemvIn in = xt == kernels::Act::F16 ? kernels::GemvIn::F16 : kernels::GemvIn::BF16;
     kernels::gemv_w8a16_m(kernels::plan_gemv_m(ep, in, rows, N, K), w, scales, x, xt, rows, N, K, ep, out, stream);
+  } else if (rows >= route.sm90_min) {
+    kernels::gemm_w8a16_sm90(w, scales, x, xt, rows, N, K, ep, out, route.ws, route.ws_bytes, stream);
   } else {
     kernels::gemm_w8a16(w, scales, x, xt, rows, N, K, ep, out, stream);
   }
@@ -52,6 +62,7 @@ void Engine::enqueue_layers(int rows, int attn_keys) {
   const kernels::Act act = half ? kernels::Act::F16 : kernels::Act::BF16;
   int* const overflow = half ? buf_.f16_overflow : nullptr;
   const StepPlan& plan = step_plan_;
+  const GemmRoute route{plan.small_m_max_rows, plan.sm90_gemm_min_rows, buf_.gemm_ws, buf_.gemm_ws_bytes};
   const kernels::GemvPlan& o_plan = half ? plan.o_f16 : plan.o_bf16;
   const kernels::GemvPlan& down_plan = half ? plan.down_f16 : plan.down_bf16;
   // A decode step's attention grid is the plan's for attn_keys; a prefill chunk's is planned for its
@@ -99,8 +110,8 @@ void Engine::enqueue_layers(int rows, int attn_keys) {
                            buf_.attn_scratch, buf_.attn_out, stream_, /*early=*/fused_qkv, overflow);
       mark("attention", li);
       if (probe_) probe_snapshot(rows);
-      linear(o_plan, plan.small_m_max_rows, L.wo, L.wo_scale, buf_.attn_out, act, rows, d, s.q_dim(),
-             Epilogue::AddResidual, buf_.x, stream_);
+      linear(o_plan, route, L.wo, L.wo_scale, buf_.attn_out, act, rows, d, s.q_dim(), Epilogue::AddResidual, buf_.x,
+             stream_);
       mark("gemv_o", li);
     }
     if (probe_) {
@@ -113,8 +124,7 @@ void Engine::enqueue_layers(int rows, int attn_keys) {
                     Epilogue::SwiGLU, buf_.ffn, overflow);
       mark("gemv_gate_up+norm", li);
       if (probe_) probe_snapshot(rows);
-      linear(down_plan, plan.small_m_max_rows, L.w2, L.w2_scale, buf_.ffn, act, rows, d, f, Epilogue::AddResidual,
-             buf_.x, stream_);
+      linear(down_plan, route, L.w2, L.w2_scale, buf_.ffn, act, rows, d, f, Epilogue::AddResidual, buf_.x, stream_);
       mark("gemv_down", li);
     }
     if (probe_) {
@@ -138,8 +148,9 @@ void Engine::normed_linear(const bf16* norm, const char* probe_name, int layer, 
   }
   kernels::rmsnorm(buf_.x, norm, rows, d, spec_.rms_norm_eps, buf_.xn, stream_);
   if (probe_ && probe_name) probe_point(probe_name, layer, ProbeSrc::XN, rows);
-  linear(probed, step_plan_.small_m_max_rows, w, scales, buf_.xn, kernels::Act::F16, rows, N, d, ep, out, stream_,
-         buf_.gemv_tickets, f16_overflow);
+  const GemmRoute route{step_plan_.small_m_max_rows, step_plan_.sm90_gemm_min_rows, buf_.gemm_ws, buf_.gemm_ws_bytes};
+  linear(probed, route, w, scales, buf_.xn, kernels::Act::F16, rows, N, d, ep, out, stream_, buf_.gemv_tickets,
+         f16_overflow);
 }
 
 // Final norm and lm_head on one row of the residual stream -> buf_.logits fp32 [vocab].

@@ -171,6 +171,18 @@ Layout plan_layout(const ModelSpec& s, const ModelTensors& t, int max_context, i
   L.attn_scratch = plan.reserve("scratch", attn_scratch);
   L.sample_scratch = plan.reserve("scratch", kernels::sampling_scratch_bytes(s.vocab_size));
   L.gemv_tickets = plan.reserve("scratch", kernels::kGemvTicketBytes);
+  // The sm90 GEMM's workspace: the products' transposed scales, and SwiGLU's fp32 y [chunk, 2 ffn].
+  L.gemm_ws_bytes = 0;
+  if (kernels::gemm_w8a16_sm90_built()) {
+    const int d = s.hidden_size, f = s.intermediate_size, m = prefill_chunk;
+    using kernels::Epilogue;
+    for (size_t b : {kernels::gemm_w8a16_sm90_workspace_bytes(Epilogue::Store, m, s.qkv_dim(), d),
+                     kernels::gemm_w8a16_sm90_workspace_bytes(Epilogue::AddResidual, m, d, s.q_dim()),
+                     kernels::gemm_w8a16_sm90_workspace_bytes(Epilogue::SwiGLU, m, 2 * f, d),
+                     kernels::gemm_w8a16_sm90_workspace_bytes(Epilogue::AddResidual, m, d, f)})
+      L.gemm_ws_bytes = std::max(L.gemm_ws_bytes, b);
+  }
+  L.gemm_ws = plan.reserve("scratch", std::max<size_t>(L.gemm_ws_bytes, 256));
   L.head_best_n = s.lm_head_fp8 ? head_blocks : 0;
   L.head_best = plan.reserve("scratch", std::max(L.head_best_n, 1) * sizeof(uint64_t));
   L.pos = plan.reserve("scratch", 2 * sizeof(int32_t));

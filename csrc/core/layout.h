@@ -58,6 +58,8 @@ struct Layout {
   size_t ids;       // int32 [max_context]  prompt ids
   // Scratch and the small device state the decode graph reads.
   size_t attn_scratch, sample_scratch, gemv_tickets;
+  size_t gemm_ws;  // the sm90 prefill GEMM's workspace (kernels.h), sized for a chunk's largest product
+  size_t gemm_ws_bytes;
   size_t head_best;  // uint64 [head_best_n]: the FP8 head's per-block argmax keys (kernels.h)
   int head_best_n;
   size_t pos;           // int32[2] = {tokens in the KV cache, that + 1: the sampler's RNG counter}

@@ -74,6 +74,13 @@ StepPlan make_step_plan(const ModelSpec& s, int max_context, const PlanOptions& 
   // Head dims the tensor-core kernel is not built for (256) keep every chunk on the decode kernel.
   p.prefill_attn_min_rows =
       kernels::attention_prefill_supported(D, H / Hkv) ? StepPlan::kPrefillAttnMinRows : StepPlan::kNever;
+  // The Hopper GEMM takes a chunk's products only when every one of them is a shape it runs.
+  const int m = StepPlan::kSm90GemmMinRows;
+  const bool sm90_gemm = p.cc_major == 9 && kernels::gemm_w8a16_sm90_supported(Epilogue::Store, m, s.qkv_dim(), d) &&
+                         kernels::gemm_w8a16_sm90_supported(Epilogue::AddResidual, m, d, s.q_dim()) &&
+                         kernels::gemm_w8a16_sm90_supported(Epilogue::SwiGLU, m, 2 * f, d) && (2 * f) % 16 == 0 &&
+                         kernels::gemm_w8a16_sm90_supported(Epilogue::AddResidual, m, d, f);
+  p.sm90_gemm_min_rows = sm90_gemm ? StepPlan::kSm90GemmMinRows : StepPlan::kNever;
   return p;
 }
 

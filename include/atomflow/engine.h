@@ -154,12 +154,14 @@ class Engine {
     void* attn_scratch;
     void* sample_scratch;
     unsigned* gemv_tickets;  // the gate/up GEMV's counters (kernels.h), zeroed at load
-    uint64_t* head_best;     // the FP8 head's per-block argmax keys, for the greedy sampler (kernels.h)
-    int head_best_n;         // their count (0: no FP8 head)
-    int32_t* pos;            // [2]: pos[0] tokens in the cache, pos[1] = pos[0] + 1 (step_kernels.h)
-    int32_t* sample_pos;     // &pos[1]: the RNG counter of the token sampled after pos[0]
-    int32_t* token;          // the step's input token; its embedding is in x[0] when a step starts
-    int32_t* f16_overflow;   // set by a step's fp16 activations past fp16's range, cleared by its end
+    void* gemm_ws;           // the sm90 prefill GEMM's workspace (kernels.h), gemm_ws_bytes
+    size_t gemm_ws_bytes;
+    uint64_t* head_best;    // the FP8 head's per-block argmax keys, for the greedy sampler (kernels.h)
+    int head_best_n;        // their count (0: no FP8 head)
+    int32_t* pos;           // [2]: pos[0] tokens in the cache, pos[1] = pos[0] + 1 (step_kernels.h)
+    int32_t* sample_pos;    // &pos[1]: the RNG counter of the token sampled after pos[0]
+    int32_t* token;         // the step's input token; its embedding is in x[0] when a step starts
+    int32_t* f16_overflow;  // set by a step's fp16 activations past fp16's range, cleared by its end
     kernels::SamplingConfig* sampling;
   };
 

@@ -144,6 +144,18 @@ void gemv_w8a16_rmsnorm_argmax(const GemvPlan& plan, const uint8_t* w, const flo
 // main loop). x [M, K] of x_type; K % 64 == 0, scales [N, ceil(K / 128)].
 void gemm_w8a16(const uint8_t* w, const float* scales, const void* x, Act x_type, int M, int N, int K, Epilogue ep,
                 void* out, cudaStream_t stream);
+// gemm_w8a16_sm90.cu: the same product on Hopper's warpgroup MMA (CUTLASS's mixed-input TMA + wgmma
+// GEMM, built for sm_90a from the nvidia-cutlass headers). Each weight is rounded once to x_type after
+// its fp32 scale (gemm_w8a16 keeps w * s exact: bf16 adds <= 2^-9 relative per weight, fp16 2^-11).
+// Epilogues Store and AddResidual (fp32 [M, N]) and SwiGLU (N = 2F, bf16 [M, F], through an fp32 [M, N]
+// copy of y in the workspace). N % 8 == 0 (N % 16 == 0 for SwiGLU), K % 64 == 0, M >= 1.
+// workspace: gemm_w8a16_sm90_workspace_bytes(ep, M, N, K) bytes (256-byte aligned), no initial value,
+// one stream at a time. Launches plain (no PDL): it starts after everything before it on the stream.
+bool gemm_w8a16_sm90_built();  // false: nvidia-cutlass was missing at build time (the launcher fails)
+bool gemm_w8a16_sm90_supported(Epilogue ep, int M, int N, int K);
+size_t gemm_w8a16_sm90_workspace_bytes(Epilogue ep, int M, int N, int K);
+void gemm_w8a16_sm90(const uint8_t* w, const float* scales, const void* x, Act x_type, int M, int N, int K, Epilogue ep,
+                     void* out, void* workspace, size_t workspace_bytes, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------
 // gemv_w8a16_m.cu: the GEMV for small M (1 <= M <= 64 rows of x: short prompts, a chunked prompt's

@@ -79,6 +79,12 @@ struct StepPlan {
   // 293, 64 rows 594 against 317 (docs/design/gemv_w8a16_m.md).
   static constexpr int kSmallMMaxRows = 16;
   int small_m_max_rows = kSmallMMaxRows;
+  // Chunks of at least sm90_gemm_min_rows rows run their products on the Hopper GEMM (gemm_w8a16_sm90:
+  // CUTLASS, TMA + wgmma) instead of gemm_w8a16; kNever where it is not built (no nvidia-cutlass at
+  // build time), the device is not sm_90, or a product's shape is not one it takes. 64 is a first
+  // guess at the crossover, to be measured (bench_kernels.py).
+  static constexpr int kSm90GemmMinRows = 64;
+  int sm90_gemm_min_rows = kSm90GemmMinRows;
 
   kernels::GemvKnobs knobs() const { return {options.staged_pair, options.tickets}; }
   // The attention plan of a decode step whose grid is planned for attn_keys keys.

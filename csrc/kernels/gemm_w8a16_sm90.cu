@@ -1,0 +1,249 @@
+// W8A16 GEMM for prefill chunks on Hopper (sm_90a): y[m, n] = sum_k x[m, k] * fp8[n, k] * scale[n, k / 128],
+// CUTLASS 3.x's mixed-input warp-specialized GEMM (TMA loads, wgmma, fp32 accumulation), the epilogues of
+// gemm_w8a16 (kernels.h).
+//
+//  - The narrow operand (the FP8 weight) must be wgmma's A operand, read from registers, where it is
+//    converted; so the product runs transposed (CUTLASS example 55): D'[n, m] = sum_k W[n, k] X^T[k, m],
+//    W [N, K] K-major as A, X [M, K] K-major as B, D' column-major [N, M], which is y [M, N] row-major.
+//  - Each weight becomes the activation's 16-bit type as A = type(float(fp8) * scale) with an fp32 scale:
+//    one rounding of the exact dequantized weight (relative error <= 2^-9 for bf16, 2^-11 for fp16; fp16
+//    products below 2^-14 are subnormal, an absolute error <= 2^-25). gemm_w8a16 applies the scale to fp32
+//    partial sums instead (no rounding of w * s); tests/test_gemm_sm90_gpu.py states the difference.
+//  - Tile 128 (weight rows) x 128 (tokens) x 64 (k), cluster 1x1, cooperative schedule (two consumer
+//    warpgroups of 64 x 128, one TMA producer warp), persistent tile scheduler; TMA epilogue.
+//  - Rows of x past M and weight rows past N are TMA's out-of-bounds zeros; their outputs are not stored.
+//    The scale group of k is k / 128 for every k (CUTLASS's group index of a 64-wide k-tile), so a
+//    64-column tail group (K % 128 == 64) needs nothing special.
+//
+// Contract of gemm_w8a16_sm90 (launcher at the end):
+//  Inputs   w fp8 e4m3 [N, K] row-major, scales fp32 [N, ceil(K / 128)], x 16-bit [M, K] row-major of
+//           type x_type; K % 64 == 0, N % 8 == 0 (TMA strides), pointers 16-byte aligned.
+//  Launches 1. scale_transpose: scales -> workspace [ceil(K / 128), N] fp32 (CUTLASS's scales are N-major);
+//           2. the CUTLASS GEMM: Store: out fp32 [M, N] = y; AddResidual: out += y (C is out, beta = 1);
+//              SwiGLU (N = 2F): y fp32 [M, N] into the workspace, then
+//           3. swiglu_rows: out bf16 [M, F] = silu(y[:, :F]) * y[:, F:].
+//           Plain stream-ordered launches (no PDL): each waits for everything before it.
+//  Workspace gemm_w8a16_sm90_workspace_bytes(ep, M, N, K) bytes of device memory, 256-byte aligned,
+//           used by one stream at a time, no initial value needed, nothing left in it for later calls.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <string>
+
+#include "atomflow/kernels.h"
+
+#if ATOMFLOW_SM90_GEMM
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/dispatch_policy.hpp"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "cutlass/util/packed_stride.hpp"
+#endif
+
+namespace atomflow::kernels {
+
+namespace {
+
+constexpr int kScaleGroup = 128;
+constexpr size_t kWsAlign = 256;
+size_t align_up(size_t n) { return (n + kWsAlign - 1) / kWsAlign * kWsAlign; }
+
+// ---------------------------------------------------------------------------------------
+// kernels
+
+// out [G, N] = in [N, G] (fp32), through a 32 x 33 shared tile so reads and writes are both coalesced.
+__global__ void scale_transpose(const float* __restrict__ in, int N, int G, float* __restrict__ out) {
+  __shared__ float tile[32][33];
+  const int n0 = blockIdx.x * 32, g0 = blockIdx.y * 32;
+  for (int r = threadIdx.y; r < 32; r += blockDim.y) {
+    const int n = n0 + r, g = g0 + threadIdx.x;
+    if (n < N && g < G) tile[r][threadIdx.x] = in[static_cast<size_t>(n) * G + g];
+  }
+  __syncthreads();
+  for (int r = threadIdx.y; r < 32; r += blockDim.y) {
+    const int g = g0 + r, n = n0 + threadIdx.x;
+    if (n < N && g < G) out[static_cast<size_t>(g) * N + n] = tile[threadIdx.x][r];
+  }
+}
+
+// out bf16 [M, F] = silu(y[:, :F]) * y[:, F:], y fp32 [M, 2F]; gemm_w8a16's formula and rounding.
+__global__ void swiglu_rows(const float* __restrict__ y, int M, int F, bf16* __restrict__ out) {
+  const size_t total = static_cast<size_t>(M) * F;
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    const size_t m = i / F, f = i % F;
+    const float gate = y[m * 2 * F + f], up = y[m * 2 * F + F + f];
+    out[i] = __float2bfloat16(gate / (1.f + expf(-gate)) * up);
+  }
+}
+
+#if ATOMFLOW_SM90_GEMM
+using namespace cute;
+
+// The CUTLASS kernels, one per activation type. Names follow the transposed product: A = the weight
+// (N rows), B = x (M columns), D' = y^T. Declared at namespace scope with concrete types (inside a
+// class template the host compiler rejects the builders' dependent names).
+using ElementW = cutlass::float_e4m3_t;
+using ElementScale = float;                    // fp32: the weight is rounded once, after the scale (see the top)
+using LayoutW = cutlass::layout::RowMajor;     // A [N, K], K-major
+using LayoutX = cutlass::layout::ColumnMajor;  // B [K, M] column-major = x [M, K] row-major
+using LayoutD = cutlass::layout::ColumnMajor;  // D' [N, M] column-major = y [M, N] row-major
+constexpr int kAlignW = 16, kAlignX = 8, kAlignD = 4;  // elements of 16 bytes
+using TileShape = Shape<_128, _128, _64>;
+using ClusterShape = Shape<_1, _1, _1>;
+
+using EpilogueOp =
+    cutlass::epilogue::collective::CollectiveBuilder<cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape,
+                                                     ClusterShape, cutlass::epilogue::collective::EpilogueTileAuto,
+                                                     float, float, float, LayoutD, kAlignD, float, LayoutD, kAlignD,
+                                                     cutlass::epilogue::TmaWarpSpecializedCooperative>::CollectiveOp;
+
+using MainloopBF16 = cutlass::gemm::collective::CollectiveBuilder<
+    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, cute::tuple<ElementW, ElementScale>, LayoutW, kAlignW,
+    cutlass::bfloat16_t, LayoutX, kAlignX, float, TileShape, ClusterShape,
+    cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(EpilogueOp::SharedStorage))>,
+    cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
+using MainloopF16 = cutlass::gemm::collective::CollectiveBuilder<
+    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, cute::tuple<ElementW, ElementScale>, LayoutW, kAlignW,
+    cutlass::half_t, LayoutX, kAlignX, float, TileShape, ClusterShape,
+    cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(EpilogueOp::SharedStorage))>,
+    cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
+
+using KernelBF16 = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, MainloopBF16, EpilogueOp>;
+using KernelF16 = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, MainloopF16, EpilogueOp>;
+
+// Argument packing and launch of one of them (T: the activation's CUTLASS type).
+template <class Kernel, class T>
+struct Sm90Gemm {
+  using Mainloop = typename Kernel::CollectiveMainloop;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+
+  static typename Gemm::Arguments arguments(const uint8_t* w, const float* scales_gn, const void* x, int M, int N,
+                                            int K, float beta, const float* c, float* d) {
+    using StrideW = typename Kernel::StrideA;
+    using StrideX = typename Kernel::StrideB;
+    using StrideC = typename Kernel::StrideC;
+    using StrideD = typename Kernel::StrideD;
+    using StrideS = typename Mainloop::StrideScale;
+    const int G = CEIL_DIV(K, kScaleGroup);
+    const StrideW sw = cutlass::make_cute_packed_stride(StrideW{}, make_shape(N, K, 1));
+    const StrideX sx = cutlass::make_cute_packed_stride(StrideX{}, make_shape(M, K, 1));
+    const StrideC sc = cutlass::make_cute_packed_stride(StrideC{}, make_shape(N, M, 1));
+    const StrideD sd = cutlass::make_cute_packed_stride(StrideD{}, make_shape(N, M, 1));
+    const StrideS ss = cutlass::make_cute_packed_stride(StrideS{}, make_shape(N, G, 1));
+    typename Gemm::Arguments args{
+        cutlass::gemm::GemmUniversalMode::kGemm,
+        {N, M, K, 1},
+        {reinterpret_cast<const ElementW*>(w), sw, static_cast<const T*>(x), sx, scales_gn, ss, kScaleGroup},
+        {{1.f, beta}, c, sc, d, sd}};
+    return args;
+  }
+
+  static size_t workspace_bytes(int M, int N, int K) {
+    return Gemm::get_workspace_size(arguments(nullptr, nullptr, nullptr, M, N, K, 0.f, nullptr, nullptr));
+  }
+
+  // y = x w^T (beta 0) or out += x w^T (beta 1, c = d = out).
+  static void run(const uint8_t* w, const float* scales_gn, const void* x, int M, int N, int K, float beta, float* out,
+                  void* workspace, cudaStream_t stream) {
+    typename Gemm::Arguments args = arguments(w, scales_gn, x, M, N, K, beta, out, out);
+    Gemm gemm;
+    const cutlass::Status ok = gemm.can_implement(args);
+    AF_CHECK(ok == cutlass::Status::kSuccess,
+             std::string("gemm_w8a16_sm90: CUTLASS cannot run this shape: ") + cutlassGetStatusString(ok));
+    const cutlass::Status init = gemm.initialize(args, workspace, stream);
+    AF_CHECK(init == cutlass::Status::kSuccess,
+             std::string("gemm_w8a16_sm90: initialize failed: ") + cutlassGetStatusString(init));
+    const cutlass::Status st = gemm.run(stream);
+    AF_CHECK(st == cutlass::Status::kSuccess,
+             std::string("gemm_w8a16_sm90: launch failed: ") + cutlassGetStatusString(st));
+  }
+};
+
+size_t cutlass_workspace_bytes(Act x_type, int M, int N, int K) {
+  return x_type == Act::F16 ? Sm90Gemm<KernelF16, cutlass::half_t>::workspace_bytes(M, N, K)
+                            : Sm90Gemm<KernelBF16, cutlass::bfloat16_t>::workspace_bytes(M, N, K);
+}
+#else
+size_t cutlass_workspace_bytes(Act, int, int, int) { return 0; }
+#endif
+
+// Workspace carve-up: [scales G x N fp32][SwiGLU's y M x N fp32][CUTLASS's own workspace].
+struct Carve {
+  size_t scales, swiglu, cutlass, total;
+};
+Carve carve(Epilogue ep, Act x_type, int M, int N, int K) {
+  Carve c{};
+  c.scales = align_up(sizeof(float) * static_cast<size_t>(CEIL_DIV(K, kScaleGroup)) * N);
+  c.swiglu = ep == Epilogue::SwiGLU ? align_up(sizeof(float) * static_cast<size_t>(M) * N) : 0;
+  c.cutlass = align_up(cutlass_workspace_bytes(x_type, M, N, K));
+  c.total = c.scales + c.swiglu + c.cutlass;
+  return c;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------
+// launcher
+
+bool gemm_w8a16_sm90_built() { return ATOMFLOW_SM90_GEMM != 0; }
+
+bool gemm_w8a16_sm90_supported(Epilogue ep, int M, int N, int K) {
+  if (!gemm_w8a16_sm90_built()) return false;
+  if (ep != Epilogue::Store && ep != Epilogue::AddResidual && ep != Epilogue::SwiGLU) return false;
+  return M >= 1 && N >= 8 && N % 8 == 0 && K >= 64 && K % 64 == 0;
+}
+
+size_t gemm_w8a16_sm90_workspace_bytes(Epilogue ep, int M, int N, int K) {
+  // The CUTLASS workspace does not depend on the activation type; take the larger to be sure.
+  return std::max(carve(ep, Act::BF16, M, N, K).total, carve(ep, Act::F16, M, N, K).total);
+}
+
+void gemm_w8a16_sm90(const uint8_t* w, const float* scales, const void* x, Act x_type, int M, int N, int K, Epilogue ep,
+                     void* out, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+  AF_CHECK(gemm_w8a16_sm90_built(), "gemm_w8a16_sm90: this build has no sm90 GEMM (nvidia-cutlass was not found)");
+  AF_CHECK(gemm_w8a16_sm90_supported(ep, M, N, K),
+           "gemm_w8a16_sm90: needs M >= 1, N % 8 == 0, K % 64 == 0 and the Store, AddResidual or SwiGLU epilogue");
+  AF_CHECK(ep != Epilogue::SwiGLU || N % 16 == 0, "gemm_w8a16_sm90: SwiGLU needs N = 2F with F % 8 == 0");
+  for (const void* p :
+       {static_cast<const void*>(w), static_cast<const void*>(scales), x, static_cast<const void*>(out)})
+    AF_CHECK(reinterpret_cast<uintptr_t>(p) % 16 == 0, "gemm_w8a16_sm90: w, scales, x and out must be 16-byte aligned");
+  const Carve c = carve(ep, x_type, M, N, K);
+  AF_CHECK(workspace != nullptr && workspace_bytes >= c.total && reinterpret_cast<uintptr_t>(workspace) % kWsAlign == 0,
+           "gemm_w8a16_sm90: the workspace must be gemm_w8a16_sm90_workspace_bytes() bytes, 256-byte aligned");
+  uint8_t* ws = static_cast<uint8_t*>(workspace);
+  float* scales_gn = reinterpret_cast<float*>(ws);
+  float* y_swiglu = reinterpret_cast<float*>(ws + c.scales);
+  void* cutlass_ws = ws + c.scales + c.swiglu;
+
+  const int G = CEIL_DIV(K, kScaleGroup);
+  scale_transpose<<<dim3(CEIL_DIV(N, 32), CEIL_DIV(G, 32)), dim3(32, 8), 0, stream>>>(scales, N, G, scales_gn);
+  AF_CUDA_CHECK(cudaGetLastError());
+
+#if ATOMFLOW_SM90_GEMM
+  float* y = ep == Epilogue::SwiGLU ? y_swiglu : static_cast<float*>(out);
+  const float beta = ep == Epilogue::AddResidual ? 1.f : 0.f;
+  if (x_type == Act::F16)
+    Sm90Gemm<KernelF16, cutlass::half_t>::run(w, scales_gn, x, M, N, K, beta, y, cutlass_ws, stream);
+  else
+    Sm90Gemm<KernelBF16, cutlass::bfloat16_t>::run(w, scales_gn, x, M, N, K, beta, y, cutlass_ws, stream);
+  AF_CUDA_CHECK(cudaGetLastError());
+#else
+  (void)y_swiglu;
+  (void)cutlass_ws;
+#endif
+
+  if (ep == Epilogue::SwiGLU) {
+    const int F = N / 2;
+    const size_t total = static_cast<size_t>(M) * F;
+    const int blocks = static_cast<int>(std::min<size_t>(CEIL_DIV(total, 256), 132 * 16));
+    swiglu_rows<<<blocks, 256, 0, stream>>>(y_swiglu, M, F, static_cast<bf16*>(out));
+    AF_CUDA_CHECK(cudaGetLastError());
+  }
+}
+
+}  // namespace atomflow::kernels
