@@ -211,7 +211,7 @@ def cmd_run(a) -> int:
         a.model = default_model(progress=not a.quiet)
     from atomflow.speculate import check_greedy, parse_speculate
 
-    spec = parse_speculate(a.speculate)
+    spec = parse_speculate(getattr(a, "speculate", None))  # programmatic callers may leave it out
     check_greedy(spec, a.temperature or 0.0)  # before the load; a model's default temperature gives way to greedy
     eng = Engine.load(
         a.model, backend=a.backend, max_context=a.max_context, eager=a.eager or None, verbose=a.verbose, speculate=spec

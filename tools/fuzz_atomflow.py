@@ -512,6 +512,7 @@ def run_mode(path: Path, mode: str) -> None:
                     eager=False,
                     verbose=False,
                     quiet=True,
+                    speculate=None,
                 )
             )
 
