@@ -13,6 +13,9 @@ export PYTHONUNBUFFERED=1
 
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
 echo "== build"
+# The sm90 prefill GEMM needs CUTLASS headers: the nvidia-cutlass package, or ATOMFLOW_CUTLASS_DIR (README).
+python3 -c "import cutlass_library" 2>/dev/null || [ -n "${ATOMFLOW_CUTLASS_DIR:-}" ] ||
+  echo "gpu_check: no nvidia-cutlass and no ATOMFLOW_CUTLASS_DIR: prefill keeps the mma.sync GEMM"
 if ! python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1; then
   tail -40 "$OUT/build.log"; echo "gpu_check: build failed (log: $OUT/build.log)"; exit 1
 fi
