@@ -23,3 +23,21 @@ def f16_bits(a) -> np.ndarray:
 
 def from_f16(bits: np.ndarray) -> np.ndarray:
     return bits.view(np.float16).astype(np.float64)
+
+
+def load_ops(*needs: str):
+    """(atomflow._core.ops, "") where the CUDA core and a GPU are here (and ops has every function in
+    `needs`), else (None, why): the kernel tests' skip reason."""
+    try:
+        from atomflow import _core
+    except ImportError as e:
+        return None, f"atomflow._core is not importable ({e})"
+    ok, why = _core.cuda_available()
+    if not ok:
+        return None, why
+    if not hasattr(_core, "ops"):
+        return None, "atomflow._core was built without the ops submodule"
+    missing = [n for n in needs if not hasattr(_core.ops, n)]
+    if missing:
+        return None, "atomflow._core was built without ops." + ", ops.".join(missing)
+    return _core.ops, ""

@@ -13,23 +13,9 @@ import numpy as np
 import pytest
 
 pytest.importorskip("ml_dtypes")
-from numerics import bf16_bits, from_bf16  # noqa: E402
+from numerics import bf16_bits, from_bf16, load_ops  # noqa: E402
 
-
-def _load_ops():
-    try:
-        from atomflow import _core
-    except ImportError as e:
-        return None, f"atomflow._core is not importable ({e})"
-    ok, why = _core.cuda_available()
-    if not ok:
-        return None, why
-    if not hasattr(_core, "ops"):
-        return None, "atomflow._core was built without the ops submodule"
-    return _core.ops, ""
-
-
-ops, WHY_NOT = _load_ops()
+ops, WHY_NOT = load_ops()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(ops is None, reason=f"gpu: {WHY_NOT}")]
 
 BF16_NAN = 0x7FC0

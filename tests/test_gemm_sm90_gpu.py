@@ -22,23 +22,9 @@ import pytest
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 FP8 = ml_dtypes.float8_e4m3fn
-from numerics import BF16, bf16_bits, f16_bits, from_bf16, from_f16  # noqa: E402
+from numerics import BF16, bf16_bits, f16_bits, from_bf16, from_f16, load_ops  # noqa: E402
 
-
-def _load_ops():
-    try:
-        from atomflow import _core
-    except ImportError as e:
-        return None, f"atomflow._core is not importable ({e})"
-    ok, why = _core.cuda_available()
-    if not ok:
-        return None, why
-    if not hasattr(_core, "ops"):
-        return None, "atomflow._core was built without the ops submodule"
-    return _core.ops, ""
-
-
-ops, WHY_NOT = _load_ops()
+ops, WHY_NOT = load_ops()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(ops is None, reason=f"gpu: {WHY_NOT}")]
 
 STORE, ADD, SWIGLU = 0, 1, 2

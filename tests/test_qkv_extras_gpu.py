@@ -10,25 +10,14 @@ import numpy as np
 import pytest
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
-from numerics import bf16_bits, from_bf16, from_f16  # noqa: E402
+from numerics import bf16_bits, from_bf16, from_f16, load_ops  # noqa: E402
 
 FP8 = ml_dtypes.float8_e4m3fn
 FP8_TO_F64 = np.arange(256, dtype=np.uint8).view(FP8).astype(np.float64)
 BF16_REL = 4e-3  # an output rounded once to bf16 (relative rounding error <= 2^-9), as test_kernels_gpu.py
 
 
-def _load_ops():
-    try:
-        from atomflow import _core
-    except ImportError as e:
-        return None, f"atomflow._core is not importable ({e})"
-    ok, why = _core.cuda_available()
-    if not ok:
-        return None, why
-    return _core.ops, ""
-
-
-ops, WHY_NOT = _load_ops()
+ops, WHY_NOT = load_ops()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(ops is None, reason=f"gpu: {WHY_NOT}")]
 
 
