@@ -11,6 +11,7 @@ import gc
 
 import numpy as np
 import pytest
+from engine_util import assert_close, cos_rel, cpu, cuda, prompt
 
 from atomflow.model.fileformat import AtomflowFile
 from atomflow.sampling import SamplingParams
@@ -19,37 +20,8 @@ pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-COS_MIN, REL_L2_MAX = 0.9999, 1e-2  # as tests/test_engine_gpu.py: bf16 activations and cache vs fp32
 # preset -> the decode step's QKV path (StepPlan::fused_qkv)
 PRESETS = {"qwen2-g2": "fused", "qwen3-d128": "split", "mistral": "fused"}
-
-
-def cos_rel(got: np.ndarray, want: np.ndarray) -> tuple[float, float]:
-    got, want = got.astype(np.float64), want.astype(np.float64)
-    cos = float(got @ want / (np.linalg.norm(got) * np.linalg.norm(want)))
-    return cos, float(np.linalg.norm(got - want) / np.linalg.norm(want))
-
-
-def assert_close(got: np.ndarray, want: np.ndarray, what: str) -> None:
-    assert got.shape == want.shape and np.isfinite(got).all(), f"{what}: {got.shape}, finite {np.isfinite(got).all()}"
-    cos, rel = cos_rel(got, want)
-    assert cos >= COS_MIN and rel <= REL_L2_MAX, f"{what}: cosine {cos:.6f}, rel-L2 {rel:.2e}"
-
-
-def cuda(model: AtomflowFile, max_context: int, **kw):
-    from atomflow.backends.cuda import CudaBackend
-
-    return CudaBackend(model, max_context, verbose=False, **kw)
-
-
-def cpu(model: AtomflowFile, max_context: int):
-    from atomflow.backends.cpu import CpuBackend
-
-    return CpuBackend(model, max_context)
-
-
-def prompt(n: int, vocab: int, seed: int = 0) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, vocab, n).astype(np.int32)
 
 
 @pytest.fixture(scope="module")
