@@ -178,25 +178,29 @@ class CudaBackend:
 
     # -- internals ------------------------------------------------------------------------------
     def _generate(self, ids: np.ndarray, params: SamplingParams, start: int) -> Iterator[int]:
+        budget = generation_budget(len(ids), params.max_new_tokens, self.max_context)
+        seed = 0 if params.seed is None else int(params.seed)
+        top_p = float(1.0 if params.top_p is None else params.top_p)
+        self._prefill_prompt(ids, start, (float(params.temperature), int(params.top_k or 0), top_p, seed))
+        yield from self._pipeline(int(ids[-1]), budget, keep=len(ids) - 1)
+
+    def _prefill_prompt(self, ids: np.ndarray, start: int, sampling: tuple) -> None:
+        """The cache made to hold ids but the last: rolled back to `start` (0: reset), the rest
+        prefilled; the device sampler set to `sampling` (temperature, top_k, top_p, seed)."""
         eng = self.engine
         n = len(ids)
-        budget = generation_budget(n, params.max_new_tokens, self.max_context)
-        seed = 0 if params.seed is None else int(params.seed)
         self._end_run()
         if start:
             eng.set_position(start)  # the cache already holds ids[:start] (a reused prefix)
         else:
             eng.reset()
-        eng.set_sampling(
-            float(params.temperature), int(params.top_k or 0), float(1.0 if params.top_p is None else params.top_p), seed
-        )
+        eng.set_sampling(*sampling)
         if n - 1 > start:
             # The decode steps sample on the device from logits the host never sees; the prefill's
             # last row comes back anyway, and NaN/Inf in the weights reaches every row: checked here.
             logits = eng.prefill(ids[start:-1])
             if not np.isfinite(logits).all():
                 raise NonFiniteLogitsError(f"non-finite logits at position {n - 2}", n - 2)
-        yield from self._pipeline(int(ids[-1]), budget, keep=n - 1)
 
     def _pipeline(self, token: int, budget: int, keep: int) -> Iterator[int]:
         """`budget` decode steps from `token` (fed at position `keep`), up to IN_FLIGHT enqueued
@@ -239,16 +243,7 @@ class CudaBackend:
         self._end_run()
         if not 0 <= start < len(ids) or start > self.engine.position:
             raise ValueError(f"start {start} must be in [0, {len(ids)}) and at most the position {self.engine.position}")
-        eng = self.engine
-        if start:
-            eng.set_position(start)
-        else:
-            eng.reset()
-        eng.set_sampling(0.0, 0, 1.0, 0)
-        if len(ids) - 1 > start:
-            logits = eng.prefill(ids[start:-1])
-            if not np.isfinite(logits).all():
-                raise NonFiniteLogitsError(f"non-finite logits at position {len(ids) - 2}", len(ids) - 2)
+        self._prefill_prompt(ids, start, (0.0, 0, 1.0, 0))
         return None
 
     def verify(self, ids: np.ndarray) -> np.ndarray:
