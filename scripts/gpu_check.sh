@@ -3,7 +3,8 @@
 # presets, write OUTDIR/summary.json and print a short table last.
 #   bash scripts/gpu_check.sh OUTDIR
 # Environment: PRESETS (default llama-3.2-3b,llama-3.1-8b), PYTEST_MARK (default gpu),
-# PYTEST_ARGS (extra pytest options, shell-quoted: PYTEST_ARGS='tests/x.py -k "a or b"'), SKIP_TESTS=1,
+# PYTEST_ARGS (extra pytest options, shell-quoted: PYTEST_ARGS='tests/x.py -k "a or b"'), PYTEST_WORKERS
+# (pytest-xdist workers, default 8), SKIP_TESTS=1,
 # SKIP_KERNEL_BENCH=1.
 set -uo pipefail
 OUT=${1:?usage: scripts/gpu_check.sh OUTDIR}
@@ -29,7 +30,11 @@ tail -3 "$OUT/sass_check.log"
 if [ "${SKIP_TESTS:-0}" != "1" ]; then
   echo "== pytest -m gpu"
   eval "extra=(${PYTEST_ARGS:-})"  # word-split as the shell would, so a quoted -k expression stays one argument
-  python3 -m pytest -m "${PYTEST_MARK:-gpu}" -q -rfE "${extra[@]}" --junitxml="$OUT/gpu_tests.xml" > "$OUT/gpu_tests.log" 2>&1 || rc=$?
+  # The GPU suite is ~1,400 tests, most of them CPU-bound numpy references: spread over workers where
+  # pytest-xdist is installed (PYTEST_WORKERS, default 8; 0 runs them in one process).
+  workers=()
+  python3 -c "import xdist" 2>/dev/null && [ "${PYTEST_WORKERS:-8}" != "0" ] && workers=(-n "${PYTEST_WORKERS:-8}")
+  python3 -m pytest -m "${PYTEST_MARK:-gpu}" -q -rfE "${workers[@]}" "${extra[@]}" --junitxml="$OUT/gpu_tests.xml" > "$OUT/gpu_tests.log" 2>&1 || rc=$?
   grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -25
 fi
 
