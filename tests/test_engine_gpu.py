@@ -10,7 +10,7 @@ import shutil
 
 import numpy as np
 import pytest
-from engine_util import assert_close, cos_rel, cpu, cuda, prompt
+from engine_util import assert_close, assert_graph_and_eager_agree, cos_rel, cpu, cuda, greedy, prompt
 
 from atomflow.model.fileformat import AtomflowFile
 from atomflow.sampling import SamplingParams, sample_numpy
@@ -35,10 +35,6 @@ def compare_run(model: AtomflowFile, ids: np.ndarray, steps: int, max_context: i
         want, got = ref.decode(token), eng.decode(token)
         assert_close(got, want, f"decode step {step} (position {ref.position - 1})")
     assert eng.position == len(ids) + steps
-
-
-def greedy(n: int) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_new_tokens=n, seed=0)
 
 
 # ----------------------------------------------------------------------------- model files
@@ -147,15 +143,7 @@ def test_long_context_matches_reference(tiny):
 
 
 def test_graph_and_eager_agree(tiny):
-    ids = prompt(50, tiny.spec.vocab_size, seed=2)
-    graph, eager = cuda(tiny, 256), cuda(tiny, 256, eager=True)
-    assert graph.engine.graph_enabled and not eager.engine.graph_enabled
-    a, b = list(graph.generate_ids(ids, greedy(64))), list(eager.generate_ids(ids, greedy(64)))
-    assert a == b
-    graph.rollback(60)
-    eager.rollback(60)
-    _, rel = cos_rel(graph.decode(a[10]), eager.decode(a[10]))
-    assert rel <= 1e-5
+    assert_graph_and_eager_agree(tiny, 64)
 
 
 def test_short_steps_graph_has_the_same_bits(tiny):

@@ -10,7 +10,8 @@ import shutil
 
 import numpy as np
 import pytest
-from test_engine_gpu import assert_close, compare_run, cos_rel, cpu, cuda, greedy, prompt
+from engine_util import assert_close, assert_graph_and_eager_agree, cpu, cuda, greedy, prompt
+from test_engine_gpu import compare_run
 
 from atomflow.model.fileformat import AtomflowFile
 
@@ -108,16 +109,7 @@ def test_tail_greedy_tokens_match_reference(tail_files, lm_head):
 
 
 def test_tail_graph_and_eager_agree(tail_files):
-    model = tail_files("fp8")
-    ids = prompt(50, model.spec.vocab_size, seed=2)
-    graph, eager = cuda(model, 256), cuda(model, 256, eager=True)
-    assert graph.engine.graph_enabled and not eager.engine.graph_enabled
-    a, b = list(graph.generate_ids(ids, greedy(32))), list(eager.generate_ids(ids, greedy(32)))
-    assert a == b
-    graph.rollback(60)
-    eager.rollback(60)
-    _, rel = cos_rel(graph.decode(a[10]), eager.decode(a[10]))
-    assert rel <= 1e-5
+    assert_graph_and_eager_agree(tail_files("fp8"), 32)
 
 
 def test_tail_plan_names_the_tail_instances(tail_files):
