@@ -22,21 +22,14 @@ using atomflow::median_us;
 py::object attention(const py::array& q_, const py::array& k_cache_, const py::array& v_cache_, int pos,
                      const py::object& scale_, bool early, const std::string& out_dtype, bool cluster_merge) {
   Out16 o16(out_dtype);
-  auto q = arg<uint16_t>(q_, "q", {-1, -1, -1});
-  const int M = static_cast<int>(q.shape(0)), H = static_cast<int>(q.shape(1)), D = static_cast<int>(q.shape(2));
-  auto kc = arg<uint16_t>(k_cache_, "k_cache", {-1, -1, D});
-  const int C = static_cast<int>(kc.shape(0)), Hkv = static_cast<int>(kc.shape(1));
-  auto vc = arg<uint16_t>(v_cache_, "v_cache", {C, Hkv, D});
-  require(M >= 1 && pos >= 0 && pos + M <= C, "need M >= 1, pos >= 0 and pos + M <= cache rows");
-  const float scale = scale_.is_none() ? 1.0f / std::sqrt(static_cast<float>(D)) : scale_.cast<float>();
-  DeviceBuffer dq = to_device(q), dk = to_device(kc), dv = to_device(vc), dpos = device_int(pos);
-  DeviceBuffer scratch = attention_scratch(k::attention_scratch_bytes(M, H, D, C));
-  DeviceBuffer out = DeviceBuffer::poisoned(sizeof(bf16) * M * H * D);
-  const k::AttnPlan plan = k::plan_attention(M, H, Hkv, D, C, cluster_merge);
-  k::attention(plan, dq.get<bf16>(), dk.get<bf16>(), dv.get<bf16>(), dpos.get<int32_t>(), M, H, Hkv, D, C, scale,
-               scratch.get(), out.get(), nullptr, early, o16.ptr());
+  AttnArgs a(q_, k_cache_, v_cache_, pos, scale_);
+  DeviceBuffer scratch = attention_scratch(k::attention_scratch_bytes(a.M, a.H, a.D, a.C));
+  DeviceBuffer out = DeviceBuffer::poisoned(sizeof(bf16) * a.M * a.H * a.D);
+  const k::AttnPlan plan = k::plan_attention(a.M, a.H, a.Hkv, a.D, a.C, cluster_merge);
+  k::attention(plan, a.q.get<bf16>(), a.k_cache.get<bf16>(), a.v_cache.get<bf16>(), a.pos.get<int32_t>(), a.M, a.H,
+               a.Hkv, a.D, a.C, a.scale, scratch.get(), out.get(), nullptr, early, o16.ptr());
   sync();
-  return o16.result(to_host<uint16_t>(out, {M, H, D}));
+  return o16.result(to_host<uint16_t>(out, {a.M, a.H, a.D}));
 }
 
 int attention_cluster_size(int M, int H, int Hkv, int D, int max_context, bool cluster_merge) {

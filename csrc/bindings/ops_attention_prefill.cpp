@@ -31,20 +31,13 @@ k::PrefillAttnPlan prefill_plan(int M, int H, int Hkv, int D, const py::object& 
 
 py::array_t<uint16_t> attention_prefill(const py::array& q_, const py::array& k_cache_, const py::array& v_cache_,
                                         int pos, const py::object& scale_, const py::object& key_groups) {
-  auto q = arg<uint16_t>(q_, "q", {-1, -1, -1});
-  const int M = static_cast<int>(q.shape(0)), H = static_cast<int>(q.shape(1)), D = static_cast<int>(q.shape(2));
-  auto kc = arg<uint16_t>(k_cache_, "k_cache", {-1, -1, D});
-  const int C = static_cast<int>(kc.shape(0)), Hkv = static_cast<int>(kc.shape(1));
-  auto vc = arg<uint16_t>(v_cache_, "v_cache", {C, Hkv, D});
-  require(M >= 1 && pos >= 0 && pos + M <= C, "need M >= 1, pos >= 0 and pos + M <= cache rows");
-  const float scale = scale_.is_none() ? 1.0f / std::sqrt(static_cast<float>(D)) : scale_.cast<float>();
-  const k::PrefillAttnPlan plan = prefill_plan(M, H, Hkv, D, key_groups);
-  DeviceBuffer dq = to_device(q), dk = to_device(kc), dv = to_device(vc), dpos = device_int(pos);
-  DeviceBuffer out = DeviceBuffer::poisoned(sizeof(bf16) * M * H * D);
-  k::attention_prefill(plan, dq.get<bf16>(), dk.get<bf16>(), dv.get<bf16>(), dpos.get<int32_t>(), M, H, Hkv, D, C,
-                       scale, out.get<bf16>(), nullptr);
+  AttnArgs a(q_, k_cache_, v_cache_, pos, scale_);
+  const k::PrefillAttnPlan plan = prefill_plan(a.M, a.H, a.Hkv, a.D, key_groups);
+  DeviceBuffer out = DeviceBuffer::poisoned(sizeof(bf16) * a.M * a.H * a.D);
+  k::attention_prefill(plan, a.q.get<bf16>(), a.k_cache.get<bf16>(), a.v_cache.get<bf16>(), a.pos.get<int32_t>(), a.M,
+                       a.H, a.Hkv, a.D, a.C, a.scale, out.get<bf16>(), nullptr);
   sync();
-  return to_host<uint16_t>(out, {M, H, D});
+  return to_host<uint16_t>(out, {a.M, a.H, a.D});
 }
 
 py::dict attention_prefill_plan(int M, int H, int Hkv, int D, const py::object& key_groups) {

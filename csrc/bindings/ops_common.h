@@ -5,6 +5,7 @@
 #include <pybind11/pybind11.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -96,6 +97,26 @@ struct Out16 {
   py::object result(py::array out) const {
     if (!f16) return std::move(out);
     return py::make_tuple(out, to_host<int32_t>(flag, {1}).at(0));
+  }
+};
+
+// One attention call's arguments as every attention harness takes them: q bf16 [M, H, D] at positions
+// pos .. pos + M - 1 of the caches bf16 [C, Hkv, D], checked and copied to the device; scale
+// 1 / sqrt(D) unless given.
+struct AttnArgs {
+  int M, H, D, C, Hkv;
+  float scale;
+  DeviceBuffer q, k_cache, v_cache, pos;
+  AttnArgs(const py::array& q_, const py::array& k_cache_, const py::array& v_cache_, int position,
+           const py::object& scale_) {
+    auto qa = arg<uint16_t>(q_, "q", {-1, -1, -1});
+    M = static_cast<int>(qa.shape(0)), H = static_cast<int>(qa.shape(1)), D = static_cast<int>(qa.shape(2));
+    auto kc = arg<uint16_t>(k_cache_, "k_cache", {-1, -1, D});
+    C = static_cast<int>(kc.shape(0)), Hkv = static_cast<int>(kc.shape(1));
+    auto vc = arg<uint16_t>(v_cache_, "v_cache", {C, Hkv, D});
+    require(M >= 1 && position >= 0 && position + M <= C, "need M >= 1, pos >= 0 and pos + M <= cache rows");
+    scale = scale_.is_none() ? 1.0f / std::sqrt(static_cast<float>(D)) : scale_.cast<float>();
+    q = to_device(qa), k_cache = to_device(kc), v_cache = to_device(vc), pos = device_int(position);
   }
 };
 
