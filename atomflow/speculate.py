@@ -225,7 +225,7 @@ def speculative_ids(
     ids = np.asarray(prompt_ids, dtype=np.int32)
     n = len(ids)
     budget = generation_budget(n, max_new_tokens, backend.max_context)
-    max_rows = min(MAX_ROWS, getattr(backend, "verify_rows", MAX_ROWS))
+    max_rows = min(MAX_ROWS, backend.verify_rows)
     stats.config = str(cfg)
     first = backend.spec_prefill(ids, start)  # a token (the CPU backend's prefill samples it) or None
     drafter = NgramDrafter(ids.tolist(), cfg.n_max, cfg.n_min)

@@ -229,7 +229,7 @@ class CudaBackend:
     @property
     def verify_rows(self) -> int:
         """The most rows a verify chunk runs on the small-M GEMV (the decode step's bits per row)."""
-        return max(2, int(self.step_plan.get("prefill_small_m_max_rows", 16)))
+        return int(self.step_plan["prefill_small_m_max_rows"])
 
     @property
     def exact_verify(self) -> bool:
