@@ -219,7 +219,7 @@ def speculative_ids(
     """Greedy generation with n-gram drafts: the ids plain greedy generate_ids(prompt_ids, start=start)
     yields, in as few forward passes as the drafts allow. The backend provides spec_prefill (the
     cache then holds all of the sequence but its last token), verify (ids appended, every row's
-    logits), steps (plain greedy decode steps, pipelined), rollback and hold (this run owns the
+    greedy token, -1 for non-finite logits), steps (plain greedy decode steps, pipelined), rollback and hold (this run owns the
     cache; a later call on the backend ends it, as it ends a generate_ids run). While suspended,
     the cache holds the prompt and every yielded token but the last."""
     ids = np.asarray(prompt_ids, dtype=np.int32)
@@ -265,9 +265,10 @@ def speculative_ids(
                 run = backend.hold(n - 1 + yielded)
                 continue
             t0 = time.perf_counter()
-            logits = backend.verify(np.asarray([last] + draft, dtype=np.int32))
+            g = backend.verify(np.asarray([last] + draft, dtype=np.int32))  # each row's greedy token
             stats.verify_s += time.perf_counter() - t0
-            g = greedy_rows(logits, pos)
+            if (g < 0).any():
+                raise NonFiniteLogitsError(f"non-finite logits at position {pos}", pos)
             a = 0
             while a < len(draft) and draft[a] == int(g[a]):
                 a += 1

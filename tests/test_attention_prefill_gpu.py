@@ -195,7 +195,7 @@ def d128(tmp_path_factory, make_tiny_model):
 def test_engine_prefill_chunk_edges(tiny, n, split):
     """Chunks of 256 rows and tails of 44, 33, 100 and 221 rows: tensor cores; tails under the
     threshold (and a 7-row chunking) keep the decode kernel."""
-    _engine_case(tiny, _prompt(n, tiny.spec.vocab_size, n), split, 1024)
+    _engine_case(tiny, _prompt(n, tiny.spec.vocab_size, n), split, 1024, prefill_chunk=256)
 
 
 def test_engine_prefill_small_chunks_keep_decode_kernel(tiny):
@@ -203,7 +203,8 @@ def test_engine_prefill_small_chunks_keep_decode_kernel(tiny):
 
 
 def test_engine_prefill_past_8192(tiny):
-    """8300 tokens in two calls (the second crosses position 8192): every key tile of a long context."""
+    """8300 tokens in two calls (the second crosses position 8192; the default chunks of 1024 rows): every
+    key tile of a long context."""
     _engine_case(tiny, _prompt(8300, tiny.spec.vocab_size, 1), [5000], 8448)
 
 

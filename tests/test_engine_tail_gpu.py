@@ -67,14 +67,14 @@ def test_tail_models_run_on_cuda(tail_files, llama_tail):
 def test_tail_logits_match_reference(tail_files, lm_head):
     """300 prompt tokens (prefill chunks of 256 and 44), then 24 decode steps."""
     model = tail_files(lm_head)
-    compare_run(model, prompt(300, model.spec.vocab_size, seed=7), steps=24, max_context=512)
+    compare_run(model, prompt(300, model.spec.vocab_size, seed=7), steps=24, max_context=512, prefill_chunk=256)
 
 
 @pytest.mark.parametrize("n,split", [(257, None), (40, 17)])
 def test_tail_prefill_edges_match_reference(tail_files, n, split):
     """A one-row last chunk (the GEMV inside a prefill), and a prompt prefilled in two calls."""
     model = tail_files("fp8")
-    compare_run(model, prompt(n, model.spec.vocab_size, seed=n), steps=4, max_context=512, split=split)
+    compare_run(model, prompt(n, model.spec.vocab_size, seed=n), steps=4, max_context=512, split=split, prefill_chunk=256)
 
 
 def test_llama_tail_matches_reference(llama_tail):

@@ -196,6 +196,33 @@ def test_gemm_sm90_model_shapes(rng, M, N, K, ep, x_dtype):
         check_epilogue(rng, w, s, x, y, ep, x_dtype, ROUND_REL[x_dtype], what)
 
 
+TILES = ["wide", "narrow", "wide-streamk", "narrow-streamk"]
+
+
+@pytest.mark.parametrize("tile", TILES)
+@pytest.mark.parametrize("M,N,K", [(1, 3072, 8192), (17, 960, 576), (64, 3072, 3072), (300, 5120, 3072)])
+def test_gemm_sm90_every_tile_kind(rng, tile, M, N, K):
+    """Each tile kind (wide / narrow tokens per tile, with and without stream-K's split k-loops) on
+    few tiles and many, a deep K (o and down of a short chunk: stream-K splits them), every epilogue:
+    the recipe reference, and the same bits on a second run (the split tiles' reduction is fixed)."""
+    if not ops.gemm_sm90_built():
+        pytest.skip("built without gemm_w8a16_sm90 (test_sm90_gemm_is_built says why)")
+    w, s, x, xf = inputs(rng, M, N, K, "bf16")
+    y = xf @ dequant(w, s, "bf16").T
+    what = f"gemm_sm90 tile={tile} M={M} N={N} K={K}"
+    check(ops.gemm_sm90(w, s, x, STORE, None, "bf16", tile), y, RECIPE_REL, f"{what} Store")
+    residual = rng.standard_normal(y.shape).astype(np.float32)
+    a = ops.gemm_sm90(w, s, x, ADD, residual, "bf16", tile)
+    np.testing.assert_array_equal(a, ops.gemm_sm90(w, s, x, ADD, residual, "bf16", tile))
+    scale = float(np.linalg.norm(residual.astype(np.float64)) + np.linalg.norm(y))
+    check(a, residual + y, RECIPE_REL, f"{what} AddResidual", scale=scale)
+    if N % 16 == 0:
+        F = N // 2
+        want = silu_mul(y[:, :F], y[:, F:])
+        got = from_bf16(ops.gemm_sm90(w, s, x, SWIGLU, None, "bf16", tile))
+        check(got, want, RECIPE_REL + BF16_OUT_REL, f"{what} SwiGLU", scale=max(float(np.linalg.norm(want)), BF16_TINY))
+
+
 def test_gemm_sm90_rounding_is_the_weights_only(rng):
     """The quantified cost of the recipe: against the exact reference, the new kernel's error is the
     16-bit weight rounding (within a factor 2 of u / sqrt(3) both ways: not fp32-exact, and not twice
@@ -224,3 +251,5 @@ def test_gemm_sm90_rejects_bad_arguments():
         ops.gemm_sm90(w, s, x, ADD)  # AddResidual without out_init
     with pytest.raises(ValueError):
         ops.gemm_sm90(w, s, x, STORE, None, "f32")
+    with pytest.raises(ValueError, match="tile"):
+        ops.gemm_sm90(w, s, x, STORE, None, "bf16", "square")

@@ -50,16 +50,65 @@ def test_drafts_are_accepted_tiny(tiny_spec):
     assert st.accepted > 0
 
 
-def test_verify_rows_equal_decode_steps(tiny_spec):
-    """prefill_rows' every row (not only the last) equals the decode step of the same token."""
-    be = tiny_spec.backend
-    ids = np.asarray(PROMPTS["miss"][:30], dtype=np.int32)
+def _rows_against_steps(be, ids, first: int):
+    """prefill_rows' logits and verify's tokens for ids[first:], against decode steps of the same tokens."""
     be.reset()
-    be.prefill(ids[:20])
-    rows = be.verify(ids[20:30])
-    be.rollback(20)
-    steps = np.stack([be.decode(int(t)) for t in ids[20:30]])
+    be.prefill(ids[:first])
+    rows = be.engine.prefill_rows(ids[first:])
+    be.rollback(first)
+    tokens = be.verify(ids[first:])
+    be.rollback(first)
+    steps = np.stack([be.decode(int(t)) for t in ids[first:]])
+    return rows, tokens, steps
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 10, 16])
+def test_verify_rows_equal_decode_steps(tiny_spec, n):
+    """Every verify row (the FP8 head once for all rows, on the small-M GEMV) equals the decode step of
+    the same token bit for bit, and its greedy token is the argmax of the step's logits."""
+    ids = np.asarray(PROMPTS["miss"][: 20 + n], dtype=np.int32)
+    rows, tokens, steps = _rows_against_steps(tiny_spec.backend, ids, 20)
     np.testing.assert_array_equal(rows, steps)
+    np.testing.assert_array_equal(tokens, np.argmax(steps, axis=-1))
+    assert tokens.dtype == np.int32 and tokens.shape == (n,)
+
+
+def test_prefill_rows_past_the_logit_rows(tiny_spec):
+    """A chunk of more rows than the engine's logit rows: its heads run group by group, same bits."""
+    be = tiny_spec.backend
+    ids = np.asarray(PROMPTS["miss"] + PROMPTS["partly"][:10], dtype=np.int32)  # 50 tokens
+    first = 50 - (be.engine.logit_rows + 9)
+    be.reset()
+    be.prefill(ids[:first])
+    rows = be.engine.prefill_rows(ids[first:])
+    be.rollback(first)
+    steps = np.stack([be.decode(int(t)) for t in ids[first:]])
+    np.testing.assert_array_equal(rows, steps)
+
+
+def test_verify_with_a_bf16_head(tmp_path, tiny_hf_dir):
+    """A bf16 lm_head runs row by row: the same bits and tokens as decode steps."""
+    from atomflow.model.quantize import quantize
+
+    path = tmp_path / "bf16head.atomflow"
+    quantize(tiny_hf_dir, path, lm_head="bf16")
+    eng = Engine.load(path, backend="cuda", max_context=128, speculate="ngram:8")
+    ids = np.asarray(PROMPTS["miss"][:30], dtype=np.int32)
+    rows, tokens, steps = _rows_against_steps(eng.backend, ids, 22)
+    np.testing.assert_array_equal(rows, steps)
+    np.testing.assert_array_equal(tokens, np.argmax(steps, axis=-1))
+    assert list(eng.generate_tokens(ids.tolist(), SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True))) == list(
+        eng.generate_tokens(ids.tolist(), SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True), speculate="off")
+    )
+
+
+def test_verify_refuses_more_rows_than_it_holds(tiny_spec):
+    be = tiny_spec.backend
+    be.reset()
+    be.prefill(np.arange(4, dtype=np.int32))
+    with pytest.raises(ValueError, match="at most"):
+        be.verify(np.arange(be.engine.logit_rows + 1, dtype=np.int32))
+    assert be.position == 4
 
 
 def test_context_limit_cuts_the_draft(tiny_model_file):

@@ -18,6 +18,7 @@ MODELS = {  # Llama 3.2 3B and 3.1 8B
 }
 VOCAB = 128256
 STORE, ADD, SWIGLU = 0, 1, 2
+SECTIONS = ("gemv", "gemv_m", "attention", "attention_prefill", "gemm", "gemm_sm90", "sample")
 
 
 def linear_shapes(m: dict):
@@ -38,12 +39,6 @@ def gemv_bytes(N: int, K: int, ep: int) -> int:
     return N * K + N * (K // 128) * 4 + 2 * K + out
 
 
-def gemm_pair_row(model: str, M: int, name: str, flops: float, old_us: float, new_us: float) -> list[str]:
-    """gemm_w8a16 and gemm_w8a16_sm90 on one product (or a layer's sum): us, TFLOP/s, speedup."""
-    tf = lambda us: f"{flops / us / 1e6:.0f}"
-    return [model, str(M), name, f"{old_us:.1f}", tf(old_us), f"{new_us:.1f}", tf(new_us), f"{old_us / new_us:.2f}"]
-
-
 def table(title: str, header: list[str], rows: list[list[str]]) -> None:
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
     print(f"\n{title}")
@@ -56,7 +51,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iters", type=int, default=50, help="timed launches per shape (median reported)")
     ap.add_argument("--json", help="also write the results to this file")
+    ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}")
     args = ap.parse_args(argv)
+    run = set(args.sections.split(","))
+    if run - set(SECTIONS):
+        ap.error(f"unknown section(s) {','.join(sorted(run - set(SECTIONS)))}; known: {','.join(SECTIONS)}")
     try:
         from atomflow import _core
     except ImportError as e:
@@ -74,164 +73,200 @@ def main(argv=None) -> int:
     print(f"{info['name']} ({info['sm_count']} SMs): streaming read {ceiling:.0f} GB/s (1 GiB)")
     pct = lambda gbs: f"{100 * gbs / ceiling:.1f}%"
 
-    # GEMV: every linear layer of the decode step, with its real epilogue.
-    rows, results["gemv"] = [], []
-    for model, m in MODELS.items():
-        step_us = step_bytes = 0.0
-        for name, N, K, ep in linear_shapes(m):
-            us = ops.time_gemv(N, K, iters=args.iters, epilogue=ep)
-            nbytes = gemv_bytes(N, K, ep)
-            gbs = nbytes / us / 1e3
-            per_step = 1 if name == "lm_head" else m["layers"]
-            step_us += us * per_step
-            step_bytes += nbytes * per_step
-            rows.append([model, name, f"{N}x{K}", f"{us:.2f}", f"{nbytes / 2**20:.1f}", f"{gbs:.0f}", pct(gbs)])
-            results["gemv"].append(dict(model=model, layer=name, N=N, K=K, us=us, bytes=nbytes, GBps=gbs))
-        gbs = step_bytes / step_us / 1e3
-        rows.append([model, "all linears / token", "", f"{step_us:.0f}", f"{step_bytes / 2**20:.0f}", f"{gbs:.0f}", pct(gbs)])
-    table("gemv_w8a16 (M = 1)", ["model", "layer", "N x K", "us", "MiB", "GB/s", "of ceiling"], rows)
+    if "gemv" in run:
+        # GEMV: every linear layer of the decode step, with its real epilogue.
+        rows, results["gemv"] = [], []
+        for model, m in MODELS.items():
+            step_us = step_bytes = 0.0
+            for name, N, K, ep in linear_shapes(m):
+                us = ops.time_gemv(N, K, iters=args.iters, epilogue=ep)
+                nbytes = gemv_bytes(N, K, ep)
+                gbs = nbytes / us / 1e3
+                per_step = 1 if name == "lm_head" else m["layers"]
+                step_us += us * per_step
+                step_bytes += nbytes * per_step
+                rows.append([model, name, f"{N}x{K}", f"{us:.2f}", f"{nbytes / 2**20:.1f}", f"{gbs:.0f}", pct(gbs)])
+                results["gemv"].append(dict(model=model, layer=name, N=N, K=K, us=us, bytes=nbytes, GBps=gbs))
+            gbs = step_bytes / step_us / 1e3
+            rows.append([model, "all linears / token", "", f"{step_us:.0f}", f"{step_bytes / 2**20:.0f}", f"{gbs:.0f}", pct(gbs)])
+        table("gemv_w8a16 (M = 1)", ["model", "layer", "N x K", "us", "MiB", "GB/s", "of ceiling"], rows)
 
-    # Small-M GEMV (gemv_w8a16_m): each weight byte read once for M rows of x. Every linear of a layer
-    # at M = 1..64 against the M = 1 GEMV (x = the layer's time over the decode GEMV's) and the prefill
-    # GEMM at the same M, so the crossovers can be read off one run. Bytes: weights + scales + x + out.
-    rows, results["gemv_m"] = [], []
-    for model in ("3B", "8B"):
-        m = MODELS[model]
-        layer = linear_shapes(m)[:4]
-        m1_us = sum(ops.time_gemv(N, K, iters=args.iters, epilogue=ep) for _, N, K, ep in layer)
-        for M in [1, 2, 4, 8, 16, 32, 64]:
-            us = gemm_us = 0.0
-            nbytes = 0
-            for _, N, K, ep in layer:
-                us += ops.time_gemv_m(M, N, K, iters=args.iters, epilogue=ep)
-                gemm_us += ops.time_gemm(M, N, K, iters=max(5, args.iters // 5), epilogue=ep)
-                out = {STORE: 4 * N, ADD: 8 * N, SWIGLU: 2 * (N // 2)}[ep] * M
-                nbytes += N * K + N * (-(-K // 128)) * 4 + 2 * K * M + out
-            gbs = nbytes / us / 1e3
-            plans = " ".join(f"{ops.gemv_m_plan(M, N, K, ep)['nc']}" for _, N, K, ep in layer)
-            mib = f"{nbytes / 2**20:.1f}"
-            rows.append([model, str(M), f"{us:.1f}", f"{us / m1_us:.2f}", f"{gemm_us:.1f}", mib, f"{gbs:.0f}", pct(gbs), plans])
-            results["gemv_m"].append(dict(model=model, M=M, us=us, m1_us=m1_us, gemm_us=gemm_us, bytes=nbytes, GBps=gbs))
-    table(
-        "gemv_w8a16_m (one layer's qkv + o + gate_up + down)",
-        ["model", "M", "us", "x M=1 gemv", "gemm us", "MiB", "GB/s", "of ceiling", "nc qkv/o/gu/down"],
-        rows,
-    )
-
-    # Decode attention: KV read = 2 (K, V) x context x Hkv x D x 2 B per layer.
-    rows, results["attention"] = [], []
-    for model, m in MODELS.items():
-        H, Hkv, D = m["H"], m["Hkv"], m["D"]
-        for ctx in [128, 512, 2048, 4096, 8192, 32768]:
-            us = ops.time_attention(ctx, H, Hkv, D, M=1, iters=args.iters)
-            # The decode step's mode: the cached rows read before the PDL wait (GB/s on this one).
-            us_early = ops.time_attention(ctx, H, Hkv, D, M=1, iters=args.iters, early=True)
-            nbytes = 2 * ctx * Hkv * D * 2 + 2 * H * D * 2
-            gbs = nbytes / us_early / 1e3
-            rows.append(
-                [
-                    model,
-                    f"H={H} Hkv={Hkv} D={D}",
-                    str(ctx),
-                    f"{us:.2f}",
-                    f"{us_early:.2f}",
-                    f"{nbytes / 2**20:.2f}",
-                    f"{gbs:.0f}",
-                    pct(gbs),
-                ]
-            )
-            results["attention"].append(dict(model=model, context=ctx, us=us, us_early=us_early, bytes=nbytes, GBps=gbs))
-    table(
-        "attention (M = 1, one layer)",
-        ["model", "heads", "context", "us", "us (decode step's mode)", "MiB", "GB/s", "of ceiling"],
-        rows,
-    )
-
-    # Prefill attention of one 512-row chunk after `prior` cached tokens, 3B shape: tensor cores
-    # (attention_prefill) vs the CUDA-core kernel (attention). FLOPs count the visible keys only:
-    # 4 H D (M prior + M (M + 1) / 2) (Q K^T and P V, 2 per multiply-add).
-    rows, results["attention_prefill"] = [], []
-    m, M = MODELS["3B"], 512
-    H, Hkv, D = m["H"], m["Hkv"], m["D"]
-    for prior in [0, 4096, 16384, 32768]:
-        flops = 4 * H * D * (M * prior + M * (M + 1) // 2)
-        iters = max(5, args.iters // 5)
-        us_tc = ops.time_attention_prefill(M, prior, H, Hkv, D, iters=iters)
-        us_cc = ops.time_attention(prior + M, H, Hkv, D, M=M, iters=iters)
-        kernel = ops.attention_prefill_plan(M, H, Hkv, D)["kernel"]
-        rows.append(
-            [
-                "3B",
-                str(prior),
-                kernel,
-                f"{us_tc:.1f}",
-                f"{flops / us_tc / 1e6:.0f}",
-                f"{us_cc:.1f}",
-                f"{flops / us_cc / 1e6:.1f}",
-                f"{us_cc / us_tc:.1f}x",
-            ]
-        )
-        results["attention_prefill"].append(dict(model="3B", M=M, prior=prior, flops=flops, us=us_tc, us_cuda_cores=us_cc))
-    table(
-        f"prefill attention ({M}-row chunk, H={H} Hkv={Hkv} D={D}, one layer)",
-        ["model", "prior", "kernel", "us", "TFLOP/s", "us (attention)", "TFLOP/s", "speedup"],
-        rows,
-    )
-
-    # Prefill GEMM: compute-bound, so TFLOP/s; the last row is one 512-token prefill's linears.
-    rows, results["gemm"] = [], []
-    M = 512
-    for model, m in MODELS.items():
-        total_us = 0.0
-        for name, N, K, ep in linear_shapes(m)[:4]:  # the head runs on the last row only (GEMV)
-            us = ops.time_gemm(M, N, K, iters=max(5, args.iters // 5), epilogue=ep)
-            tflops = 2 * M * N * K / us / 1e6
-            total_us += us * m["layers"]
-            rows.append([model, name, f"{M}x{N}x{K}", f"{us:.1f}", f"{tflops:.0f}"])
-            results["gemm"].append(dict(model=model, layer=name, M=M, N=N, K=K, us=us, TFLOPs=tflops))
-        rows.append([model, f"{m['layers']} layers", f"{M} tokens", f"{total_us:.0f}", ""])
-    table("gemm_w8a16 (prefill)", ["model", "layer", "M x N x K", "us", "TFLOP/s"], rows)
-
-    # The Hopper GEMM (gemm_w8a16_sm90: scale transpose + CUTLASS TMA/wgmma GEMM (+ SwiGLU)) next to
-    # gemm_w8a16, per layer product and per layer, at the chunk sizes the step plan may route to it.
-    rows, results["gemm_sm90"] = [], []
-    if not ops.gemm_sm90_built():
-        print("\ngemm_w8a16_sm90: not in this build (nvidia-cutlass missing at build time)")
-    for model in ("3B", "8B") if ops.gemm_sm90_built() else ():
-        m = MODELS[model]
-        for M in (64, 128, 256, 512):
-            layer_old = layer_new = flops_layer = 0.0
-            for name, N, K, ep in linear_shapes(m)[:4]:
-                it = max(5, args.iters // 5)
-                old = ops.time_gemm(M, N, K, iters=it, epilogue=ep)
-                new = ops.time_gemm_sm90(M, N, K, iters=it, epilogue=ep, x_dtype="bf16")
-                flops = 2 * M * N * K
-                layer_old, layer_new, flops_layer = layer_old + old, layer_new + new, flops_layer + flops
-                rows.append(gemm_pair_row(model, M, name, flops, old, new))
-                results["gemm_sm90"].append(
-                    dict(model=model, M=M, layer=name, N=N, K=K, us_gemm=old, us_sm90=new, TFLOPs_sm90=flops / new / 1e6)
+    if "gemv_m" in run:
+        # Small-M GEMV (gemv_w8a16_m): each weight byte read once for M rows of x. Every linear of a layer
+        # at M = 1..64 against the M = 1 GEMV (x = the layer's time over the decode GEMV's) and the prefill
+        # GEMM at the same M, so the crossovers can be read off one run. Bytes: weights + scales + x + out.
+        rows, results["gemv_m"] = [], []
+        for model in ("3B", "8B"):
+            m = MODELS[model]
+            layer = linear_shapes(m)[:4]
+            m1_us = sum(ops.time_gemv(N, K, iters=args.iters, epilogue=ep) for _, N, K, ep in layer)
+            for M in [1, 2, 4, 8, 16, 32, 64]:
+                us = gemm_us = 0.0
+                nbytes = 0
+                for _, N, K, ep in layer:
+                    us += ops.time_gemv_m(M, N, K, iters=args.iters, epilogue=ep)
+                    gemm_us += ops.time_gemm(M, N, K, iters=max(5, args.iters // 5), epilogue=ep)
+                    out = {STORE: 4 * N, ADD: 8 * N, SWIGLU: 2 * (N // 2)}[ep] * M
+                    nbytes += N * K + N * (-(-K // 128)) * 4 + 2 * K * M + out
+                gbs = nbytes / us / 1e3
+                plans = " ".join(f"{ops.gemv_m_plan(M, N, K, ep)['nc']}" for _, N, K, ep in layer)
+                mib = f"{nbytes / 2**20:.1f}"
+                rows.append(
+                    [model, str(M), f"{us:.1f}", f"{us / m1_us:.2f}", f"{gemm_us:.1f}", mib, f"{gbs:.0f}", pct(gbs), plans]
                 )
-            rows.append(gemm_pair_row(model, M, "layer", flops_layer, layer_old, layer_new))
-    if rows:
+                results["gemv_m"].append(dict(model=model, M=M, us=us, m1_us=m1_us, gemm_us=gemm_us, bytes=nbytes, GBps=gbs))
         table(
-            "gemm_w8a16_sm90 vs gemm_w8a16 (bf16 x; us per launch, TFLOP/s)",
-            ["model", "M", "product", "gemm us", "TFLOP/s", "sm90 us", "TFLOP/s", "speedup"],
+            "gemv_w8a16_m (one layer's qkv + o + gate_up + down)",
+            ["model", "M", "us", "x M=1 gemv", "gemm us", "MiB", "GB/s", "of ceiling", "nc qkv/o/gu/down"],
             rows,
         )
 
-    # Sampling over the Llama 3 vocabulary.
-    rows, results["sample"] = [], []
-    for label, t, k, p in [
-        ("greedy", 0.0, 0, 1.0),
-        ("temperature 0.8", 0.8, 0, 1.0),
-        ("top_k 50", 0.8, 50, 1.0),
-        ("top_p 0.9", 0.8, 0, 0.9),
-        ("top_k 50 + top_p 0.9", 0.8, 50, 0.9),
-    ]:
-        us = ops.time_sample(VOCAB, t, k, p, iters=args.iters)
-        rows.append([label, str(VOCAB), f"{us:.2f}"])
-        results["sample"].append(dict(mode=label, vocab=VOCAB, us=us))
-    table("sample", ["mode", "vocab", "us"], rows)
+    if "attention" in run:
+        # Decode attention: KV read = 2 (K, V) x context x Hkv x D x 2 B per layer.
+        rows, results["attention"] = [], []
+        for model, m in MODELS.items():
+            H, Hkv, D = m["H"], m["Hkv"], m["D"]
+            for ctx in [128, 512, 2048, 4096, 8192, 32768]:
+                us = ops.time_attention(ctx, H, Hkv, D, M=1, iters=args.iters)
+                # The decode step's mode: the cached rows read before the PDL wait (GB/s on this one).
+                us_early = ops.time_attention(ctx, H, Hkv, D, M=1, iters=args.iters, early=True)
+                nbytes = 2 * ctx * Hkv * D * 2 + 2 * H * D * 2
+                gbs = nbytes / us_early / 1e3
+                rows.append(
+                    [
+                        model,
+                        f"H={H} Hkv={Hkv} D={D}",
+                        str(ctx),
+                        f"{us:.2f}",
+                        f"{us_early:.2f}",
+                        f"{nbytes / 2**20:.2f}",
+                        f"{gbs:.0f}",
+                        pct(gbs),
+                    ]
+                )
+                results["attention"].append(dict(model=model, context=ctx, us=us, us_early=us_early, bytes=nbytes, GBps=gbs))
+        table(
+            "attention (M = 1, one layer)",
+            ["model", "heads", "context", "us", "us (decode step's mode)", "MiB", "GB/s", "of ceiling"],
+            rows,
+        )
+
+    if "attention_prefill" in run:
+        # Prefill attention of one 512-row chunk after `prior` cached tokens, 3B shape: tensor cores
+        # (attention_prefill) vs the CUDA-core kernel (attention). FLOPs count the visible keys only:
+        # 4 H D (M prior + M (M + 1) / 2) (Q K^T and P V, 2 per multiply-add).
+        rows, results["attention_prefill"] = [], []
+        m, M = MODELS["3B"], 512
+        H, Hkv, D = m["H"], m["Hkv"], m["D"]
+        for prior in [0, 4096, 16384, 32768]:
+            flops = 4 * H * D * (M * prior + M * (M + 1) // 2)
+            iters = max(5, args.iters // 5)
+            us_tc = ops.time_attention_prefill(M, prior, H, Hkv, D, iters=iters)
+            us_cc = ops.time_attention(prior + M, H, Hkv, D, M=M, iters=iters)
+            kernel = ops.attention_prefill_plan(M, H, Hkv, D)["kernel"]
+            rows.append(
+                [
+                    "3B",
+                    str(prior),
+                    kernel,
+                    f"{us_tc:.1f}",
+                    f"{flops / us_tc / 1e6:.0f}",
+                    f"{us_cc:.1f}",
+                    f"{flops / us_cc / 1e6:.1f}",
+                    f"{us_cc / us_tc:.1f}x",
+                ]
+            )
+            results["attention_prefill"].append(dict(model="3B", M=M, prior=prior, flops=flops, us=us_tc, us_cuda_cores=us_cc))
+        table(
+            f"prefill attention ({M}-row chunk, H={H} Hkv={Hkv} D={D}, one layer)",
+            ["model", "prior", "kernel", "us", "TFLOP/s", "us (attention)", "TFLOP/s", "speedup"],
+            rows,
+        )
+
+    if "gemm" in run:
+        # Prefill GEMM: compute-bound, so TFLOP/s; the last row is one 512-token prefill's linears.
+        rows, results["gemm"] = [], []
+        M = 512
+        for model, m in MODELS.items():
+            total_us = 0.0
+            for name, N, K, ep in linear_shapes(m)[:4]:  # the head runs on the last row only (GEMV)
+                us = ops.time_gemm(M, N, K, iters=max(5, args.iters // 5), epilogue=ep)
+                tflops = 2 * M * N * K / us / 1e6
+                total_us += us * m["layers"]
+                rows.append([model, name, f"{M}x{N}x{K}", f"{us:.1f}", f"{tflops:.0f}"])
+                results["gemm"].append(dict(model=model, layer=name, M=M, N=N, K=K, us=us, TFLOPs=tflops))
+            rows.append([model, f"{m['layers']} layers", f"{M} tokens", f"{total_us:.0f}", ""])
+        table("gemm_w8a16 (prefill)", ["model", "layer", "M x N x K", "us", "TFLOP/s"], rows)
+
+    if "gemm_sm90" in run:
+        # The Hopper GEMM (gemm_w8a16_sm90: scale transpose + CUTLASS TMA/wgmma GEMM (+ SwiGLU)) next to
+        # gemm_w8a16, per layer product and per layer, at the chunk sizes the step plan may route to it.
+        # Each of its tile kinds is timed (wide / narrow tokens per tile, with and without stream-K) and
+        # the one its launcher picks by M (auto), so the table is the data behind sm90_tile_for.
+        kinds = ("wide", "narrow", "wide-streamk", "narrow-streamk", "auto")
+        rows, results["gemm_sm90"] = [], []
+        if not ops.gemm_sm90_built():
+            print("\ngemm_w8a16_sm90: not in this build (nvidia-cutlass missing at build time)")
+        for model in ("3B", "8B") if ops.gemm_sm90_built() else ():
+            m = MODELS[model]
+            for M in (16, 32, 64, 128, 256, 512, 1024, 2048):
+                it = max(5, args.iters // 5)
+                layer = {k: 0.0 for k in ("gemm", *kinds)}
+                flops_layer = 0.0
+                for name, N, K, ep in linear_shapes(m)[:4]:
+                    us = {"gemm": ops.time_gemm(M, N, K, iters=it, epilogue=ep)}
+                    for kind in kinds:
+                        us[kind] = ops.time_gemm_sm90(M, N, K, iters=it, epilogue=ep, x_dtype="bf16", tile=kind)
+                    flops = 2 * M * N * K
+                    flops_layer += flops
+                    for k, v in us.items():
+                        layer[k] += v
+                    best = min(kinds[:4], key=lambda k: us[k])
+                    rows.append(
+                        [
+                            model,
+                            str(M),
+                            name,
+                            *(f"{us[k]:.1f}" for k in ("gemm", *kinds)),
+                            best,
+                            f"{flops / us['auto'] / 1e6:.0f}",
+                        ]
+                    )
+                    results["gemm_sm90"].append(
+                        dict(model=model, M=M, layer=name, N=N, K=K, us=us, TFLOPs_auto=flops / us["auto"] / 1e6)
+                    )
+                best = min(kinds[:4], key=lambda k: layer[k])
+                rows.append(
+                    [
+                        model,
+                        str(M),
+                        "layer",
+                        *(f"{layer[k]:.1f}" for k in ("gemm", *kinds)),
+                        best,
+                        f"{flops_layer / layer['auto'] / 1e6:.0f}",
+                    ]
+                )
+        if rows:
+            table(
+                "gemm_w8a16_sm90 by tile kind vs gemm_w8a16 (bf16 x; us per launch; TFLOP/s of auto)",
+                ["model", "M", "product", "gemm", *kinds, "best", "TFLOP/s"],
+                rows,
+            )
+
+    if "sample" in run:
+        # Sampling over the Llama 3 vocabulary.
+        rows, results["sample"] = [], []
+        for label, t, k, p in [
+            ("greedy", 0.0, 0, 1.0),
+            ("temperature 0.8", 0.8, 0, 1.0),
+            ("top_k 50", 0.8, 50, 1.0),
+            ("top_p 0.9", 0.8, 0, 0.9),
+            ("top_k 50 + top_p 0.9", 0.8, 50, 0.9),
+        ]:
+            us = ops.time_sample(VOCAB, t, k, p, iters=args.iters)
+            rows.append([label, str(VOCAB), f"{us:.2f}"])
+            results["sample"].append(dict(mode=label, vocab=VOCAB, us=us))
+        table("sample", ["mode", "vocab", "us"], rows)
 
     if args.json:
         with open(args.json, "w") as f:

@@ -83,8 +83,12 @@ class CpuBackend:
         return int(greedy_rows(self.prefill(np.asarray(ids[start:])), self.position))
 
     def verify(self, ids: np.ndarray) -> np.ndarray:
+        """Each row's greedy token (NonFiniteLogitsError on NaN / Inf logits)."""
         self._run = None
-        return np.stack([self.ref.forward(np.array([t], dtype=np.int32)) for t in np.asarray(ids).reshape(-1)])
+        position = self.position
+        return greedy_rows(
+            np.stack([self.ref.forward(np.array([t], dtype=np.int32)) for t in np.asarray(ids).reshape(-1)]), position
+        )
 
     def steps(self, token: int, n: int) -> Iterator[int]:
         """n greedy decode steps from `token`."""

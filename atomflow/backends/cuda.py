@@ -80,18 +80,31 @@ def _core_module():
 class CudaBackend:
     """The _core engine over one .atomflow file: weights, KV cache for max_context tokens, one
     CUDA graph per decode step. eager runs the step without the graph; None (the default) takes it
-    from the ATOMFLOW_EAGER environment variable. plan: overrides of the step plan (PLAN_OPTIONS),
-    e.g. f16_activations=False (default from ATOMFLOW_BF16_ACTS) or fused_tail=False."""
+    from the ATOMFLOW_EAGER environment variable. prefill_chunk: rows per prefill pass (default the
+    core's, 1024; at most max_context). plan: overrides of the step plan (PLAN_OPTIONS), e.g.
+    f16_activations=False (default from ATOMFLOW_BF16_ACTS) or fused_tail=False."""
 
     name = "cuda"
 
-    def __init__(self, model: AtomflowFile, max_context: int, eager: bool | None = None, verbose: bool = True, **plan: bool):
+    def __init__(
+        self,
+        model: AtomflowFile,
+        max_context: int,
+        eager: bool | None = None,
+        verbose: bool = True,
+        prefill_chunk: int | None = None,
+        **plan: bool,
+    ):
         if model.spec.cuda_unsupported():  # before the core sees a spec it has no kernels for
             raise UnsupportedModelError(model.spec.cuda_unsupported() + " (--backend cpu runs it)")
         core = _core_module()
         if isinstance(max_context, bool) or not isinstance(max_context, (int, np.integer)) or max_context < 1:
             raise ValueError(f"max_context must be a positive integer, got {max_context!r}")
         options = engine_options(eager, **plan)
+        if prefill_chunk is not None:
+            if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, (int, np.integer)) or prefill_chunk < 1:
+                raise ValueError(f"prefill_chunk must be a positive integer, got {prefill_chunk!r}")
+            options["prefill_chunk"] = int(prefill_chunk)
         self.spec = model.spec
         self.max_context = int(max_context)
         self._run: _Run | None = None  # the generate_ids() run that drives the pipeline now
@@ -228,8 +241,9 @@ class CudaBackend:
     # -- speculative decoding (atomflow/speculate.py) -----------------------------------------------
     @property
     def verify_rows(self) -> int:
-        """The most rows a verify chunk runs on the small-M GEMV (the decode step's bits per row)."""
-        return int(self.step_plan["prefill_small_m_max_rows"])
+        """The most rows a verify chunk runs on the small-M GEMV (the decode step's bits per row), its
+        head included (the engine's logit_rows)."""
+        return min(int(self.step_plan["prefill_small_m_max_rows"]), int(self.engine.logit_rows))
 
     @property
     def exact_verify(self) -> bool:
@@ -247,10 +261,11 @@ class CudaBackend:
         return None
 
     def verify(self, ids: np.ndarray) -> np.ndarray:
-        """Appends ids (one chunk of <= verify_rows) at the position; fp32 logits [len(ids), vocab]."""
+        """Appends ids (one chunk of <= verify_rows) at the position; int32 [len(ids)]: each row's greedy
+        token, chosen on the device (-1 where a row's logits are not finite)."""
         ids = check_ids(ids, self.spec.vocab_size)
         self._end_run()
-        return self.engine.prefill_rows(ids)
+        return self.engine.verify_greedy(ids)
 
     def steps(self, token: int, n: int) -> Iterator[int]:
         """n pipelined decode steps from `token` with the sampling last set (spec_prefill: greedy)."""

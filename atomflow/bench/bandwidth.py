@@ -13,7 +13,7 @@ import numpy as np
 
 from atomflow.model.spec import ModelSpec
 
-PREFILL_CHUNK = 256  # rows per prefill pass: the _core.Engine default, which CudaBackend keeps
+PREFILL_CHUNK = 1024  # rows per prefill pass: the _core.Engine default, which CudaBackend keeps
 
 
 def read_bandwidth_gbs(n_bytes: int = 2 << 30, iters: int = 20) -> float:

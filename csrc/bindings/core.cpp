@@ -236,7 +236,7 @@ PYBIND11_MODULE(_core, m) {
              return std::make_unique<Engine>(path, s, table, freq, opt);
            }),
            py::arg("path"), py::arg("spec"), py::arg("tensors"), py::arg("inv_freq"), py::arg("max_context"),
-           py::arg("prefill_chunk") = 256, py::arg("eager") = false, py::arg("verbose") = true,
+           py::arg("prefill_chunk") = EngineOptions{}.prefill_chunk, py::arg("eager") = false, py::arg("verbose") = true,
            py::arg("f16_activations") = true, py::arg("fused_tail") = true, py::arg("short_steps") = true,
            py::arg("cluster_merge") = true, py::arg("staged_pair") = true, py::arg("tickets") = true,
            "load the model and plan its decode step; eager and f16_activations are user settings, the other "
@@ -265,6 +265,20 @@ PYBIND11_MODULE(_core, m) {
           },
           py::arg("ids"),
           "append ids (one prefill chunk) at the current position; fp32 logits [len(ids), vocab] of every one")
+      .def(
+          "verify_greedy",
+          [](Engine& e, const py::array& ids) {
+            std::vector<int32_t> v = ids_arg(ids, e.spec().vocab_size);
+            py::array_t<int32_t> tokens(static_cast<py::ssize_t>(v.size()));
+            int32_t* out = tokens.mutable_data();
+            py::gil_scoped_release nogil;
+            e.verify_greedy(v.data(), static_cast<int>(v.size()), out);
+            return tokens;
+          },
+          py::arg("ids"),
+          "append ids (at most logit_rows) at the current position; int32 [len(ids)]: each row's greedy token "
+          "(-1 where its logits are not finite)")
+      .def_property_readonly_static("logit_rows", [](const py::object&) { return Engine::kLogitRows; })
       .def(
           "decode",
           [](Engine& e, long long token) {

@@ -18,10 +18,16 @@ k::Act act_arg(const std::string& x_dtype) {
   return x_dtype == "f16" ? k::Act::F16 : k::Act::BF16;
 }
 
+k::Sm90Tile tile_arg(const std::string& tile) {
+  require(tile == "auto" || tile == "wide" || tile == "narrow",
+          "tile must be 'auto', 'wide' or 'narrow', got '" + tile + "'");
+  return tile == "wide" ? k::Sm90Tile::Wide : tile == "narrow" ? k::Sm90Tile::Narrow : k::Sm90Tile::Auto;
+}
+
 // w u8 [N, K], scales f32 [N, ceil(K / 128)], x u16 [M, K]; out_init: AddResidual's starting values.
 // Outputs poisoned (NaN) before the launch; the workspace poisoned too, so nothing may rely on it.
 py::object gemm_sm90(const py::array& w_, const py::array& s_, const py::array& x_, int ep_,
-                     const py::object& out_init_, const std::string& x_dtype) {
+                     const py::object& out_init_, const std::string& x_dtype, const std::string& tile) {
   const k::Act xt = act_arg(x_dtype);
   const k::Epilogue ep = epilogue_arg(ep_);
   auto w = arg<uint8_t>(w_, "w", {-1, -1});
@@ -39,10 +45,10 @@ py::object gemm_sm90(const py::array& w_, const py::array& s_, const py::array& 
   DeviceBuffer out =
       add ? to_device(arg<float>(out_init_.cast<py::array>(), "out_init", fp32_shape))
           : DeviceBuffer::poisoned(ep == k::Epilogue::SwiGLU ? sizeof(bf16) * M * (N / 2) : sizeof(float) * M * N);
-  const size_t ws_bytes = k::gemm_w8a16_sm90_workspace_bytes(ep, M, N, K);
+  const size_t ws_bytes = k::gemm_w8a16_sm90_workspace_bytes(ep, M, N, K, tile_arg(tile));
   DeviceBuffer ws = DeviceBuffer::poisoned(ws_bytes);
   k::gemm_w8a16_sm90(dw.get<uint8_t>(), ds.get<float>(), dx.get(), xt, M, N, K, ep, out.get(), ws.get(), ws_bytes,
-                     nullptr);
+                     nullptr, tile_arg(tile));
   sync();
   if (ep == k::Epilogue::SwiGLU) return to_host<uint16_t>(out, {M, N / 2});
   return to_host<float>(out, fp32_shape);
@@ -50,12 +56,12 @@ py::object gemm_sm90(const py::array& w_, const py::array& s_, const py::array& 
 
 // us per launch (scale transpose + GEMM (+ SwiGLU)), median of iters batches; compute-bound, so the
 // weights are not rotated (as time_gemm).
-double time_gemm_sm90(int M, int N, int K, int iters, int ep_, const std::string& x_dtype) {
+double time_gemm_sm90(int M, int N, int K, int iters, int ep_, const std::string& x_dtype, const std::string& tile) {
   const k::Act xt = act_arg(x_dtype);
   const k::Epilogue ep = epilogue_arg(ep_);
   require(k::gemm_w8a16_sm90_supported(ep, M, N, K), "time_gemm_sm90: unsupported shape or a build without it");
   const size_t wbytes = static_cast<size_t>(N) * K, sbytes = static_cast<size_t>(N) * ((K + 127) / 128) * sizeof(float);
-  const size_t ws_bytes = k::gemm_w8a16_sm90_workspace_bytes(ep, M, N, K);
+  const size_t ws_bytes = k::gemm_w8a16_sm90_workspace_bytes(ep, M, N, K, tile_arg(tile));
   DeviceBuffer w(wbytes), s(sbytes), x(sizeof(bf16) * M * K), out(sizeof(float) * M * N), ws(ws_bytes);
   w.fill(0x38);
   s.fill(0);
@@ -64,7 +70,7 @@ double time_gemm_sm90(int M, int N, int K, int iters, int ep_, const std::string
   return median_us(
       [&](int) {
         k::gemm_w8a16_sm90(w.get<uint8_t>(), s.get<float>(), x.get(), xt, M, N, K, ep, out.get(), ws.get(), ws_bytes,
-                           nullptr);
+                           nullptr, tile_arg(tile));
       },
       iters, 2);
 }
@@ -75,16 +81,16 @@ void register_gemm_sm90(py::module_& m) {
   m.def("gemm_sm90_built", &k::gemm_w8a16_sm90_built,
         "whether this build has gemm_w8a16_sm90 (nvidia-cutlass's headers were found at build time)");
   m.def("gemm_sm90", &gemm_sm90, py::arg("w"), py::arg("scales"), py::arg("x"), py::arg("epilogue") = 0,
-        py::arg("out_init") = py::none(), py::arg("x_dtype") = "bf16",
+        py::arg("out_init") = py::none(), py::arg("x_dtype") = "bf16", py::arg("tile") = "auto",
         "gemm_w8a16_sm90: w u8 [N, K] (N % 8 == 0, K % 64 == 0), scales f32 [N, ceil(K/128)], x u16 [M, K] (bf16 or "
         "f16 bits); epilogue 0 Store -> f32 [M, N], 1 AddResidual (out_init f32 [M, N]) -> f32 [M, N], 2 SwiGLU -> "
-        "u16 [M, N/2] (bf16)");
+        "u16 [M, N/2] (bf16); tile auto (by M), wide (128 tokens per tile) or narrow (64)");
   m.def(
       "gemm_sm90_workspace_bytes",
       [](int ep, int M, int N, int K) { return k::gemm_w8a16_sm90_workspace_bytes(epilogue_arg(ep), M, N, K); },
       py::arg("epilogue"), py::arg("M"), py::arg("N"), py::arg("K"));
   m.def("time_gemm_sm90", &time_gemm_sm90, py::arg("M"), py::arg("N"), py::arg("K"), py::arg("iters") = 20,
-        py::arg("epilogue") = 0, py::arg("x_dtype") = "bf16",
+        py::arg("epilogue") = 0, py::arg("x_dtype") = "bf16", py::arg("tile") = "auto",
         "us per gemm_w8a16_sm90 launch (median of iters batches)");
 }
 

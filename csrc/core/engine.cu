@@ -73,6 +73,8 @@ void Engine::init(const std::string& path, const std::vector<TensorInfo>& table,
     throw std::invalid_argument("max_context must be >= 1, got " + std::to_string(opt_.max_context));
   if (opt_.prefill_chunk < 1)
     throw std::invalid_argument("prefill_chunk must be >= 1, got " + std::to_string(opt_.prefill_chunk));
+  // No chunk holds more rows than the cache: the activation buffers need no more.
+  opt_.prefill_chunk = std::min(opt_.prefill_chunk, opt_.max_context);
   if (inv_freq.size() != static_cast<size_t>(s.head_dim / 2))
     throw std::invalid_argument("inv_freq must hold head_dim / 2 = " + std::to_string(s.head_dim / 2) +
                                 " values, got " + std::to_string(inv_freq.size()));
@@ -155,10 +157,11 @@ void Engine::init(const std::string& path, const std::vector<TensorInfo>& table,
   // The stream every launch goes to, the per-step events, the pinned token ring and logits.
   AF_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   for (cudaEvent_t& e : step_done_) AF_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-  AF_CUDA_CHECK(
-      cudaHostAlloc(reinterpret_cast<void**>(&ring_host_), 2 * kRingSize * sizeof(int32_t), cudaHostAllocMapped));
+  // The ring (tokens and overflow flags, 2 x kRingSize), then kLogitRows tokens of a verify.
+  AF_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&ring_host_), (2 * kRingSize + kLogitRows) * sizeof(int32_t),
+                              cudaHostAllocMapped));
   ++allocations_;
-  std::memset(ring_host_, 0, 2 * kRingSize * sizeof(int32_t));
+  std::memset(ring_host_, 0, (2 * kRingSize + kLogitRows) * sizeof(int32_t));
   AF_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&ring_dev_), ring_host_, 0));
   AF_CUDA_CHECK(
       cudaHostAlloc(reinterpret_cast<void**>(&logits_host_), s.vocab_size * sizeof(float), cudaHostAllocDefault));
@@ -379,13 +382,35 @@ void Engine::prefill_rows(const int32_t* ids, int n, float* logits) {
                                 std::to_string(opt_.prefill_chunk));
   stage_prefill(ids, n);
   enqueue_prefill_chunk(0, n);
-  // The head reads one row of x and writes buf_.logits: once per row, each copied out before the next.
-  for (int row = 0; row < n; ++row) {
-    enqueue_head(row);
-    copy_logits_out(logits + static_cast<size_t>(row) * spec_.vocab_size);
+  const size_t vocab = static_cast<size_t>(spec_.vocab_size);
+  for (int first = 0; first < n; first += kLogitRows) {
+    const int rows = std::min(kLogitRows, n - first);
+    enqueue_head_rows(first, rows);
+    AF_CUDA_CHECK(cudaMemcpyAsync(logits + first * vocab, buf_.logits, rows * vocab * sizeof(float),
+                                  cudaMemcpyDeviceToHost, stream_));
   }
+  AF_CUDA_CHECK(cudaStreamSynchronize(stream_));
   host_pos_ += n;
   last_output_ = kUnknown;  // as prefill(): the next step's input is begin()'s
+}
+
+void Engine::verify_greedy(const int32_t* ids, int n, int32_t* tokens) {
+  std::lock_guard<std::mutex> lock(mu_);
+  NvtxRange range("verify_greedy");
+  if (n > kLogitRows)
+    throw std::invalid_argument("verify: " + std::to_string(n) + " rows, at most " + std::to_string(kLogitRows));
+  if (n > opt_.prefill_chunk)
+    throw std::invalid_argument("verify: " + std::to_string(n) + " rows do not fit one chunk of " +
+                                std::to_string(opt_.prefill_chunk));
+  stage_prefill(ids, n);
+  enqueue_prefill_chunk(0, n);
+  enqueue_head_rows(0, n);
+  // Straight into the mapped host memory after the ring (the sync makes the writes visible).
+  kernels::argmax_rows(buf_.logits, n, spec_.vocab_size, ring_dev_ + 2 * kRingSize, stream_);
+  AF_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  std::memcpy(tokens, ring_host_ + 2 * kRingSize, n * sizeof(int32_t));
+  host_pos_ += n;
+  last_output_ = kUnknown;
 }
 
 void Engine::decode(int32_t token, float* logits) {

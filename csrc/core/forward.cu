@@ -175,6 +175,27 @@ void Engine::enqueue_head(int row) {
   if (probe_) probe_point("logits", -1, ProbeSrc::LOGITS, 1);
 }
 
+// The head on x rows first .. first + n - 1 (n <= kLogitRows) -> buf_.logits fp32 [n, vocab], each row
+// the bits enqueue_head gives it: an FP8 head in one small-M launch (RMSNorm fused, the decode head's
+// products per row), a bf16 head row by row (each row's logits moved down from row 0, last row first).
+void Engine::enqueue_head_rows(int first, int n) {
+  NvtxRange range("lm_head rows");
+  const int d = spec_.hidden_size, vocab = spec_.vocab_size;
+  if (spec_.lm_head_fp8 && !probe_) {
+    const kernels::GemvMPlan plan = kernels::plan_gemv_m(Epilogue::Store, kernels::GemvIn::NORM, n, vocab, d);
+    kernels::gemv_w8a16_m_rmsnorm(plan, static_cast<const uint8_t*>(buf_.lm_head), buf_.lm_head_scale,
+                                  buf_.x + static_cast<size_t>(first) * d, buf_.final_norm, spec_.rms_norm_eps, n, vocab,
+                                  d, Epilogue::Store, buf_.logits, stream_);
+    return;
+  }
+  for (int r = n - 1; r >= 0; --r) {
+    enqueue_head(first + r);
+    if (r > 0)
+      AF_CUDA_CHECK(cudaMemcpyAsync(buf_.logits + static_cast<size_t>(r) * vocab, buf_.logits, sizeof(float) * vocab,
+                                    cudaMemcpyDeviceToDevice, stream_));
+  }
+}
+
 // One token: *token at position *pos in, logits and the sampled token (in *token and the ring)
 // out, *pos advanced. Reads all its inputs from device memory, so one graph serves every step whose
 // keys fit attn_keys (launch_step: max_context, or the plan's short_keys for a short step). With the fused tail

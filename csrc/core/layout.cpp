@@ -5,6 +5,7 @@
 #include <stdexcept>
 
 #include "atomflow/kernels.h"
+#include "atomflow/step_plan.h"
 
 namespace atomflow {
 
@@ -161,7 +162,7 @@ Layout plan_layout(const ModelSpec& s, const ModelTensors& t, int max_context, i
   L.q = plan.reserve("activations", rows * s.q_dim() * sizeof(bf16));
   L.attn_out = plan.reserve("activations", rows * s.q_dim() * sizeof(bf16));  // or f16: the same size
   L.ffn = plan.reserve("activations", rows * s.intermediate_size * sizeof(bf16));
-  L.logits = plan.reserve("activations", size_t(s.vocab_size) * sizeof(float));
+  L.logits = plan.reserve("activations", size_t(StepPlan::kLogitRows) * s.vocab_size * sizeof(float));
   L.ids = plan.reserve("activations", size_t(max_context) * sizeof(int32_t));
 
   // Chunks run with any row count from 1 to prefill_chunk: size for the largest need.
@@ -174,13 +175,15 @@ Layout plan_layout(const ModelSpec& s, const ModelTensors& t, int max_context, i
   // The sm90 GEMM's workspace: the products' transposed scales, and SwiGLU's fp32 y [chunk, 2 ffn].
   L.gemm_ws_bytes = 0;
   if (kernels::gemm_w8a16_sm90_built()) {
-    const int d = s.hidden_size, f = s.intermediate_size, m = prefill_chunk;
+    // Every row count a chunk may have (the scheduler's share of the workspace is not monotonic in M).
+    const int d = s.hidden_size, f = s.intermediate_size;
     using kernels::Epilogue;
-    for (size_t b : {kernels::gemm_w8a16_sm90_workspace_bytes(Epilogue::Store, m, s.qkv_dim(), d),
-                     kernels::gemm_w8a16_sm90_workspace_bytes(Epilogue::AddResidual, m, d, s.q_dim()),
-                     kernels::gemm_w8a16_sm90_workspace_bytes(Epilogue::SwiGLU, m, 2 * f, d),
-                     kernels::gemm_w8a16_sm90_workspace_bytes(Epilogue::AddResidual, m, d, f)})
-      L.gemm_ws_bytes = std::max(L.gemm_ws_bytes, b);
+    for (int m = 1; m <= prefill_chunk; ++m)
+      for (size_t b : {kernels::gemm_w8a16_sm90_workspace_bytes(Epilogue::Store, m, s.qkv_dim(), d),
+                       kernels::gemm_w8a16_sm90_workspace_bytes(Epilogue::AddResidual, m, d, s.q_dim()),
+                       kernels::gemm_w8a16_sm90_workspace_bytes(Epilogue::SwiGLU, m, 2 * f, d),
+                       kernels::gemm_w8a16_sm90_workspace_bytes(Epilogue::AddResidual, m, d, f)})
+        L.gemm_ws_bytes = std::max(L.gemm_ws_bytes, b);
   }
   L.gemm_ws = plan.reserve("scratch", std::max<size_t>(L.gemm_ws_bytes, 256));
   L.head_best_n = s.lm_head_fp8 ? head_blocks : 0;

@@ -54,7 +54,7 @@ struct Layout {
   size_t q;         // bf16 [chunk, heads, head_dim]  roped queries
   size_t attn_out;  // 16-bit [chunk, heads, head_dim]: bf16, fp16 in a decode step (kernels.h)
   size_t ffn;       // 16-bit [chunk, ffn]  SwiGLU output, typed as attn_out
-  size_t logits;    // fp32 [vocab]
+  size_t logits;    // fp32 [StepPlan::kLogitRows, vocab]
   size_t ids;       // int32 [max_context]  prompt ids
   // Scratch and the small device state the decode graph reads.
   size_t attn_scratch, sample_scratch, gemv_tickets;

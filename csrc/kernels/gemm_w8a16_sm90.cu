@@ -9,8 +9,10 @@
 //    one rounding of the exact dequantized weight (relative error <= 2^-9 for bf16, 2^-11 for fp16; fp16
 //    products below 2^-14 are subnormal, an absolute error <= 2^-25). gemm_w8a16 applies the scale to fp32
 //    partial sums instead (no rounding of w * s); tests/test_gemm_sm90_gpu.py states the difference.
-//  - Tile 128 (weight rows) x 128 (tokens) x 64 (k), cluster 1x1, cooperative schedule (two consumer
-//    warpgroups of 64 x 128, one TMA producer warp), persistent tile scheduler; TMA epilogue.
+//  - Tile 128 (weight rows) x 128 (tokens) x 64 (k), or 128 x 64 x 64 for chunks of at most
+//    kSm90NarrowMaxRows rows (kernels.h: sm90_tile_for); cluster 1x1, cooperative schedule (two consumer
+//    warpgroups, one TMA producer warp), stream-K tile scheduler (persistent; deterministic reduction of
+//    split tiles in the workspace); TMA epilogue.
 //  - Rows of x past M and weight rows past N are TMA's out-of-bounds zeros; their outputs are not stored.
 //    The scale group of k is k / 128 for every k (CUTLASS's group index of a 64-wide k-tile), so a
 //    64-column tail group (K % 128 == 64) needs nothing special.
@@ -23,7 +25,7 @@
 //              SwiGLU (N = 2F): y fp32 [M, N] into the workspace, then
 //           3. swiglu_rows: out bf16 [M, F] = silu(y[:, :F]) * y[:, F:].
 //           Plain stream-ordered launches (no PDL): each waits for everything before it.
-//  Workspace gemm_w8a16_sm90_workspace_bytes(ep, M, N, K) bytes of device memory, 256-byte aligned,
+//  Workspace gemm_w8a16_sm90_workspace_bytes(ep, M, N, K, tile) bytes of device memory, 256-byte aligned,
 //           used by one stream at a time, no initial value needed, nothing left in it for later calls.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -93,53 +95,70 @@ using LayoutW = cutlass::layout::RowMajor;     // A [N, K], K-major
 using LayoutX = cutlass::layout::ColumnMajor;  // B [K, M] column-major = x [M, K] row-major
 using LayoutD = cutlass::layout::ColumnMajor;  // D' [N, M] column-major = y [M, N] row-major
 constexpr int kAlignW = 16, kAlignX = 8, kAlignD = 4;  // elements of 16 bytes
-using TileShape = Shape<_128, _128, _64>;
 using ClusterShape = Shape<_1, _1, _1>;
+// Two tile widths along the tokens: wide (128) for chunks of more than kNarrowMaxRows rows, narrow (64)
+// for fewer, where a 128-token tile would run half its MMAs on rows past M.
+using TileWide = Shape<_128, _128, _64>;
+using TileNarrow = Shape<_128, _64, _64>;
 
-using EpilogueOp =
-    cutlass::epilogue::collective::CollectiveBuilder<cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape,
-                                                     ClusterShape, cutlass::epilogue::collective::EpilogueTileAuto,
-                                                     float, float, float, LayoutD, kAlignD, float, LayoutD, kAlignD,
-                                                     cutlass::epilogue::TmaWarpSpecializedCooperative>::CollectiveOp;
+template <class Tile>
+using EpilogueOp = typename cutlass::epilogue::collective::CollectiveBuilder<
+    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, ClusterShape,
+    cutlass::epilogue::collective::EpilogueTileAuto, float, float, float, LayoutD, kAlignD, float, LayoutD, kAlignD,
+    cutlass::epilogue::TmaWarpSpecializedCooperative>::CollectiveOp;
 
-using MainloopBF16 = cutlass::gemm::collective::CollectiveBuilder<
-    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, cute::tuple<ElementW, ElementScale>, LayoutW, kAlignW,
-    cutlass::bfloat16_t, LayoutX, kAlignX, float, TileShape, ClusterShape,
-    cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(EpilogueOp::SharedStorage))>,
+template <class T, class Tile>
+using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, cute::tuple<ElementW, ElementScale>, LayoutW, kAlignW, T,
+    LayoutX, kAlignX, float, Tile, ClusterShape,
+    cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+        sizeof(typename EpilogueOp<Tile>::SharedStorage))>,
     cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
-using MainloopF16 = cutlass::gemm::collective::CollectiveBuilder<
-    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, cute::tuple<ElementW, ElementScale>, LayoutW, kAlignW,
-    cutlass::half_t, LayoutX, kAlignX, float, TileShape, ClusterShape,
-    cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(EpilogueOp::SharedStorage))>,
-    cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
 
-using KernelBF16 = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, MainloopBF16, EpilogueOp>;
-using KernelF16 = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, MainloopF16, EpilogueOp>;
+// Stream-K: the k-loops of all tiles are spread over the SMs (persistent blocks), so a product with
+// fewer tiles than SMs (o and down of a short chunk: N / 128 tiles) still runs on every SM; partial
+// tiles are reduced in the workspace in a fixed order (deterministic), then one block runs the epilogue.
+template <class T, class Tile, class Scheduler>
+using Kernel =
+    cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop<T, Tile>, EpilogueOp<Tile>, Scheduler>;
+
+int sm_count() {
+  static const int n = [] {
+    int dev = 0, sms = 0;
+    AF_CUDA_CHECK(cudaGetDevice(&dev));
+    AF_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    return sms;
+  }();
+  return n;
+}
 
 // Argument packing and launch of one of them (T: the activation's CUTLASS type).
-template <class Kernel, class T>
+template <class T, class Tile, class Scheduler>
 struct Sm90Gemm {
-  using Mainloop = typename Kernel::CollectiveMainloop;
-  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  using K_ = Kernel<T, Tile, Scheduler>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<K_>;
 
   static typename Gemm::Arguments arguments(const uint8_t* w, const float* scales_gn, const void* x, int M, int N,
                                             int K, float beta, const float* c, float* d) {
-    using StrideW = typename Kernel::StrideA;
-    using StrideX = typename Kernel::StrideB;
-    using StrideC = typename Kernel::StrideC;
-    using StrideD = typename Kernel::StrideD;
-    using StrideS = typename Mainloop::StrideScale;
+    using StrideW = typename K_::StrideA;
+    using StrideX = typename K_::StrideB;
+    using StrideC = typename K_::StrideC;
+    using StrideD = typename K_::StrideD;
+    using StrideS = typename K_::CollectiveMainloop::StrideScale;
     const int G = CEIL_DIV(K, kScaleGroup);
     const StrideW sw = cutlass::make_cute_packed_stride(StrideW{}, make_shape(N, K, 1));
     const StrideX sx = cutlass::make_cute_packed_stride(StrideX{}, make_shape(M, K, 1));
     const StrideC sc = cutlass::make_cute_packed_stride(StrideC{}, make_shape(N, M, 1));
     const StrideD sd = cutlass::make_cute_packed_stride(StrideD{}, make_shape(N, M, 1));
     const StrideS ss = cutlass::make_cute_packed_stride(StrideS{}, make_shape(N, G, 1));
+    cutlass::KernelHardwareInfo hw{};
+    hw.sm_count = sm_count();
     typename Gemm::Arguments args{
         cutlass::gemm::GemmUniversalMode::kGemm,
         {N, M, K, 1},
         {reinterpret_cast<const ElementW*>(w), sw, static_cast<const T*>(x), sx, scales_gn, ss, kScaleGroup},
-        {{1.f, beta}, c, sc, d, sd}};
+        {{1.f, beta}, c, sc, d, sd},
+        hw};
     return args;
   }
 
@@ -164,23 +183,44 @@ struct Sm90Gemm {
   }
 };
 
-size_t cutlass_workspace_bytes(Act x_type, int M, int N, int K) {
-  return x_type == Act::F16 ? Sm90Gemm<KernelF16, cutlass::half_t>::workspace_bytes(M, N, K)
-                            : Sm90Gemm<KernelBF16, cutlass::bfloat16_t>::workspace_bytes(M, N, K);
+// The kernel for (activation type, tile): one call site per instance.
+template <class T, class Fn>
+void dispatch_tile(Sm90Tile tile, Fn&& fn) {
+  using P = cutlass::gemm::PersistentScheduler;
+  using S = cutlass::gemm::StreamKScheduler;
+  switch (tile) {
+    case Sm90Tile::Wide: return fn(Sm90Gemm<T, TileWide, P>{});
+    case Sm90Tile::Narrow: return fn(Sm90Gemm<T, TileNarrow, P>{});
+    case Sm90Tile::WideStreamK: return fn(Sm90Gemm<T, TileWide, S>{});
+    default: return fn(Sm90Gemm<T, TileNarrow, S>{});
+  }
+}
+template <class Fn>
+void dispatch(Act x_type, Sm90Tile tile, Fn&& fn) {
+  if (x_type == Act::F16)
+    dispatch_tile<cutlass::half_t>(tile, fn);
+  else
+    dispatch_tile<cutlass::bfloat16_t>(tile, fn);
+}
+
+size_t cutlass_workspace_bytes(Act x_type, Sm90Tile tile, int M, int N, int K) {
+  size_t bytes = 0;
+  dispatch(x_type, tile, [&](auto g) { bytes = decltype(g)::workspace_bytes(M, N, K); });
+  return bytes;
 }
 #else
-size_t cutlass_workspace_bytes(Act, int, int, int) { return 0; }
+size_t cutlass_workspace_bytes(Act, Sm90Tile, int, int, int) { return 0; }
 #endif
 
 // Workspace carve-up: [scales G x N fp32][SwiGLU's y M x N fp32][CUTLASS's own workspace].
 struct Carve {
   size_t scales, swiglu, cutlass, total;
 };
-Carve carve(Epilogue ep, Act x_type, int M, int N, int K) {
+Carve carve(Epilogue ep, Act x_type, Sm90Tile tile, int M, int N, int K) {
   Carve c{};
   c.scales = align_up(sizeof(float) * static_cast<size_t>(CEIL_DIV(K, kScaleGroup)) * N);
   c.swiglu = ep == Epilogue::SwiGLU ? align_up(sizeof(float) * static_cast<size_t>(M) * N) : 0;
-  c.cutlass = align_up(cutlass_workspace_bytes(x_type, M, N, K));
+  c.cutlass = align_up(cutlass_workspace_bytes(x_type, tile, M, N, K));
   c.total = c.scales + c.swiglu + c.cutlass;
   return c;
 }
@@ -198,13 +238,14 @@ bool gemm_w8a16_sm90_supported(Epilogue ep, int M, int N, int K) {
   return M >= 1 && N >= 8 && N % 8 == 0 && K >= 64 && K % 64 == 0;
 }
 
-size_t gemm_w8a16_sm90_workspace_bytes(Epilogue ep, int M, int N, int K) {
+size_t gemm_w8a16_sm90_workspace_bytes(Epilogue ep, int M, int N, int K, Sm90Tile tile) {
   // The CUTLASS workspace does not depend on the activation type; take the larger to be sure.
-  return std::max(carve(ep, Act::BF16, M, N, K).total, carve(ep, Act::F16, M, N, K).total);
+  if (tile == Sm90Tile::Auto) tile = sm90_tile_for(M);
+  return std::max(carve(ep, Act::BF16, tile, M, N, K).total, carve(ep, Act::F16, tile, M, N, K).total);
 }
 
 void gemm_w8a16_sm90(const uint8_t* w, const float* scales, const void* x, Act x_type, int M, int N, int K, Epilogue ep,
-                     void* out, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+                     void* out, void* workspace, size_t workspace_bytes, cudaStream_t stream, Sm90Tile tile) {
   AF_CHECK(gemm_w8a16_sm90_built(), "gemm_w8a16_sm90: this build has no sm90 GEMM (nvidia-cutlass was not found)");
   AF_CHECK(gemm_w8a16_sm90_supported(ep, M, N, K),
            "gemm_w8a16_sm90: needs M >= 1, N % 8 == 0, K % 64 == 0 and the Store, AddResidual or SwiGLU epilogue");
@@ -212,7 +253,8 @@ void gemm_w8a16_sm90(const uint8_t* w, const float* scales, const void* x, Act x
   for (const void* p :
        {static_cast<const void*>(w), static_cast<const void*>(scales), x, static_cast<const void*>(out)})
     AF_CHECK(reinterpret_cast<uintptr_t>(p) % 16 == 0, "gemm_w8a16_sm90: w, scales, x and out must be 16-byte aligned");
-  const Carve c = carve(ep, x_type, M, N, K);
+  if (tile == Sm90Tile::Auto) tile = sm90_tile_for(M);
+  const Carve c = carve(ep, x_type, tile, M, N, K);
   AF_CHECK(workspace != nullptr && workspace_bytes >= c.total && reinterpret_cast<uintptr_t>(workspace) % kWsAlign == 0,
            "gemm_w8a16_sm90: the workspace must be gemm_w8a16_sm90_workspace_bytes() bytes, 256-byte aligned");
   uint8_t* ws = static_cast<uint8_t*>(workspace);
@@ -227,10 +269,7 @@ void gemm_w8a16_sm90(const uint8_t* w, const float* scales, const void* x, Act x
 #if ATOMFLOW_SM90_GEMM
   float* y = ep == Epilogue::SwiGLU ? y_swiglu : static_cast<float*>(out);
   const float beta = ep == Epilogue::AddResidual ? 1.f : 0.f;
-  if (x_type == Act::F16)
-    Sm90Gemm<KernelF16, cutlass::half_t>::run(w, scales_gn, x, M, N, K, beta, y, cutlass_ws, stream);
-  else
-    Sm90Gemm<KernelBF16, cutlass::bfloat16_t>::run(w, scales_gn, x, M, N, K, beta, y, cutlass_ws, stream);
+  dispatch(x_type, tile, [&](auto g) { decltype(g)::run(w, scales_gn, x, M, N, K, beta, y, cutlass_ws, stream); });
   AF_CUDA_CHECK(cudaGetLastError());
 #else
   (void)y_swiglu;

@@ -395,4 +395,45 @@ void sample_step(const float* logits, int vocab, const uint64_t* block_best, int
   launch_sample(logits, vocab, block_best, n_best, cfg, end.pos + 1, token_out, end, stream);
 }
 
+// ---------------------------------------------------------------------------------------
+// argmax_rows: one block per row, the row read once with coalesced loads; argmax_key (order_key.cuh)
+// makes the choice the greedy sampler's (the larger value, then the lower index).
+
+static constexpr int kArgmaxThreads = 512;
+
+static __global__ void __launch_bounds__(kArgmaxThreads)
+    argmax_rows_kernel(const float* __restrict__ logits, int vocab, int32_t* __restrict__ out) {
+  const float* row = logits + static_cast<size_t>(blockIdx.x) * vocab;
+  uint64_t best = 0;
+  bool finite = true;
+  for (int i = threadIdx.x; i < vocab; i += kArgmaxThreads) {
+    const float v = row[i];
+    finite = finite && isfinite(v);
+    best = max(best, argmax_key(v, static_cast<uint32_t>(i)));
+  }
+  for (int o = 16; o > 0; o >>= 1) best = max(best, __shfl_xor_sync(0xffffffffu, best, o));
+  finite = __all_sync(0xffffffffu, finite);
+  __shared__ uint64_t warp_best[kArgmaxThreads / 32];
+  __shared__ int warp_finite[kArgmaxThreads / 32];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) {
+    warp_best[warp] = best;
+    warp_finite[warp] = finite;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < kArgmaxThreads / 32; ++w) {
+      best = max(best, warp_best[w]);
+      finite = finite && warp_finite[w];
+    }
+    out[blockIdx.x] = finite ? static_cast<int32_t>(~static_cast<uint32_t>(best)) : -1;
+  }
+}
+
+void argmax_rows(const float* logits, int rows, int vocab, int32_t* out, cudaStream_t stream) {
+  AF_CHECK(rows >= 1 && vocab >= 1 && logits && out, "argmax_rows: needs rows >= 1, vocab >= 1, logits and out");
+  argmax_rows_kernel<<<rows, kArgmaxThreads, 0, stream>>>(logits, vocab, out);
+  AF_CUDA_CHECK(cudaGetLastError());
+}
+
 }  // namespace atomflow::kernels

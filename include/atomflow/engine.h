@@ -32,7 +32,9 @@ namespace atomflow {
 
 struct EngineOptions {
   int max_context = 0;      // KV cache rows
-  int prefill_chunk = 256;  // rows per prefill pass; sizes the activation buffers
+  // Rows per prefill pass (at most max_context); sizes the activation buffers. 1024: the sm90 GEMM's
+  // tiles fill the SMs (a 3B pp512 on an H200: 16.2 ms in chunks of 256, 10.4 ms in one; docs/PERF.md).
+  int prefill_chunk = 1024;
   bool verbose = true;      // print the arena plan and the load time to stderr
   PlanOptions plan;         // eager, activation precision and the schedule's overrides (step_plan.h)
 };
@@ -52,9 +54,16 @@ class Engine {
 
   // Appends ids[0..n) at the current position; writes the last token's logits (fp32 [vocab]).
   void prefill(const int32_t* ids, int n, float* logits);
-  // prefill() of one chunk (n <= prefill_chunk) that writes every row's logits, fp32 [n, vocab]: the
-  // head runs once per row, as a decode step runs it. Speculative verification (atomflow/speculate.py).
+  // prefill() of one chunk (n <= prefill_chunk) that writes every row's logits, fp32 [n, vocab], each
+  // row bit-identical to a decode step's: an FP8 head runs once per kLogitRows rows on the small-M GEMV
+  // (RMSNorm fused: its rows are the decode head's bits), a bf16 head once per row.
   void prefill_rows(const int32_t* ids, int n, float* logits);
+  // Speculative verification (atomflow/speculate.py): prefill_rows' chunk of n <= kLogitRows rows, then
+  // each row's greedy token on the device (argmax, the lower index on ties: the decode step's greedy
+  // choice); -1 for a row whose logits are not all finite. Only the n tokens come back to the host.
+  void verify_greedy(const int32_t* ids, int n, int32_t* tokens);
+  // Rows of logits the engine holds at once (buf_.logits is [kLogitRows, vocab]; decode uses row 0).
+  static constexpr int kLogitRows = StepPlan::kLogitRows;
   // Feeds one token at the current position, runs the decode step, writes its logits.
   void decode(int32_t token, float* logits);
 
@@ -199,6 +208,7 @@ class Engine {
   void check_token(int32_t token) const;
   void set_token(int32_t token);  // the next step's input: *token and its embedding in x[0]
   void copy_logits_out(float* logits);
+  void enqueue_head_rows(int first, int n);  // logits of x rows first .. first + n - 1 into buf_.logits [n, vocab]
   void stage_prefill(const int32_t* ids, int n);  // prefill's checks, and the ids copied to the device
   void release() noexcept;
 

@@ -149,13 +149,19 @@ void gemm_w8a16(const uint8_t* w, const float* scales, const void* x, Act x_type
 // its fp32 scale (gemm_w8a16 keeps w * s exact: bf16 adds <= 2^-9 relative per weight, fp16 2^-11).
 // Epilogues Store and AddResidual (fp32 [M, N]) and SwiGLU (N = 2F, bf16 [M, F], through an fp32 [M, N]
 // copy of y in the workspace). N % 8 == 0 (N % 16 == 0 for SwiGLU), K % 64 == 0, M >= 1.
-// workspace: gemm_w8a16_sm90_workspace_bytes(ep, M, N, K) bytes (256-byte aligned), no initial value,
+// workspace: gemm_w8a16_sm90_workspace_bytes(ep, M, N, K, tile) bytes (256-byte aligned), no initial value,
 // one stream at a time. Launches plain (no PDL): it starts after everything before it on the stream.
+// Tokens per tile: Wide 128, Narrow 64 (Auto: sm90_tile_for(M), narrow up to kSm90NarrowMaxRows rows);
+// the StreamK kinds split the k-loops of the tiles over all SMs (CUTLASS's stream-K scheduler).
+enum class Sm90Tile { Auto, Wide, Narrow, WideStreamK, NarrowStreamK };
+constexpr int kSm90NarrowMaxRows = 64;
+constexpr Sm90Tile sm90_tile_for(int M) { return M <= kSm90NarrowMaxRows ? Sm90Tile::Narrow : Sm90Tile::Wide; }
 bool gemm_w8a16_sm90_built();  // false: nvidia-cutlass was missing at build time (the launcher fails)
 bool gemm_w8a16_sm90_supported(Epilogue ep, int M, int N, int K);
-size_t gemm_w8a16_sm90_workspace_bytes(Epilogue ep, int M, int N, int K);
+size_t gemm_w8a16_sm90_workspace_bytes(Epilogue ep, int M, int N, int K, Sm90Tile tile = Sm90Tile::Auto);
 void gemm_w8a16_sm90(const uint8_t* w, const float* scales, const void* x, Act x_type, int M, int N, int K, Epilogue ep,
-                     void* out, void* workspace, size_t workspace_bytes, cudaStream_t stream);
+                     void* out, void* workspace, size_t workspace_bytes, cudaStream_t stream,
+                     Sm90Tile tile = Sm90Tile::Auto);
 
 // ---------------------------------------------------------------------------------------
 // gemv_w8a16_m.cu: the GEMV for small M (1 <= M <= 64 rows of x: short prompts, a chunked prompt's
@@ -349,6 +355,11 @@ struct StepEnd {
 // so everything before the last of them has completed) or after a synchronizing copy.
 void sample_step(const float* logits, int vocab, const uint64_t* block_best, int n_best, const SamplingConfig* cfg,
                  int32_t* token_out, const StepEnd& end, cudaStream_t stream);
+
+// out[r] = the greedy token of logits[r, :] (fp32 [rows, vocab]): the argmax, the lower index on ties
+// (the sampler's choice at temperature 0), or -1 when the row holds a NaN or an infinity. A plain
+// launch: it starts after everything before it on the stream. out may be mapped host memory.
+void argmax_rows(const float* logits, int rows, int vocab, int32_t* out, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------
 // stream_read.cu: the read-bandwidth ceiling. Reads n_bytes (multiple of 16) once with 16-byte

@@ -79,11 +79,16 @@ struct StepPlan {
   // 293, 64 rows 594 against 317 (docs/design/gemv_w8a16_m.md).
   static constexpr int kSmallMMaxRows = 16;
   int small_m_max_rows = kSmallMMaxRows;
+  // Rows of logits the engine holds at once (a speculative verify's chunk; the FP8 head runs them on the
+  // small-M GEMV in one launch).
+  static constexpr int kLogitRows = kSmallMMaxRows;
   // Chunks of at least sm90_gemm_min_rows rows run their products on the Hopper GEMM (gemm_w8a16_sm90:
   // CUTLASS, TMA + wgmma) instead of gemm_w8a16; kNever where it is not built (no nvidia-cutlass at
-  // build time), the device is not sm_90, or a product's shape is not one it takes. 64 is a first
-  // guess at the crossover, to be measured (bench_kernels.py).
-  static constexpr int kSm90GemmMinRows = 64;
+  // build time), the device is not sm_90, or a product's shape is not one it takes. Measured on an H200
+  // (bench_kernels.py, one 3B layer): it beats gemm_w8a16 at every M from 16 rows on (16 rows 168 us
+  // against 284, 64 rows 162 against 315, 512 rows 265 against 642), and the small-M GEMV keeps up to
+  // 16 rows (143 us), so every chunk past the small-M range takes it.
+  static constexpr int kSm90GemmMinRows = kSmallMMaxRows + 1;
   int sm90_gemm_min_rows = kSm90GemmMinRows;
 
   kernels::GemvKnobs knobs() const { return {options.staged_pair, options.tickets}; }
