@@ -73,8 +73,13 @@ def test_verify_rows_equal_decode_steps(tiny_spec, n):
     assert tokens.dtype == np.int32 and tokens.shape == (n,)
 
 
-def test_prefill_rows_past_the_logit_rows(tiny_spec):
-    """A chunk of more rows than the engine's logit rows: its heads run group by group, same bits."""
+def test_prefill_rows_past_the_logit_rows(tiny_spec, tiny_model_file):
+    """A chunk of more rows than the engine's logit rows (its layers on the GEMM, not decode-exact): the
+    heads run group by group; the last row equals prefill()'s logits of the same chunk bit for bit, and
+    every row follows the numpy reference."""
+    from atomflow.backends.cpu import CpuBackend
+    from atomflow.model.fileformat import AtomflowFile
+
     be = tiny_spec.backend
     ids = np.asarray(PROMPTS["miss"] + PROMPTS["partly"][:10], dtype=np.int32)  # 50 tokens
     first = 50 - (be.engine.logit_rows + 9)
@@ -82,8 +87,13 @@ def test_prefill_rows_past_the_logit_rows(tiny_spec):
     be.prefill(ids[:first])
     rows = be.engine.prefill_rows(ids[first:])
     be.rollback(first)
-    steps = np.stack([be.decode(int(t)) for t in ids[first:]])
-    np.testing.assert_array_equal(rows, steps)
+    np.testing.assert_array_equal(rows[-1], be.prefill(ids[first:]))
+    ref = CpuBackend(AtomflowFile(tiny_model_file), 256)
+    ref.prefill(ids[:first])
+    for r, t in enumerate(ids[first:]):
+        want = ref.prefill(np.asarray([t], dtype=np.int32))
+        cos = float(rows[r] @ want / (np.linalg.norm(rows[r]) * np.linalg.norm(want)))
+        assert cos >= 0.9999, f"row {r}: cosine {cos:.6f} against the reference"
 
 
 def test_verify_with_a_bf16_head(tmp_path, tiny_hf_dir):

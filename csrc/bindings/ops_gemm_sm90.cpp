@@ -19,9 +19,13 @@ k::Act act_arg(const std::string& x_dtype) {
 }
 
 k::Sm90Tile tile_arg(const std::string& tile) {
-  require(tile == "auto" || tile == "wide" || tile == "narrow",
-          "tile must be 'auto', 'wide' or 'narrow', got '" + tile + "'");
-  return tile == "wide" ? k::Sm90Tile::Wide : tile == "narrow" ? k::Sm90Tile::Narrow : k::Sm90Tile::Auto;
+  if (tile == "auto") return k::Sm90Tile::Auto;
+  if (tile == "wide") return k::Sm90Tile::Wide;
+  if (tile == "narrow") return k::Sm90Tile::Narrow;
+  if (tile == "wide-streamk") return k::Sm90Tile::WideStreamK;
+  require(tile == "narrow-streamk",
+          "tile must be 'auto', 'wide', 'narrow', 'wide-streamk' or 'narrow-streamk', got '" + tile + "'");
+  return k::Sm90Tile::NarrowStreamK;
 }
 
 // w u8 [N, K], scales f32 [N, ceil(K / 128)], x u16 [M, K]; out_init: AddResidual's starting values.
