@@ -80,7 +80,10 @@ def _print_plan(p: dict) -> None:
         sm90 = p.get("prefill_sm90_gemm_min_rows")
         longer = "gemm_w8a16 (tensor cores) for longer ones"
         if sm90:
-            longer = f"gemm_w8a16 (tensor cores) up to {sm90 - 1} rows, gemm_w8a16_sm90 (CUTLASS wgmma) from {sm90}"
+            tiles = ", ".join(f"{kind} up to {rows}" if rows else f"{kind} past that" for rows, kind in p["prefill_sm90_tiles"])
+            longer = f"gemm_w8a16_sm90 (CUTLASS wgmma) from {sm90} ({tiles})"
+            if sm90 > p["prefill_small_m_max_rows"] + 1:
+                longer = f"gemm_w8a16 (tensor cores) up to {sm90 - 1} rows, " + longer
         print(f"  prefill products: gemv_w8a16_m for chunks of 2..{p['prefill_small_m_max_rows']} rows, {longer}")
     pre = p.get("prefill_attention")
     if pre and pre["min_rows"] is None:

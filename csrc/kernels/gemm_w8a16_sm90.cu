@@ -9,10 +9,10 @@
 //    one rounding of the exact dequantized weight (relative error <= 2^-9 for bf16, 2^-11 for fp16; fp16
 //    products below 2^-14 are subnormal, an absolute error <= 2^-25). gemm_w8a16 applies the scale to fp32
 //    partial sums instead (no rounding of w * s); tests/test_gemm_sm90_gpu.py states the difference.
-//  - Tile 128 (weight rows) x 128 (tokens) x 64 (k), or 128 x 64 x 64 for chunks of at most
-//    kSm90NarrowMaxRows rows (kernels.h: sm90_tile_for); cluster 1x1, cooperative schedule (two consumer
-//    warpgroups, one TMA producer warp), stream-K tile scheduler (persistent; deterministic reduction of
-//    split tiles in the workspace); TMA epilogue.
+//  - Tile 128 (weight rows) x 128 (tokens) x 64 (k), or 128 x 64 x 64 for short chunks; cluster 1x1,
+//    cooperative schedule (two consumer warpgroups, one TMA producer warp), persistent blocks with the
+//    data-parallel or the stream-K tile scheduler (deterministic reduction of split tiles in the
+//    workspace); TMA epilogue. Which of the four kinds runs: kernels.h's sm90_tile_for(M).
 //  - Rows of x past M and weight rows past N are TMA's out-of-bounds zeros; their outputs are not stored.
 //    The scale group of k is k / 128 for every k (CUTLASS's group index of a 64-wide k-tile), so a
 //    64-column tail group (K % 128 == 64) needs nothing special.
@@ -96,8 +96,8 @@ using LayoutX = cutlass::layout::ColumnMajor;  // B [K, M] column-major = x [M, 
 using LayoutD = cutlass::layout::ColumnMajor;  // D' [N, M] column-major = y [M, N] row-major
 constexpr int kAlignW = 16, kAlignX = 8, kAlignD = 4;  // elements of 16 bytes
 using ClusterShape = Shape<_1, _1, _1>;
-// Two tile widths along the tokens: wide (128) for chunks of more than kNarrowMaxRows rows, narrow (64)
-// for fewer, where a 128-token tile would run half its MMAs on rows past M.
+// Two tile widths along the tokens: wide (128), and narrow (64) for short chunks, where a 128-token tile
+// would run half its MMAs or more on rows past M (kernels.h: sm90_tile_for picks one by M).
 using TileWide = Shape<_128, _128, _64>;
 using TileNarrow = Shape<_128, _64, _64>;
 
@@ -115,9 +115,10 @@ using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
         sizeof(typename EpilogueOp<Tile>::SharedStorage))>,
     cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
 
-// Stream-K: the k-loops of all tiles are spread over the SMs (persistent blocks), so a product with
-// fewer tiles than SMs (o and down of a short chunk: N / 128 tiles) still runs on every SM; partial
-// tiles are reduced in the workspace in a fixed order (deterministic), then one block runs the epilogue.
+// Scheduler: PersistentScheduler (data-parallel: one block per tile at a time), or StreamKScheduler: the
+// k-loops of all tiles spread over the SMs, so a product with fewer tiles than SMs (o and down of a
+// short chunk: N / 128 tiles) still runs on every SM; split tiles are reduced in the workspace in a fixed
+// order (deterministic), then one block runs the epilogue.
 template <class T, class Tile, class Scheduler>
 using Kernel =
     cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop<T, Tile>, EpilogueOp<Tile>, Scheduler>;
@@ -166,18 +167,25 @@ struct Sm90Gemm {
     return Gemm::get_workspace_size(arguments(nullptr, nullptr, nullptr, M, N, K, 0.f, nullptr, nullptr));
   }
 
-  // y = x w^T (beta 0) or out += x w^T (beta 1, c = d = out).
+  // y = x w^T (beta 0) or out += x w^T (beta 1, c = d = out). GemmUniversalAdapter::initialize's steps
+  // without its per-call cudaFuncSetAttribute (a driver call on every launch): the kernel's shared-memory
+  // limit is raised once per instance.
   static void run(const uint8_t* w, const float* scales_gn, const void* x, int M, int N, int K, float beta, float* out,
                   void* workspace, cudaStream_t stream) {
-    typename Gemm::Arguments args = arguments(w, scales_gn, x, M, N, K, beta, out, out);
-    Gemm gemm;
-    const cutlass::Status ok = gemm.can_implement(args);
-    AF_CHECK(ok == cutlass::Status::kSuccess,
-             std::string("gemm_w8a16_sm90: CUTLASS cannot run this shape: ") + cutlassGetStatusString(ok));
-    const cutlass::Status init = gemm.initialize(args, workspace, stream);
+    const typename Gemm::Arguments args = arguments(w, scales_gn, x, M, N, K, beta, out, out);
+    const cutlass::Status ok = K_::can_implement(args) ? cutlass::Status::kSuccess : cutlass::Status::kInvalid;
+    AF_CHECK(ok == cutlass::Status::kSuccess, "gemm_w8a16_sm90: CUTLASS cannot run this shape");
+    static const bool smem_set = [] {
+      AF_CUDA_CHECK(cudaFuncSetAttribute(cutlass::device_kernel<K_>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(K_::SharedStorageSize)));
+      return true;
+    }();
+    (void)smem_set;
+    const cutlass::Status init = K_::initialize_workspace(args, workspace, stream);
     AF_CHECK(init == cutlass::Status::kSuccess,
-             std::string("gemm_w8a16_sm90: initialize failed: ") + cutlassGetStatusString(init));
-    const cutlass::Status st = gemm.run(stream);
+             std::string("gemm_w8a16_sm90: workspace initialization failed: ") + cutlassGetStatusString(init));
+    typename K_::Params params = K_::to_underlying_arguments(args, workspace);
+    const cutlass::Status st = Gemm::run(params, stream);
     AF_CHECK(st == cutlass::Status::kSuccess,
              std::string("gemm_w8a16_sm90: launch failed: ") + cutlassGetStatusString(st));
   }

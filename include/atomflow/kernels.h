@@ -151,11 +151,19 @@ void gemm_w8a16(const uint8_t* w, const float* scales, const void* x, Act x_type
 // copy of y in the workspace). N % 8 == 0 (N % 16 == 0 for SwiGLU), K % 64 == 0, M >= 1.
 // workspace: gemm_w8a16_sm90_workspace_bytes(ep, M, N, K, tile) bytes (256-byte aligned), no initial value,
 // one stream at a time. Launches plain (no PDL): it starts after everything before it on the stream.
-// Tokens per tile: Wide 128, Narrow 64 (Auto: sm90_tile_for(M), narrow up to kSm90NarrowMaxRows rows);
-// the StreamK kinds split the k-loops of the tiles over all SMs (CUTLASS's stream-K scheduler).
+// Tokens per tile: Wide 128, Narrow 64; the StreamK kinds split the k-loops of the tiles over all SMs
+// (CUTLASS's stream-K scheduler), so a product with fewer tiles than SMs still runs on every SM.
+// Auto: sm90_tile_for(M), the best kind per layer in tools/bench_kernels.py's tile-kind table (H200,
+// the 3B and 8B layers' four products; us per 3B layer): M <= 64 narrow + stream-K (16 rows 109 against
+// 137 narrow, 165 wide), M <= 256 wide + stream-K (128 rows 132 against 160 wide), more rows wide (512
+// rows 267 against 272 wide + stream-K, 2048 rows 817 against 862).
 enum class Sm90Tile { Auto, Wide, Narrow, WideStreamK, NarrowStreamK };
-constexpr int kSm90NarrowMaxRows = 64;
-constexpr Sm90Tile sm90_tile_for(int M) { return M <= kSm90NarrowMaxRows ? Sm90Tile::Narrow : Sm90Tile::Wide; }
+constexpr int kSm90NarrowMaxRows = 64, kSm90StreamKMaxRows = 256;
+constexpr Sm90Tile sm90_tile_for(int M) {
+  return M <= kSm90NarrowMaxRows    ? Sm90Tile::NarrowStreamK
+         : M <= kSm90StreamKMaxRows ? Sm90Tile::WideStreamK
+                                    : Sm90Tile::Wide;
+}
 bool gemm_w8a16_sm90_built();  // false: nvidia-cutlass was missing at build time (the launcher fails)
 bool gemm_w8a16_sm90_supported(Epilogue ep, int M, int N, int K);
 size_t gemm_w8a16_sm90_workspace_bytes(Epilogue ep, int M, int N, int K, Sm90Tile tile = Sm90Tile::Auto);
