@@ -223,6 +223,18 @@ def test_gemm_sm90_every_tile_kind(rng, tile, M, N, K):
         check(got, want, RECIPE_REL + BF16_OUT_REL, f"{what} SwiGLU", scale=max(float(np.linalg.norm(want)), BF16_TINY))
 
 
+@pytest.mark.parametrize("M,N,K", [(17, 960, 576), (300, 3072, 8192)])
+def test_gemm_sm90_pretransposed_scales_same_bits(rng, M, N, K):
+    """The engine passes the scales transposed at load: the same bits as the launcher's own transpose."""
+    if not ops.gemm_sm90_built():
+        pytest.skip("built without gemm_w8a16_sm90 (test_sm90_gemm_is_built says why)")
+    w, s, x, _ = inputs(rng, M, N, K, "bf16")
+    for ep, init in ((STORE, None), (ADD, rng.standard_normal((M, N)).astype(np.float32)), (SWIGLU, None)):
+        a = ops.gemm_sm90(w, s, x, ep, init, "bf16")
+        b = ops.gemm_sm90(w, s, x, ep, init, "bf16", pretransposed=True)
+        np.testing.assert_array_equal(a, b)
+
+
 def test_gemm_sm90_rounding_is_the_weights_only(rng):
     """The quantified cost of the recipe: against the exact reference, the new kernel's error is the
     16-bit weight rounding (within a factor 2 of u / sqrt(3) both ways: not fp32-exact, and not twice

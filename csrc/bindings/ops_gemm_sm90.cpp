@@ -31,7 +31,8 @@ k::Sm90Tile tile_arg(const std::string& tile) {
 // w u8 [N, K], scales f32 [N, ceil(K / 128)], x u16 [M, K]; out_init: AddResidual's starting values.
 // Outputs poisoned (NaN) before the launch; the workspace poisoned too, so nothing may rely on it.
 py::object gemm_sm90(const py::array& w_, const py::array& s_, const py::array& x_, int ep_,
-                     const py::object& out_init_, const std::string& x_dtype, const std::string& tile) {
+                     const py::object& out_init_, const std::string& x_dtype, const std::string& tile,
+                     bool pretransposed) {
   const k::Act xt = act_arg(x_dtype);
   const k::Epilogue ep = epilogue_arg(ep_);
   auto w = arg<uint8_t>(w_, "w", {-1, -1});
@@ -51,8 +52,10 @@ py::object gemm_sm90(const py::array& w_, const py::array& s_, const py::array& 
           : DeviceBuffer::poisoned(ep == k::Epilogue::SwiGLU ? sizeof(bf16) * M * (N / 2) : sizeof(float) * M * N);
   const size_t ws_bytes = k::gemm_w8a16_sm90_workspace_bytes(ep, M, N, K, tile_arg(tile));
   DeviceBuffer ws = DeviceBuffer::poisoned(ws_bytes);
+  DeviceBuffer scales_gn = DeviceBuffer::poisoned(pretransposed ? sizeof(float) * s.size() : 16);
+  if (pretransposed) k::gemm_w8a16_sm90_transpose_scales(ds.get<float>(), N, K, scales_gn.get<float>(), nullptr);
   k::gemm_w8a16_sm90(dw.get<uint8_t>(), ds.get<float>(), dx.get(), xt, M, N, K, ep, out.get(), ws.get(), ws_bytes,
-                     nullptr, tile_arg(tile));
+                     nullptr, tile_arg(tile), pretransposed ? scales_gn.get<float>() : nullptr);
   sync();
   if (ep == k::Epilogue::SwiGLU) return to_host<uint16_t>(out, {M, N / 2});
   return to_host<float>(out, fp32_shape);
@@ -86,9 +89,11 @@ void register_gemm_sm90(py::module_& m) {
         "whether this build has gemm_w8a16_sm90 (nvidia-cutlass's headers were found at build time)");
   m.def("gemm_sm90", &gemm_sm90, py::arg("w"), py::arg("scales"), py::arg("x"), py::arg("epilogue") = 0,
         py::arg("out_init") = py::none(), py::arg("x_dtype") = "bf16", py::arg("tile") = "auto",
+        py::arg("pretransposed") = false,
         "gemm_w8a16_sm90: w u8 [N, K] (N % 8 == 0, K % 64 == 0), scales f32 [N, ceil(K/128)], x u16 [M, K] (bf16 or "
         "f16 bits); epilogue 0 Store -> f32 [M, N], 1 AddResidual (out_init f32 [M, N]) -> f32 [M, N], 2 SwiGLU -> "
-        "u16 [M, N/2] (bf16); tile auto (by M), wide (128 tokens per tile) or narrow (64)");
+        "u16 [M, N/2] (bf16); tile auto (by M), wide (128 tokens per tile) or narrow (64), -streamk; pretransposed: "
+        "the scales transposed first by gemm_w8a16_sm90_transpose_scales and passed as the engine passes them");
   m.def(
       "gemm_sm90_workspace_bytes",
       [](int ep, int M, int N, int K) { return k::gemm_w8a16_sm90_workspace_bytes(epilogue_arg(ep), M, N, K); },

@@ -29,13 +29,14 @@ kernels::SamplingConfig greedy() { return kernels::SamplingConfig{0.0f, 0, 1.0f,
 
 // Throws when the arena does not fit, naming the largest max_context that would.
 void check_fits(const ModelSpec& spec, const ModelTensors& tensors, const Layout& layout, int max_context,
-                int prefill_chunk, int head_blocks) {
+                int prefill_chunk, int head_blocks, bool prefill_scales) {
   size_t free_bytes = 0, total_bytes = 0;
   AF_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
   const size_t needed = layout.plan.total() + kHeadroom;
   if (needed <= free_bytes) return;
   auto fits = [&](int ctx) {
-    return plan_layout(spec, tensors, ctx, prefill_chunk, head_blocks).plan.total() + kHeadroom <= free_bytes;
+    return plan_layout(spec, tensors, ctx, prefill_chunk, head_blocks, prefill_scales).plan.total() + kHeadroom <=
+           free_bytes;
   };
   std::string msg = "not enough GPU memory: max_context " + std::to_string(max_context) + " needs " +
                     format_bytes(needed) + " (" + layout.plan.summary() + ", plus " + format_bytes(kHeadroom) +
@@ -95,8 +96,9 @@ void Engine::init(const std::string& path, const std::vector<TensorInfo>& table,
   const int head_blocks = step_plan_.fp8_head ? step_plan_.head.blocks : 0;
   MappedFile file(path);
   const ModelTensors tensors = resolve_tensors(s, table, file.size());
-  const Layout layout = plan_layout(s, tensors, opt_.max_context, opt_.prefill_chunk, head_blocks);
-  check_fits(s, tensors, layout, opt_.max_context, opt_.prefill_chunk, head_blocks);
+  const bool prefill_scales = step_plan_.sm90_gemm_min_rows < StepPlan::kNever;
+  const Layout layout = plan_layout(s, tensors, opt_.max_context, opt_.prefill_chunk, head_blocks, prefill_scales);
+  check_fits(s, tensors, layout, opt_.max_context, opt_.prefill_chunk, head_blocks, prefill_scales);
   if (opt_.verbose) std::fprintf(stderr, "atomflow: %s\n", layout.plan.summary().c_str());
   arena_ = Arena(layout.plan.total());
   ++allocations_;
@@ -117,6 +119,12 @@ void Engine::init(const std::string& path, const std::vector<TensorInfo>& table,
         arena_.at<bf16>(l.k_cache), arena_.at<bf16>(l.v_cache), l.bqkv == kNoSlot ? nullptr : arena_.at<float>(l.bqkv),
         l.q_norm == kNoSlot ? nullptr : arena_.at<bf16>(l.q_norm),
         l.k_norm == kNoSlot ? nullptr : arena_.at<bf16>(l.k_norm)});
+    const auto slot = [&](size_t off) { return off == kNoSlot ? nullptr : arena_.at<float>(off); };
+    LayerPtrs& p = buf_.layers.back();
+    p.wqkv_scale_gn = slot(l.wqkv_scale_gn);
+    p.wo_scale_gn = slot(l.wo_scale_gn);
+    p.w13_scale_gn = slot(l.w13_scale_gn);
+    p.w2_scale_gn = slot(l.w2_scale_gn);
   }
   buf_.x = arena_.at<float>(layout.x);
   buf_.xn = arena_.at<f16>(layout.xn);
@@ -148,6 +156,18 @@ void Engine::init(const std::string& path, const std::vector<TensorInfo>& table,
   load_seconds_ = seconds_since(t_load);
   AF_CUDA_CHECK(cudaMemcpy(arena_.at<float>(layout.inv_freq), inv_freq.data(), inv_freq.size() * sizeof(float),
                            cudaMemcpyHostToDevice));
+  // The sm90 prefill GEMM's scales, transposed once here instead of in every prefill chunk.
+  if (prefill_scales) {
+    const int d = s.hidden_size, f = s.intermediate_size;
+    for (LayerPtrs& p : buf_.layers) {
+      kernels::gemm_w8a16_sm90_transpose_scales(p.wqkv_scale, s.qkv_dim(), d, const_cast<float*>(p.wqkv_scale_gn),
+                                                nullptr);
+      kernels::gemm_w8a16_sm90_transpose_scales(p.wo_scale, d, s.q_dim(), const_cast<float*>(p.wo_scale_gn), nullptr);
+      kernels::gemm_w8a16_sm90_transpose_scales(p.w13_scale, 2 * f, d, const_cast<float*>(p.w13_scale_gn), nullptr);
+      kernels::gemm_w8a16_sm90_transpose_scales(p.w2_scale, d, f, const_cast<float*>(p.w2_scale_gn), nullptr);
+    }
+    AF_CUDA_CHECK(cudaDeviceSynchronize());
+  }
   if (opt_.verbose) {
     const size_t w = layout.plan.group_bytes("weights");
     std::fprintf(stderr, "atomflow: loaded %s of weights in %.2f s (%.2f GB/s)\n", format_bytes(w).c_str(),

@@ -28,16 +28,18 @@ struct GemmRoute {
 // (StepPlan::small_m_max_rows) through the small-M GEMV, which also reads each weight byte once; more
 // rows go to the tensor-core GEMM, from sm90_min rows on to the Hopper one (gemm_w8a16_sm90).
 // tickets: the engine's counters for SwiGLU GEMVs; f16_overflow: SwiGLU's fp16 output (kernels.h).
-void linear(const kernels::GemvPlan& plan, const GemmRoute& route, const uint8_t* w, const float* scales, const void* x,
-            kernels::Act xt, int rows, int N, int K, Epilogue ep, void* out, cudaStream_t stream,
-            unsigned* tickets = nullptr, int* f16_overflow = nullptr) {
+// scales_gn: the scales transposed for the sm90 GEMM at load (LayerPtrs), or null.
+void linear(const kernels::GemvPlan& plan, const GemmRoute& route, const uint8_t* w, const float* scales,
+            const float* scales_gn, const void* x, kernels::Act xt, int rows, int N, int K, Epilogue ep, void* out,
+            cudaStream_t stream, unsigned* tickets = nullptr, int* f16_overflow = nullptr) {
   if (rows == 1) {
     kernels::gemv_w8a16(plan, w, scales, x, xt, N, K, ep, out, stream, tickets, f16_overflow);
   } else if (rows <= route.small_m) {
     const kernels::GemvIn in = xt == kernels::Act::F16 ? kernels::GemvIn::F16 : kernels::GemvIn::BF16;
     kernels::gemv_w8a16_m(kernels::plan_gemv_m(ep, in, rows, N, K), w, scales, x, xt, rows, N, K, ep, out, stream);
   } else if (rows >= route.sm90_min) {
-    kernels::gemm_w8a16_sm90(w, scales, x, xt, rows, N, K, ep, out, route.ws, route.ws_bytes, stream);
+    kernels::gemm_w8a16_sm90(w, scales, x, xt, rows, N, K, ep, out, route.ws, route.ws_bytes, stream,
+                             kernels::Sm90Tile::Auto, scales_gn);
   } else {
     kernels::gemm_w8a16(w, scales, x, xt, rows, N, K, ep, out, stream);
   }
@@ -92,8 +94,8 @@ void Engine::enqueue_layers(int rows, int attn_keys) {
       } else {
         // Prefill chunks, probed steps, and the decode steps of a split-QKV plan (plan.qkv: Store, NORM;
         // a fused plan never reaches here with one unprobed row).
-        normed_linear(L.attn_norm, "attn_norm", li, plan.qkv, plan.probe_qkv, L.wqkv, L.wqkv_scale, rows, s.qkv_dim(),
-                      Epilogue::Store, buf_.qkv);
+        normed_linear(L.attn_norm, "attn_norm", li, plan.qkv, plan.probe_qkv, L.wqkv, L.wqkv_scale, L.wqkv_scale_gn,
+                      rows, s.qkv_dim(), Epilogue::Store, buf_.qkv);
         mark("gemv_qkv+norm", li);
         const kernels::QkvExtras extras{L.bqkv, L.q_norm, L.k_norm, s.rms_norm_eps};
         kernels::rope_kv_append(buf_.qkv, buf_.inv_freq, buf_.pos, rows, H, Hkv, D, C, buf_.q, L.k_cache, L.v_cache,
@@ -110,8 +112,8 @@ void Engine::enqueue_layers(int rows, int attn_keys) {
                            buf_.attn_scratch, buf_.attn_out, stream_, /*early=*/fused_qkv, overflow);
       mark("attention", li);
       if (probe_) probe_snapshot(rows);
-      linear(o_plan, route, L.wo, L.wo_scale, buf_.attn_out, act, rows, d, s.q_dim(), Epilogue::AddResidual, buf_.x,
-             stream_);
+      linear(o_plan, route, L.wo, L.wo_scale, L.wo_scale_gn, buf_.attn_out, act, rows, d, s.q_dim(),
+             Epilogue::AddResidual, buf_.x, stream_);
       mark("gemv_o", li);
     }
     if (probe_) {
@@ -120,11 +122,12 @@ void Engine::enqueue_layers(int rows, int attn_keys) {
     }
     {
       NvtxRange r("mlp_block");
-      normed_linear(L.mlp_norm, nullptr, li, plan.gate_up, plan.probe_gate_up, L.w13, L.w13_scale, rows, 2 * f,
-                    Epilogue::SwiGLU, buf_.ffn, overflow);
+      normed_linear(L.mlp_norm, nullptr, li, plan.gate_up, plan.probe_gate_up, L.w13, L.w13_scale, L.w13_scale_gn, rows,
+                    2 * f, Epilogue::SwiGLU, buf_.ffn, overflow);
       mark("gemv_gate_up+norm", li);
       if (probe_) probe_snapshot(rows);
-      linear(down_plan, route, L.w2, L.w2_scale, buf_.ffn, act, rows, d, f, Epilogue::AddResidual, buf_.x, stream_);
+      linear(down_plan, route, L.w2, L.w2_scale, L.w2_scale_gn, buf_.ffn, act, rows, d, f, Epilogue::AddResidual,
+             buf_.x, stream_);
       mark("gemv_down", li);
     }
     if (probe_) {
@@ -138,8 +141,8 @@ void Engine::enqueue_layers(int rows, int attn_keys) {
 // prologue (bit-identical to the two kernels, as the plan `fused` says); probe mode keeps them apart
 // to see the norm (the GEMV as the plan `probed` says).
 void Engine::normed_linear(const bf16* norm, const char* probe_name, int layer, const kernels::GemvPlan& fused,
-                           const kernels::GemvPlan& probed, const uint8_t* w, const float* scales, int rows, int N,
-                           Epilogue ep, void* out, int* f16_overflow) {
+                           const kernels::GemvPlan& probed, const uint8_t* w, const float* scales,
+                           const float* scales_gn, int rows, int N, Epilogue ep, void* out, int* f16_overflow) {
   const int d = spec_.hidden_size;
   if (rows == 1 && !probe_) {
     kernels::gemv_w8a16_rmsnorm(fused, w, scales, buf_.x, norm, spec_.rms_norm_eps, N, d, ep, out, stream_,
@@ -149,8 +152,8 @@ void Engine::normed_linear(const bf16* norm, const char* probe_name, int layer, 
   kernels::rmsnorm(buf_.x, norm, rows, d, spec_.rms_norm_eps, buf_.xn, stream_);
   if (probe_ && probe_name) probe_point(probe_name, layer, ProbeSrc::XN, rows);
   const GemmRoute route{step_plan_.small_m_max_rows, step_plan_.sm90_gemm_min_rows, buf_.gemm_ws, buf_.gemm_ws_bytes};
-  linear(probed, route, w, scales, buf_.xn, kernels::Act::F16, rows, N, d, ep, out, stream_, buf_.gemv_tickets,
-         f16_overflow);
+  linear(probed, route, w, scales, scales_gn, buf_.xn, kernels::Act::F16, rows, N, d, ep, out, stream_,
+         buf_.gemv_tickets, f16_overflow);
 }
 
 // Final norm and lm_head on one row of the residual stream -> buf_.logits fp32 [vocab].
@@ -184,8 +187,8 @@ void Engine::enqueue_head_rows(int first, int n) {
   if (spec_.lm_head_fp8 && !probe_) {
     const kernels::GemvMPlan plan = kernels::plan_gemv_m(Epilogue::Store, kernels::GemvIn::NORM, n, vocab, d);
     kernels::gemv_w8a16_m_rmsnorm(plan, static_cast<const uint8_t*>(buf_.lm_head), buf_.lm_head_scale,
-                                  buf_.x + static_cast<size_t>(first) * d, buf_.final_norm, spec_.rms_norm_eps, n, vocab,
-                                  d, Epilogue::Store, buf_.logits, stream_);
+                                  buf_.x + static_cast<size_t>(first) * d, buf_.final_norm, spec_.rms_norm_eps, n,
+                                  vocab, d, Epilogue::Store, buf_.logits, stream_);
     return;
   }
   for (int r = n - 1; r >= 0; --r) {

@@ -111,7 +111,8 @@ ModelTensors resolve_tensors(const ModelSpec& s, const std::vector<TensorInfo>& 
   return m;
 }
 
-Layout plan_layout(const ModelSpec& s, const ModelTensors& t, int max_context, int prefill_chunk, int head_blocks) {
+Layout plan_layout(const ModelSpec& s, const ModelTensors& t, int max_context, int prefill_chunk, int head_blocks,
+                   bool prefill_scales) {
   Layout L;
   ArenaPlan& plan = L.plan;
 
@@ -148,6 +149,14 @@ Layout plan_layout(const ModelSpec& s, const ModelTensors& t, int max_context, i
     ls.w2 = L.weight_slot.at(l.w2);
     ls.w2_scale = L.weight_slot.at(l.w2_scale);
     ls.bqkv = l.bqkv ? L.weight_slot.at(l.bqkv) : kNoSlot;
+    // Same size as the scales they transpose (in the weights' group: derived from them at load).
+    const auto transposed = [&](const TensorInfo* scale) {
+      return prefill_scales ? plan.reserve("weights", scale->nbytes) : kNoSlot;
+    };
+    ls.wqkv_scale_gn = transposed(l.wqkv_scale);
+    ls.wo_scale_gn = transposed(l.wo_scale);
+    ls.w13_scale_gn = transposed(l.w13_scale);
+    ls.w2_scale_gn = transposed(l.w2_scale);
     ls.q_norm = l.q_norm ? L.weight_slot.at(l.q_norm) : kNoSlot;
     ls.k_norm = l.k_norm ? L.weight_slot.at(l.k_norm) : kNoSlot;
     ls.k_cache = plan.reserve("kv", kv_bytes);

@@ -39,7 +39,10 @@ constexpr size_t kNoSlot = static_cast<size_t>(-1);
 struct LayerSlots {
   size_t attn_norm, wqkv, wqkv_scale, wo, wo_scale, mlp_norm, w13, w13_scale, w2, w2_scale;
   size_t bqkv, q_norm, k_norm;  // kNoSlot without attention_bias / qk_norm
-  size_t k_cache, v_cache;      // bf16 [max_context, kv_heads, head_dim] each
+  // The four products' scales transposed to [ceil(K / 128), N] for the sm90 prefill GEMM (made at load;
+  // kNoSlot when the plan does not run it).
+  size_t wqkv_scale_gn, wo_scale_gn, w13_scale_gn, w2_scale_gn;
+  size_t k_cache, v_cache;  // bf16 [max_context, kv_heads, head_dim] each
 };
 
 struct Layout {
@@ -71,7 +74,8 @@ struct Layout {
 // Pure function of its arguments, so the engine can also search for the largest max_context
 // that fits the free memory.
 // head_blocks: the FP8 head GEMV's grid (the step plan's head.blocks), one argmax key per block.
+// prefill_scales: reserve the transposed scales of the sm90 prefill GEMM (StepPlan::sm90_gemm_min_rows).
 Layout plan_layout(const ModelSpec& spec, const ModelTensors& tensors, int max_context, int prefill_chunk,
-                   int head_blocks);
+                   int head_blocks, bool prefill_scales);
 
 }  // namespace atomflow

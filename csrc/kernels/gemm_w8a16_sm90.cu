@@ -20,7 +20,8 @@
 // Contract of gemm_w8a16_sm90 (launcher at the end):
 //  Inputs   w fp8 e4m3 [N, K] row-major, scales fp32 [N, ceil(K / 128)], x 16-bit [M, K] row-major of
 //           type x_type; K % 64 == 0, N % 8 == 0 (TMA strides), pointers 16-byte aligned.
-//  Launches 1. scale_transpose: scales -> workspace [ceil(K / 128), N] fp32 (CUTLASS's scales are N-major);
+//  Launches 1. scale_transpose: scales -> workspace [ceil(K / 128), N] fp32 (CUTLASS's scales are N-major),
+//              unless the caller passes them transposed already (scales_gn; the engine's, made at load);
 //           2. the CUTLASS GEMM: Store: out fp32 [M, N] = y; AddResidual: out += y (C is out, beta = 1);
 //              SwiGLU (N = 2F): y fp32 [M, N] into the workspace, then
 //           3. swiglu_rows: out bf16 [M, F] = silu(y[:, :F]) * y[:, F:].
@@ -72,15 +73,19 @@ __global__ void scale_transpose(const float* __restrict__ in, int N, int G, floa
   }
 }
 
-// out bf16 [M, F] = silu(y[:, :F]) * y[:, F:], y fp32 [M, 2F]; gemm_w8a16's formula and rounding.
-__global__ void swiglu_rows(const float* __restrict__ y, int M, int F, bf16* __restrict__ out) {
-  const size_t total = static_cast<size_t>(M) * F;
-  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < total;
-       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
-    const size_t m = i / F, f = i % F;
-    const float gate = y[m * 2 * F + f], up = y[m * 2 * F + F + f];
-    out[i] = __float2bfloat16(gate / (1.f + expf(-gate)) * up);
-  }
+// out bf16 [M, F] = silu(y[:, :F]) * y[:, F:], y fp32 [M, 2F]; gemm_w8a16's formula and rounding. Grid
+// (ceil(F / 4 / 256), M): each thread 4 consecutive columns of one row (16-byte loads; F % 8 == 0).
+constexpr int kSwigluThreads = 256;
+__global__ void swiglu_rows(const float* __restrict__ y, int F, bf16* __restrict__ out) {
+  const int f = 4 * (blockIdx.x * kSwigluThreads + threadIdx.x);
+  if (f >= F) return;
+  const size_t m = blockIdx.y;
+  const float4 g = *reinterpret_cast<const float4*>(y + m * 2 * F + f);
+  const float4 u = *reinterpret_cast<const float4*>(y + m * 2 * F + F + f);
+  const auto act = [](float gate, float up) { return gate / (1.f + expf(-gate)) * up; };
+  __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(out + m * F + f);
+  o[0] = __floats2bfloat162_rn(act(g.x, u.x), act(g.y, u.y));
+  o[1] = __floats2bfloat162_rn(act(g.z, u.z), act(g.w, u.w));
 }
 
 #if ATOMFLOW_SM90_GEMM
@@ -252,8 +257,15 @@ size_t gemm_w8a16_sm90_workspace_bytes(Epilogue ep, int M, int N, int K, Sm90Til
   return std::max(carve(ep, Act::BF16, tile, M, N, K).total, carve(ep, Act::F16, tile, M, N, K).total);
 }
 
+void gemm_w8a16_sm90_transpose_scales(const float* scales, int N, int K, float* out, cudaStream_t stream) {
+  const int G = CEIL_DIV(K, kScaleGroup);
+  scale_transpose<<<dim3(CEIL_DIV(N, 32), CEIL_DIV(G, 32)), dim3(32, 8), 0, stream>>>(scales, N, G, out);
+  AF_CUDA_CHECK(cudaGetLastError());
+}
+
 void gemm_w8a16_sm90(const uint8_t* w, const float* scales, const void* x, Act x_type, int M, int N, int K, Epilogue ep,
-                     void* out, void* workspace, size_t workspace_bytes, cudaStream_t stream, Sm90Tile tile) {
+                     void* out, void* workspace, size_t workspace_bytes, cudaStream_t stream, Sm90Tile tile,
+                     const float* scales_pre) {
   AF_CHECK(gemm_w8a16_sm90_built(), "gemm_w8a16_sm90: this build has no sm90 GEMM (nvidia-cutlass was not found)");
   AF_CHECK(gemm_w8a16_sm90_supported(ep, M, N, K),
            "gemm_w8a16_sm90: needs M >= 1, N % 8 == 0, K % 64 == 0 and the Store, AddResidual or SwiGLU epilogue");
@@ -266,13 +278,11 @@ void gemm_w8a16_sm90(const uint8_t* w, const float* scales, const void* x, Act x
   AF_CHECK(workspace != nullptr && workspace_bytes >= c.total && reinterpret_cast<uintptr_t>(workspace) % kWsAlign == 0,
            "gemm_w8a16_sm90: the workspace must be gemm_w8a16_sm90_workspace_bytes() bytes, 256-byte aligned");
   uint8_t* ws = static_cast<uint8_t*>(workspace);
-  float* scales_gn = reinterpret_cast<float*>(ws);
+  const float* scales_gn = scales_pre != nullptr ? scales_pre : reinterpret_cast<float*>(ws);
   float* y_swiglu = reinterpret_cast<float*>(ws + c.scales);
   void* cutlass_ws = ws + c.scales + c.swiglu;
 
-  const int G = CEIL_DIV(K, kScaleGroup);
-  scale_transpose<<<dim3(CEIL_DIV(N, 32), CEIL_DIV(G, 32)), dim3(32, 8), 0, stream>>>(scales, N, G, scales_gn);
-  AF_CUDA_CHECK(cudaGetLastError());
+  if (scales_pre == nullptr) gemm_w8a16_sm90_transpose_scales(scales, N, K, reinterpret_cast<float*>(ws), stream);
 
 #if ATOMFLOW_SM90_GEMM
   float* y = ep == Epilogue::SwiGLU ? y_swiglu : static_cast<float*>(out);
@@ -282,13 +292,13 @@ void gemm_w8a16_sm90(const uint8_t* w, const float* scales, const void* x, Act x
 #else
   (void)y_swiglu;
   (void)cutlass_ws;
+  (void)scales_gn;
 #endif
 
   if (ep == Epilogue::SwiGLU) {
     const int F = N / 2;
-    const size_t total = static_cast<size_t>(M) * F;
-    const int blocks = static_cast<int>(std::min<size_t>(CEIL_DIV(total, 256), 132 * 16));
-    swiglu_rows<<<blocks, 256, 0, stream>>>(y_swiglu, M, F, static_cast<bf16*>(out));
+    swiglu_rows<<<dim3(CEIL_DIV(F / 4, kSwigluThreads), M), kSwigluThreads, 0, stream>>>(y_swiglu, F,
+                                                                                         static_cast<bf16*>(out));
     AF_CUDA_CHECK(cudaGetLastError());
   }
 }

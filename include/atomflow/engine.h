@@ -31,12 +31,12 @@
 namespace atomflow {
 
 struct EngineOptions {
-  int max_context = 0;      // KV cache rows
+  int max_context = 0;  // KV cache rows
   // Rows per prefill pass (at most max_context); sizes the activation buffers. 1024: the sm90 GEMM's
   // tiles fill the SMs (a 3B pp512 on an H200: 16.2 ms in chunks of 256, 10.4 ms in one; docs/PERF.md).
   int prefill_chunk = 1024;
-  bool verbose = true;      // print the arena plan and the load time to stderr
-  PlanOptions plan;         // eager, activation precision and the schedule's overrides (step_plan.h)
+  bool verbose = true;  // print the arena plan and the load time to stderr
+  PlanOptions plan;     // eager, activation precision and the schedule's overrides (step_plan.h)
 };
 
 class Engine {
@@ -144,6 +144,11 @@ class Engine {
     const float* bqkv;   // attention_bias only, else null
     const bf16* q_norm;  // qk_norm only, else null
     const bf16* k_norm;
+    // The scales transposed for the sm90 prefill GEMM ([ceil(K / 128), N]); null when the plan does not run it.
+    const float* wqkv_scale_gn = nullptr;
+    const float* wo_scale_gn = nullptr;
+    const float* w13_scale_gn = nullptr;
+    const float* w2_scale_gn = nullptr;
   };
   struct Buffers {
     const bf16* embed;
@@ -176,9 +181,10 @@ class Engine {
 
   // forward.cu: the launches, enqueued on stream_ (graph-capturable: no sync, no allocation).
   void enqueue_layers(int rows, int attn_keys);
+  // scales_gn: the scales transposed for the sm90 GEMM (LayerPtrs), or null.
   void normed_linear(const bf16* norm, const char* probe_name, int layer, const kernels::GemvPlan& fused,
-                     const kernels::GemvPlan& probed, const uint8_t* w, const float* scales, int rows, int N,
-                     kernels::Epilogue ep, void* out, int* f16_overflow = nullptr);
+                     const kernels::GemvPlan& probed, const uint8_t* w, const float* scales, const float* scales_gn,
+                     int rows, int N, kernels::Epilogue ep, void* out, int* f16_overflow = nullptr);
   void enqueue_head(int row);
   void enqueue_decode_step(int attn_keys);  // the keys its attention grid is planned for
   void enqueue_prefill_chunk(int offset, int rows);
@@ -208,7 +214,7 @@ class Engine {
   void check_token(int32_t token) const;
   void set_token(int32_t token);  // the next step's input: *token and its embedding in x[0]
   void copy_logits_out(float* logits);
-  void enqueue_head_rows(int first, int n);  // logits of x rows first .. first + n - 1 into buf_.logits [n, vocab]
+  void enqueue_head_rows(int first, int n);       // logits of x rows first .. first + n - 1 into buf_.logits [n, vocab]
   void stage_prefill(const int32_t* ids, int n);  // prefill's checks, and the ids copied to the device
   void release() noexcept;
 

@@ -167,9 +167,13 @@ constexpr Sm90Tile sm90_tile_for(int M) {
 bool gemm_w8a16_sm90_built();  // false: nvidia-cutlass was missing at build time (the launcher fails)
 bool gemm_w8a16_sm90_supported(Epilogue ep, int M, int N, int K);
 size_t gemm_w8a16_sm90_workspace_bytes(Epilogue ep, int M, int N, int K, Sm90Tile tile = Sm90Tile::Auto);
+// scales_gn (may be null): the scales already transposed by gemm_w8a16_sm90_transpose_scales (the engine
+// does it once at load); null: the launcher transposes them into the workspace first.
 void gemm_w8a16_sm90(const uint8_t* w, const float* scales, const void* x, Act x_type, int M, int N, int K, Epilogue ep,
                      void* out, void* workspace, size_t workspace_bytes, cudaStream_t stream,
-                     Sm90Tile tile = Sm90Tile::Auto);
+                     Sm90Tile tile = Sm90Tile::Auto, const float* scales_gn = nullptr);
+// out fp32 [ceil(K / 128), N] = scales [N, ceil(K / 128)] transposed (what the sm90 GEMM reads).
+void gemm_w8a16_sm90_transpose_scales(const float* scales, int N, int K, float* out, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------
 // gemv_w8a16_m.cu: the GEMV for small M (1 <= M <= 64 rows of x: short prompts, a chunked prompt's
