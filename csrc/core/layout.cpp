@@ -129,6 +129,13 @@ Layout plan_layout(const ModelSpec& s, const ModelTensors& t, int max_context, i
   weights.erase(std::unique(weights.begin(), weights.end()), weights.end());  // tied head == embed
   for (const TensorInfo* w : weights) L.weight_slot[w] = plan.reserve("weights", w->nbytes);
   L.inv_freq = plan.reserve("weights", sizeof(float) * s.head_dim / 2);
+  // The sm90 prefill GEMM's transposed scales, the same size as the scales they are made from at load:
+  // in the weights' group, before anything else (the engine zeroes everything after the weights).
+  std::vector<size_t> transposed;
+  if (prefill_scales)
+    for (const LayerTensors& l : t.layers)
+      for (const TensorInfo* scale : {l.wqkv_scale, l.wo_scale, l.w13_scale, l.w2_scale})
+        transposed.push_back(plan.reserve("weights", scale->nbytes));
 
   L.embed = L.weight_slot.at(t.embed);
   L.final_norm = L.weight_slot.at(t.final_norm);
@@ -138,6 +145,7 @@ Layout plan_layout(const ModelSpec& s, const ModelTensors& t, int max_context, i
   const size_t kv_bytes = size_t(max_context) * s.kv_dim() * sizeof(bf16);
   for (const LayerTensors& l : t.layers) {
     LayerSlots ls;
+    const size_t li = L.layers.size();
     ls.attn_norm = L.weight_slot.at(l.attn_norm);
     ls.wqkv = L.weight_slot.at(l.wqkv);
     ls.wqkv_scale = L.weight_slot.at(l.wqkv_scale);
@@ -149,14 +157,10 @@ Layout plan_layout(const ModelSpec& s, const ModelTensors& t, int max_context, i
     ls.w2 = L.weight_slot.at(l.w2);
     ls.w2_scale = L.weight_slot.at(l.w2_scale);
     ls.bqkv = l.bqkv ? L.weight_slot.at(l.bqkv) : kNoSlot;
-    // Same size as the scales they transpose (in the weights' group: derived from them at load).
-    const auto transposed = [&](const TensorInfo* scale) {
-      return prefill_scales ? plan.reserve("weights", scale->nbytes) : kNoSlot;
-    };
-    ls.wqkv_scale_gn = transposed(l.wqkv_scale);
-    ls.wo_scale_gn = transposed(l.wo_scale);
-    ls.w13_scale_gn = transposed(l.w13_scale);
-    ls.w2_scale_gn = transposed(l.w2_scale);
+    ls.wqkv_scale_gn = prefill_scales ? transposed[4 * li] : kNoSlot;
+    ls.wo_scale_gn = prefill_scales ? transposed[4 * li + 1] : kNoSlot;
+    ls.w13_scale_gn = prefill_scales ? transposed[4 * li + 2] : kNoSlot;
+    ls.w2_scale_gn = prefill_scales ? transposed[4 * li + 3] : kNoSlot;
     ls.q_norm = l.q_norm ? L.weight_slot.at(l.q_norm) : kNoSlot;
     ls.k_norm = l.k_norm ? L.weight_slot.at(l.k_norm) : kNoSlot;
     ls.k_cache = plan.reserve("kv", kv_bytes);
