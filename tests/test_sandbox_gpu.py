@@ -310,10 +310,12 @@ def test_batch_matches_single_stream_core(tiny_model_file):
 
 @pytest.mark.parametrize("block_size", [16, 64])
 def test_single_sequence_bit_identical_to_core(tiny_model_file, block_size):
-    """B = 1 takes the core's M = 1 kernels and the same attention split count: same bits."""
-    from atomflow import Engine
+    """B = 1 takes the core's M = 1 kernels and the same attention split count, and its prefill chunks
+    (256 + 44 rows) the core's products for chunks of those rows: same bits."""
+    from atomflow.backends.cuda import CudaBackend
+    from atomflow.model.fileformat import AtomflowFile
 
-    eng = Engine.load(tiny_model_file, backend="cuda", max_context=1024)
+    eng = CudaBackend(AtomflowFile(tiny_model_file), 1024, verbose=False, prefill_chunk=256)  # the sandbox's chunk
     prompt = np.random.default_rng(5).integers(0, eng.spec.vocab_size, 300).tolist()  # two prefill chunks
     rids, out, logits, _, _ = run_batched(tiny_model_file, [prompt], 12, block_size=block_size, max_batch=1, max_context=1024)
     eng.reset()

@@ -1,6 +1,8 @@
 // PagedModel (paged_model.h): weights, the paged KV pool, and one batched iteration of the forward pass.
 #include "paged_model.h"
 
+#include "atomflow/step_plan.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -77,6 +79,22 @@ PagedModel::PagedModel(const ModelDims& dims, const PoolConfig& pool, bool f16_a
   scratch_ = DeviceBuffer(scratch);
   tickets_ = DeviceBuffer(k::kGemvTicketBytes);
   tickets_.fill(0);
+  int dev = 0, major = 0;
+  AF_CUDA_CHECK(cudaGetDevice(&dev));
+  AF_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  const int min_rows = StepPlan::kSm90GemmMinRows;
+  sm90_ = major == 9 && pool.max_rows >= min_rows &&
+          k::gemm_w8a16_sm90_supported(k::Epilogue::Store, min_rows, m.qkv_dim(), m.d) &&
+          k::gemm_w8a16_sm90_supported(k::Epilogue::AddResidual, min_rows, m.d, m.q_dim()) &&
+          k::gemm_w8a16_sm90_supported(k::Epilogue::SwiGLU, min_rows, 2 * m.f, m.d) && (2 * m.f) % 16 == 0 &&
+          k::gemm_w8a16_sm90_supported(k::Epilogue::AddResidual, min_rows, m.d, m.f);
+  for (int r = min_rows; sm90_ && r <= pool.max_rows; ++r)
+    for (size_t b : {k::gemm_w8a16_sm90_workspace_bytes(k::Epilogue::Store, r, m.qkv_dim(), m.d),
+                     k::gemm_w8a16_sm90_workspace_bytes(k::Epilogue::AddResidual, r, m.d, m.q_dim()),
+                     k::gemm_w8a16_sm90_workspace_bytes(k::Epilogue::SwiGLU, r, 2 * m.f, m.d),
+                     k::gemm_w8a16_sm90_workspace_bytes(k::Epilogue::AddResidual, r, m.d, m.f)})
+      gemm_ws_bytes_ = std::max(gemm_ws_bytes_, b);
+  if (sm90_) gemm_ws_ = DeviceBuffer(gemm_ws_bytes_);
   f16_overflow_ = DeviceBuffer(sizeof(int32_t));
   f16_overflow_.fill(0);
   input_ints_ = 3 * R + L + pool.max_seqs + 1 + static_cast<size_t>(pool.max_seqs + 1) * pool.max_blocks_per_seq;
@@ -212,12 +230,16 @@ void PagedModel::check_step(const StepInput& in) const {
     AF_CHECK(in.logit_rows[i] >= 0 && in.logit_rows[i] < in.rows, "step: logit row out of range");
 }
 
-// As the core: one row streams the weights through the GEMV, more rows go to the tensor-core GEMM.
+// As the core: one row streams the weights through the GEMV, prefill-sized steps (StepPlan's
+// kSm90GemmMinRows rows on) go to the Hopper GEMM (the core's bits for a chunk of the same rows); the
+// rows between (batched decode) stay on gemm_w8a16, whose crossover docs/SANDBOX.md measured.
 void PagedModel::linear(const Linear& w, const void* x, bool x_f16, int rows, int N, int K, k::Epilogue ep, void* out) {
   const k::Act xt = x_f16 ? k::Act::F16 : k::Act::BF16;
   if (rows == 1)
     k::gemv_w8a16(k::plan_gemv(ep, static_cast<k::GemvIn>(xt), N, K), w.w, w.scales, x, xt, N, K, ep, out, stream_,
                   tickets_.get<unsigned>());
+  else if (sm90_ && rows >= StepPlan::kSm90GemmMinRows)
+    k::gemm_w8a16_sm90(w.w, w.scales, x, xt, rows, N, K, ep, out, gemm_ws_.get(), gemm_ws_bytes_, stream_);
   else
     k::gemm_w8a16(w.w, w.scales, x, xt, rows, N, K, ep, out, stream_);
 }

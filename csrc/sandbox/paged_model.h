@@ -119,6 +119,11 @@ class PagedModel {
   DeviceBuffer inv_freq_, pool_;
   DeviceBuffer x_, xn_, qkv_, q_, attn_, ffn_, xg_, logits_, next_, scratch_, inputs_;
   DeviceBuffer tickets_;  // the gate/up GEMV's counters (kernels.h), zeroed once
+  // The core's Hopper GEMM for steps of at least StepPlan::kSm90GemmMinRows rows, where it is built and
+  // the device is sm_90 (else gemm_w8a16), with its workspace.
+  bool sm90_ = false;
+  DeviceBuffer gemm_ws_;
+  size_t gemm_ws_bytes_ = 0;
   // As the core's decode step: a step of one row hands attention's and SwiGLU's outputs on in fp16
   // (kernels.h) and, if they overflow, runs again in bf16, which it keeps (f16_activations = false:
   // bf16 from the start).
