@@ -310,18 +310,38 @@ def test_batch_matches_single_stream_core(tiny_model_file):
 
 @pytest.mark.parametrize("block_size", [16, 64])
 def test_single_sequence_bit_identical_to_core(tiny_model_file, block_size):
-    """B = 1 takes the core's M = 1 kernels and the same attention split count, and its prefill chunks
-    (256 + 44 rows) the core's products for chunks of those rows: same bits."""
+    """B = 1 takes the core's M = 1 kernels and the same attention split count: from a one-token prompt
+    (one M = 1 step on both) every decode step's logits are the core's bits."""
     from atomflow.backends.cuda import CudaBackend
     from atomflow.model.fileformat import AtomflowFile
 
-    eng = CudaBackend(AtomflowFile(tiny_model_file), 1024, verbose=False, prefill_chunk=256)  # the sandbox's chunk
-    prompt = np.random.default_rng(5).integers(0, eng.spec.vocab_size, 300).tolist()  # two prefill chunks
-    rids, out, logits, _, _ = run_batched(tiny_model_file, [prompt], 12, block_size=block_size, max_batch=1, max_context=1024)
+    eng = CudaBackend(AtomflowFile(tiny_model_file), 1024, verbose=False)
+    prompt = [7]
+    rids, out, logits, _, _ = run_batched(tiny_model_file, [prompt], 24, block_size=block_size, max_batch=1, max_context=1024)
     eng.reset()
     want = eng.prefill(np.asarray(prompt, np.int32))
     for i, tok in enumerate(out[rids[0]]):
         np.testing.assert_array_equal(logits[rids[0]][i], want, err_msg=f"step {i}")
+        want = eng.decode(tok)
+
+
+def test_single_sequence_prefill_follows_core(tiny_model_file):
+    """A 300-token prompt (chunks of 256 + 44 on both): the core prefills on its tensor-core attention,
+    the sandbox on the paged CUDA-core kernel, so the bits differ; the logits of every step stay within
+    the core's reference tolerance of the core teacher-forced on the sandbox's tokens."""
+    from atomflow.backends.cuda import CudaBackend
+    from atomflow.model.fileformat import AtomflowFile
+
+    eng = CudaBackend(AtomflowFile(tiny_model_file), 1024, verbose=False, prefill_chunk=256)
+    prompt = np.random.default_rng(5).integers(0, eng.spec.vocab_size, 300).tolist()
+    rids, out, logits, _, _ = run_batched(tiny_model_file, [prompt], 12, max_batch=1, max_context=1024)
+    eng.reset()
+    want = eng.prefill(np.asarray(prompt, np.int32))
+    for i, tok in enumerate(out[rids[0]]):
+        got = np.asarray(logits[rids[0]][i], np.float64)
+        cos = float(got @ want / (np.linalg.norm(got) * np.linalg.norm(want)))
+        rel = float(np.linalg.norm(got - want) / np.linalg.norm(want))
+        assert cos >= 0.9999 and rel <= 1e-2, f"step {i}: cosine {cos:.6f}, rel-L2 {rel:.2e}"
         want = eng.decode(tok)
 
 
