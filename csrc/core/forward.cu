@@ -138,8 +138,9 @@ void Engine::enqueue_layers(int rows, int attn_keys) {
 }
 
 // RMSNorm of the residual stream, then a linear layer. At M = 1 the norm is fused into the GEMV's
-// prologue (bit-identical to the two kernels, as the plan `fused` says); probe mode keeps them apart
-// to see the norm (the GEMV as the plan `probed` says).
+// prologue (bit-identical to the two kernels, as the plan `fused` says), and so it is on the small-M
+// GEMV (2..small_m_max_rows rows: gemv_w8a16_m_rmsnorm, bit-identical to rmsnorm + gemv_w8a16_m); probe
+// mode keeps them apart to see the norm (the GEMV as the plan `probed` says).
 void Engine::normed_linear(const bf16* norm, const char* probe_name, int layer, const kernels::GemvPlan& fused,
                            const kernels::GemvPlan& probed, const uint8_t* w, const float* scales,
                            const float* scales_gn, int rows, int N, Epilogue ep, void* out, int* f16_overflow) {
@@ -147,6 +148,11 @@ void Engine::normed_linear(const bf16* norm, const char* probe_name, int layer, 
   if (rows == 1 && !probe_) {
     kernels::gemv_w8a16_rmsnorm(fused, w, scales, buf_.x, norm, spec_.rms_norm_eps, N, d, ep, out, stream_,
                                 buf_.gemv_tickets, f16_overflow);
+    return;
+  }
+  if (rows <= step_plan_.small_m_max_rows && !probe_) {
+    kernels::gemv_w8a16_m_rmsnorm(kernels::plan_gemv_m(ep, kernels::GemvIn::NORM, rows, N, d), w, scales, buf_.x, norm,
+                                  spec_.rms_norm_eps, rows, N, d, ep, out, stream_, f16_overflow);
     return;
   }
   kernels::rmsnorm(buf_.x, norm, rows, d, spec_.rms_norm_eps, buf_.xn, stream_);
