@@ -236,9 +236,10 @@ PYBIND11_MODULE(_core, m) {
              return std::make_unique<Engine>(path, s, table, freq, opt);
            }),
            py::arg("path"), py::arg("spec"), py::arg("tensors"), py::arg("inv_freq"), py::arg("max_context"),
-           py::arg("prefill_chunk") = EngineOptions{}.prefill_chunk, py::arg("eager") = false, py::arg("verbose") = true,
-           py::arg("f16_activations") = true, py::arg("fused_tail") = true, py::arg("short_steps") = true,
-           py::arg("cluster_merge") = true, py::arg("staged_pair") = true, py::arg("tickets") = true,
+           py::arg("prefill_chunk") = EngineOptions{}.prefill_chunk, py::arg("eager") = false,
+           py::arg("verbose") = true, py::arg("f16_activations") = true, py::arg("fused_tail") = true,
+           py::arg("short_steps") = true, py::arg("cluster_merge") = true, py::arg("staged_pair") = true,
+           py::arg("tickets") = true,
            "load the model and plan its decode step; eager and f16_activations are user settings, the other "
            "options override the schedule (same bits) for comparisons (include/atomflow/step_plan.h)")
       .def(
