@@ -19,13 +19,11 @@ k::Act act_arg(const std::string& x_dtype) {
 }
 
 k::Sm90Tile tile_arg(const std::string& tile) {
-  if (tile == "auto") return k::Sm90Tile::Auto;
-  if (tile == "wide") return k::Sm90Tile::Wide;
-  if (tile == "narrow") return k::Sm90Tile::Narrow;
-  if (tile == "wide-streamk") return k::Sm90Tile::WideStreamK;
-  require(tile == "narrow-streamk",
-          "tile must be 'auto', 'wide', 'narrow', 'wide-streamk' or 'narrow-streamk', got '" + tile + "'");
-  return k::Sm90Tile::NarrowStreamK;
+  for (k::Sm90Tile t : {k::Sm90Tile::Auto, k::Sm90Tile::Wide, k::Sm90Tile::Narrow, k::Sm90Tile::WideStreamK,
+                        k::Sm90Tile::NarrowStreamK})
+    if (tile == k::sm90_tile_name(t)) return t;
+  throw py::value_error("tile must be 'auto', 'wide', 'narrow', 'wide-streamk' or 'narrow-streamk', got '" + tile +
+                        "'");
 }
 
 // w u8 [N, K], scales f32 [N, ceil(K / 128)], x u16 [M, K]; out_init: AddResidual's starting values.

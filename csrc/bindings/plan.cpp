@@ -116,15 +116,10 @@ py::dict plan_to_dict(const StepPlan& p) {
       p.sm90_gemm_min_rows < StepPlan::kNever ? py::object(py::int_(p.sm90_gemm_min_rows)) : py::object(py::none());
   // its tile kind by chunk rows (kernels::sm90_tile_for): [(up to rows, kind)], the last for any more
   py::list tiles;
-  const auto kind = [](kernels::Sm90Tile t) {
-    return t == kernels::Sm90Tile::Wide          ? "wide"
-           : t == kernels::Sm90Tile::Narrow      ? "narrow"
-           : t == kernels::Sm90Tile::WideStreamK ? "wide-streamk"
-                                                 : "narrow-streamk";
-  };
   for (int rows : {kernels::kSm90NarrowMaxRows, kernels::kSm90StreamKMaxRows})
-    tiles.append(py::make_tuple(rows, kind(kernels::sm90_tile_for(rows))));
-  tiles.append(py::make_tuple(py::none(), kind(kernels::sm90_tile_for(kernels::kSm90StreamKMaxRows + 1))));
+    tiles.append(py::make_tuple(rows, kernels::sm90_tile_name(kernels::sm90_tile_for(rows))));
+  tiles.append(
+      py::make_tuple(py::none(), kernels::sm90_tile_name(kernels::sm90_tile_for(kernels::kSm90StreamKMaxRows + 1))));
   d["prefill_sm90_tiles"] = tiles;
   return d;
 }

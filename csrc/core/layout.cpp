@@ -187,17 +187,9 @@ Layout plan_layout(const ModelSpec& s, const ModelTensors& t, int max_context, i
   L.gemv_tickets = plan.reserve("scratch", kernels::kGemvTicketBytes);
   // The sm90 GEMM's workspace: the products' transposed scales, and SwiGLU's fp32 y [chunk, 2 ffn].
   L.gemm_ws_bytes = 0;
-  if (kernels::gemm_w8a16_sm90_built()) {
-    // Every row count a chunk may have (the scheduler's share of the workspace is not monotonic in M).
-    const int d = s.hidden_size, f = s.intermediate_size;
-    using kernels::Epilogue;
-    for (int m = 1; m <= prefill_chunk; ++m)
-      for (size_t b : {kernels::gemm_w8a16_sm90_workspace_bytes(Epilogue::Store, m, s.qkv_dim(), d),
-                       kernels::gemm_w8a16_sm90_workspace_bytes(Epilogue::AddResidual, m, d, s.q_dim()),
-                       kernels::gemm_w8a16_sm90_workspace_bytes(Epilogue::SwiGLU, m, 2 * f, d),
-                       kernels::gemm_w8a16_sm90_workspace_bytes(Epilogue::AddResidual, m, d, f)})
-        L.gemm_ws_bytes = std::max(L.gemm_ws_bytes, b);
-  }
+  if (kernels::gemm_w8a16_sm90_built())
+    L.gemm_ws_bytes = kernels::gemm_w8a16_sm90_layer_workspace_bytes(
+        kernels::Sm90Layer{s.hidden_size, s.intermediate_size, s.q_dim(), s.qkv_dim()}, 1, prefill_chunk);
   L.gemm_ws = plan.reserve("scratch", std::max<size_t>(L.gemm_ws_bytes, 256));
   L.head_best_n = s.lm_head_fp8 ? head_blocks : 0;
   L.head_best = plan.reserve("scratch", std::max(L.head_best_n, 1) * sizeof(uint64_t));

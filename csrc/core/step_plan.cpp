@@ -75,11 +75,8 @@ StepPlan make_step_plan(const ModelSpec& s, int max_context, const PlanOptions& 
   p.prefill_attn_min_rows =
       kernels::attention_prefill_supported(D, H / Hkv) ? StepPlan::kPrefillAttnMinRows : StepPlan::kNever;
   // The Hopper GEMM takes a chunk's products only when every one of them is a shape it runs.
-  const int m = StepPlan::kSm90GemmMinRows;
-  const bool sm90_gemm = p.cc_major == 9 && kernels::gemm_w8a16_sm90_supported(Epilogue::Store, m, s.qkv_dim(), d) &&
-                         kernels::gemm_w8a16_sm90_supported(Epilogue::AddResidual, m, d, s.q_dim()) &&
-                         kernels::gemm_w8a16_sm90_supported(Epilogue::SwiGLU, m, 2 * f, d) && (2 * f) % 16 == 0 &&
-                         kernels::gemm_w8a16_sm90_supported(Epilogue::AddResidual, m, d, f);
+  const bool sm90_gemm =
+      p.cc_major == 9 && kernels::gemm_w8a16_sm90_takes_layer(kernels::Sm90Layer{d, f, s.q_dim(), s.qkv_dim()});
   p.sm90_gemm_min_rows = sm90_gemm ? StepPlan::kSm90GemmMinRows : StepPlan::kNever;
   return p;
 }

@@ -257,6 +257,35 @@ size_t gemm_w8a16_sm90_workspace_bytes(Epilogue ep, int M, int N, int K, Sm90Til
   return std::max(carve(ep, Act::BF16, tile, M, N, K).total, carve(ep, Act::F16, tile, M, N, K).total);
 }
 
+bool gemm_w8a16_sm90_takes_layer(const Sm90Layer& l) {
+  const int m = 1;  // the shape checks do not depend on the rows
+  return gemm_w8a16_sm90_supported(Epilogue::Store, m, l.qkv_dim, l.d) &&
+         gemm_w8a16_sm90_supported(Epilogue::AddResidual, m, l.d, l.q_dim) &&
+         gemm_w8a16_sm90_supported(Epilogue::SwiGLU, m, 2 * l.f, l.d) && (2 * l.f) % 16 == 0 &&
+         gemm_w8a16_sm90_supported(Epilogue::AddResidual, m, l.d, l.f);
+}
+
+size_t gemm_w8a16_sm90_layer_workspace_bytes(const Sm90Layer& l, int min_rows, int max_rows) {
+  size_t bytes = 0;
+  for (int m = std::max(min_rows, 1); m <= max_rows; ++m)
+    for (size_t b : {gemm_w8a16_sm90_workspace_bytes(Epilogue::Store, m, l.qkv_dim, l.d),
+                     gemm_w8a16_sm90_workspace_bytes(Epilogue::AddResidual, m, l.d, l.q_dim),
+                     gemm_w8a16_sm90_workspace_bytes(Epilogue::SwiGLU, m, 2 * l.f, l.d),
+                     gemm_w8a16_sm90_workspace_bytes(Epilogue::AddResidual, m, l.d, l.f)})
+      bytes = std::max(bytes, b);
+  return bytes;
+}
+
+const char* sm90_tile_name(Sm90Tile tile) {
+  switch (tile) {
+    case Sm90Tile::Wide: return "wide";
+    case Sm90Tile::Narrow: return "narrow";
+    case Sm90Tile::WideStreamK: return "wide-streamk";
+    case Sm90Tile::NarrowStreamK: return "narrow-streamk";
+    default: return "auto";
+  }
+}
+
 void gemm_w8a16_sm90_transpose_scales(const float* scales, int N, int K, float* out, cudaStream_t stream) {
   const int G = CEIL_DIV(K, kScaleGroup);
   scale_transpose<<<dim3(CEIL_DIV(N, 32), CEIL_DIV(G, 32)), dim3(32, 8), 0, stream>>>(scales, N, G, out);

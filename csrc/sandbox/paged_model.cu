@@ -82,18 +82,10 @@ PagedModel::PagedModel(const ModelDims& dims, const PoolConfig& pool, bool f16_a
   int dev = 0, major = 0;
   AF_CUDA_CHECK(cudaGetDevice(&dev));
   AF_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-  const int min_rows = StepPlan::kSm90GemmMinRows;
-  sm90_ = major == 9 && pool.max_rows >= min_rows &&
-          k::gemm_w8a16_sm90_supported(k::Epilogue::Store, min_rows, m.qkv_dim(), m.d) &&
-          k::gemm_w8a16_sm90_supported(k::Epilogue::AddResidual, min_rows, m.d, m.q_dim()) &&
-          k::gemm_w8a16_sm90_supported(k::Epilogue::SwiGLU, min_rows, 2 * m.f, m.d) && (2 * m.f) % 16 == 0 &&
-          k::gemm_w8a16_sm90_supported(k::Epilogue::AddResidual, min_rows, m.d, m.f);
-  for (int r = min_rows; sm90_ && r <= pool.max_rows; ++r)
-    for (size_t b : {k::gemm_w8a16_sm90_workspace_bytes(k::Epilogue::Store, r, m.qkv_dim(), m.d),
-                     k::gemm_w8a16_sm90_workspace_bytes(k::Epilogue::AddResidual, r, m.d, m.q_dim()),
-                     k::gemm_w8a16_sm90_workspace_bytes(k::Epilogue::SwiGLU, r, 2 * m.f, m.d),
-                     k::gemm_w8a16_sm90_workspace_bytes(k::Epilogue::AddResidual, r, m.d, m.f)})
-      gemm_ws_bytes_ = std::max(gemm_ws_bytes_, b);
+  const k::Sm90Layer layer{m.d, m.f, m.q_dim(), m.qkv_dim()};
+  sm90_ = major == 9 && pool.max_rows >= StepPlan::kSm90GemmMinRows && k::gemm_w8a16_sm90_takes_layer(layer);
+  if (sm90_)
+    gemm_ws_bytes_ = k::gemm_w8a16_sm90_layer_workspace_bytes(layer, StepPlan::kSm90GemmMinRows, pool.max_rows);
   if (sm90_) gemm_ws_ = DeviceBuffer(gemm_ws_bytes_);
   f16_overflow_ = DeviceBuffer(sizeof(int32_t));
   f16_overflow_.fill(0);

@@ -153,10 +153,7 @@ void gemm_w8a16(const uint8_t* w, const float* scales, const void* x, Act x_type
 // one stream at a time. Launches plain (no PDL): it starts after everything before it on the stream.
 // Tokens per tile: Wide 128, Narrow 64; the StreamK kinds split the k-loops of the tiles over all SMs
 // (CUTLASS's stream-K scheduler), so a product with fewer tiles than SMs still runs on every SM.
-// Auto: sm90_tile_for(M), the best kind per layer in tools/bench_kernels.py's tile-kind table (H200,
-// the 3B and 8B layers' four products; us per 3B layer): M <= 64 narrow + stream-K (16 rows 109 against
-// 137 narrow, 165 wide), M <= 256 wide + stream-K (128 rows 132 against 160 wide), more rows wide (512
-// rows 267 against 272 wide + stream-K, 2048 rows 817 against 862).
+// Auto: sm90_tile_for(M), the best kind per layer by M as measured (docs/design/gemm_w8a16_sm90.md).
 enum class Sm90Tile { Auto, Wide, Narrow, WideStreamK, NarrowStreamK };
 constexpr int kSm90NarrowMaxRows = 64, kSm90StreamKMaxRows = 256;
 constexpr Sm90Tile sm90_tile_for(int M) {
@@ -172,6 +169,18 @@ size_t gemm_w8a16_sm90_workspace_bytes(Epilogue ep, int M, int N, int K, Sm90Til
 void gemm_w8a16_sm90(const uint8_t* w, const float* scales, const void* x, Act x_type, int M, int N, int K, Epilogue ep,
                      void* out, void* workspace, size_t workspace_bytes, cudaStream_t stream,
                      Sm90Tile tile = Sm90Tile::Auto, const float* scales_gn = nullptr);
+// A Llama layer's four products as a prefill chunk runs them: qkv [qkv_dim, d] (Store), o [d, q_dim] and
+// down [d, f] (AddResidual), gate/up [2 f, d] (SwiGLU). Whether this build's sm90 GEMM takes every one of
+// them (the caller checks the device is sm_90), and the workspace that serves any chunk of min_rows..
+// max_rows rows (the scheduler's share is not monotonic in the rows).
+struct Sm90Layer {
+  int d, f, q_dim, qkv_dim;
+};
+bool gemm_w8a16_sm90_takes_layer(const Sm90Layer& layer);
+size_t gemm_w8a16_sm90_layer_workspace_bytes(const Sm90Layer& layer, int min_rows, int max_rows);
+// The tile kind's name ("wide", "narrow-streamk", ...; "auto"), as `atomflow info --plan` and the ops
+// harness spell it.
+const char* sm90_tile_name(Sm90Tile tile);
 // out fp32 [ceil(K / 128), N] = scales [N, ceil(K / 128)] transposed (what the sm90 GEMM reads).
 void gemm_w8a16_sm90_transpose_scales(const float* scales, int N, int K, float* out, cudaStream_t stream);
 
