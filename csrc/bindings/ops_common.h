@@ -51,6 +51,25 @@ inline unsigned* gemv_tickets() {
   return t;
 }
 
+// Scale groups of a K-column weight row: 128 columns each, a last one of 64 when K % 128 == 64.
+inline py::ssize_t scale_groups(int K) { return (K + 127) / 128; }
+
+// What a GEMM timer launches on: w fp8 [N, K] all 1.0 (0x38), scales [N, groups], x bf16 [M, K] and out
+// fp32 [M, N] zeroed. The values do not change a GEMM's time, and it is compute-bound: no rotation.
+struct GemmOperands {
+  DeviceBuffer w, s, x, out;
+  GemmOperands(int M, int N, int K)
+      : w(static_cast<size_t>(N) * K),
+        s(sizeof(float) * static_cast<size_t>(N) * scale_groups(K)),
+        x(sizeof(bf16) * static_cast<size_t>(M) * K),
+        out(sizeof(float) * static_cast<size_t>(M) * N) {
+    w.fill(0x38);
+    s.fill(0);
+    x.fill(0);
+    out.fill(0);
+  }
+};
+
 inline void sync() {
   AF_CUDA_CHECK(cudaGetLastError());
   AF_CUDA_CHECK(cudaDeviceSynchronize());

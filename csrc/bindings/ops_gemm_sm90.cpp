@@ -35,7 +35,7 @@ py::object gemm_sm90(const py::array& w_, const py::array& s_, const py::array& 
   const k::Epilogue ep = epilogue_arg(ep_);
   auto w = arg<uint8_t>(w_, "w", {-1, -1});
   const int N = static_cast<int>(w.shape(0)), K = static_cast<int>(w.shape(1));
-  auto s = arg<float>(s_, "scales", {N, (K + 127) / 128});
+  auto s = arg<float>(s_, "scales", {N, scale_groups(K)});
   auto x = arg<uint16_t>(x_, "x", {-1, K});
   const int M = static_cast<int>(x.shape(0));
   require(k::gemm_w8a16_sm90_supported(ep, M, N, K),
@@ -48,12 +48,13 @@ py::object gemm_sm90(const py::array& w_, const py::array& s_, const py::array& 
   DeviceBuffer out =
       add ? to_device(arg<float>(out_init_.cast<py::array>(), "out_init", fp32_shape))
           : DeviceBuffer::poisoned(ep == k::Epilogue::SwiGLU ? sizeof(bf16) * M * (N / 2) : sizeof(float) * M * N);
-  const size_t ws_bytes = k::gemm_w8a16_sm90_workspace_bytes(ep, M, N, K, tile_arg(tile));
+  const k::Sm90Tile kind = tile_arg(tile);
+  const size_t ws_bytes = k::gemm_w8a16_sm90_workspace_bytes(ep, M, N, K, kind);
   DeviceBuffer ws = DeviceBuffer::poisoned(ws_bytes);
   DeviceBuffer scales_gn = DeviceBuffer::poisoned(pretransposed ? sizeof(float) * s.size() : 16);
   if (pretransposed) k::gemm_w8a16_sm90_transpose_scales(ds.get<float>(), N, K, scales_gn.get<float>(), nullptr);
   k::gemm_w8a16_sm90(dw.get<uint8_t>(), ds.get<float>(), dx.get(), xt, M, N, K, ep, out.get(), ws.get(), ws_bytes,
-                     nullptr, tile_arg(tile), pretransposed ? scales_gn.get<float>() : nullptr);
+                     nullptr, kind, pretransposed ? scales_gn.get<float>() : nullptr);
   sync();
   if (ep == k::Epilogue::SwiGLU) return to_host<uint16_t>(out, {M, N / 2});
   return to_host<float>(out, fp32_shape);
@@ -64,18 +65,15 @@ py::object gemm_sm90(const py::array& w_, const py::array& s_, const py::array& 
 double time_gemm_sm90(int M, int N, int K, int iters, int ep_, const std::string& x_dtype, const std::string& tile) {
   const k::Act xt = act_arg(x_dtype);
   const k::Epilogue ep = epilogue_arg(ep_);
+  const k::Sm90Tile kind = tile_arg(tile);
   require(k::gemm_w8a16_sm90_supported(ep, M, N, K), "time_gemm_sm90: unsupported shape or a build without it");
-  const size_t wbytes = static_cast<size_t>(N) * K, sbytes = static_cast<size_t>(N) * ((K + 127) / 128) * sizeof(float);
-  const size_t ws_bytes = k::gemm_w8a16_sm90_workspace_bytes(ep, M, N, K, tile_arg(tile));
-  DeviceBuffer w(wbytes), s(sbytes), x(sizeof(bf16) * M * K), out(sizeof(float) * M * N), ws(ws_bytes);
-  w.fill(0x38);
-  s.fill(0);
-  x.fill(0);
-  out.fill(0);
+  const size_t ws_bytes = k::gemm_w8a16_sm90_workspace_bytes(ep, M, N, K, kind);
+  GemmOperands o(M, N, K);
+  DeviceBuffer ws(ws_bytes);
   return median_us(
       [&](int) {
-        k::gemm_w8a16_sm90(w.get<uint8_t>(), s.get<float>(), x.get(), xt, M, N, K, ep, out.get(), ws.get(), ws_bytes,
-                           nullptr, tile_arg(tile));
+        k::gemm_w8a16_sm90(o.w.get<uint8_t>(), o.s.get<float>(), o.x.get(), xt, M, N, K, ep, o.out.get(), ws.get(),
+                           ws_bytes, nullptr, kind);
       },
       iters, 2);
 }

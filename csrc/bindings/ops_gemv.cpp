@@ -19,7 +19,6 @@ namespace {
 using atomflow::median_us;
 
 // Scales per row of a [N, K] weight: ceil(K / 128), the last group 64 wide where K % 128 == 64.
-py::ssize_t scale_groups(int K) { return (K + 127) / 128; }
 
 // Shared by gemv (M = 1, x [K]) and gemm (x [M, K]). out_init: the AddResidual starting values.
 // out_dtype: SwiGLU's output of the gemv (Out16).
@@ -180,15 +179,10 @@ double time_gemv(int N, int K, int iters, int ep_) {
 
 double time_gemm(int M, int N, int K, int iters, int ep_) {
   const k::Epilogue ep = epilogue_arg(ep_);
-  const size_t wbytes = static_cast<size_t>(N) * K, sbytes = static_cast<size_t>(N) * scale_groups(K) * sizeof(float);
-  DeviceBuffer w(wbytes), s(sbytes), x(sizeof(bf16) * M * K), out(sizeof(float) * M * N);
-  w.fill(0x38);
-  s.fill(0);
-  x.fill(0);
-  out.fill(0);
+  GemmOperands o(M, N, K);
   return median_us(
       [&](int) {
-        k::gemm_w8a16(w.get<uint8_t>(), s.get<float>(), x.get(), k::Act::BF16, M, N, K, ep, out.get(), nullptr);
+        k::gemm_w8a16(o.w.get<uint8_t>(), o.s.get<float>(), o.x.get(), k::Act::BF16, M, N, K, ep, o.out.get(), nullptr);
       },
       iters, 2);
 }

@@ -32,7 +32,7 @@ py::object gemv_m(const py::array& w_, const py::array& s_, const py::array& x_,
   auto w = arg<uint8_t>(w_, "w", {-1, -1});
   const int N = static_cast<int>(w.shape(0)), K = static_cast<int>(w.shape(1));
   require(K % 64 == 0, "w: K = " + std::to_string(K) + " must be a multiple of 64");
-  auto s = arg<float>(s_, "scales", {N, (K + 127) / 128});
+  auto s = arg<float>(s_, "scales", {N, scale_groups(K)});
   const bool norm = !norm_w_.is_none();
   k::GemvIn in = k::GemvIn::NORM;
   DeviceBuffer dx, dnw;
@@ -90,7 +90,7 @@ py::dict gemv_m_plan(int M, int N, int K, int ep_, const std::string& x_in, int 
 double time_gemv_m(int M, int N, int K, int iters, int ep_, int nc, int slab) {
   const k::Epilogue ep = epilogue_arg(ep_);
   require(K % 64 == 0, "K must be a multiple of 64");
-  const size_t wbytes = static_cast<size_t>(N) * K, sbytes = static_cast<size_t>(N) * ((K + 127) / 128) * sizeof(float);
+  const size_t wbytes = static_cast<size_t>(N) * K, sbytes = static_cast<size_t>(N) * scale_groups(K) * sizeof(float);
   Rotating ws(wbytes + sbytes);
   ws.buf.fill(0x38);
   DeviceBuffer x(sizeof(bf16) * M * K), out(sizeof(float) * M * N);
