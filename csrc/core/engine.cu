@@ -159,12 +159,14 @@ void Engine::init(const std::string& path, const std::vector<TensorInfo>& table,
   // The sm90 prefill GEMM's scales, transposed once here instead of in every prefill chunk.
   if (prefill_scales) {
     const int d = s.hidden_size, f = s.intermediate_size;
-    for (LayerPtrs& p : buf_.layers) {
-      kernels::gemm_w8a16_sm90_transpose_scales(p.wqkv_scale, s.qkv_dim(), d, const_cast<float*>(p.wqkv_scale_gn),
-                                                nullptr);
-      kernels::gemm_w8a16_sm90_transpose_scales(p.wo_scale, d, s.q_dim(), const_cast<float*>(p.wo_scale_gn), nullptr);
-      kernels::gemm_w8a16_sm90_transpose_scales(p.w13_scale, 2 * f, d, const_cast<float*>(p.w13_scale_gn), nullptr);
-      kernels::gemm_w8a16_sm90_transpose_scales(p.w2_scale, d, f, const_cast<float*>(p.w2_scale_gn), nullptr);
+    for (const LayerSlots& l : layout.layers) {
+      const auto transpose = [&](size_t scales, size_t out, int N, int K) {
+        kernels::gemm_w8a16_sm90_transpose_scales(arena_.at<float>(scales), N, K, arena_.at<float>(out), nullptr);
+      };
+      transpose(l.wqkv_scale, l.wqkv_scale_gn, s.qkv_dim(), d);
+      transpose(l.wo_scale, l.wo_scale_gn, d, s.q_dim());
+      transpose(l.w13_scale, l.w13_scale_gn, 2 * f, d);
+      transpose(l.w2_scale, l.w2_scale_gn, d, f);
     }
     AF_CUDA_CHECK(cudaDeviceSynchronize());
   }

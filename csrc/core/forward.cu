@@ -45,6 +45,11 @@ void linear(const kernels::GemvPlan& plan, const GemmRoute& route, const uint8_t
   }
 }
 
+// The route of this engine's chunks (its plan's thresholds, its workspace).
+GemmRoute route_of(const StepPlan& plan, void* ws, size_t ws_bytes) {
+  return GemmRoute{plan.small_m_max_rows, plan.sm90_gemm_min_rows, ws, ws_bytes};
+}
+
 }  // namespace
 
 // rows tokens at positions *pos .. *pos + rows - 1, embedded in buf_.x, through every layer. The
@@ -64,7 +69,7 @@ void Engine::enqueue_layers(int rows, int attn_keys) {
   const kernels::Act act = half ? kernels::Act::F16 : kernels::Act::BF16;
   int* const overflow = half ? buf_.f16_overflow : nullptr;
   const StepPlan& plan = step_plan_;
-  const GemmRoute route{plan.small_m_max_rows, plan.sm90_gemm_min_rows, buf_.gemm_ws, buf_.gemm_ws_bytes};
+  const GemmRoute route = route_of(plan, buf_.gemm_ws, buf_.gemm_ws_bytes);
   const kernels::GemvPlan& o_plan = half ? plan.o_f16 : plan.o_bf16;
   const kernels::GemvPlan& down_plan = half ? plan.down_f16 : plan.down_bf16;
   // A decode step's attention grid is the plan's for attn_keys; a prefill chunk's is planned for its
@@ -157,7 +162,7 @@ void Engine::normed_linear(const bf16* norm, const char* probe_name, int layer, 
   }
   kernels::rmsnorm(buf_.x, norm, rows, d, spec_.rms_norm_eps, buf_.xn, stream_);
   if (probe_ && probe_name) probe_point(probe_name, layer, ProbeSrc::XN, rows);
-  const GemmRoute route{step_plan_.small_m_max_rows, step_plan_.sm90_gemm_min_rows, buf_.gemm_ws, buf_.gemm_ws_bytes};
+  const GemmRoute route = route_of(step_plan_, buf_.gemm_ws, buf_.gemm_ws_bytes);
   linear(probed, route, w, scales, scales_gn, buf_.xn, kernels::Act::F16, rows, N, d, ep, out, stream_,
          buf_.gemv_tickets, f16_overflow);
 }
