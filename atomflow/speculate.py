@@ -186,6 +186,19 @@ class SpecStats:
     verify_s: float = 0.0
     pauses: int = 0
 
+    @classmethod
+    def total(cls, runs: list[SpecStats]) -> SpecStats:
+        """The counters of several runs (of one config) added up, so the rates below cover them all."""
+        return cls(
+            config=runs[0].config if runs else "",
+            verify_steps=sum(r.verify_steps for r in runs),
+            drafted=sum(r.drafted for r in runs),
+            accepted=sum(r.accepted for r in runs),
+            plain_steps=sum(r.plain_steps for r in runs),
+            verify_s=sum(r.verify_s for r in runs),
+            pauses=sum(r.pauses for r in runs),
+        )
+
     @property
     def acceptance(self) -> float:
         return self.accepted / self.drafted if self.drafted else float("nan")

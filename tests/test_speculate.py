@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from atomflow import Engine, SamplingParams
-from atomflow.speculate import AdaptiveK, NgramDrafter, SpecConfig, parse_speculate
+from atomflow.speculate import AdaptiveK, NgramDrafter, SpecConfig, SpecStats, parse_speculate
 
 
 # ----------------------------------------------------------------------------------- drafter
@@ -279,3 +279,13 @@ def test_smollm2_greedy_equals_plain_cpu():
     for prompt in ("Repeat this exactly: the cat sat on the mat, the cat sat on the mat.", "Write a poem about the sea."):
         plain, got, st = plain_and_spec(eng, eng.encode(prompt), 32, "ngram:8")
         assert got == plain
+
+
+def test_stats_total_adds_runs_before_the_rates():
+    a = SpecStats(config="ngram:4", verify_steps=2, drafted=8, accepted=6, plain_steps=1, verify_s=0.004, pauses=0)
+    b = SpecStats(config="ngram:4", verify_steps=1, drafted=4, accepted=0, plain_steps=3, verify_s=0.001, pauses=1)
+    t = SpecStats.total([a, b])
+    assert (t.config, t.verify_steps, t.drafted, t.accepted, t.plain_steps, t.pauses) == ("ngram:4", 3, 12, 6, 4, 1)
+    assert t.acceptance == 0.5 and t.accepted_per_verify == 3.0 and t.tokens_per_step == 13 / 7
+    assert abs(t.verify_ms - 5.0 / 3) < 1e-12
+    assert SpecStats.total([]).verify_steps == 0

@@ -14,6 +14,7 @@ random token ids (no tokenizer, no text), greedy, EOS ignored.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 
@@ -24,6 +25,7 @@ from atomflow.bench.plan import BenchOptions, BenchTest, prompt_ids
 from atomflow.bench.result import measured_row
 from atomflow.engine import Engine
 from atomflow.sampling import SamplingParams
+from atomflow.speculate import SpecStats
 
 WARMUP_TOKENS = 16
 
@@ -91,16 +93,19 @@ def time_tg_speculate(eng: Engine, test: BenchTest, opts: BenchOptions, speculat
     eng.reset()
     out = dict(tokens_per_s=tps, tpot_ms=gaps, tpot_effective_ms=float(np.mean([1e3 / x for x in tps])))
     if spec[0] is not None:
-        drafted, accepted = sum(x.drafted for x in spec), sum(x.accepted for x in spec)
-        verify_steps, plain = sum(x.verify_steps for x in spec), sum(x.plain_steps for x in spec)
+        t = SpecStats.total(spec)
+
+        def rate(v: float) -> float | None:  # the JSON's "not defined" (no drafts, no verify steps)
+            return None if math.isnan(v) else v
+
         out.update(
             speculate=speculate,
-            acceptance=accepted / drafted if drafted else None,
-            tokens_per_step=(accepted + verify_steps + plain) / max(verify_steps + plain, 1),
-            accepted_per_verify=(accepted + verify_steps) / verify_steps if verify_steps else None,
-            verify_ms=1e3 * sum(x.verify_s for x in spec) / verify_steps if verify_steps else None,
-            verify_steps=verify_steps,
-            plain_steps=plain,
+            acceptance=rate(t.acceptance),
+            tokens_per_step=t.tokens_per_step if t.verify_steps + t.plain_steps else 0.0,
+            accepted_per_verify=rate(t.accepted_per_verify),
+            verify_ms=rate(t.verify_ms),
+            verify_steps=t.verify_steps,
+            plain_steps=t.plain_steps,
         )
     return out
 
