@@ -313,17 +313,71 @@ def test_greedy_is_repeatable(tiny_engine, tiny):
 
 
 def test_generate_matches_decode_loop(tiny_engine, tiny):
-    """The pipelined path (device sampling, token ring) == argmax of decode()'s logits."""
+    """The pipelined path (device sampling, token ring) == argmax of prefill()'s then decode()'s logits."""
     ids = prompt(33, tiny.spec.vocab_size, seed=6)
     piped = list(tiny_engine.generate_ids(ids, greedy(40)))
     tiny_engine.reset()
-    tiny_engine.prefill(ids[:-1])  # as generate_ids does: the last prompt token is a decode step
-    logits = tiny_engine.decode(int(ids[-1]))
+    logits = tiny_engine.prefill(ids)  # as generate_ids does: the first token from the prompt's last row
     loop = []
     for _ in range(40):
         loop.append(int(np.argmax(logits)))
         logits = tiny_engine.decode(loop[-1])
     assert piped == loop
+
+
+@pytest.mark.parametrize("n", [2, 3, 16, 17, 18, 33, 40])
+def test_begin_prompt_samples_the_last_row(tiny, n):
+    """begin_prompt prefills in chunks (never a last chunk of one row: 17 = 15 + 2 at chunks of 16) and
+    its first step is the sample of the last row: greedy, argmax of the row's logits (which equal the
+    reference's and prefill()'s); sampled, sample_numpy with the RNG counter of a decode step at that
+    row. The position is then the prompt's, and the next enqueued steps continue from the token."""
+    eng = cuda(tiny, 128, prefill_chunk=16)
+    core = eng.engine
+    ids = prompt(n, tiny.spec.vocab_size, seed=20 + n)
+    want = cpu(tiny, 128).prefill(ids)
+    core.set_sampling(0.0, 0, 1.0, 0)
+    core.begin_prompt(ids)
+    assert core.in_flight == 1
+    (token,) = core.wait(1)
+    logits = core.prompt_logits()
+    assert core.position == n and core.in_flight == 0
+    assert_close(logits, want, f"begin_prompt's last row, {n} ids")
+    assert token == int(np.argmax(logits))
+    if n % 16 != 1:  # prefill() then chunks alike (it may end on a one-row chunk)
+        eng.reset()
+        np.testing.assert_array_equal(eng.prefill(ids), logits)
+    # The steps after it: the same tokens as decode() fed with the first one.
+    eng.reset()
+    core.begin_prompt(ids)
+    core.enqueue(3)
+    piped = core.wait(4)
+    eng.reset()
+    eng.prefill(ids)
+    loop = [token]
+    for _ in range(3):
+        loop.append(int(np.argmax(eng.decode(loop[-1]))))
+    assert piped == loop
+    # Sampled: the decode step's RNG counter (the position after the row).
+    params = SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=5, max_new_tokens=1)
+    eng.reset()
+    core.set_sampling(params.temperature, params.top_k, params.top_p, params.seed)
+    core.begin_prompt(ids)
+    (drawn,) = core.wait(1)
+    assert drawn == sample_numpy(core.prompt_logits(), params, n)
+
+
+def test_begin_prompt_errors(tiny_engine, tiny):
+    core = tiny_engine.engine
+    tiny_engine.reset()
+    with pytest.raises(ValueError, match="at least 2 ids"):
+        core.begin_prompt(np.array([5], np.int32))
+    with pytest.raises(ValueError, match="does not fit"):
+        core.begin_prompt(prompt(513, tiny.spec.vocab_size))
+    core.begin_prompt(prompt(8, tiny.spec.vocab_size))
+    with pytest.raises(RuntimeError, match="call wait"):
+        core.begin_prompt(prompt(8, tiny.spec.vocab_size))
+    core.synchronize()  # drops the prompt's token: the cache holds the prompt
+    assert core.position == 8
 
 
 # ----------------------------------------------------------------------------- memory

@@ -194,19 +194,30 @@ class CudaBackend:
         budget = generation_budget(len(ids), params.max_new_tokens, self.max_context)
         seed = 0 if params.seed is None else int(params.seed)
         top_p = float(1.0 if params.top_p is None else params.top_p)
-        self._prefill_prompt(ids, start, (float(params.temperature), int(params.top_k or 0), top_p, seed))
-        yield from self._pipeline(int(ids[-1]), budget, keep=len(ids) - 1)
+        sampling = (float(params.temperature), int(params.top_k or 0), top_p, seed)
+        if len(ids) - start == 1:  # the prompt's one new token is a decode step's input
+            self._prefill_prompt(ids, start, sampling)
+            yield from self._pipeline(int(ids[-1]), budget, keep=len(ids) - 1)
+            return
+        # The first token is sampled from the prefill's last row on the device (no decode step for it).
+        self._rollback_to(start)
+        self.engine.set_sampling(*sampling)
+        yield from self._pipeline(ids[start:], budget, keep=len(ids) - 1)
+
+    def _rollback_to(self, start: int) -> None:
+        """No run in flight, the cache holding ids[:start] (0: reset)."""
+        self._end_run()
+        if start:
+            self.engine.set_position(start)  # the cache already holds ids[:start] (a reused prefix)
+        else:
+            self.engine.reset()
 
     def _prefill_prompt(self, ids: np.ndarray, start: int, sampling: tuple) -> None:
         """The cache made to hold ids but the last: rolled back to `start` (0: reset), the rest
         prefilled; the device sampler set to `sampling` (temperature, top_k, top_p, seed)."""
         eng = self.engine
         n = len(ids)
-        self._end_run()
-        if start:
-            eng.set_position(start)  # the cache already holds ids[:start] (a reused prefix)
-        else:
-            eng.reset()
+        self._rollback_to(start)
         eng.set_sampling(*sampling)
         if n - 1 > start:
             # The decode steps sample on the device from logits the host never sees; the prefill's
@@ -215,13 +226,19 @@ class CudaBackend:
             if not np.isfinite(logits).all():
                 raise NonFiniteLogitsError(f"non-finite logits at position {n - 2}", n - 2)
 
-    def _pipeline(self, token: int, budget: int, keep: int) -> Iterator[int]:
-        """`budget` decode steps from `token` (fed at position `keep`), up to IN_FLIGHT enqueued
-        ahead of the one read; yields each sampled token as it lands in the ring."""
+    def _pipeline(self, first: int | np.ndarray, budget: int, keep: int) -> Iterator[int]:
+        """`budget` tokens, up to IN_FLIGHT steps enqueued ahead of the one read; yields each sampled
+        token as it lands in the ring. `first`: a token fed to the first decode step at position
+        `keep`, or the prompt ids to prefill (at least 2), their last at `keep`, whose last row's
+        sample is the first step (Engine.begin_prompt; its logits checked to be finite)."""
         eng = self.engine
-        eng.begin(token)
+        prompt = not isinstance(first, int)
+        if prompt:
+            eng.begin_prompt(first)
+        else:
+            eng.begin(first)
         run = self._run = _Run(keep=keep)
-        enqueued = yielded = 0
+        enqueued, yielded = int(prompt), 0
         try:
             while yielded < budget:
                 if self._run is not run:
@@ -231,6 +248,9 @@ class CudaBackend:
                     eng.enqueue(ahead)
                     enqueued += ahead
                 (token,) = eng.wait(1)
+                if prompt and yielded == 0 and not np.isfinite(eng.prompt_logits()).all():
+                    # NaN/Inf in the weights reaches every row; the decode steps' logits stay on the device.
+                    raise NonFiniteLogitsError(f"non-finite logits at position {keep}", keep)
                 yielded += 1
                 run.keep += 1
                 yield token

@@ -3,8 +3,8 @@ random token ids (no tokenizer, no text), greedy, EOS ignored.
 
   pp<P>     Engine.prefill of P tokens from an empty cache (returns once the logits are on the
             host); TTFT = the pipelined generate path's first token from the same prompt.
-  tg<N>@dD  the pipelined generate path from a prompt of D + 1 tokens (D prefilled, the last
-            one fed to the first decode step); TPOT = the intervals between consecutive tokens
+  tg<N>@dD  the pipelined generate path from a prompt of D + 1 tokens (prefilled, the first token
+            sampled from its last row; D = 0: the one token fed to a decode step); TPOT = the intervals between consecutive tokens
             as the host receives them, N - 1 per repetition; prefill time excluded.
   --speculate (tg tests only), on an engine loaded for it (bf16 activations): the same test plain
             (engine "atomflow bf16-acts": what the exact mode costs) and speculative (engine

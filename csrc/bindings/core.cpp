@@ -366,6 +366,22 @@ PYBIND11_MODULE(_core, m) {
           "begin", [](Engine& e, long long token) { e.begin(token_arg(token, e.spec().vocab_size)); }, py::arg("token"),
           "set the input token of the next enqueued step")
       .def(
+          "begin_prompt",
+          [](Engine& e, const py::array& ids) {
+            std::vector<int32_t> v = ids_arg(ids, e.spec().vocab_size);
+            py::gil_scoped_release nogil;
+            e.begin_prompt(v.data(), static_cast<int>(v.size()));
+          },
+          py::arg("ids"), "prefill ids (at least 2) and enqueue the sample of the last one as the first step in flight")
+      .def(
+          "prompt_logits",
+          [](Engine& e) {
+            py::array_t<float> logits = new_logits(e);
+            e.prompt_logits(logits.mutable_data());
+            return logits;
+          },
+          "fp32 logits [vocab] of begin_prompt's last row, once its token was waited for")
+      .def(
           "enqueue",
           [](Engine& e, int n) {
             py::gil_scoped_release nogil;

@@ -388,7 +388,7 @@ void Engine::prefill(const int32_t* ids, int n, float* logits) {
   int last_rows = 0;
   for (int offset = 0; offset < n; offset += opt_.prefill_chunk) {
     last_rows = std::min(opt_.prefill_chunk, n - offset);
-    enqueue_prefill_chunk(offset, last_rows);
+    enqueue_prefill_chunk(offset, last_rows, last_rows);
   }
   enqueue_head(last_rows - 1);  // the chunk's rows are still in buf_.x; only the last one counts
   host_pos_ += n;
@@ -403,7 +403,7 @@ void Engine::prefill_rows(const int32_t* ids, int n, float* logits) {
     throw std::invalid_argument("prefill_rows: " + std::to_string(n) + " rows do not fit one chunk of " +
                                 std::to_string(opt_.prefill_chunk));
   stage_prefill(ids, n);
-  enqueue_prefill_chunk(0, n);
+  enqueue_prefill_chunk(0, n, n);
   const size_t vocab = static_cast<size_t>(spec_.vocab_size);
   for (int first = 0; first < n; first += kLogitRows) {
     const int rows = std::min(kLogitRows, n - first);
@@ -425,7 +425,7 @@ void Engine::verify_greedy(const int32_t* ids, int n, int32_t* tokens) {
     throw std::invalid_argument("verify: " + std::to_string(n) + " rows do not fit one chunk of " +
                                 std::to_string(opt_.prefill_chunk));
   stage_prefill(ids, n);
-  enqueue_prefill_chunk(0, n);
+  enqueue_prefill_chunk(0, n, n);
   enqueue_head_rows(0, n);
   // Straight into the mapped host memory after the ring (the sync makes the writes visible).
   kernels::argmax_rows(buf_.logits, n, spec_.vocab_size, ring_dev_ + 2 * kRingSize, stream_);
@@ -486,6 +486,39 @@ void Engine::begin(int32_t token) {
   check_token(token);
   set_token(token);
   next_input_ = token;
+}
+
+void Engine::begin_prompt(const int32_t* ids, int n) {
+  std::lock_guard<std::mutex> lock(mu_);
+  NvtxRange range("prefill (pipelined)");
+  if (n < 2) throw std::invalid_argument("begin_prompt: at least 2 ids (one id: begin() and enqueue())");
+  stage_prefill(ids, n);  // idle: the sample below is the only step in flight
+  for (int offset = 0, rows = 0; offset < n; offset += rows) {
+    rows = std::min(opt_.prefill_chunk, n - offset);
+    // The last chunk gets 2 rows rather than 1: a one-row chunk runs the decode kernels' fp16
+    // hand-off, whose overflow rerun replays a decode step, and this row's logits must stay its own.
+    if (rows > 2 && n - offset - rows == 1) --rows;
+    const bool last = offset + rows == n;
+    enqueue_prefill_chunk(offset, rows, last ? rows - 1 : rows);  // *pos: the last row's position
+    if (last) enqueue_head(rows - 1);
+  }
+  enqueue_sample();  // the last row's token into the ring, *pos past the prompt
+  AF_CUDA_CHECK(cudaMemcpyAsync(logits_host_, buf_.logits, static_cast<size_t>(spec_.vocab_size) * sizeof(float),
+                                cudaMemcpyDeviceToHost, stream_));
+  // The bookkeeping of one step at the last row's position whose input was ids[n - 1] (a rerun in
+  // bf16 replays it as that decode step).
+  host_pos_ += n - 1;
+  oldest_pos_ = host_pos_;
+  step_input_[oldest_] = ids[n - 1];
+  next_input_ = kUnknown;
+  last_output_ = kUnknown;
+  AF_CUDA_CHECK(cudaEventRecord(step_done_[oldest_], stream_));
+  in_flight_ = 1;
+  ++host_pos_;
+}
+
+void Engine::prompt_logits(float* logits) const {
+  std::memcpy(logits, logits_host_, static_cast<size_t>(spec_.vocab_size) * sizeof(float));
 }
 
 void Engine::enqueue(int n) {

@@ -224,8 +224,15 @@ void Engine::enqueue_decode_step(int attn_keys) {
   enqueue_layers(1, attn_keys);
   enqueue_head(0);
   mark("lm_head", -1);  // the final RMSNorm is fused into it (or its own launch with a bf16 head)
-  // The embedding has read *token, so the sample may overwrite it with the next input.
-  // Its RNG counter is the position after this token (sample_pos), as on the CPU.
+  enqueue_sample();
+}
+
+// The end of a decode step, on the logits enqueue_head left in row 0: the token sampled into *token
+// and ring slot *pos % kRingSize, *pos advanced. The embedding has read *token, so the sample may
+// overwrite it with the next input; its RNG counter is the position after this token (sample_pos), as
+// on the CPU.
+void Engine::enqueue_sample() {
+  const int d = spec_.hidden_size, vocab = spec_.vocab_size;
   NvtxRange range("sample");
   if (step_plan_.options.fused_tail) {
     const bool best = spec_.lm_head_fp8 && !probe_;  // enqueue_head left the per-block maxima
@@ -241,12 +248,13 @@ void Engine::enqueue_decode_step(int attn_keys) {
   mark("finish", -1);
 }
 
-// ids[offset .. offset + rows) (already on the device) at *pos .., then *pos += rows.
-void Engine::enqueue_prefill_chunk(int offset, int rows) {
+// ids[offset .. offset + rows) (already on the device) at *pos .., then *pos += advance (rows, or
+// rows - 1 when the last row is sampled next as a decode step's would be: begin_prompt).
+void Engine::enqueue_prefill_chunk(int offset, int rows, int advance) {
   NvtxRange range("prefill_chunk");
   kernels::embedding(buf_.embed, buf_.ids + offset, rows, spec_.hidden_size, spec_.vocab_size, buf_.x, stream_);
   enqueue_layers(rows, opt_.max_context);
-  step::advance_pos(buf_.pos, rows, stream_);
+  step::advance_pos(buf_.pos, advance, stream_);
 }
 
 }  // namespace atomflow

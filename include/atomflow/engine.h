@@ -72,6 +72,14 @@ class Engine {
   void set_sampling(float temperature, int top_k, float top_p, uint64_t seed);
 
   void begin(int32_t token);
+  // Pipelined generation from a prompt: prefills ids[0..n) at the current position and enqueues, as
+  // the first step in flight, the sample of its last row (the decode step's sampler, RNG counter,
+  // ring slot and fp16 overflow rule, as if that row had been fed to a decode step): wait(1) returns
+  // that token, and on the device it is already the input of the next enqueued step. The prompt's
+  // last token needs no decode step of its own. prompt_logits() gives the row's logits once its
+  // token was waited for.
+  void begin_prompt(const int32_t* ids, int n);
+  void prompt_logits(float* logits) const;  // fp32 [vocab]; valid after begin_prompt's token was waited for
   void enqueue(int n);
   std::vector<int32_t> wait(int n);
   // Waits for all device work. Steps enqueued and not yet waited for are dropped (their tokens
@@ -186,8 +194,9 @@ class Engine {
                      const kernels::GemvPlan& probed, const uint8_t* w, const float* scales, const float* scales_gn,
                      int rows, int N, kernels::Epilogue ep, void* out, int* f16_overflow = nullptr);
   void enqueue_head(int row);
-  void enqueue_decode_step(int attn_keys);  // the keys its attention grid is planned for
-  void enqueue_prefill_chunk(int offset, int rows);
+  void enqueue_decode_step(int attn_keys);                        // the keys its attention grid is planned for
+  void enqueue_prefill_chunk(int offset, int rows, int advance);  // the position moves by `advance`
+  void enqueue_sample();  // the decode step's sampler and step end on buf_.logits row 0
 
   // probes.cu: what a probe point reads; X_DELTA is x minus the last snapshot (the output of a
   // projection whose epilogue added it into the residual stream).
