@@ -897,6 +897,23 @@ def test_sample_step_ends_the_step(rng, vocab, d):
             np.testing.assert_array_equal(row, from_bf16(embed[token]).astype(np.float32))
 
 
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_sampler_without_a_draw_gives_minus_one(rng, bad):
+    """Logits holding a NaN or an Inf have no defined draw: sample() and sample_step give -1, never an
+    index out of range, and sample_step still ends the step (ring slot -1, positions advanced, flag
+    cleared) without reading an embedding row (x keeps its poison)."""
+    vocab, d = 128256, 64
+    x = distinct_logits(rng, vocab)
+    x[vocab // 3] = bad
+    embed = bf16_bits(rng.standard_normal((vocab, d)))
+    for T, k, p in [(1.0, 0, 1.0), (0.75, 20, 0.5)]:
+        assert ops.sample(x, T, k, p, 7, 11) == -1
+        token, pos_after, ring_out, row, flag_after = ops.sample_step(x, T, k, p, 7, 10, embed, None, 4, 1)
+        assert token == -1 and ring_out[10 % 4] == -1 and ring_out[4 + 10 % 4] == 1
+        assert pos_after.tolist() == [11, 12] and flag_after == 0
+        assert np.isnan(row).all(), "no embedding row may be read for -1"
+
+
 def test_sample_step_greedy_takes_the_block_maxima(rng):
     """With block maxima the greedy token is the one they name (the logits are not read again)."""
     x = distinct_logits(rng, 4096)

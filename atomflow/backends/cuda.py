@@ -248,9 +248,10 @@ class CudaBackend:
                     eng.enqueue(ahead)
                     enqueued += ahead
                 (token,) = eng.wait(1)
-                if prompt and yielded == 0 and not np.isfinite(eng.prompt_logits()).all():
-                    # NaN/Inf in the weights reaches every row; the decode steps' logits stay on the device.
-                    raise NonFiniteLogitsError(f"non-finite logits at position {keep}", keep)
+                # NaN/Inf in the weights reaches every row. The decode steps' logits stay on the device:
+                # the prompt's row is checked here, and a step the sampler drew nothing from gives -1.
+                if token < 0 or (prompt and yielded == 0 and not np.isfinite(eng.prompt_logits()).all()):
+                    raise NonFiniteLogitsError(f"non-finite logits at position {run.keep}", run.keep)
                 yielded += 1
                 run.keep += 1
                 yield token

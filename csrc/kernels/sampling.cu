@@ -14,7 +14,8 @@
 // Numerics: w_i = expf((x_i - max) / T) in fp32, then fixed point w * 2^40 in uint64, so every sum
 // (top-p mass, the CDF) is exact and order-independent: results are deterministic and the
 // threshold searches and the CDF agree with each other to the last bit. Tokens with w < 2^-41 have
-// zero weight (they would be drawn with probability < 2^-41). NaN logits are not supported.
+// zero weight (they would be drawn with probability < 2^-41). Logits with a NaN or an Inf have no
+// defined draw: when no token is drawn the result is -1 (greedy still gives an index in range).
 //
 // Cost: greedy = one read of the logits spread over 8 SMs plus one cluster reduction, or, given
 // the head GEMV's per-block maxima (sample_step), one block reducing those (a few hundred). Sampling
@@ -26,9 +27,10 @@
 //           *cfg and the position in device memory.
 //  Before its PDL wait, ending a decode step (sample_step) only: *cfg and pos[0], which no kernel of
 //           the step writes (see kernels.h, sample_step). It triggers its dependents first.
-//  Writes   the token (*token_out); ending a step also the ring slot (token and overflow flag,
-//           fenced stores to mapped host memory), pos[0..1] + 1, the next step's embedding row x,
-//           and clears the overflow flag. No scratch in global memory.
+//  Writes   the token (*token_out; -1 when none was drawn); ending a step also the ring slot (token
+//           and overflow flag, fenced stores to mapped host memory), pos[0..1] + 1, the next step's
+//           embedding row x (left as it is for -1), and clears the overflow flag. No scratch in global
+//           memory.
 #include <cooperative_groups.h>
 
 #include "atomflow/kernels.h"
@@ -178,11 +180,13 @@ static __device__ uint64_t philox4x64_word0(uint64_t seed, uint64_t ctr) {
 // The end of a decode step (StepEnd), run by every block once the token is known to all of them:
 // block `part` of `parts` writes its slice of the next step's input row (warps 1..); block 0's
 // thread 0 writes the token ring and advances the position p = pos[0], beside it.
+// A token of -1 (none drawn) is published as it is, and no row is read for it.
 static __device__ void end_step(const StepEnd& end, int32_t token, int32_t p, int part, int parts) {
   if (threadIdx.x < 32) {
     if (part == 0 && threadIdx.x == 0) publish_step(end.ring, end.ring_size, end.pos, p, token, end.f16_overflow);
     return;
   }
+  if (token < 0) return;
   const int per = CEIL_DIV(end.d, parts);
   const int lo = part * per, hi = min(end.d, lo + per);
   const bf16* row = end.embed + static_cast<size_t>(token) * end.d;
@@ -213,6 +217,7 @@ static __global__ void __cluster_dims__(kSampleBlocks, 1, 1) __launch_bounds__(k
   const int begin = rank * chunk;
   const int n_local = max(0, min(chunk, vocab - begin));
   int round = 0;
+  if (tid == 0) sh.token = -1;  // block 0's stays -1 unless a token is drawn (the cluster syncs first)
 
   // Greedy from the head's per-block maxima (gemv_w8a16_rmsnorm_argmax): block 0 alone reduces
   // them; the others have nothing to do (no block touches another's shared memory on this path).
@@ -329,21 +334,21 @@ static __global__ void __cluster_dims__(kSampleBlocks, 1, 1) __launch_bounds__(k
       }
       const unsigned hit = __ballot_sync(0xffffffffu, prefix + incl > target);
       if (hit) {
-        if (lane == __ffs(hit) - 1) {
-          *token_out = begin + i;
-          if (ends) *cluster.map_shared_rank(&sh.token, 0) = begin + i;  // block 0 hands it out
-        }
+        if (lane == __ffs(hit) - 1) *cluster.map_shared_rank(&sh.token, 0) = begin + i;  // block 0 hands it out
         break;
       }
       prefix += __shfl_sync(0xffffffffu, incl, 31);
     }
   }
   cluster.sync();  // no block leaves while another may still read its shared memory
-  if (ends) {
-    const int32_t token = *cluster.map_shared_rank(&sh.token, 0);
-    end_step(end, token, pos, rank, kSampleBlocks);
-    cluster.sync();  // block 0's shared memory stays until every block has read the token
+  if (!ends) {
+    if (rank == 0 && tid == 0) *token_out = sh.token;
+    return;
   }
+  const int32_t token = *cluster.map_shared_rank(&sh.token, 0);
+  if (rank == 0 && tid == 0) *token_out = token;
+  end_step(end, token, pos, rank, kSampleBlocks);
+  cluster.sync();  // block 0's shared memory stays until every block has read the token
 }
 
 // ---- launcher ----
