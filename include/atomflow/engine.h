@@ -5,8 +5,8 @@
 // Pipelined generation: begin(token) sets the first input token; enqueue(n) launches n decode
 // steps without waiting (each step samples on the device, and the sampled token is the next
 // step's input); wait(n) returns the sampled tokens of the oldest n steps, read from a small
-// ring in mapped pinned memory (-1 for a step whose logits, holding a NaN or an Inf, gave no draw). Not copyable; every
-// public method takes an internal lock.
+// ring in mapped pinned memory (-1 for a step whose logits, holding a NaN or an Inf, gave no
+// draw). Not copyable; every public method takes an internal lock.
 //
 // fp16 activations: a decode step writes attention's and SwiGLU's outputs in fp16 (kernels.h), and
 // its end copies the overflow flag into the ring beside the token. A step whose flag is set never
