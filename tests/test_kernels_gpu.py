@@ -897,21 +897,25 @@ def test_sample_step_ends_the_step(rng, vocab, d):
             np.testing.assert_array_equal(row, from_bf16(embed[token]).astype(np.float32))
 
 
-@pytest.mark.parametrize("bad", [np.nan, np.inf])
-def test_sampler_without_a_draw_gives_minus_one(rng, bad):
-    """Logits holding a NaN or an Inf have no defined draw: sample() and sample_step give -1, never an
-    index out of range, and sample_step still ends the step (ring slot -1, positions advanced, flag
-    cleared) without reading an embedding row (x keeps its poison)."""
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_sampler_refuses_non_finite_logits(rng, bad):
+    """Logits holding a NaN or an Inf give -1 (sample_numpy raises on them), never a token: sample()
+    and sample_step, greedy or not; sample_step still ends the step (ring slot -1, positions
+    advanced, flag cleared) without reading an embedding row (x keeps its poison). Greedy from the
+    head's block maxima sees only the largest key: a NaN or +Inf there gives -1."""
     vocab, d = 128256, 64
     x = distinct_logits(rng, vocab)
     x[vocab // 3] = bad
     embed = bf16_bits(rng.standard_normal((vocab, d)))
-    for T, k, p in [(1.0, 0, 1.0), (0.75, 20, 0.5)]:
-        assert ops.sample(x, T, k, p, 7, 11) == -1
+    for T, k, p in [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.75, 20, 0.5)]:
+        assert ops.sample(x, T, k, p, 7, 11) == -1, (T, k, p)
         token, pos_after, ring_out, row, flag_after = ops.sample_step(x, T, k, p, 7, 10, embed, None, 4, 1)
         assert token == -1 and ring_out[10 % 4] == -1 and ring_out[4 + 10 % 4] == 1
         assert pos_after.tolist() == [11, 12] and flag_after == 0
         assert np.isnan(row).all(), "no embedding row may be read for -1"
+    best = np.array([argmax_keys(x).max()], np.uint64)  # a NaN's key is the largest, -Inf's the smallest
+    want = int(np.argmax(x)) if bad == -np.inf else -1
+    assert ops.sample_step(x, 0.0, 0, 1.0, 7, 10, embed, best, 4, 0)[0] == want
 
 
 def test_sample_step_greedy_takes_the_block_maxima(rng):

@@ -499,8 +499,15 @@ void Engine::begin_prompt(const int32_t* ids, int n) {
     // hand-off, whose overflow rerun replays a decode step, and this row's logits must stay its own.
     if (rows > 2 && n - offset - rows == 1) --rows;
     const bool last = offset + rows == n;
-    enqueue_prefill_chunk(offset, rows, last ? rows - 1 : rows);  // *pos: the last row's position
-    if (last) enqueue_head(rows - 1);
+    enqueue_prefill_chunk(offset, rows, last ? 0 : rows);
+    if (last) {
+      // *pos = the last row's position, for the sampler, which reads it before its PDL wait (sampling.cu):
+      // written by a copy, a stream operation every later kernel waits for in full (a kernel writing it
+      // could still be running when the sampler starts early behind the head).
+      const int32_t p[2] = {host_pos_ + n - 1, host_pos_ + n};  // pageable: staged before the call returns
+      AF_CUDA_CHECK(cudaMemcpyAsync(buf_.pos, p, sizeof(p), cudaMemcpyHostToDevice, stream_));
+      enqueue_head(rows - 1);
+    }
   }
   enqueue_sample();  // the last row's token into the ring, *pos past the prompt
   AF_CUDA_CHECK(cudaMemcpyAsync(logits_host_, buf_.logits, static_cast<size_t>(spec_.vocab_size) * sizeof(float),

@@ -14,8 +14,10 @@
 // Numerics: w_i = expf((x_i - max) / T) in fp32, then fixed point w * 2^40 in uint64, so every sum
 // (top-p mass, the CDF) is exact and order-independent: results are deterministic and the
 // threshold searches and the CDF agree with each other to the last bit. Tokens with w < 2^-41 have
-// zero weight (they would be drawn with probability < 2^-41). Logits with a NaN or an Inf have no
-// defined draw: when no token is drawn the result is -1 (greedy still gives an index in range).
+// zero weight (they would be drawn with probability < 2^-41). Logits holding a NaN or an Inf give
+// -1, as sample_numpy refuses them (their keys sit at the ends of the order: the largest or the
+// smallest key is not a finite value); the greedy draw from the head's block maxima sees only the
+// largest key, so there a NaN or +Inf gives -1.
 //
 // Cost: greedy = one read of the logits spread over 8 SMs plus one cluster reduction, or, given
 // the head GEMV's per-block maxima (sample_step), one block reducing those (a few hundred). Sampling
@@ -227,7 +229,8 @@ static __global__ void __cluster_dims__(kSampleBlocks, 1, 1) __launch_bounds__(k
     for (int i = tid; i < n_best; i += kSampleThreads) v[0] = max(v[0], block_best[i]);
     block_reduce(v, OpMax{}, sh, sh.result);
     __syncthreads();
-    const int32_t token = static_cast<int32_t>(~static_cast<uint32_t>(sh.result[0]));
+    const bool finite = isfinite(key_value(static_cast<uint32_t>(sh.result[0] >> 32)));
+    const int32_t token = finite ? static_cast<int32_t>(~static_cast<uint32_t>(sh.result[0])) : -1;
     if (tid == 0) *token_out = token;
     if (ends) end_step(end, token, pos, 0, 1);
     return;
@@ -245,9 +248,10 @@ static __global__ void __cluster_dims__(kSampleBlocks, 1, 1) __launch_bounds__(k
   cluster_allreduce(v, OpMax{}, sh, round);
   const uint32_t key_max = static_cast<uint32_t>(v[0] >> 32);
   const uint32_t key_min = ~static_cast<uint32_t>(v[1]);
+  const bool finite = isfinite(key_value(key_max)) && isfinite(key_value(key_min));  // the same in every block
 
-  if (!(cfg.temperature > 0.f)) {
-    const int32_t token = static_cast<int32_t>(~static_cast<uint32_t>(v[0]));  // every block has it
+  if (!(cfg.temperature > 0.f) || !finite) {
+    const int32_t token = finite ? static_cast<int32_t>(~static_cast<uint32_t>(v[0])) : -1;  // every block has it
     if (rank == 0 && tid == 0) *token_out = token;
     if (ends) end_step(end, token, pos, rank, kSampleBlocks);
     cluster.sync();  // no block leaves while another may still read its shared memory
