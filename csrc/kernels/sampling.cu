@@ -31,8 +31,9 @@
 //           the step writes (see kernels.h, sample_step). It triggers its dependents first.
 //  Writes   the token (*token_out; -1 when none was drawn); ending a step also the ring slot (token
 //           and overflow flag, fenced stores to mapped host memory), pos[0..1] + 1, the next step's
-//           embedding row x (left as it is for -1), and clears the overflow flag. No scratch in global
-//           memory.
+//           embedding row x (token 0's for -1: a valid input, so a step enqueued after it still runs
+//           its fp16 overflow check; the host drops or reruns it), and clears the overflow flag. No
+//           scratch in global memory.
 #include <cooperative_groups.h>
 
 #include "atomflow/kernels.h"
@@ -182,16 +183,15 @@ static __device__ uint64_t philox4x64_word0(uint64_t seed, uint64_t ctr) {
 // The end of a decode step (StepEnd), run by every block once the token is known to all of them:
 // block `part` of `parts` writes its slice of the next step's input row (warps 1..); block 0's
 // thread 0 writes the token ring and advances the position p = pos[0], beside it.
-// A token of -1 (none drawn) is published as it is, and no row is read for it.
+// A token of -1 (no draw) is published as it is; the next input row is then token 0's.
 static __device__ void end_step(const StepEnd& end, int32_t token, int32_t p, int part, int parts) {
   if (threadIdx.x < 32) {
     if (part == 0 && threadIdx.x == 0) publish_step(end.ring, end.ring_size, end.pos, p, token, end.f16_overflow);
     return;
   }
-  if (token < 0) return;
   const int per = CEIL_DIV(end.d, parts);
   const int lo = part * per, hi = min(end.d, lo + per);
-  const bf16* row = end.embed + static_cast<size_t>(token) * end.d;
+  const bf16* row = end.embed + static_cast<size_t>(max(token, 0)) * end.d;
   for (int i = lo + threadIdx.x - 32; i < hi; i += kSampleThreads - 32) end.x[i] = __bfloat162float(row[i]);
 }
 
