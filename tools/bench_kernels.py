@@ -18,7 +18,7 @@ MODELS = {  # Llama 3.2 3B and 3.1 8B
 }
 VOCAB = 128256
 STORE, ADD, SWIGLU = 0, 1, 2
-SECTIONS = ("gemv", "gemv_m", "attention", "attention_prefill", "gemm", "gemm_sm90", "sample")
+SECTIONS = ("gemv", "gemv_m", "attention", "attention_prefill", "gemm", "gemm_sm90", "gemm_w8a8", "sample")
 
 
 def linear_shapes(m: dict):
@@ -250,6 +250,32 @@ def main(argv=None) -> int:
             table(
                 "gemm_w8a16_sm90 by tile kind vs gemm_w8a16 (bf16 x; us per launch; TFLOP/s of auto)",
                 ["model", "M", "product", "gemm", *kinds, "best", "TFLOP/s"],
+                rows,
+            )
+
+    if "gemm_w8a8" in run:
+        # The FP8 recipe (gemm_w8a8_sm90: activation quantization + FP8 blockwise-scaled GEMM (+ SwiGLU))
+        # against the W8A16 GEMM's kind for the rows, per product and per layer.
+        rows, results["gemm_w8a8"] = [], []
+        for model in ("3B", "8B") if ops.gemm_sm90_built() else ():
+            m = MODELS[model]
+            for M in (64, 256, 512, 1024, 2048):
+                it = max(5, args.iters // 5)
+                a16 = a8 = flops_layer = 0.0
+                for name, N, K, ep in linear_shapes(m)[:4]:
+                    t16 = ops.time_gemm_sm90(M, N, K, iters=it, epilogue=ep, x_dtype="bf16")
+                    t8 = ops.time_gemm_sm90_w8a8(M, N, K, iters=it, epilogue=ep)
+                    flops = 2 * M * N * K
+                    a16, a8, flops_layer = a16 + t16, a8 + t8, flops_layer + flops
+                    rows.append([model, str(M), name, f"{t16:.1f}", f"{t8:.1f}", f"{flops / t8 / 1e6:.0f}", f"{t16 / t8:.2f}"])
+                    results["gemm_w8a8"].append(dict(model=model, M=M, layer=name, N=N, K=K, us_w8a16=t16, us_w8a8=t8))
+                rows.append(
+                    [model, str(M), "layer", f"{a16:.1f}", f"{a8:.1f}", f"{flops_layer / a8 / 1e6:.0f}", f"{a16 / a8:.2f}"]
+                )
+        if rows:
+            table(
+                "gemm_w8a8_sm90 vs gemm_w8a16_sm90 (us per launch; TFLOP/s of W8A8)",
+                ["model", "M", "product", "w8a16 us", "w8a8 us", "TFLOP/s", "speedup"],
                 rows,
             )
 

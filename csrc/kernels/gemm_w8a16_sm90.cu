@@ -286,6 +286,11 @@ const char* sm90_tile_name(Sm90Tile tile) {
   }
 }
 
+void gemm_w8a16_sm90_swiglu_rows(const float* y, int M, int F, bf16* out, cudaStream_t stream) {
+  swiglu_rows<<<dim3(CEIL_DIV(F / 4, kSwigluThreads), M), kSwigluThreads, 0, stream>>>(y, F, out);
+  AF_CUDA_CHECK(cudaGetLastError());
+}
+
 void gemm_w8a16_sm90_transpose_scales(const float* scales, int N, int K, float* out, cudaStream_t stream) {
   const int G = CEIL_DIV(K, kScaleGroup);
   scale_transpose<<<dim3(CEIL_DIV(N, 32), CEIL_DIV(G, 32)), dim3(32, 8), 0, stream>>>(scales, N, G, out);

@@ -181,6 +181,14 @@ size_t gemm_w8a16_sm90_layer_workspace_bytes(const Sm90Layer& layer, int min_row
 // The tile kind's name ("wide", "narrow-streamk", ...; "auto"), as `atomflow info --plan` and the ops
 // harness spell it.
 const char* sm90_tile_name(Sm90Tile tile);
+// out bf16 [M, F] = silu(y[:, :F]) * y[:, F:] of the GEMM's fp32 y [M, 2F] (F % 8 == 0, 16-byte aligned).
+void gemm_w8a16_sm90_swiglu_rows(const float* y, int M, int F, bf16* out, cudaStream_t stream);
+// gemm_w8a8_sm90.cu: the FP8 recipe of the same product (activations quantized per token per 128 columns,
+// amax / 448; FP8 wgmma with the group scales applied to fp32 partial sums). Shapes, epilogues and
+// workspace rules as gemm_w8a16_sm90's. Not routed by the step plan (a recipe under evaluation).
+size_t gemm_w8a8_sm90_workspace_bytes(Epilogue ep, int M, int N, int K);
+void gemm_w8a8_sm90(const uint8_t* w, const float* scales, const void* x, Act x_type, int M, int N, int K, Epilogue ep,
+                    void* out, void* workspace, size_t workspace_bytes, cudaStream_t stream);
 // out fp32 [ceil(K / 128), N] = scales [N, ceil(K / 128)] transposed (what the sm90 GEMM reads).
 void gemm_w8a16_sm90_transpose_scales(const float* scales, int N, int K, float* out, cudaStream_t stream);
 

@@ -1,0 +1,77 @@
+"""gemm_w8a8_sm90, the FP8 recipe (a recipe under evaluation, not routed by the step plan): x quantized
+per token per 128 columns to e4m3 (scale amax / 448), FP8 wgmma, both scales applied to fp32 partial
+sums. Against the recipe emulated in numpy (the same quantization, then float64 products), every
+epilogue, awkward M, a 64-column tail group; and its error against the exact W8A16 product, stated."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+ml_dtypes = pytest.importorskip("ml_dtypes")
+
+from numerics import bf16_bits, from_bf16, load_ops  # noqa: E402
+from test_gemm_sm90_gpu import ADD, STORE, SWIGLU, dequant, random_fp8, random_scales, rel_l2, silu_mul  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+ops = load_ops()
+
+RECIPE_REL = 2e-3  # FP8 wgmma's accumulation between promotions (fp22-like), then fp32
+
+
+def quantize_x(xf: np.ndarray) -> np.ndarray:
+    """The kernel's activation quantization, emulated: per row per 128 columns, scale = amax / 448
+    (1 for an all-zero group), x / scale rounded to e4m3; returns the dequantized float64 x."""
+    M, K = xf.shape
+    out = np.zeros_like(xf, dtype=np.float64)
+    for g in range(0, K, 128):
+        blk = xf[:, g : g + 128].astype(np.float32)
+        amax = np.abs(blk).max(axis=1, keepdims=True)
+        scale = np.where(amax > 0, amax / np.float32(448.0), np.float32(1.0)).astype(np.float32)
+        q = (blk / scale).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
+        out[:, g : g + 128] = q * scale
+    return out
+
+
+def inputs(rng, M, N, K):
+    w, s = random_fp8(rng, (N, K)), random_scales(rng, N, K)
+    x = bf16_bits(rng.standard_normal((M, K)))
+    return w, s, x, from_bf16(x)
+
+
+def check(got, want, tol, what, scale=None):
+    err = rel_l2(got, want) if scale is None else float(np.linalg.norm(np.asarray(got, np.float64) - want) / scale)
+    assert np.isfinite(np.asarray(got)).all(), f"{what}: non-finite output"
+    assert err <= tol, f"{what}: rel-L2 {err:.2e} > {tol:.1e}"
+    return err
+
+
+@pytest.mark.parametrize("M", [1, 17, 64, 100, 256])
+@pytest.mark.parametrize("N,K", [(3072, 3072), (576, 1536), (960, 576)], ids=["3b-o", "smollm2-down", "smollm2-qkv"])
+def test_gemm_w8a8_follows_its_recipe(rng, M, N, K):
+    if not ops.gemm_sm90_built():
+        pytest.skip("built without the sm90 GEMMs")
+    w, s, x, xf = inputs(rng, M, N, K)
+    y = quantize_x(xf) @ dequant(w, s, None).T
+    what = f"gemm_w8a8 M={M} N={N} K={K}"
+    check(ops.gemm_sm90_w8a8(w, s, x, STORE, None), y, RECIPE_REL, f"{what} Store")
+    residual = rng.standard_normal(y.shape).astype(np.float32)
+    scale = float(np.linalg.norm(residual.astype(np.float64)) + np.linalg.norm(y))
+    check(ops.gemm_sm90_w8a8(w, s, x, ADD, residual), residual + y, RECIPE_REL, f"{what} AddResidual", scale=scale)
+    if N % 16 == 0:
+        F = N // 2
+        want = silu_mul(y[:, :F], y[:, F:])
+        got = from_bf16(ops.gemm_sm90_w8a8(w, s, x, SWIGLU, None))
+        check(got, want, RECIPE_REL + 4e-3, f"{what} SwiGLU", scale=float(np.linalg.norm(want)) + 1e-30)
+
+
+def test_gemm_w8a8_error_against_w8a16(rng):
+    """What the recipe costs on one product: its error against the exact W8A16 product (printed), bounded
+    by e4m3's relative step (2^-4) over the root of the terms' averaging."""
+    if not ops.gemm_sm90_built():
+        pytest.skip("built without the sm90 GEMMs")
+    w, s, x, xf = inputs(rng, 256, 3072, 3072)
+    exact = xf @ dequant(w, s, None).T
+    err = rel_l2(ops.gemm_sm90_w8a8(w, s, x, STORE, None), exact)
+    print(f"gemm_w8a8 against the exact W8A16 product: rel-L2 {err:.2e}")
+    assert err < 0.05
