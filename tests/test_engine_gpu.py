@@ -667,6 +667,7 @@ def test_info_plan_lists_every_product(tiny):
         cluster_merge=True,
         staged_pair=True,
         tickets=True,
+        prefill_fp8=False,
         pdl=plan["options"]["pdl"],
     )
     # The engine's own plan is the same.

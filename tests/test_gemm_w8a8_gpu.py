@@ -75,3 +75,23 @@ def test_gemm_w8a8_error_against_w8a16(rng):
     err = rel_l2(ops.gemm_sm90_w8a8(w, s, x, STORE, None), exact)
     print(f"gemm_w8a8 against the exact W8A16 product: rel-L2 {err:.2e}")
     assert err < 0.05
+
+
+def test_engine_prefill_fp8_follows_the_reference(tiny_model_file):
+    """The engine with the W8A8 prefill recipe (PlanOptions::prefill_fp8): a 300-token prompt's logits
+    close to the numpy reference (looser than W8A16's, the activations' FP8 rounding), decode after it
+    sane."""
+    from engine_util import cpu, cuda, prompt
+
+    from atomflow.model.fileformat import AtomflowFile
+
+    if not ops.gemm_sm90_built():
+        pytest.skip("built without the sm90 GEMMs")
+    model = AtomflowFile(tiny_model_file)
+    ids = prompt(300, model.spec.vocab_size, seed=3)
+    ref, eng = cpu(model, 512), cuda(model, 512, prefill_fp8=True)
+    assert eng.step_plan["options"]["prefill_fp8"]
+    for what, want, got in (("prefill", ref.prefill(ids), eng.prefill(ids)), ("decode", ref.decode(5), eng.decode(5))):
+        want, got = np.asarray(want, np.float64), np.asarray(got, np.float64)
+        cos = float(got @ want / (np.linalg.norm(got) * np.linalg.norm(want)))
+        assert cos >= 0.999, f"{what}: cosine {cos:.6f} against the reference"

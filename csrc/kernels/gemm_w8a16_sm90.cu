@@ -271,7 +271,11 @@ size_t gemm_w8a16_sm90_layer_workspace_bytes(const Sm90Layer& l, int min_rows, i
     for (size_t b : {gemm_w8a16_sm90_workspace_bytes(Epilogue::Store, m, l.qkv_dim, l.d),
                      gemm_w8a16_sm90_workspace_bytes(Epilogue::AddResidual, m, l.d, l.q_dim),
                      gemm_w8a16_sm90_workspace_bytes(Epilogue::SwiGLU, m, 2 * l.f, l.d),
-                     gemm_w8a16_sm90_workspace_bytes(Epilogue::AddResidual, m, l.d, l.f)})
+                     gemm_w8a16_sm90_workspace_bytes(Epilogue::AddResidual, m, l.d, l.f),
+                     gemm_w8a8_sm90_workspace_bytes(Epilogue::Store, m, l.qkv_dim, l.d),
+                     gemm_w8a8_sm90_workspace_bytes(Epilogue::AddResidual, m, l.d, l.q_dim),
+                     gemm_w8a8_sm90_workspace_bytes(Epilogue::SwiGLU, m, 2 * l.f, l.d),
+                     gemm_w8a8_sm90_workspace_bytes(Epilogue::AddResidual, m, l.d, l.f)})
       bytes = std::max(bytes, b);
   return bytes;
 }

@@ -25,6 +25,9 @@ struct PlanOptions {
   bool cluster_merge = true;    // attention merges its splits in a thread-block cluster when one holds them
   bool staged_pair = true;      // the QKV GEMV copies its warps' second row pairs to shared memory early
   bool tickets = true;          // the gate/up GEMV hands out its row pairs past the first round by ticket
+  // A recipe, not a schedule (other bits): prefill chunks on the sm90 GEMM quantize their activations to
+  // FP8 per token per 128 columns (gemm_w8a8_sm90) instead of W8A16. Under evaluation; off by default.
+  bool prefill_fp8 = false;
 };
 
 struct StepPlan {
