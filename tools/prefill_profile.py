@@ -6,10 +6,12 @@ launches, device time, share of the kernel time, and for the GEMM families TFLOP
 layers' FLOPs (2 M N K per product, the head on the last row only). Needs torch (a tool, never the
 engine). Kernels launched with programmatic dependent launch count their wait for the previous one.
 
-    python tools/prefill_profile.py MODEL [-p 32,512,8192] [--chunk 256] [--reps 3] [--json OUT]
+    python tools/prefill_profile.py MODEL [-p 32,512,8192] [--chunk 1024] [--recipe w8a16,w8a8] [--reps 3] [--json OUT]
 
 --chunk sets the engine's prefill chunk (rows per pass; the arena's activation buffers follow it),
 so chunk sizes can be compared in one run: --chunk 256,512,1024 loads the model once per value.
+--recipe w8a8 runs the sm90 chunks on the FP8 recipe (PlanOptions::prefill_fp8: activations quantized
+per token per 128 columns); w8a16 is the default recipe.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import numpy as np
 # Kernel name -> family, first match wins (names as the profiler reports them, demangled).
 FAMILIES = [
     ("gemm_sm90", r"cutlass|GemmUniversal|device_kernel"),
+    ("act_quant", r"quantize_rows"),
     ("scale_transpose", r"scale_transpose"),
     ("swiglu_rows", r"swiglu_rows"),
     ("gemm_w8a16", r"gemm_w8a16|gemm_kernel"),
@@ -64,12 +67,16 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model")
     ap.add_argument("-p", "--prompts", default="32,512,8192", help="prompt lengths, comma-separated")
-    ap.add_argument("--chunk", default="256", help="prefill chunk rows, comma-separated (one engine each)")
+    ap.add_argument("--chunk", default="1024", help="prefill chunk rows, comma-separated (one engine each)")
+    ap.add_argument("--recipe", default="w8a16", help="w8a16 and/or w8a8, comma-separated (one engine each)")
     ap.add_argument("--reps", type=int, default=3, help="profiled prefills per prompt length (median per family)")
     ap.add_argument("--json", help="also write the rows here")
     a = ap.parse_args(argv)
     prompts = [int(x) for x in a.prompts.split(",")]
     chunks = [int(x) for x in a.chunk.split(",")]
+    recipes = [r for r in a.recipe.split(",") if r]
+    if set(recipes) - {"w8a16", "w8a8"}:
+        ap.error(f"--recipe: w8a16 or w8a8, got {a.recipe}")
 
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -82,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = model.spec
     torch.zeros(1, device="cuda")  # the primary context, shared with the engine
     out = []
-    for chunk in chunks:
+    for recipe, chunk in [(r, c) for r in recipes for c in chunks]:
         ctx = max(prompts) + 8
         eng = core.Engine(
             str(model.path),
@@ -92,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
             ctx,
             prefill_chunk=chunk,
             verbose=False,
-            **engine_options(),
+            **engine_options(prefill_fp8=recipe == "w8a8"),
         )
         rng = np.random.default_rng(0)
         for p in prompts:
@@ -130,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
             flops = linear_flops(spec, p)
             gemm_us = sum(v for k, v in med.items() if k in ("gemm_sm90", "gemm_w8a16", "gemv_m", "gemv"))
             print(
-                f"\n{model.path.name} prefill {p} tokens, chunk {chunk}: wall {wall_plain:.2f} ms ({wall:.2f} profiled), "
+                f"\n{model.path.name} prefill {p} tokens, chunk {chunk}, {recipe}: wall {wall_plain:.2f} ms ({wall:.2f} profiled), "
                 f"kernels {total / 1e3:.2f} ms, "
                 f"linears {flops / 1e12:.2f} TFLOP -> {flops / (gemm_us * 1e6) if gemm_us else 0:.0f} TFLOP/s in the products"
             )
@@ -141,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                 dict(
                     prompt=p,
                     chunk=chunk,
+                    recipe=recipe,
                     wall_ms=wall_plain,
                     wall_profiled_ms=wall,
                     kernel_us=total,
