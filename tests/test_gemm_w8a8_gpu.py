@@ -14,7 +14,7 @@ from numerics import bf16_bits, from_bf16, load_ops  # noqa: E402
 from test_gemm_sm90_gpu import ADD, STORE, SWIGLU, dequant, random_fp8, random_scales, rel_l2, silu_mul  # noqa: E402
 
 pytestmark = pytest.mark.gpu
-ops = load_ops()
+ops, WHY_NOT = load_ops()
 
 RECIPE_REL = 2e-3  # FP8 wgmma's accumulation between promotions (fp22-like), then fp32
 
