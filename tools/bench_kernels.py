@@ -259,7 +259,7 @@ def main(argv=None) -> int:
         rows, results["gemm_w8a8"] = [], []
         for model in ("3B", "8B") if ops.gemm_sm90_built() else ():
             m = MODELS[model]
-            for M in (64, 256, 512, 1024, 2048):
+            for M in (16, 32, 64, 128, 256, 512, 1024, 2048):
                 it = max(5, args.iters // 5)
                 a16 = a8 = flops_layer = 0.0
                 for name, N, K, ep in linear_shapes(m)[:4]:

@@ -137,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
             flops = linear_flops(spec, p)
             gemm_us = sum(v for k, v in med.items() if k in ("gemm_sm90", "gemm_w8a16", "gemv_m", "gemv"))
             print(
-                f"\n{model.path.name} prefill {p} tokens, chunk {chunk}, {recipe}: wall {wall_plain:.2f} ms ({wall:.2f} profiled), "
+                f"\n{model.path.name} prefill {p} tokens, chunk {chunk}, {recipe}: "
+                f"wall {wall_plain:.2f} ms ({wall:.2f} profiled), "
                 f"kernels {total / 1e3:.2f} ms, "
                 f"linears {flops / 1e12:.2f} TFLOP -> {flops / (gemm_us * 1e6) if gemm_us else 0:.0f} TFLOP/s in the products"
             )

@@ -46,25 +46,44 @@ constexpr int kGroup = 128;
 constexpr size_t kAlign = 256;
 size_t align_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
-// One warp per (row, 128-column group): amax over the group, then x / scale rounded to e4m3 (satfinite).
-// scale = amax / 448 (1 where the group is all zeros). Columns past K (a 64-column tail) are not read.
+// One warp per (row, 128-column group): lane l holds columns 4l..4l+3 of the group (one 8-byte load),
+// amax over the group by shuffles, then x / scale rounded to e4m3 (satfinite), the lane's 4 bytes in one
+// store. scale = amax / 448 (1 where the group is all zeros). Columns past K (a 64-column tail) are not
+// read. K % 64 == 0, so a lane's 4 columns are all inside or all past K, and its loads are aligned.
+__device__ __forceinline__ void load4(const bf16* p, float (&v)[4]) {
+  const uint2 raw = *reinterpret_cast<const uint2*>(p);
+  const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
+  const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
+  v[0] = a.x, v[1] = a.y, v[2] = b.x, v[3] = b.y;
+}
+__device__ __forceinline__ void load4(const f16* p, float (&v)[4]) {
+  const uint2 raw = *reinterpret_cast<const uint2*>(p);
+  const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&raw.x));
+  const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&raw.y));
+  v[0] = a.x, v[1] = a.y, v[2] = b.x, v[3] = b.y;
+}
+
 template <typename T>
-__global__ void quantize_rows(const T* __restrict__ x, int M, int K, __nv_fp8_e4m3* __restrict__ x8,
-                              float* __restrict__ sx) {
+__global__ void quantize_rows(const T* __restrict__ x, int M, int K, uint8_t* __restrict__ x8, float* __restrict__ sx) {
   const int G = (K + kGroup - 1) / kGroup;
   const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32, lane = threadIdx.x % 32;
   if (warp >= M * G) return;
   const int m = warp / G, g = warp % G;
   const int k0 = g * kGroup + lane * 4;
+  const size_t at = static_cast<size_t>(m) * K + k0;
   float v[4] = {0.f, 0.f, 0.f, 0.f};
-  if (k0 < K)
-    for (int i = 0; i < 4; ++i) v[i] = static_cast<float>(x[static_cast<size_t>(m) * K + k0 + i]);
+  if (k0 < K) load4(x + at, v);
   float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
   for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
   const float scale = amax > 0.f ? amax / 448.f : 1.f;
   if (lane == 0) sx[static_cast<size_t>(m) * G + g] = scale;
-  if (k0 < K)
-    for (int i = 0; i < 4; ++i) x8[static_cast<size_t>(m) * K + k0 + i] = __nv_fp8_e4m3(v[i] / scale);
+  if (k0 < K) {
+    const __nv_fp8x2_storage_t lo =
+        __nv_cvt_float2_to_fp8x2(make_float2(v[0] / scale, v[1] / scale), __NV_SATFINITE, __NV_E4M3);
+    const __nv_fp8x2_storage_t hi =
+        __nv_cvt_float2_to_fp8x2(make_float2(v[2] / scale, v[3] / scale), __NV_SATFINITE, __NV_E4M3);
+    *reinterpret_cast<uint32_t*>(x8 + at) = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+  }
 }
 
 #if ATOMFLOW_SM90_GEMM
@@ -177,7 +196,7 @@ void gemm_w8a8_sm90(const uint8_t* w, const float* scales, const void* x, Act x_
   AF_CHECK(workspace != nullptr && workspace_bytes >= c.total && reinterpret_cast<uintptr_t>(workspace) % kAlign == 0,
            "gemm_w8a8_sm90: the workspace must be gemm_w8a8_sm90_workspace_bytes() bytes, 256-byte aligned");
   uint8_t* ws = static_cast<uint8_t*>(workspace);
-  auto* x8 = reinterpret_cast<__nv_fp8_e4m3*>(ws);
+  uint8_t* x8 = ws;
   auto* sx = reinterpret_cast<float*>(ws + c.x8);
   float* y_swiglu = reinterpret_cast<float*>(ws + c.x8 + c.sx);
   void* cutlass_ws = ws + c.x8 + c.sx + c.swiglu;
