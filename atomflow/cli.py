@@ -9,6 +9,7 @@ import sys
 
 from atomflow import __version__
 from atomflow.errors import AtomflowError, InterruptedBySignal
+from atomflow.model.recipe import PREFILL_RECIPE_HELP, PREFILL_RECIPES
 
 
 def _err(msg: str) -> int:
@@ -217,7 +218,13 @@ def cmd_run(a) -> int:
     spec = parse_speculate(getattr(a, "speculate", None))  # programmatic callers may leave it out
     check_greedy(spec, a.temperature or 0.0)  # before the load; a model's default temperature gives way to greedy
     eng = Engine.load(
-        a.model, backend=a.backend, max_context=a.max_context, eager=a.eager or None, verbose=a.verbose, speculate=spec
+        a.model,
+        backend=a.backend,
+        max_context=a.max_context,
+        eager=a.eager or None,
+        verbose=a.verbose,
+        speculate=spec,
+        prefill_recipe=getattr(a, "prefill_recipe", "w8a16"),
     )
     defaults = eng.model.metadata_json("generation_config", {}) or {}
     if spec is not None:
@@ -278,7 +285,7 @@ def cmd_perplexity(a) -> int:
         from atomflow.model.default import default_model
 
         a.model = default_model(progress=not a.quiet)
-    eng = Engine.load(a.model, backend=a.backend, max_context=a.ctx, verbose=a.verbose)
+    eng = Engine.load(a.model, backend=a.backend, max_context=a.ctx, verbose=a.verbose, prefill_recipe=a.prefill_recipe)
     tok = eng.tokenizer
     tokens = tok.encode(read_text(a.text), add_special_tokens=False)
     with_special = tok.encode("a", add_special_tokens=True)
@@ -354,6 +361,7 @@ def cmd_bench(a) -> int:
         seed=a.seed,
         compile_prefill=not a.eager_prefill,
         speculate=a.speculate,
+        prefill_fp8=a.prefill_fp8,
     )
     print(render(run_bench(opts), opts.output))
     return 0
@@ -440,6 +448,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--backend", choices=["auto", "cuda", "cpu"], default="auto")
     r.add_argument("--max-context", type=int, default=None, help="KV cache length (default min(8192, model))")
     r.add_argument("--eager", action="store_true", help="CUDA: run without the CUDA graph")
+    r.add_argument("--prefill-recipe", choices=PREFILL_RECIPES, default="w8a16", help=PREFILL_RECIPE_HELP)
     r.add_argument(
         "--speculate",
         default=None,
@@ -467,6 +476,7 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--stride", type=int, default=None, help="window step (default ctx; else <= ctx/2)")
     pp.add_argument("--max-windows", type=int, default=None, help="score only the first N windows")
     pp.add_argument("--backend", choices=["auto", "cuda", "cpu"], default="auto")
+    pp.add_argument("--prefill-recipe", choices=PREFILL_RECIPES, default="w8a16", help=PREFILL_RECIPE_HELP)
     pp.add_argument(
         "--hf",
         default=None,
@@ -534,6 +544,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="ngram[:K]",
         help="also run the tg tests with n-gram speculation on an engine loaded for it (bf16 activations), "
         "plain and speculative: tokens per step, verify time, effective TPOT",
+    )
+    b.add_argument(
+        "--prefill-fp8",
+        action="store_true",
+        help="also run the pp tests on an engine with the FP8 prefill recipe (--prefill-recipe w8a8), as engine 'atomflow w8a8'",
     )
     b.set_defaults(fn=cmd_bench)
 

@@ -68,13 +68,17 @@ class Engine:
         verify: bool = False,
         verbose: bool = False,
         speculate: str | SpecConfig | None = None,
+        prefill_recipe: str = "w8a16",
     ) -> Engine:
         """backend: auto (cuda when usable, else cpu) | cuda | cpu. max_context: KV cache length
         (default min(8192, the model's max_position_embeddings)). eager: run CUDA without the
         graph (default: the ATOMFLOW_EAGER environment variable). speculate: "ngram" or "ngram:K"
         (atomflow/speculate.py), greedy only: generation drafts from n-grams of the sequence and
         verifies K at a time; the CUDA engine then decodes with bf16 activations, so that a verify
-        chunk's rows equal decode steps bit for bit and the output equals plain greedy decoding's."""
+        chunk's rows equal decode steps bit for bit and the output equals plain greedy decoding's.
+        prefill_recipe: "w8a16" (default) or "w8a8": prompt chunks of 256+ rows quantize their activations
+        to FP8 per token per 128 columns (FP8 tensor cores, ~1.2x the products' speed; other bits, its
+        quality in docs/design/gemm_w8a8_sm90.md); the CPU backend emulates it."""
         t0 = time.perf_counter()
         spec = parse_speculate(speculate)
         model = AtomflowFile(path, verify=verify)
@@ -90,7 +94,7 @@ class Engine:
             raise ValueError(f"max_context must be an integer in [1, {limit}] ({what}), got {max_context!r}")
         tok = model.tokenizer()  # checked before the (slow) backend load: parses, fits the vocab, template renders
         plan = {"f16_activations": False} if spec is not None else {}
-        be = make_backend(backend, model, max_context, eager=eager, verbose=verbose, **plan)
+        be = make_backend(backend, model, max_context, eager=eager, verbose=verbose, prefill_recipe=prefill_recipe, **plan)
         return cls(model, be, tok, time.perf_counter() - t0, speculate=spec)
 
     # -- low level: logits ---------------------------------------------------------------------

@@ -22,16 +22,27 @@ from atomflow.backends.cpu import CpuBackend
 from atomflow.device import cuda_status
 from atomflow.errors import BackendUnavailableError, UnsupportedModelError
 from atomflow.model.fileformat import AtomflowFile
+from atomflow.model.recipe import PREFILL_RECIPES
 
 
 def make_backend(
-    name: str, model: AtomflowFile, max_context: int, eager: bool | None = None, verbose: bool = False, **plan: bool
+    name: str,
+    model: AtomflowFile,
+    max_context: int,
+    eager: bool | None = None,
+    verbose: bool = False,
+    prefill_recipe: str = "w8a16",
+    **plan: bool,
 ):
-    """plan: step plan options for the CUDA backend (atomflow/backends/cuda.py PLAN_OPTIONS); the CPU one has none."""
+    """plan: step plan options for the CUDA backend (atomflow/backends/cuda.py PLAN_OPTIONS); the CPU one has
+    none. prefill_recipe: w8a16 (the default) or w8a8, the FP8 prefill recipe (the CUDA plan's prefill_fp8;
+    emulated by the CPU reference)."""
     if name not in ("auto", "cpu", "cuda"):
         raise ValueError(f"backend must be auto, cpu or cuda, got {name!r}")
+    if prefill_recipe not in PREFILL_RECIPES:
+        raise ValueError(f"prefill recipe must be one of {', '.join(PREFILL_RECIPES)}, got {prefill_recipe!r}")
     if name == "cpu":
-        return CpuBackend(model, max_context)
+        return CpuBackend(model, max_context, prefill_recipe)
     ok, why = cuda_status()
     unsupported = model.spec.cuda_unsupported()
     if not ok or unsupported:
@@ -40,7 +51,9 @@ def make_backend(
                 raise UnsupportedModelError(unsupported + " (--backend cpu runs it)")
             raise BackendUnavailableError(f"cuda backend unavailable: {why}")
         print(f"atomflow: running on the CPU backend (slow): {unsupported or why}", file=sys.stderr)
-        return CpuBackend(model, max_context)
+        return CpuBackend(model, max_context, prefill_recipe)
     from atomflow.backends.cuda import CudaBackend
 
+    if prefill_recipe == "w8a8":
+        plan["prefill_fp8"] = True
     return CudaBackend(model, max_context, eager=eager, verbose=verbose, **plan)

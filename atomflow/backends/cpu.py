@@ -19,10 +19,10 @@ class CpuBackend:
 
     name = "cpu"
 
-    def __init__(self, model: AtomflowFile, max_context: int, **_ignored):
+    def __init__(self, model: AtomflowFile, max_context: int, prefill_recipe: str = "w8a16", **_ignored):
         self.spec = model.spec
         self.max_context = max_context
-        self.ref = ReferenceModel(model, max_context)
+        self.ref = ReferenceModel(model, max_context, prefill_recipe)  # w8a8: the FP8 recipe emulated
         self._run: object | None = None  # the generate_ids() run that owns the cache now (as CudaBackend's)
 
     @property

@@ -62,6 +62,12 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] = log_stderr) -> di
     rows = run_engine_tests(eng, opts, bandwidth, log)
     del eng
     gc.collect()
+    if opts.prefill_fp8 and any(t.kind == "pp" for t in opts.tests):
+        log(f"loading {opts.model} with the FP8 prefill recipe (prefill_recipe w8a8)")
+        eng = Engine.load(opts.model, backend="cuda", max_context=opts.max_context, prefill_recipe="w8a8")
+        rows += run_engine_tests(eng, opts, bandwidth, log, engine="atomflow w8a8", kinds=("pp",))
+        del eng
+        gc.collect()
     if opts.speculate:
         from atomflow.bench.engine import run_speculate_tests
 
@@ -100,6 +106,7 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] = log_stderr) -> di
             max_context=opts.max_context,
             compile_prefill=opts.compile_prefill,
             speculate=opts.speculate,
+            prefill_fp8=opts.prefill_fp8,
         ),
         tests=[t.name for t in opts.tests],
         baselines=list(order),

@@ -123,15 +123,25 @@ def run_speculate_tests(eng: Engine, opts: BenchOptions, bandwidth_gbs: float | 
     return rows
 
 
-def run_engine_tests(eng: Engine, opts: BenchOptions, bandwidth_gbs: float | None, log: Callable[[str], None]) -> list[dict]:
+def run_engine_tests(
+    eng: Engine,
+    opts: BenchOptions,
+    bandwidth_gbs: float | None,
+    log: Callable[[str], None],
+    engine: str = "atomflow",
+    kinds: tuple[str, ...] = ("pp", "tg"),
+) -> list[dict]:
+    """The tests of `kinds` on `eng`, rows named `engine`."""
     rows = []
     for test in opts.tests:
-        log(f"atomflow: {test.name}")
+        if test.kind not in kinds:
+            continue
+        log(f"{engine}: {test.name}")
         if test.kind == "pp":
             s = time_pp(eng, test, opts)
             nbytes = prompt_bytes_per_token(eng.spec, eng.model.weight_bytes, head_bytes(eng), test.n_prompt, PREFILL_CHUNK)
         else:
             s = time_tg(eng, test, opts)
             nbytes = token_bytes(eng.spec, eng.model.weight_bytes, test.mean_context)
-        rows.append(measured_row("atomflow", test, bytes_per_token=nbytes, bandwidth_gbs=bandwidth_gbs, weight_dtype="fp8", **s))
+        rows.append(measured_row(engine, test, bytes_per_token=nbytes, bandwidth_gbs=bandwidth_gbs, weight_dtype="fp8", **s))
     return rows

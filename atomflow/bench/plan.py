@@ -55,6 +55,7 @@ class BenchOptions:
     seed: int = 0
     compile_prefill: bool = True  # the torch-compile baselines' prefill under torch.compile (gpt-fast's --compile_prefill)
     speculate: str | None = None  # "ngram:K": tg tests also run with speculation (atomflow/speculate.py)
+    prefill_fp8: bool = False  # pp tests also on an engine with the FP8 prefill recipe (engine "atomflow w8a8")
     tests: tuple[BenchTest, ...] = field(default=(), compare=False)
 
     @property
@@ -98,6 +99,7 @@ def make_options(
     seed: str = "0",
     compile_prefill: bool = True,
     speculate: str | None = None,
+    prefill_fp8: bool = False,
 ) -> BenchOptions:
     """The command line's strings -> checked options and their tests. ValueError names the flag."""
     ps = int_list(n_prompt, "-p", 0)
@@ -134,6 +136,7 @@ def make_options(
         seed=one_int(seed, "--seed", 0),
         compile_prefill=compile_prefill,
         speculate=_speculate(speculate, ns),
+        prefill_fp8=bool(prefill_fp8),
         tests=tuple(tests),
     )
 

@@ -6,17 +6,40 @@ architecture's extras: a QKV bias (Qwen2), per-head q/k RMSNorm before RoPE (Qwe
 
 Probes: set `probe = fn(name, layer, array)` to receive the named activations of every
 layer ([M, ...] rows for the M tokens of the current call); the validator uses them.
+
+Prefill recipes (atomflow/model/recipe.py): "w8a16", the default, multiplies the dequantized weights
+by the activations as they are; "w8a8" emulates the CUDA engine's FP8 prefill recipe: in a call of at
+least W8A8_MIN_ROWS tokens (as the engine's chunks of that many rows, for calls of up to one
+1024-row chunk) each linear's input is quantized per token per 128 columns to e4m3 first.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+import ml_dtypes
 import numpy as np
 
 from atomflow.model.fileformat import AtomflowFile
+from atomflow.model.recipe import PREFILL_RECIPES, W8A8_MIN_ROWS
 
 PREFILL_CHUNK = 256  # bounds the [heads, chunk, context] score matrix for long prompts
+FP8_GROUP = 128
+
+
+def quantize_fp8_rows(x: np.ndarray) -> np.ndarray:
+    """x [M, K] fp32 as the FP8 recipe feeds it to the product: per row per 128 columns (a last group
+    may be shorter), scale = amax / 448 (1 for an all-zero group), x / scale rounded to e4m3, times the
+    scale again."""
+    x = np.asarray(x, np.float32)
+    out = np.empty_like(x)
+    for g in range(0, x.shape[1], FP8_GROUP):
+        blk = x[:, g : g + FP8_GROUP]
+        amax = np.abs(blk).max(axis=1, keepdims=True)
+        scale = np.where(amax > 0, amax / np.float32(448.0), np.float32(1.0)).astype(np.float32)
+        out[:, g : g + FP8_GROUP] = (blk / scale).astype(ml_dtypes.float8_e4m3fn).astype(np.float32) * scale
+    return out
+
 
 Probe = Callable[[str, int, np.ndarray], None]
 
@@ -41,9 +64,12 @@ def rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray) -> np.ndarr
 
 
 class ReferenceModel:
-    def __init__(self, model: AtomflowFile, max_context: int):
+    def __init__(self, model: AtomflowFile, max_context: int, prefill_recipe: str = "w8a16"):
+        if prefill_recipe not in PREFILL_RECIPES:
+            raise ValueError(f"prefill_recipe must be one of {', '.join(PREFILL_RECIPES)}, got {prefill_recipe!r}")
         spec = self.spec = model.spec
         self.max_context = max_context
+        self.prefill_recipe = prefill_recipe
         self.inv_freq = spec.rope_inv_freq()
         self.embed = model.array("embed")  # bf16 rows, converted on lookup
         self.layers = []
@@ -80,22 +106,24 @@ class ReferenceModel:
             raise ValueError(f"{len(ids)} tokens at position {self.pos} do not fit max_context {self.max_context}")
         if ids.min() < 0 or ids.max() >= self.spec.vocab_size:
             raise ValueError(f"token id out of range [0, {self.spec.vocab_size})")
-        out = [self._forward_chunk(ids[a : a + PREFILL_CHUNK], all_logits) for a in range(0, len(ids), PREFILL_CHUNK)]
+        fp8 = self.prefill_recipe == "w8a8" and len(ids) >= W8A8_MIN_ROWS
+        out = [self._forward_chunk(ids[a : a + PREFILL_CHUNK], all_logits, fp8) for a in range(0, len(ids), PREFILL_CHUNK)]
         return np.concatenate(out) if all_logits else out[-1]
 
     def _emit(self, name: str, layer: int, a: np.ndarray) -> None:
         if self.probe is not None:
             self.probe(name, layer, a)
 
-    def _forward_chunk(self, ids: np.ndarray, all_logits: bool = False) -> np.ndarray:
+    def _forward_chunk(self, ids: np.ndarray, all_logits: bool = False, fp8: bool = False) -> np.ndarray:
         s = self.spec
+        a = quantize_fp8_rows if fp8 else (lambda v: v)  # what a linear's input is rounded to
         m, p0 = len(ids), self.pos
         positions = np.arange(p0, p0 + m)
         x = self.embed[ids].astype(np.float32)  # [M, d] fp32 residual stream
         for i, L in enumerate(self.layers):
             h = rmsnorm(x, L["attn_norm"], s.rms_norm_eps)
             self._emit("attn_norm", i, h)
-            qkv = h @ L["wqkv"].T
+            qkv = a(h) @ L["wqkv"].T
             if s.attention_bias:
                 qkv = qkv + L["bqkv"]
             q = qkv[:, : s.q_dim].reshape(m, s.num_heads, s.head_dim)
@@ -106,13 +134,13 @@ class ReferenceModel:
             self.k_cache[i, p0 : p0 + m] = rope(k, positions, self.inv_freq)
             self.v_cache[i, p0 : p0 + m] = v
             attn = self._attention(rope(q, positions, self.inv_freq), i, p0)
-            o = attn @ L["wo"].T
+            o = a(attn) @ L["wo"].T
             self._emit("attn_out", i, o)
             x = x + o
             self._emit("resid_mid", i, x)
             h = rmsnorm(x, L["mlp_norm"], s.rms_norm_eps)
-            gu = h @ L["w13"].T
-            mlp = (silu(gu[:, : s.intermediate_size]) * gu[:, s.intermediate_size :]) @ L["w2"].T
+            gu = a(h) @ L["w13"].T
+            mlp = a(silu(gu[:, : s.intermediate_size]) * gu[:, s.intermediate_size :]) @ L["w2"].T
             self._emit("mlp_out", i, mlp)
             x = x + mlp
             self._emit("layer_out", i, x)

@@ -115,6 +115,9 @@ py::dict plan_to_dict(const StepPlan& p) {
   // chunks of at least this many rows: gemm_w8a16_sm90 (None: never)
   d["prefill_sm90_gemm_min_rows"] =
       p.sm90_gemm_min_rows < StepPlan::kNever ? py::object(py::int_(p.sm90_gemm_min_rows)) : py::object(py::none());
+  // chunks of at least this many rows: gemm_w8a8_sm90, the FP8 recipe (None: never; PlanOptions::prefill_fp8)
+  d["prefill_w8a8_min_rows"] =
+      p.w8a8_min_rows < StepPlan::kNever ? py::object(py::int_(p.w8a8_min_rows)) : py::object(py::none());
   // its tile kind by chunk rows (kernels::sm90_tile_for): [(up to rows, kind)], the last for any more
   py::list tiles;
   for (int rows : {kernels::kSm90NarrowMaxRows, kernels::kSm90StreamKMaxRows})

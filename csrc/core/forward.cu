@@ -20,7 +20,7 @@ using kernels::Epilogue;
 struct GemmRoute {
   int small_m;      // StepPlan::small_m_max_rows
   int sm90_min;     // StepPlan::sm90_gemm_min_rows
-  bool fp8;         // PlanOptions::prefill_fp8: the sm90 chunks on gemm_w8a8_sm90
+  int w8a8_min;     // StepPlan::w8a8_min_rows: from these rows on, gemm_w8a8_sm90
   void* ws;         // the engine's gemm_ws
   size_t ws_bytes;  // its size
 };
@@ -38,7 +38,7 @@ void linear(const kernels::GemvPlan& plan, const GemmRoute& route, const uint8_t
   } else if (rows <= route.small_m) {
     const kernels::GemvIn in = xt == kernels::Act::F16 ? kernels::GemvIn::F16 : kernels::GemvIn::BF16;
     kernels::gemv_w8a16_m(kernels::plan_gemv_m(ep, in, rows, N, K), w, scales, x, xt, rows, N, K, ep, out, stream);
-  } else if (rows >= route.sm90_min && route.fp8) {
+  } else if (rows >= route.w8a8_min) {
     kernels::gemm_w8a8_sm90(w, scales, x, xt, rows, N, K, ep, out, route.ws, route.ws_bytes, stream);
   } else if (rows >= route.sm90_min) {
     kernels::gemm_w8a16_sm90(w, scales, x, xt, rows, N, K, ep, out, route.ws, route.ws_bytes, stream,
@@ -50,7 +50,7 @@ void linear(const kernels::GemvPlan& plan, const GemmRoute& route, const uint8_t
 
 // The route of this engine's chunks (its plan's thresholds, its workspace).
 GemmRoute route_of(const StepPlan& plan, void* ws, size_t ws_bytes) {
-  return GemmRoute{plan.small_m_max_rows, plan.sm90_gemm_min_rows, plan.options.prefill_fp8, ws, ws_bytes};
+  return GemmRoute{plan.small_m_max_rows, plan.sm90_gemm_min_rows, plan.w8a8_min_rows, ws, ws_bytes};
 }
 
 }  // namespace

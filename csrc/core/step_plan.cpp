@@ -78,6 +78,7 @@ StepPlan make_step_plan(const ModelSpec& s, int max_context, const PlanOptions& 
   const bool sm90_gemm =
       p.cc_major == 9 && kernels::gemm_w8a16_sm90_takes_layer(kernels::Sm90Layer{d, f, s.q_dim(), s.qkv_dim()});
   p.sm90_gemm_min_rows = sm90_gemm ? StepPlan::kSm90GemmMinRows : StepPlan::kNever;
+  p.w8a8_min_rows = sm90_gemm && options.prefill_fp8 ? StepPlan::kW8A8MinRows : StepPlan::kNever;
   return p;
 }
 

@@ -25,8 +25,9 @@ struct PlanOptions {
   bool cluster_merge = true;    // attention merges its splits in a thread-block cluster when one holds them
   bool staged_pair = true;      // the QKV GEMV copies its warps' second row pairs to shared memory early
   bool tickets = true;          // the gate/up GEMV hands out its row pairs past the first round by ticket
-  // A recipe, not a schedule (other bits): prefill chunks on the sm90 GEMM quantize their activations to
-  // FP8 per token per 128 columns (gemm_w8a8_sm90) instead of W8A16. Under evaluation; off by default.
+  // A recipe, not a schedule (other bits): prefill chunks of at least StepPlan::w8a8_min_rows rows
+  // quantize their activations to FP8 per token per 128 columns (gemm_w8a8_sm90) instead of W8A16.
+  // Off by default (docs/design/gemm_w8a8_sm90.md: its quality on real text).
   bool prefill_fp8 = false;
 };
 
@@ -93,6 +94,13 @@ struct StepPlan {
   // 16 rows (143 us), so every chunk past the small-M range takes it.
   static constexpr int kSm90GemmMinRows = kSmallMMaxRows + 1;
   int sm90_gemm_min_rows = kSm90GemmMinRows;
+  // With PlanOptions::prefill_fp8, chunks of at least w8a8_min_rows rows run their products on the FP8
+  // recipe (gemm_w8a8_sm90), kNever otherwise. Measured on an H200 (bench_kernels.py --sections
+  // gemm_w8a8, one layer against the W8A16 GEMM's kind for the rows, the activation quantizer
+  // included): 3B 0.92x at 16..64 rows, 1.02x at 128, 1.11x at 256, 1.24x at 512 and 1024; 8B 0.91x at
+  // 128, 1.05x at 256, 1.18x at 512.
+  static constexpr int kW8A8MinRows = 256;
+  int w8a8_min_rows = kNever;
 
   kernels::GemvKnobs knobs() const { return {options.staged_pair, options.tickets}; }
   // The attention plan of a decode step whose grid is planned for attn_keys keys.
