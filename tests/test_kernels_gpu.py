@@ -897,12 +897,13 @@ def test_sample_step_ends_the_step(rng, vocab, d):
             np.testing.assert_array_equal(row, from_bf16(embed[token]).astype(np.float32))
 
 
-@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("bad", [np.nan, -np.nan, np.inf])
 def test_sampler_refuses_non_finite_logits(rng, bad):
-    """Logits holding a NaN or an Inf give -1 (sample_numpy raises on them), never a token: sample()
-    and sample_step, greedy or not; sample_step still ends the step (ring slot -1, positions
-    advanced, flag cleared) with token 0's embedding row as the next input (a valid one). Greedy from
-    the head's block maxima sees only the largest key: a NaN or +Inf there gives -1."""
+    """Logits holding a NaN (either sign) or +Inf give -1, never a token (sample_numpy raises on them;
+    -Inf is a masked token, test_greedy_is_argmax_lowest_index_on_ties): sample() and sample_step,
+    greedy or not; sample_step still ends the step (ring slot -1, positions advanced, flag cleared)
+    with token 0's embedding row as the next input (a valid one). Greedy from the head's block maxima
+    sees only the largest key: a positive NaN or +Inf there gives -1."""
     vocab, d = 128256, 64
     x = distinct_logits(rng, vocab)
     x[vocab // 3] = bad
@@ -913,9 +914,12 @@ def test_sampler_refuses_non_finite_logits(rng, bad):
         assert token == -1 and ring_out[10 % 4] == -1 and ring_out[4 + 10 % 4] == 1
         assert pos_after.tolist() == [11, 12] and flag_after == 0
         np.testing.assert_array_equal(row, from_bf16(embed[0]).astype(np.float32))
-    best = np.array([argmax_keys(x).max()], np.uint64)  # a NaN's key is the largest, -Inf's the smallest
-    want = int(np.argmax(x)) if bad == -np.inf else -1
+    keys = argmax_keys(x)  # a positive NaN's key is the largest, a negative one's the smallest
+    best = np.array([keys.max()], np.uint64)
+    want = -1 if keys.max() == keys[vocab // 3] else int(np.argmax(np.where(np.isnan(x), -np.inf, x)))
     assert ops.sample_step(x, 0.0, 0, 1.0, 7, 10, embed, best, 4, 0)[0] == want
+    x[:] = -np.inf  # nothing to draw
+    assert ops.sample(x, 1.0, 0, 1.0, 7, 11) == -1 and ops.sample(x, 0.0, 0, 1.0, 7, 11) == -1
 
 
 def test_sample_step_greedy_takes_the_block_maxima(rng):

@@ -14,10 +14,10 @@
 // Numerics: w_i = expf((x_i - max) / T) in fp32, then fixed point w * 2^40 in uint64, so every sum
 // (top-p mass, the CDF) is exact and order-independent: results are deterministic and the
 // threshold searches and the CDF agree with each other to the last bit. Tokens with w < 2^-41 have
-// zero weight (they would be drawn with probability < 2^-41). Logits holding a NaN or an Inf give
-// -1, as sample_numpy refuses them (their keys sit at the ends of the order: the largest or the
-// smallest key is not a finite value); the greedy draw from the head's block maxima sees only the
-// largest key, so there a NaN or +Inf gives -1.
+// zero weight (they would be drawn with probability < 2^-41), -Inf logits too (masked tokens).
+// Logits holding a NaN or +Inf, or nothing but -Inf, give -1 (their keys sit at the ends of the
+// order: the largest key's value is not finite, or the smallest one's is a NaN); the greedy draw
+// from the head's block maxima sees only the largest key.
 //
 // Cost: greedy = one read of the logits spread over 8 SMs plus one cluster reduction, or, given
 // the head GEMV's per-block maxima (sample_step), one block reducing those (a few hundred). Sampling
@@ -248,7 +248,8 @@ static __global__ void __cluster_dims__(kSampleBlocks, 1, 1) __launch_bounds__(k
   cluster_allreduce(v, OpMax{}, sh, round);
   const uint32_t key_max = static_cast<uint32_t>(v[0] >> 32);
   const uint32_t key_min = ~static_cast<uint32_t>(v[1]);
-  const bool finite = isfinite(key_value(key_max)) && isfinite(key_value(key_min));  // the same in every block
+  // The same in every block: no NaN, no +Inf, not all -Inf.
+  const bool finite = isfinite(key_value(key_max)) && !isnan(key_value(key_min));
 
   if (!(cfg.temperature > 0.f) || !finite) {
     const int32_t token = finite ? static_cast<int32_t>(~static_cast<uint32_t>(v[0])) : -1;  // every block has it
