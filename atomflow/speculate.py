@@ -231,7 +231,8 @@ def speculative_ids(
 ) -> Iterator[int]:
     """Greedy generation with n-gram drafts: the ids plain greedy generate_ids(prompt_ids, start=start)
     yields, in as few forward passes as the drafts allow. The backend provides spec_prefill (the
-    cache then holds all of the sequence but its last token), verify (ids appended, every row's
+    prompt prefilled and its first greedy token, generate_ids' own; None when only the last id is new:
+    the cache then holds all of the sequence but its last token), verify (ids appended, every row's
     greedy token, -1 for non-finite logits), steps (plain greedy decode steps, pipelined), rollback and hold (this run owns the
     cache; a later call on the backend ends it, as it ends a generate_ids run). While suspended,
     the cache holds the prompt and every yielded token but the last."""
@@ -240,7 +241,7 @@ def speculative_ids(
     budget = generation_budget(n, max_new_tokens, backend.max_context)
     max_rows = min(MAX_ROWS, backend.verify_rows)
     stats.config = str(cfg)
-    first = backend.spec_prefill(ids, start)  # a token (the CPU backend's prefill samples it) or None
+    first = backend.spec_prefill(ids, start)  # the prompt's last row's greedy token, or None (only the last id is new)
     drafter = NgramDrafter(ids.tolist(), cfg.n_max, cfg.n_min)
     policy = AdaptiveK(cfg)
     yielded = 0

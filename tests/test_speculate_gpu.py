@@ -45,6 +45,21 @@ def test_greedy_equals_plain_tiny(tiny_spec, kind, spec):
     equal_runs(tiny_spec, PROMPTS[kind], 64, spec)
 
 
+@pytest.mark.parametrize("n", [1, 2, 33, 257])
+def test_spec_prefill_gives_generate_ids_first_token(tiny_spec, n):
+    """A speculative run's first token is plain generation's own (the prompt's last row sampled on the
+    device by Engine.begin_prompt, the same chunks and bits), not a verify row's, whose decode-step bits
+    may break a near-tie the other way; with one new id there is no prefill and the first verify feeds it."""
+    be = tiny_spec.backend
+    ids = np.random.default_rng(n).integers(0, 1024, n).astype(np.int32)
+    first = next(iter(be.generate_ids(ids, SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True))))
+    got = be.spec_prefill(ids, 0)
+    if n == 1:
+        assert got is None and be.position == 0
+    else:
+        assert got == first and be.position == n
+
+
 def test_drafts_are_accepted_tiny(tiny_spec):
     st = equal_runs(tiny_spec, PROMPTS["hit"], 160, "ngram:8")
     assert st.accepted > 0

@@ -271,15 +271,26 @@ class CudaBackend:
         """Whether verify rows equal decode steps bit for bit: bf16 activations on both paths."""
         return not self.engine.f16_activations
 
-    def spec_prefill(self, ids: np.ndarray, start: int) -> None:
-        """As generate_ids: the cache holds ids but the last (from `start`); greedy sampling set.
-        Returns None: the first token comes from the first verify (or decode) step."""
+    def spec_prefill(self, ids: np.ndarray, start: int) -> int | None:
+        """As generate_ids: the cache then holds ids (from `start`), greedy sampling set, and the first token
+        is generate_ids' own: sampled on the device from the prompt's last row (Engine.begin_prompt, the
+        same chunks and bits), so speculative output equals plain greedy output from the first token on.
+        None when only the last id is new: the first verify (or decode) step feeds it, as generate_ids'
+        first decode step does."""
         ids = np.asarray(ids, dtype=np.int32)
         self._end_run()
         if not 0 <= start < len(ids) or start > self.engine.position:
             raise ValueError(f"start {start} must be in [0, {len(ids)}) and at most the position {self.engine.position}")
-        self._prefill_prompt(ids, start, (0.0, 0, 1.0, 0))
-        return None
+        if len(ids) - start == 1:
+            self._prefill_prompt(ids, start, (0.0, 0, 1.0, 0))
+            return None
+        self._rollback_to(start)
+        self.engine.set_sampling(0.0, 0, 1.0, 0)
+        self.engine.begin_prompt(ids[start:])
+        (token,) = self.engine.wait(1)
+        if token < 0 or not np.isfinite(self.engine.prompt_logits()).all():
+            raise NonFiniteLogitsError(f"non-finite logits at position {len(ids) - 1}", len(ids) - 1)
+        return int(token)
 
     def verify(self, ids: np.ndarray) -> np.ndarray:
         """Appends ids (one chunk of <= verify_rows) at the position; int32 [len(ids)]: each row's greedy
