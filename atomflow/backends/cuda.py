@@ -197,12 +197,12 @@ class CudaBackend:
         sampling = (float(params.temperature), int(params.top_k or 0), top_p, seed)
         if len(ids) - start == 1:  # the prompt's one new token is a decode step's input
             self._prefill_prompt(ids, start, sampling)
-            yield from self._pipeline(int(ids[-1]), budget, keep=len(ids) - 1)
+            yield from self._pipeline(budget, keep=len(ids) - 1, token=int(ids[-1]))
             return
         # The first token is sampled from the prefill's last row on the device (no decode step for it).
         self._rollback_to(start)
         self.engine.set_sampling(*sampling)
-        yield from self._pipeline(ids[start:], budget, keep=len(ids) - 1)
+        yield from self._pipeline(budget, keep=len(ids) - 1, prompt=ids[start:])
 
     def _rollback_to(self, start: int) -> None:
         """No run in flight, the cache holding ids[:start] (0: reset)."""
@@ -226,19 +226,18 @@ class CudaBackend:
             if not np.isfinite(logits).all():
                 raise NonFiniteLogitsError(f"non-finite logits at position {n - 2}", n - 2)
 
-    def _pipeline(self, first: int | np.ndarray, budget: int, keep: int) -> Iterator[int]:
+    def _pipeline(self, budget: int, keep: int, token: int | None = None, prompt: np.ndarray | None = None) -> Iterator[int]:
         """`budget` tokens, up to IN_FLIGHT steps enqueued ahead of the one read; yields each sampled
-        token as it lands in the ring. `first`: a token fed to the first decode step at position
-        `keep`, or the prompt ids to prefill (at least 2), their last at `keep`, whose last row's
-        sample is the first step (Engine.begin_prompt; its logits checked to be finite)."""
+        token as it lands in the ring. The first step: a decode step fed `token` at position `keep`, or
+        the sample of `prompt`'s last row (ids to prefill, at least 2, their last at `keep`;
+        Engine.begin_prompt, its logits checked to be finite)."""
         eng = self.engine
-        prompt = not isinstance(first, int)
-        if prompt:
-            eng.begin_prompt(first)
+        if prompt is not None:
+            eng.begin_prompt(prompt)
         else:
-            eng.begin(first)
+            eng.begin(token)
         run = self._run = _Run(keep=keep)
-        enqueued, yielded = int(prompt), 0
+        enqueued, yielded = int(prompt is not None), 0
         try:
             while yielded < budget:
                 if self._run is not run:
@@ -247,14 +246,15 @@ class CudaBackend:
                 if ahead > 0:
                     eng.enqueue(ahead)
                     enqueued += ahead
-                (token,) = eng.wait(1)
+                (sampled,) = eng.wait(1)
                 # NaN/Inf in the weights reaches every row. The decode steps' logits stay on the device:
                 # the prompt's row is checked here, and a step the sampler drew nothing from gives -1.
-                if token < 0 or (prompt and yielded == 0 and not np.isfinite(eng.prompt_logits()).all()):
+                first_of_prompt = prompt is not None and yielded == 0
+                if sampled < 0 or (first_of_prompt and not np.isfinite(eng.prompt_logits()).all()):
                     raise NonFiniteLogitsError(f"non-finite logits at position {run.keep}", run.keep)
                 yielded += 1
                 run.keep += 1
-                yield token
+                yield sampled
         finally:
             if self._run is run:
                 self._end_run()
@@ -302,7 +302,7 @@ class CudaBackend:
     def steps(self, token: int, n: int) -> Iterator[int]:
         """n pipelined decode steps from `token` with the sampling last set (spec_prefill: greedy)."""
         self._end_run()
-        return self._pipeline(int(token), int(n), keep=self.engine.position)
+        return self._pipeline(int(n), keep=self.engine.position, token=int(token))
 
     def hold(self, keep: int) -> _Run:
         """A speculative run owns the cache: a later call ends it, rolling back to `keep`."""

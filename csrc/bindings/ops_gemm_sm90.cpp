@@ -26,38 +26,52 @@ k::Sm90Tile tile_arg(const std::string& tile) {
                         "'");
 }
 
-// w u8 [N, K], scales f32 [N, ceil(K / 128)], x u16 [M, K]; out_init: AddResidual's starting values.
-// Outputs poisoned (NaN) before the launch; the workspace poisoned too, so nothing may rely on it.
+// One call of either sm90 GEMM on host arrays: w u8 [N, K], scales f32 [N, ceil(K / 128)], x u16 [M, K];
+// out_init: AddResidual's starting values. The operands on the device, the output poisoned (NaN) before
+// the launch (or out_init), the workspace poisoned too, so nothing may rely on it.
+struct Sm90Call {
+  k::Act xt;
+  k::Epilogue ep;
+  int M = 0, N = 0, K = 0;
+  DeviceBuffer dw, ds, dx, out;
+  Sm90Call(const char* what, const py::array& w_, const py::array& s_, const py::array& x_, int ep_,
+           const py::object& out_init_, const std::string& x_dtype)
+      : xt(act_arg(x_dtype)), ep(epilogue_arg(ep_)) {
+    auto w = arg<uint8_t>(w_, "w", {-1, -1});
+    N = static_cast<int>(w.shape(0)), K = static_cast<int>(w.shape(1));
+    auto s = arg<float>(s_, "scales", {N, scale_groups(K)});
+    auto x = arg<uint16_t>(x_, "x", {-1, K});
+    M = static_cast<int>(x.shape(0));
+    require(k::gemm_w8a16_sm90_built() && k::gemm_w8a16_sm90_supported(ep, M, N, K),
+            std::string(what) + ": unsupported shape (needs M >= 1, N % 8 == 0, K % 64 == 0) or a build without it");
+    if (ep == k::Epilogue::SwiGLU) require(N % 16 == 0, "SwiGLU needs N = 2F with F % 8 == 0");
+    const bool add = ep == k::Epilogue::AddResidual;
+    require(add == !out_init_.is_none(), "out_init is required with AddResidual and only with it");
+    dw = to_device(w), ds = to_device(s), dx = to_device(x);
+    out = add ? to_device(arg<float>(out_init_.cast<py::array>(), "out_init", {M, N}))
+              : DeviceBuffer::poisoned(ep == k::Epilogue::SwiGLU ? sizeof(bf16) * M * (N / 2) : sizeof(float) * M * N);
+  }
+  // After the launch: fp32 [M, N], or SwiGLU's bf16 bits [M, N / 2].
+  py::object result() {
+    sync();
+    if (ep == k::Epilogue::SwiGLU) return to_host<uint16_t>(out, {M, N / 2});
+    return to_host<float>(out, {M, N});
+  }
+};
+
 py::object gemm_sm90(const py::array& w_, const py::array& s_, const py::array& x_, int ep_,
                      const py::object& out_init_, const std::string& x_dtype, const std::string& tile,
                      bool pretransposed) {
-  const k::Act xt = act_arg(x_dtype);
-  const k::Epilogue ep = epilogue_arg(ep_);
-  auto w = arg<uint8_t>(w_, "w", {-1, -1});
-  const int N = static_cast<int>(w.shape(0)), K = static_cast<int>(w.shape(1));
-  auto s = arg<float>(s_, "scales", {N, scale_groups(K)});
-  auto x = arg<uint16_t>(x_, "x", {-1, K});
-  const int M = static_cast<int>(x.shape(0));
-  require(k::gemm_w8a16_sm90_supported(ep, M, N, K),
-          "gemm_sm90: unsupported shape (needs M >= 1, N % 8 == 0, K % 64 == 0) or a build without it");
-  if (ep == k::Epilogue::SwiGLU) require(N % 16 == 0, "SwiGLU needs N = 2F with F % 8 == 0");
-  const bool add = ep == k::Epilogue::AddResidual;
-  require(add == !out_init_.is_none(), "out_init is required with AddResidual and only with it");
-  DeviceBuffer dw = to_device(w), ds = to_device(s), dx = to_device(x);
-  const std::vector<py::ssize_t> fp32_shape{M, N};
-  DeviceBuffer out =
-      add ? to_device(arg<float>(out_init_.cast<py::array>(), "out_init", fp32_shape))
-          : DeviceBuffer::poisoned(ep == k::Epilogue::SwiGLU ? sizeof(bf16) * M * (N / 2) : sizeof(float) * M * N);
+  Sm90Call c("gemm_sm90", w_, s_, x_, ep_, out_init_, x_dtype);
   const k::Sm90Tile kind = tile_arg(tile);
-  const size_t ws_bytes = k::gemm_w8a16_sm90_workspace_bytes(ep, M, N, K, kind);
+  const size_t ws_bytes = k::gemm_w8a16_sm90_workspace_bytes(c.ep, c.M, c.N, c.K, kind);
   DeviceBuffer ws = DeviceBuffer::poisoned(ws_bytes);
-  DeviceBuffer scales_gn = DeviceBuffer::poisoned(pretransposed ? sizeof(float) * s.size() : 16);
-  if (pretransposed) k::gemm_w8a16_sm90_transpose_scales(ds.get<float>(), N, K, scales_gn.get<float>(), nullptr);
-  k::gemm_w8a16_sm90(dw.get<uint8_t>(), ds.get<float>(), dx.get(), xt, M, N, K, ep, out.get(), ws.get(), ws_bytes,
-                     nullptr, kind, pretransposed ? scales_gn.get<float>() : nullptr);
-  sync();
-  if (ep == k::Epilogue::SwiGLU) return to_host<uint16_t>(out, {M, N / 2});
-  return to_host<float>(out, fp32_shape);
+  DeviceBuffer scales_gn =
+      DeviceBuffer::poisoned(pretransposed ? sizeof(float) * static_cast<size_t>(c.N) * scale_groups(c.K) : 16);
+  if (pretransposed) k::gemm_w8a16_sm90_transpose_scales(c.ds.get<float>(), c.N, c.K, scales_gn.get<float>(), nullptr);
+  k::gemm_w8a16_sm90(c.dw.get<uint8_t>(), c.ds.get<float>(), c.dx.get(), c.xt, c.M, c.N, c.K, c.ep, c.out.get(),
+                     ws.get(), ws_bytes, nullptr, kind, pretransposed ? scales_gn.get<float>() : nullptr);
+  return c.result();
 }
 
 // us per launch (scale transpose + GEMM (+ SwiGLU)), median of iters batches; compute-bound, so the
@@ -81,47 +95,26 @@ double time_gemm_sm90(int M, int N, int K, int iters, int ep_, const std::string
 // The FP8 recipe (gemm_w8a8_sm90) on the same arguments; outputs and workspace poisoned.
 py::object gemm_sm90_w8a8(const py::array& w_, const py::array& s_, const py::array& x_, int ep_,
                           const py::object& out_init_, const std::string& x_dtype) {
-  const k::Act xt = act_arg(x_dtype);
-  const k::Epilogue ep = epilogue_arg(ep_);
-  auto w = arg<uint8_t>(w_, "w", {-1, -1});
-  const int N = static_cast<int>(w.shape(0)), K = static_cast<int>(w.shape(1));
-  auto s = arg<float>(s_, "scales", {N, (K + 127) / 128});
-  auto x = arg<uint16_t>(x_, "x", {-1, K});
-  const int M = static_cast<int>(x.shape(0));
-  require(k::gemm_w8a16_sm90_built() && k::gemm_w8a16_sm90_supported(ep, M, N, K),
-          "gemm_sm90_w8a8: unsupported shape (needs M >= 1, N % 8 == 0, K % 64 == 0) or a build without it");
-  if (ep == k::Epilogue::SwiGLU) require(N % 16 == 0, "SwiGLU needs N = 2F with F % 8 == 0");
-  const bool add = ep == k::Epilogue::AddResidual;
-  require(add == !out_init_.is_none(), "out_init is required with AddResidual and only with it");
-  DeviceBuffer dw = to_device(w), ds = to_device(s), dx = to_device(x);
-  const std::vector<py::ssize_t> fp32_shape{M, N};
-  DeviceBuffer out =
-      add ? to_device(arg<float>(out_init_.cast<py::array>(), "out_init", fp32_shape))
-          : DeviceBuffer::poisoned(ep == k::Epilogue::SwiGLU ? sizeof(bf16) * M * (N / 2) : sizeof(float) * M * N);
-  const size_t ws_bytes = k::gemm_w8a8_sm90_workspace_bytes(ep, M, N, K);
+  Sm90Call c("gemm_sm90_w8a8", w_, s_, x_, ep_, out_init_, x_dtype);
+  const size_t ws_bytes = k::gemm_w8a8_sm90_workspace_bytes(c.ep, c.M, c.N, c.K);
   DeviceBuffer ws = DeviceBuffer::poisoned(ws_bytes);
-  k::gemm_w8a8_sm90(dw.get<uint8_t>(), ds.get<float>(), dx.get(), xt, M, N, K, ep, out.get(), ws.get(), ws_bytes,
-                    nullptr);
-  sync();
-  if (ep == k::Epilogue::SwiGLU) return to_host<uint16_t>(out, {M, N / 2});
-  return to_host<float>(out, fp32_shape);
+  k::gemm_w8a8_sm90(c.dw.get<uint8_t>(), c.ds.get<float>(), c.dx.get(), c.xt, c.M, c.N, c.K, c.ep, c.out.get(),
+                    ws.get(), ws_bytes, nullptr);
+  return c.result();
 }
 
+// us per launch (quantize + GEMM (+ SwiGLU)), bf16 x, median of iters batches (as time_gemm_sm90).
 double time_gemm_sm90_w8a8(int M, int N, int K, int iters, int ep_) {
   const k::Epilogue ep = epilogue_arg(ep_);
   require(k::gemm_w8a16_sm90_built() && k::gemm_w8a16_sm90_supported(ep, M, N, K),
           "time_gemm_sm90_w8a8: unsupported shape or a build without it");
-  const size_t wbytes = static_cast<size_t>(N) * K, sbytes = static_cast<size_t>(N) * ((K + 127) / 128) * sizeof(float);
   const size_t ws_bytes = k::gemm_w8a8_sm90_workspace_bytes(ep, M, N, K);
-  DeviceBuffer w(wbytes), s(sbytes), x(sizeof(bf16) * M * K), out(sizeof(float) * M * N), ws(ws_bytes);
-  w.fill(0x38);
-  s.fill(0);
-  x.fill(0);
-  out.fill(0);
+  GemmOperands o(M, N, K);
+  DeviceBuffer ws(ws_bytes);
   return median_us(
       [&](int) {
-        k::gemm_w8a8_sm90(w.get<uint8_t>(), s.get<float>(), x.get(), k::Act::BF16, M, N, K, ep, out.get(), ws.get(),
-                          ws_bytes, nullptr);
+        k::gemm_w8a8_sm90(o.w.get<uint8_t>(), o.s.get<float>(), o.x.get(), k::Act::BF16, M, N, K, ep, o.out.get(),
+                          ws.get(), ws_bytes, nullptr);
       },
       iters, 2);
 }

@@ -128,16 +128,6 @@ template <class T, class Tile, class Scheduler>
 using Kernel =
     cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop<T, Tile>, EpilogueOp<Tile>, Scheduler>;
 
-int sm_count() {
-  static const int n = [] {
-    int dev = 0, sms = 0;
-    AF_CUDA_CHECK(cudaGetDevice(&dev));
-    AF_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-    return sms;
-  }();
-  return n;
-}
-
 // Argument packing and launch of one of them (T: the activation's CUTLASS type).
 template <class T, class Tile, class Scheduler>
 struct Sm90Gemm {
@@ -158,7 +148,7 @@ struct Sm90Gemm {
     const StrideD sd = cutlass::make_cute_packed_stride(StrideD{}, make_shape(N, M, 1));
     const StrideS ss = cutlass::make_cute_packed_stride(StrideS{}, make_shape(N, G, 1));
     cutlass::KernelHardwareInfo hw{};
-    hw.sm_count = sm_count();
+    hw.sm_count = current_sm_count();
     typename Gemm::Arguments args{
         cutlass::gemm::GemmUniversalMode::kGemm,
         {N, M, K, 1},

@@ -116,16 +116,6 @@ using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
 using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, EpilogueOp>;
 using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 
-int sm_count() {
-  static const int n = [] {
-    int dev = 0, sms = 0;
-    AF_CUDA_CHECK(cudaGetDevice(&dev));
-    AF_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-    return sms;
-  }();
-  return n;
-}
-
 Gemm::Arguments arguments(const uint8_t* w, const float* sw, const void* x8, const float* sx, int M, int N, int K,
                           float beta, const float* c, float* d) {
   const auto problem = make_shape(N, M, K, 1);
@@ -134,7 +124,7 @@ Gemm::Arguments arguments(const uint8_t* w, const float* sw, const void* x8, con
   typename Kernel::StrideC stride_c = cutlass::make_cute_packed_stride(typename Kernel::StrideC{}, make_shape(N, M, 1));
   typename Kernel::StrideD stride_d = cutlass::make_cute_packed_stride(typename Kernel::StrideD{}, make_shape(N, M, 1));
   cutlass::KernelHardwareInfo hw{};
-  hw.sm_count = sm_count();
+  hw.sm_count = current_sm_count();
   return Gemm::Arguments{
       cutlass::gemm::GemmUniversalMode::kGemm,
       {N, M, K, 1},

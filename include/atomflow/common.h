@@ -1,4 +1,4 @@
-// Shared by every CUDA file: the one error macro, CEIL_DIV, and the bf16 alias.
+// Shared by every CUDA file: the one error macro, CEIL_DIV, the bf16 alias, the current device's SM count.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -44,3 +44,18 @@ struct CudaError : std::runtime_error {
   } while (0)
 
 #define CEIL_DIV(a, b) (((a) + (b) - 1) / (b))
+
+namespace atomflow {
+
+// The SM count of the current device, read once per process (the engine runs on one GPU).
+inline int current_sm_count() {
+  static const int n = [] {
+    int dev = 0, sms = 0;
+    AF_CUDA_CHECK(cudaGetDevice(&dev));
+    AF_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    return sms;
+  }();
+  return n;
+}
+
+}  // namespace atomflow
