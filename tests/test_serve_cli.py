@@ -125,3 +125,19 @@ def test_an_engine_failure_is_a_500_error_object_and_the_next_request_runs(tiny_
         assert "Traceback" not in r.text and "device lost" not in r.text
         stream = client.post("/v1/completions", json={**body, "stream": True})
         assert stream.status_code == 200 and stream.text.rstrip().endswith("data: [DONE]")
+
+
+def test_prefill_recipe_reaches_the_engine(tiny_model_file):
+    """--prefill-recipe w8a8 (the FP8 prompt recipe) is the served engine's: here the CPU reference's emulation."""
+    from fastapi.testclient import TestClient
+
+    from atomflow.cli import build_parser
+    from atomflow.serve.app import ServeConfig, create_app
+
+    assert build_parser().parse_args(["serve", "m.atomflow"]).prefill_recipe == "w8a16"
+    assert build_parser().parse_args(["serve", "m.atomflow", "--prefill-recipe", "w8a8"]).prefill_recipe == "w8a8"
+    cfg = ServeConfig(model=str(tiny_model_file), model_name="tiny", backend="cpu", max_context=64, prefill_recipe="w8a8")
+    app = create_app(cfg)
+    with TestClient(app):
+        assert app.state.worker.loaded.wait(60)
+        assert app.state.worker.engine.backend.ref.prefill_recipe == "w8a8"

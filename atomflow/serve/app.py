@@ -48,6 +48,7 @@ class ServeConfig:
     max_body_bytes: int = 4 << 20  # request bodies past this: 413
     eager: bool | None = None
     speculate: str | None = None  # "ngram[:K]": every request decodes greedily with n-gram drafts
+    prefill_recipe: str = "w8a16"  # or "w8a8": prompt chunks of 256+ rows on the FP8 recipe (atomflow/model/recipe.py)
 
 
 def _error_response(e: ApiError) -> JSONResponse:
@@ -116,7 +117,12 @@ def create_app(cfg: ServeConfig, load=None) -> FastAPI:
             from atomflow.engine import Engine
 
             eng = Engine.load(
-                cfg.model, backend=cfg.backend, max_context=cfg.max_context, eager=cfg.eager, speculate=cfg.speculate
+                cfg.model,
+                backend=cfg.backend,
+                max_context=cfg.max_context,
+                eager=cfg.eager,
+                speculate=cfg.speculate,
+                prefill_recipe=cfg.prefill_recipe,
             )
             warm_up(eng)
             return eng

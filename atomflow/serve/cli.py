@@ -6,6 +6,8 @@ import os
 import sys
 from pathlib import Path
 
+from atomflow.model.recipe import PREFILL_RECIPE_HELP, PREFILL_RECIPES
+
 
 def register(subparsers) -> None:
     s = subparsers.add_parser(
@@ -44,6 +46,7 @@ def register(subparsers) -> None:
         help="speculative decoding with n-gram drafts, K drafted tokens at most (1..15, default 8); greedy only: "
         "requests default to temperature 0 and a temperature > 0 gets a 400",
     )
+    s.add_argument("--prefill-recipe", choices=PREFILL_RECIPES, default="w8a16", help=PREFILL_RECIPE_HELP)
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     s.set_defaults(fn=cmd_serve)
 
@@ -84,6 +87,7 @@ def cmd_serve(a) -> int:
         max_tokens=a.max_tokens,
         eager=a.eager or None,
         speculate=str(spec) if spec else None,
+        prefill_recipe=a.prefill_recipe,
     )
     # The engine thread holds the GIL between steps (all the time, on the CPU backend): hand it
     # over to the event loop more often than the default 5 ms, so streams and disconnects stay prompt.
