@@ -175,6 +175,24 @@ def test_speedups():
     assert pp["speedup"] == pytest.approx(20500 / 5000)
 
 
+def test_speedups_of_each_engine_of_ours():
+    """With --prefill-fp8 the pp rows of "atomflow w8a8" get their own speedups and table; none of our
+    engines is ever another's baseline, and the CSV's speedup column stays the default engine's."""
+    result = synthetic_result()
+    w8a8_row = measured_row("atomflow w8a8", PP, [25000.0], ttft_ms=[21.0], bytes_per_token=1e7, bandwidth_gbs=4500.0)
+    rows = result["rows"] + [w8a8_row]
+    ups = speedups(rows) + speedups(rows, "atomflow w8a8")
+    assert {u["baseline"] for u in ups} == {"torch-compile"}
+    w8a8 = [u for u in ups if u["ours"] == "atomflow w8a8"]
+    assert [(u["test"], u["speedup"]) for u in w8a8] == [("pp512", pytest.approx(25000 / 5000))]
+    md = render({**result, "rows": rows, "speedups": ups}, "md")
+    assert "Speedup of atomflow (tg" in md and "Speedup of atomflow w8a8 (tg" in md
+    assert "| torch-compile | 5.00x |" in md and "| torch-compile | 4.10x | 1.61x | - |" in md
+    table = list(csv.DictReader(io.StringIO(render({**result, "rows": rows, "speedups": ups}, "csv"))))
+    pp = next(r for r in table if r["engine"] == "torch-compile" and r["test"] == "pp512")
+    assert float(pp["speedup"]) == pytest.approx(20500 / 5000)  # the default engine's, not w8a8's
+
+
 def test_markdown():
     md = render(synthetic_result(), "md")
     assert "NVIDIA H200" in md and "4500 GB/s" in md and "commit abc1234" in md

@@ -111,5 +111,5 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] = log_stderr) -> di
         tests=[t.name for t in opts.tests],
         baselines=list(order),
         rows=rows,
-        speedups=speedups(rows),
+        speedups=speedups(rows) + (speedups(rows, "atomflow w8a8") if opts.prefill_fp8 else []),
     )

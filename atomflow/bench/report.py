@@ -106,11 +106,16 @@ def to_markdown(result: dict) -> str:
             )
     lines += recipes(rows)
     ups = result.get("speedups") or []
-    if result.get("baselines"):
-        tests = [t for t in dict.fromkeys(r["test"] for r in result["rows"] if r["engine"] == "atomflow")]
+    # One table per engine of ours with speedups ("atomflow", then e.g. "atomflow w8a8"); "atomflow"'s
+    # also when every baseline was skipped.
+    for ours in dict.fromkeys(["atomflow"] + [u.get("ours", "atomflow") for u in ups]) if result.get("baselines") else []:
+        mine = [u for u in ups if u.get("ours", "atomflow") == ours]
+        if ours != "atomflow" and not mine:
+            continue
+        tests = [t for t in dict.fromkeys(r["test"] for r in result["rows"] if r["engine"] == ours)]
         lines += [
             "",
-            "Speedup of atomflow (tg: baseline TPOT p50 / ours; pp: our prompt t/s / the baseline's)",
+            f"Speedup of {ours} (tg: baseline TPOT p50 / ours; pp: our prompt t/s / the baseline's)",
             "",
             "| baseline | " + " | ".join(tests) + " |",
             "|---|" + "---:|" * len(tests),
@@ -118,7 +123,7 @@ def to_markdown(result: dict) -> str:
         for b in result["baselines"]:
             cells = []
             for t in tests:
-                s = next((u for u in ups if u["baseline"] == b and u["test"] == t), None)
+                s = next((u for u in mine if u["baseline"] == b and u["test"] == t), None)
                 cells.append(f"{s['speedup']:.2f}x" if s else "-")
             lines.append(f"| {b} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -151,7 +156,8 @@ def to_csv(result: dict) -> str:
     buf = io.StringIO()
     w = csv.DictWriter(buf, fieldnames=CSV_COLUMNS, extrasaction="ignore", lineterminator="\n")
     w.writeheader()
-    ups = {(u["baseline"], u["test"]): u["speedup"] for u in result.get("speedups") or []}
+    mine = [u for u in result.get("speedups") or [] if u.get("ours", "atomflow") == "atomflow"]
+    ups = {(u["baseline"], u["test"]): u["speedup"] for u in mine}
     for r in result["rows"]:
         w.writerow(
             {

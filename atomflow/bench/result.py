@@ -86,20 +86,29 @@ def _base(engine: str, test: BenchTest | None, status: str, reason: str | None) 
     )
 
 
-def speedups(rows: list[dict], ours: str = "atomflow") -> list[dict]:
-    """Our speedup over each baseline on each test both ran: baseline TPOT p50 / ours for tg,
-    our prompt tokens/s / the baseline's for pp."""
+OURS = "atomflow"  # our engines: "atomflow", and "atomflow <variant>" (--speculate, --prefill-fp8)
+
+
+def is_ours(engine: str) -> bool:
+    return engine == OURS or engine.startswith(OURS + " ")
+
+
+def speedups(rows: list[dict], ours: str = OURS) -> list[dict]:
+    """The speedup of our engine `ours` over each baseline on each test both ran: baseline TPOT p50 /
+    ours for tg, our prompt tokens/s / the baseline's for pp. Our other engines are never baselines."""
     mine = {r["test"]: r for r in rows if r["engine"] == ours and r["status"] == "ok"}
     out = []
     for r in rows:
         m = mine.get(r["test"])
-        if r["engine"].startswith(ours) or r["status"] != "ok" or m is None:  # ours: also the --speculate rows
+        if is_ours(r["engine"]) or r["status"] != "ok" or m is None:
             continue
         if r["kind"] == "tg" and r["tpot_ms_p50"] and m["tpot_ms_p50"]:
-            out.append(dict(baseline=r["engine"], test=r["test"], metric="tpot_p50", speedup=r["tpot_ms_p50"] / m["tpot_ms_p50"]))
+            speedup = r["tpot_ms_p50"] / m["tpot_ms_p50"]
+            out.append(dict(ours=ours, baseline=r["engine"], test=r["test"], metric="tpot_p50", speedup=speedup))
         elif r["kind"] == "pp" and r["tokens_per_s_avg"] and m["tokens_per_s_avg"]:
             out.append(
                 dict(
+                    ours=ours,
                     baseline=r["engine"],
                     test=r["test"],
                     metric="prompt_tokens_per_s",
