@@ -22,7 +22,7 @@ def test_bench_kernels_refuses_an_unknown_section():
     assert "unknown section(s) bogus" in r.stderr and "gemm_sm90" in r.stderr
 
 
-@pytest.mark.parametrize("tool", ["prefill_profile.py", "verify_cost.py", "prefill_recipe_quality.py"])
+@pytest.mark.parametrize("tool", ["prefill_profile.py", "verify_cost.py", "prefill_recipe_quality.py", "step_gaps.py"])
 def test_gpu_tools_need_a_model(tool):
     r = run(tool)
     assert r.returncode == 2 and "model" in r.stderr
@@ -37,3 +37,19 @@ def test_prefill_profile_refuses_an_unknown_recipe():
 def test_prefill_recipe_quality_checks_its_window():
     r = run("prefill_recipe_quality.py", "model.atomflow", "--text", "t.txt", "--ctx", "2048")
     assert r.returncode == 2 and "--ctx" in r.stderr
+
+
+def test_step_gaps_cuts_steps_at_the_sampler():
+    """The trace's kernels cut into steps at each sampler (what ran before the first one is the prompt's):
+    span = first kernel's start to the sampler's end, gap = the previous sampler's end to the first start."""
+    sys.path.insert(0, str(TOOLS))
+    from step_gaps import steps_of
+
+    k = [(0.0, 5.0, "prefill_gemm"), (6.0, 7.0, "sample_kernel")]  # the prompt and its first token
+    for s0 in (10.0, 30.0):  # two steps of three kernels, 4 us apart
+        k += [(s0, s0 + 3.0, "gemv"), (s0 + 3.5, s0 + 6.0, "attention"), (s0 + 6.5, s0 + 7.0, "sample_kernel")]
+    steps = steps_of(k)
+    assert [s["kernels"] for s in steps] == [3, 3]
+    assert [s["span_us"] for s in steps] == [7.0, 7.0]
+    assert [s["gap_us"] for s in steps] == [3.0, 13.0]
+    assert steps_of([(0.0, 1.0, "gemv")]) == []
