@@ -8,6 +8,7 @@ the engine's pinned ring as they complete, so it never stands between two steps.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 
@@ -194,37 +195,21 @@ class CudaBackend:
         budget = generation_budget(len(ids), params.max_new_tokens, self.max_context)
         seed = 0 if params.seed is None else int(params.seed)
         top_p = float(1.0 if params.top_p is None else params.top_p)
-        sampling = (float(params.temperature), int(params.top_k or 0), top_p, seed)
-        if len(ids) - start == 1:  # the prompt's one new token is a decode step's input
-            self._prefill_prompt(ids, start, sampling)
+        self._start(start, (float(params.temperature), int(params.top_k or 0), top_p, seed))
+        if len(ids) - start == 1:  # the prompt's one new token is the first decode step's input
             yield from self._pipeline(budget, keep=len(ids) - 1, token=int(ids[-1]))
-            return
-        # The first token is sampled from the prefill's last row on the device (no decode step for it).
-        self._rollback_to(start)
-        self.engine.set_sampling(*sampling)
-        yield from self._pipeline(budget, keep=len(ids) - 1, prompt=ids[start:])
+        else:  # the first token sampled on the device from the prompt's last row (no decode step for it)
+            yield from self._pipeline(budget, keep=len(ids) - 1, prompt=ids[start:])
 
-    def _rollback_to(self, start: int) -> None:
-        """No run in flight, the cache holding ids[:start] (0: reset)."""
+    def _start(self, start: int, sampling: tuple) -> None:
+        """No run in flight, the cache rolled back to `start` (0: reset; it holds the prompt's first
+        `start` ids), the device sampler set to `sampling` (temperature, top_k, top_p, seed)."""
         self._end_run()
         if start:
             self.engine.set_position(start)  # the cache already holds ids[:start] (a reused prefix)
         else:
             self.engine.reset()
-
-    def _prefill_prompt(self, ids: np.ndarray, start: int, sampling: tuple) -> None:
-        """The cache made to hold ids but the last: rolled back to `start` (0: reset), the rest
-        prefilled; the device sampler set to `sampling` (temperature, top_k, top_p, seed)."""
-        eng = self.engine
-        n = len(ids)
-        self._rollback_to(start)
-        eng.set_sampling(*sampling)
-        if n - 1 > start:
-            # The decode steps sample on the device from logits the host never sees; the prefill's
-            # last row comes back anyway, and NaN/Inf in the weights reaches every row: checked here.
-            logits = eng.prefill(ids[start:-1])
-            if not np.isfinite(logits).all():
-                raise NonFiniteLogitsError(f"non-finite logits at position {n - 2}", n - 2)
+        self.engine.set_sampling(*sampling)
 
     def _pipeline(self, budget: int, keep: int, token: int | None = None, prompt: np.ndarray | None = None) -> Iterator[int]:
         """`budget` tokens, up to IN_FLIGHT steps enqueued ahead of the one read; yields each sampled
@@ -281,16 +266,11 @@ class CudaBackend:
         self._end_run()
         if not 0 <= start < len(ids) or start > self.engine.position:
             raise ValueError(f"start {start} must be in [0, {len(ids)}) and at most the position {self.engine.position}")
+        self._start(start, (0.0, 0, 1.0, 0))
         if len(ids) - start == 1:
-            self._prefill_prompt(ids, start, (0.0, 0, 1.0, 0))
             return None
-        self._rollback_to(start)
-        self.engine.set_sampling(0.0, 0, 1.0, 0)
-        self.engine.begin_prompt(ids[start:])
-        (token,) = self.engine.wait(1)
-        if token < 0 or not np.isfinite(self.engine.prompt_logits()).all():
-            raise NonFiniteLogitsError(f"non-finite logits at position {len(ids) - 1}", len(ids) - 1)
-        return int(token)
+        with contextlib.closing(self._pipeline(1, keep=len(ids) - 1, prompt=ids[start:])) as first:
+            return int(next(first))  # closed: the cache holds the prompt, the token not fed
 
     def verify(self, ids: np.ndarray) -> np.ndarray:
         """Appends ids (one chunk of <= verify_rows) at the position; int32 [len(ids)]: each row's greedy
