@@ -35,6 +35,7 @@
 #include <string>
 
 #include "atomflow/kernels.h"
+#include "gemm_sm90_common.cuh"
 
 #if ATOMFLOW_SM90_GEMM
 #include "cute/tensor.hpp"
@@ -51,9 +52,9 @@ namespace atomflow::kernels {
 
 namespace {
 
-constexpr int kScaleGroup = 128;
-constexpr size_t kWsAlign = 256;
-size_t align_up(size_t n) { return (n + kWsAlign - 1) / kWsAlign * kWsAlign; }
+using sm90::align_up;
+using sm90::kScaleGroup;
+using sm90::kWsAlign;
 
 // ---------------------------------------------------------------------------------------
 // kernels
@@ -162,27 +163,11 @@ struct Sm90Gemm {
     return Gemm::get_workspace_size(arguments(nullptr, nullptr, nullptr, M, N, K, 0.f, nullptr, nullptr));
   }
 
-  // y = x w^T (beta 0) or out += x w^T (beta 1, c = d = out). GemmUniversalAdapter::initialize's steps
-  // without its per-call cudaFuncSetAttribute (a driver call on every launch): the kernel's shared-memory
-  // limit is raised once per instance.
+  // y = x w^T (beta 0) or out += x w^T (beta 1, c = d = out).
   static void run(const uint8_t* w, const float* scales_gn, const void* x, int M, int N, int K, float beta, float* out,
                   void* workspace, cudaStream_t stream) {
-    const typename Gemm::Arguments args = arguments(w, scales_gn, x, M, N, K, beta, out, out);
-    const cutlass::Status ok = K_::can_implement(args) ? cutlass::Status::kSuccess : cutlass::Status::kInvalid;
-    AF_CHECK(ok == cutlass::Status::kSuccess, "gemm_w8a16_sm90: CUTLASS cannot run this shape");
-    static const bool smem_set = [] {
-      AF_CUDA_CHECK(cudaFuncSetAttribute(cutlass::device_kernel<K_>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(K_::SharedStorageSize)));
-      return true;
-    }();
-    (void)smem_set;
-    const cutlass::Status init = K_::initialize_workspace(args, workspace, stream);
-    AF_CHECK(init == cutlass::Status::kSuccess,
-             std::string("gemm_w8a16_sm90: workspace initialization failed: ") + cutlassGetStatusString(init));
-    typename K_::Params params = K_::to_underlying_arguments(args, workspace);
-    const cutlass::Status st = Gemm::run(params, stream);
-    AF_CHECK(st == cutlass::Status::kSuccess,
-             std::string("gemm_w8a16_sm90: launch failed: ") + cutlassGetStatusString(st));
+    sm90::run_cutlass<K_, Gemm>(arguments(w, scales_gn, x, M, N, K, beta, out, out), workspace, stream,
+                                "gemm_w8a16_sm90");
   }
 };
 

@@ -25,6 +25,7 @@
 #include <string>
 
 #include "atomflow/kernels.h"
+#include "gemm_sm90_common.cuh"
 
 #if ATOMFLOW_SM90_GEMM
 #include "cute/tensor.hpp"
@@ -42,9 +43,8 @@ namespace atomflow::kernels {
 
 namespace {
 
-constexpr int kGroup = 128;
-constexpr size_t kAlign = 256;
-size_t align_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+using sm90::align_up;
+constexpr int kGroup = sm90::kScaleGroup;  // the activations' groups are the weights'
 
 // One warp per (row, 128-column group): lane l holds columns 4l..4l+3 of the group (one 8-byte load),
 // amax over the group by shuffles, then x / scale rounded to e4m3 (satfinite), the lane's 4 bytes in one
@@ -140,21 +140,8 @@ size_t cutlass_workspace_bytes(int M, int N, int K) {
 
 void run(const uint8_t* w, const float* sw, const void* x8, const float* sx, int M, int N, int K, float beta,
          float* out, void* workspace, cudaStream_t stream) {
-  const Gemm::Arguments args = arguments(w, sw, x8, sx, M, N, K, beta, out, out);
-  AF_CHECK(Kernel::can_implement(args), "gemm_w8a8_sm90: CUTLASS cannot run this shape");
-  static const bool smem_set = [] {
-    AF_CUDA_CHECK(cudaFuncSetAttribute(cutlass::device_kernel<Kernel>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       static_cast<int>(Kernel::SharedStorageSize)));
-    return true;
-  }();
-  (void)smem_set;
-  const cutlass::Status init = Kernel::initialize_workspace(args, workspace, stream);
-  AF_CHECK(init == cutlass::Status::kSuccess,
-           std::string("gemm_w8a8_sm90: workspace initialization failed: ") + cutlassGetStatusString(init));
-  typename Kernel::Params params = Kernel::to_underlying_arguments(args, workspace);
-  const cutlass::Status st = Gemm::run(params, stream);
-  AF_CHECK(st == cutlass::Status::kSuccess,
-           std::string("gemm_w8a8_sm90: launch failed: ") + cutlassGetStatusString(st));
+  sm90::run_cutlass<Kernel, Gemm>(arguments(w, sw, x8, sx, M, N, K, beta, out, out), workspace, stream,
+                                  "gemm_w8a8_sm90");
 }
 #else
 size_t cutlass_workspace_bytes(int, int, int) { return 0; }
@@ -183,7 +170,8 @@ void gemm_w8a8_sm90(const uint8_t* w, const float* scales, const void* x, Act x_
   AF_CHECK(gemm_w8a16_sm90_supported(ep, M, N, K),
            "gemm_w8a8_sm90: needs M >= 1, N % 8 == 0, K % 64 == 0 and the Store, AddResidual or SwiGLU epilogue");
   const Carve c = carve(ep, M, N, K);
-  AF_CHECK(workspace != nullptr && workspace_bytes >= c.total && reinterpret_cast<uintptr_t>(workspace) % kAlign == 0,
+  AF_CHECK(workspace != nullptr && workspace_bytes >= c.total &&
+               reinterpret_cast<uintptr_t>(workspace) % sm90::kWsAlign == 0,
            "gemm_w8a8_sm90: the workspace must be gemm_w8a8_sm90_workspace_bytes() bytes, 256-byte aligned");
   uint8_t* ws = static_cast<uint8_t*>(workspace);
   uint8_t* x8 = ws;
