@@ -388,7 +388,7 @@ void Engine::prefill(const int32_t* ids, int n, float* logits) {
   int last_rows = 0;
   for (int offset = 0; offset < n; offset += opt_.prefill_chunk) {
     last_rows = std::min(opt_.prefill_chunk, n - offset);
-    enqueue_prefill_chunk(offset, last_rows, last_rows);
+    enqueue_prefill_chunk(offset, last_rows);
   }
   enqueue_head(last_rows - 1);  // the chunk's rows are still in buf_.x; only the last one counts
   host_pos_ += n;
@@ -403,7 +403,7 @@ void Engine::prefill_rows(const int32_t* ids, int n, float* logits) {
     throw std::invalid_argument("prefill_rows: " + std::to_string(n) + " rows do not fit one chunk of " +
                                 std::to_string(opt_.prefill_chunk));
   stage_prefill(ids, n);
-  enqueue_prefill_chunk(0, n, n);
+  enqueue_prefill_chunk(0, n);
   const size_t vocab = static_cast<size_t>(spec_.vocab_size);
   for (int first = 0; first < n; first += kLogitRows) {
     const int rows = std::min(kLogitRows, n - first);
@@ -425,7 +425,7 @@ void Engine::verify_greedy(const int32_t* ids, int n, int32_t* tokens) {
     throw std::invalid_argument("verify: " + std::to_string(n) + " rows do not fit one chunk of " +
                                 std::to_string(opt_.prefill_chunk));
   stage_prefill(ids, n);
-  enqueue_prefill_chunk(0, n, n);
+  enqueue_prefill_chunk(0, n);
   enqueue_head_rows(0, n);
   // Straight into the mapped host memory after the ring (the sync makes the writes visible).
   kernels::argmax_rows(buf_.logits, n, spec_.vocab_size, ring_dev_ + 2 * kRingSize, stream_);
@@ -499,7 +499,7 @@ void Engine::begin_prompt(const int32_t* ids, int n) {
     // hand-off, whose overflow rerun replays a decode step, and this row's logits must stay its own.
     if (rows > 2 && n - offset - rows == 1) --rows;
     const bool last = offset + rows == n;
-    enqueue_prefill_chunk(offset, rows, last ? 0 : rows);
+    enqueue_prefill_chunk(offset, rows, /*advance=*/!last);
     if (last) {
       // *pos = the last row's position, for the sampler, which reads it before its PDL wait (sampling.cu):
       // written by a copy, a stream operation every later kernel waits for in full (a kernel writing it

@@ -251,13 +251,13 @@ void Engine::enqueue_sample() {
   mark("finish", -1);
 }
 
-// ids[offset .. offset + rows) (already on the device) at *pos .., then *pos += advance (rows; 0 when
-// the caller sets the position itself: begin_prompt).
-void Engine::enqueue_prefill_chunk(int offset, int rows, int advance) {
+// ids[offset .. offset + rows) (already on the device) at *pos .., then *pos += rows unless the caller
+// sets the position itself (begin_prompt).
+void Engine::enqueue_prefill_chunk(int offset, int rows, bool advance) {
   NvtxRange range("prefill_chunk");
   kernels::embedding(buf_.embed, buf_.ids + offset, rows, spec_.hidden_size, spec_.vocab_size, buf_.x, stream_);
   enqueue_layers(rows, opt_.max_context);
-  if (advance != 0) step::advance_pos(buf_.pos, advance, stream_);
+  if (advance) step::advance_pos(buf_.pos, rows, stream_);
 }
 
 }  // namespace atomflow

@@ -195,8 +195,8 @@ class Engine {
                      const kernels::GemvPlan& probed, const uint8_t* w, const float* scales, const float* scales_gn,
                      int rows, int N, kernels::Epilogue ep, void* out, int* f16_overflow = nullptr);
   void enqueue_head(int row);
-  void enqueue_decode_step(int attn_keys);                        // the keys its attention grid is planned for
-  void enqueue_prefill_chunk(int offset, int rows, int advance);  // the position moves by `advance`
+  void enqueue_decode_step(int attn_keys);                                // the keys its attention grid is planned for
+  void enqueue_prefill_chunk(int offset, int rows, bool advance = true);  // advance: *pos += rows
   void enqueue_sample();  // the decode step's sampler and step end on buf_.logits row 0
 
   // probes.cu: what a probe point reads; X_DELTA is x minus the last snapshot (the output of a
