@@ -1,4 +1,4 @@
-"""gemm_w8a8_sm90, the FP8 recipe (a recipe under evaluation, not routed by the step plan): x quantized
+"""gemm_w8a8_sm90, the FP8 prefill recipe (opt-in: --prefill-recipe w8a8, the plan's prefill_fp8): x quantized
 per token per 128 columns to e4m3 (scale amax / 448), FP8 wgmma, both scales applied to fp32 partial
 sums. Against the recipe emulated in numpy (the same quantization, then float64 products), every
 epilogue, awkward M, a 64-column tail group; and its error against the exact W8A16 product, stated."""
@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from numerics import bf16_bits, from_bf16, load_ops
+from test_gemm_sm90_gpu import ADD, STORE, SWIGLU, dequant, random_fp8, random_scales, rel_l2, silu_mul
 
-ml_dtypes = pytest.importorskip("ml_dtypes")
-
-from numerics import bf16_bits, from_bf16, load_ops  # noqa: E402
-from test_gemm_sm90_gpu import ADD, STORE, SWIGLU, dequant, random_fp8, random_scales, rel_l2, silu_mul  # noqa: E402
+from atomflow.model.reference import quantize_fp8_rows
 
 pytestmark = pytest.mark.gpu
 ops, WHY_NOT = load_ops()
@@ -20,17 +19,8 @@ RECIPE_REL = 2e-3  # FP8 wgmma's accumulation between promotions (fp22-like), th
 
 
 def quantize_x(xf: np.ndarray) -> np.ndarray:
-    """The kernel's activation quantization, emulated: per row per 128 columns, scale = amax / 448
-    (1 for an all-zero group), x / scale rounded to e4m3; returns the dequantized float64 x."""
-    M, K = xf.shape
-    out = np.zeros_like(xf, dtype=np.float64)
-    for g in range(0, K, 128):
-        blk = xf[:, g : g + 128].astype(np.float32)
-        amax = np.abs(blk).max(axis=1, keepdims=True)
-        scale = np.where(amax > 0, amax / np.float32(448.0), np.float32(1.0)).astype(np.float32)
-        q = (blk / scale).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
-        out[:, g : g + 128] = q * scale
-    return out
+    """The kernel's activation quantization (the CPU reference's emulation of the recipe) as float64."""
+    return quantize_fp8_rows(xf).astype(np.float64)
 
 
 def inputs(rng, M, N, K):

@@ -17,6 +17,14 @@ namespace {
 using atomflow::median_us;
 
 // One draw per seed (same logits and position): device configs uploaded once, one launch each.
+// Token outputs filled with 0x7F7F7F7F before the launch: neither a token nor the sampler's -1, so a
+// launch that writes nothing shows.
+DeviceBuffer unwritten_tokens(int n) {
+  DeviceBuffer d(sizeof(int32_t) * n);
+  d.fill(0x7F);
+  return d;
+}
+
 py::array_t<int32_t> sample_seeds(const py::array& logits_, float temperature, int top_k, float top_p,
                                   const py::array& seeds_, int pos) {
   auto logits = arg<float>(logits_, "logits", {-1});
@@ -29,7 +37,7 @@ py::array_t<int32_t> sample_seeds(const py::array& logits_, float temperature, i
   DeviceBuffer dcfg(sizeof(k::SamplingConfig) * n);
   dcfg.upload(cfg.data(), dcfg.bytes());
   DeviceBuffer scratch(k::sampling_scratch_bytes(vocab));
-  DeviceBuffer out = DeviceBuffer::poisoned(sizeof(int32_t) * n);
+  DeviceBuffer out = unwritten_tokens(n);
   for (int i = 0; i < n; ++i)
     k::sample(dl.get<float>(), vocab, dcfg.get<k::SamplingConfig>() + i, dpos.get<int32_t>(), scratch.get(),
               out.get<int32_t>() + i, nullptr);
@@ -73,7 +81,7 @@ py::tuple sample_step(const py::array& logits_, float temperature, int top_k, fl
                x = DeviceBuffer::poisoned(sizeof(float) * d);
   DeviceBuffer flag(sizeof(int32_t));
   flag.upload(&f16_overflow, sizeof(int32_t));
-  DeviceBuffer token = DeviceBuffer::poisoned(sizeof(int32_t));
+  DeviceBuffer token = unwritten_tokens(1);
   k::sample_step(dl.get<float>(), vocab, n_best ? dbest.get<uint64_t>() : nullptr, n_best,
                  dcfg.get<k::SamplingConfig>(), token.get<int32_t>(),
                  k::StepEnd{dpos.get<int32_t>(), ring.get<int32_t>(), ring_size, flag.get<int32_t>(), de.get<bf16>(), d,
