@@ -21,6 +21,8 @@ from atomflow.device import cuda_status
 from atomflow.errors import BackendUnavailableError
 from atomflow.model.fileformat import AtomflowFile
 
+W8A8_ENGINE = "atomflow w8a8"  # the pp rows of --prefill-fp8 (the FP8 prefill recipe)
+
 
 def log_stderr(msg: str) -> None:
     print(f"atomflow bench: {msg}", file=sys.stderr, flush=True)
@@ -65,7 +67,7 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] = log_stderr) -> di
     if opts.prefill_fp8 and any(t.kind == "pp" for t in opts.tests):
         log(f"loading {opts.model} with the FP8 prefill recipe (prefill_recipe w8a8)")
         eng = Engine.load(opts.model, backend="cuda", max_context=opts.max_context, prefill_recipe="w8a8")
-        rows += run_engine_tests(eng, opts, bandwidth, log, engine="atomflow w8a8", kinds=("pp",))
+        rows += run_engine_tests(eng, opts, bandwidth, log, engine=W8A8_ENGINE, kinds=("pp",))
         del eng
         gc.collect()
     if opts.speculate:
@@ -111,5 +113,5 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] = log_stderr) -> di
         tests=[t.name for t in opts.tests],
         baselines=list(order),
         rows=rows,
-        speedups=speedups(rows) + (speedups(rows, "atomflow w8a8") if opts.prefill_fp8 else []),
+        speedups=speedups(rows) + (speedups(rows, W8A8_ENGINE) if opts.prefill_fp8 else []),
     )
