@@ -526,6 +526,28 @@ def test_attention_prefill_chunk(rng, M, context, G, D):
     check_attention(rng, M, context, 2, G, D)
 
 
+@pytest.mark.parametrize("D,G,Hkv", [(64, 3, 3), (128, 3, 8), (128, 4, 2), (96, 7, 2)])
+@pytest.mark.parametrize("M,context", [(2, 40), (5, 1000), (9, 700), (16, 3000), (16, 2055)])
+def test_attention_rows_as_steps_equal_decode_steps(rng, M, context, G, D, Hkv):
+    """A chunk of up to 16 rows planned as decode steps (AttnPlan::rows_as_steps: a speculative verify's
+    attention) gives row m the bits of a decode step at position pos + m on the same cache: each row's
+    keys split as that step splits them. (A chunk's shared plan, s_max = 128 / M splits of the last row's
+    keys, stops matching past ~32 x 128 / M keys: 800 at 5 rows.) Rows past the context hold NaN."""
+    H, pos = Hkv * G, context - M
+    C = context + 5
+    kc = bf16_bits(rng.standard_normal((C, Hkv, D)))
+    vc = bf16_bits(rng.standard_normal((C, Hkv, D)))
+    kc[context:] = vc[context:] = 0x7FC0  # bf16 NaN
+    q = bf16_bits(rng.standard_normal((M, H, D)) * 2.0)
+    scale = 1.0 / np.sqrt(D)
+    rows = ops.attention(q, kc, vc, pos, scale, rows_as_steps=True)
+    for m in range(M):
+        step = ops.attention(q[m : m + 1], kc, vc, pos + m, scale)
+        np.testing.assert_array_equal(rows[m], step[0], err_msg=f"row {m} of {M} at context {context}")
+    want = reference_attention(q, kc, vc, pos, scale)
+    assert_close(from_bf16(rows), want, 6e-3, f"rows as steps M={M} context={context}")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("M,context", [(256, 256), (256, 1300)])
 def test_attention_prefill_large_chunk(rng, M, context):

@@ -88,6 +88,18 @@ def test_verify_rows_equal_decode_steps(tiny_spec, n):
     assert tokens.dtype == np.int32 and tokens.shape == (n,)
 
 
+@pytest.mark.parametrize("first,n", [(1000, 5), (700, 9), (2100, 16)])
+def test_verify_rows_equal_decode_steps_long_context(tiny_model_file, first, n):
+    """As above past the contexts where a chunk's shared attention plan (s_max = 128 / rows splits of its
+    last row's keys) and a decode step's (up to 64 splits of its own keys) part ways: the small-M chunks run
+    their attention rows as decode steps (AttnPlan::rows_as_steps), so the rows still equal the steps."""
+    eng = Engine.load(tiny_model_file, backend="cuda", max_context=4096, speculate="ngram:8")
+    ids = np.random.default_rng(first + n).integers(0, eng.spec.vocab_size, first + n).astype(np.int32)
+    rows, tokens, steps = _rows_against_steps(eng.backend, ids, first)
+    np.testing.assert_array_equal(rows, steps)
+    np.testing.assert_array_equal(tokens, np.argmax(steps, axis=-1))
+
+
 def test_prefill_rows_past_the_logit_rows(tiny_spec, tiny_model_file):
     """A chunk of more rows than the engine's logit rows (its layers on the GEMM, not decode-exact): the
     heads run group by group; the last row equals prefill()'s logits of the same chunk bit for bit, and

@@ -20,12 +20,13 @@ using atomflow::attention_scratch;
 using atomflow::median_us;
 
 py::object attention(const py::array& q_, const py::array& k_cache_, const py::array& v_cache_, int pos,
-                     const py::object& scale_, bool early, const std::string& out_dtype, bool cluster_merge) {
+                     const py::object& scale_, bool early, const std::string& out_dtype, bool cluster_merge,
+                     bool rows_as_steps) {
   Out16 o16(out_dtype);
   AttnArgs a(q_, k_cache_, v_cache_, pos, scale_);
   DeviceBuffer scratch = attention_scratch(k::attention_scratch_bytes(a.M, a.H, a.D, a.C));
   DeviceBuffer out = DeviceBuffer::poisoned(sizeof(bf16) * a.M * a.H * a.D);
-  const k::AttnPlan plan = k::plan_attention(a.M, a.H, a.Hkv, a.D, a.C, cluster_merge);
+  const k::AttnPlan plan = k::plan_attention(a.M, a.H, a.Hkv, a.D, a.C, cluster_merge, rows_as_steps);
   k::attention(plan, a.q.get<bf16>(), a.k_cache.get<bf16>(), a.v_cache.get<bf16>(), a.pos.get<int32_t>(), a.M, a.H,
                a.Hkv, a.D, a.C, a.scale, scratch.get(), out.get(), nullptr, early, o16.ptr());
   sync();
@@ -37,7 +38,7 @@ int attention_cluster_size(int M, int H, int Hkv, int D, int max_context, bool c
 }
 
 // Attention of M query tokens whose last one sees `context` keys (pos = context - M).
-double time_attention(int context, int H, int Hkv, int D, int M, int iters, bool early) {
+double time_attention(int context, int H, int Hkv, int D, int M, int iters, bool early, bool rows_as_steps) {
   require(context >= M && M >= 1, "need context >= M >= 1");
   const int C = context;
   const size_t cache = static_cast<size_t>(C) * Hkv * D * sizeof(bf16);
@@ -47,7 +48,7 @@ double time_attention(int context, int H, int Hkv, int D, int M, int iters, bool
   DeviceBuffer scratch = attention_scratch(k::attention_scratch_bytes(M, H, D, C));
   q.fill(0);
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  const k::AttnPlan plan = k::plan_attention(M, H, Hkv, D, C);
+  const k::AttnPlan plan = k::plan_attention(M, H, Hkv, D, C, true, rows_as_steps);
   return median_us(
       [&](int i) {
         k::attention(plan, q.get<bf16>(), kv.at<bf16>(i), kv.at<bf16>(i, cache), pos.get<int32_t>(), M, H, Hkv, D, C,
@@ -61,17 +62,18 @@ double time_attention(int context, int H, int Hkv, int D, int M, int iters, bool
 void register_attention(py::module_& m) {
   m.def("attention", &attention, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("pos"),
         py::arg("scale") = py::none(), py::arg("early") = false, py::arg("out_dtype") = "bf16",
-        py::arg("cluster_merge") = true,
+        py::arg("cluster_merge") = true, py::arg("rows_as_steps") = false,
         "q u16 [M, H, D], caches u16 [C, Hkv, D], pos -> u16 [M, H, D] (bf16; out_dtype 'f16': (f16 bits, overflow "
-        "flag)); early: the cached rows read before the PDL wait (the decode path's mode)");
+        "flag)); early: the cached rows read before the PDL wait (the decode path's mode); rows_as_steps: each row "
+        "split as a decode step at its position (M <= 16)");
   m.def("attention_cluster_size", &attention_cluster_size, py::arg("M"), py::arg("H"), py::arg("Hkv"), py::arg("D"),
         py::arg("max_context"), py::arg("cluster_merge") = true,
         "blocks per thread-block cluster of an attention call of this shape (1: a plain launch, merged through the "
         "scratch)");
   m.def("time_attention", &time_attention, py::arg("context"), py::arg("H"), py::arg("Hkv"), py::arg("D"),
-        py::arg("M") = 1, py::arg("iters") = 50, py::arg("early") = false,
+        py::arg("M") = 1, py::arg("iters") = 50, py::arg("early") = false, py::arg("rows_as_steps") = false,
         "us per attention call (split + merge) for M queries, the last seeing `context` keys; caches rotated past L2; "
-        "early: the decode step's mode (cached rows read before the PDL wait)");
+        "early: the decode step's mode (cached rows read before the PDL wait); rows_as_steps: the verify's plan");
 }
 
 }  // namespace atomflow::bindings::ops

@@ -85,8 +85,9 @@ void Engine::enqueue_layers(int rows, int attn_keys) {
     attn_plan = plan.decode_attention(attn_keys);
   else if (tc_attn)
     prefill_plan = plan.prefill_attention(rows);
-  else
-    attn_plan = kernels::plan_attention(rows, H, Hkv, D, attn_keys, plan.options.cluster_merge);
+  else  // the small-M GEMV's chunks (the decode step's bits) run their rows as decode steps
+    attn_plan = kernels::plan_attention(rows, H, Hkv, D, attn_keys, plan.options.cluster_merge,
+                                        /*rows_as_steps=*/rows <= plan.small_m_max_rows);
   for (size_t i = 0; i < buf_.layers.size(); ++i) {
     const LayerPtrs& L = buf_.layers[i];
     const int li = static_cast<int>(i);

@@ -170,6 +170,22 @@ struct ContiguousKV {
   __device__ __forceinline__ size_t row(int b, int, int key) const { return static_cast<size_t>(b) * capacity + key; }
 };
 
+// The rows of one chunk as sequences of one query each (B = the chunk's rows, M = 1), all in one
+// contiguous cache [capacity, Hkv, D]: row b is at position pos[0] + b and sees keys 0 .. pos[0] + b,
+// split as a decode step at that position splits them (its own key count; the plan's s_max is a decode
+// step's), so every row is bit-identical to that decode step (AttnPlan::rows_as_steps).
+struct ChunkRowsKV {
+  const bf16* k;
+  const bf16* v;
+  struct Start {
+    const int32_t* pos;
+    __device__ __forceinline__ int start(int b) const { return pos[0] + b; }
+  } seq;
+  int capacity;
+  __device__ __forceinline__ int entry(int, int) const { return 0; }
+  __device__ __forceinline__ size_t row(int, int, int key) const { return static_cast<size_t>(key); }
+};
+
 // Key p of sequence b lives in block tables[b, p >> shift], slot p & (bs - 1): k, v
 // [num_blocks, bs, Hkv, D], tables int32 [B, max_blocks]. A bad table entry is clamped into the
 // pool so it can never read outside it (the block manager never writes one).
@@ -200,6 +216,9 @@ template <class KV>
 constexpr bool kHeadMapped = false;
 template <class KV>
 constexpr bool kHeadMapped<HeadMapped<KV>> = true;
+// Whether a policy's calls split each query row as a decode step (ChunkRowsKV, mapped or not).
+template <class KV>
+constexpr bool kRowsAsSteps = std::is_same_v<KV, ChunkRowsKV> || std::is_same_v<KV, HeadMapped<ChunkRowsKV>>;
 
 // The block's kv head h and its query heads first_head(h) .. first_head(h) + block_heads() - 1 (at
 // most G). Functions, not values: an exact instance computes h * G at each use (held in a variable, it
@@ -763,13 +782,20 @@ static __global__ void __launch_bounds__(kAttnThreads)
 // ---- launchers ----
 
 // Scratch: the counters (kCounterBytes), then acc [rows, H, s_max, D], then ml [rows, H, s_max, 2].
+static size_t scratch_bytes(int rows, int H, int D, int capacity, int splits) {
+  return kCounterBytes + static_cast<size_t>(rows) * H * splits * (D + 2) * sizeof(float);
+}
 static size_t scratch_bytes(int rows, int H, int D, int capacity) {
-  return kCounterBytes + static_cast<size_t>(rows) * H * max_splits(rows, capacity) * (D + 2) * sizeof(float);
+  return scratch_bytes(rows, H, D, capacity, max_splits(rows, capacity));
 }
 
+// The core's calls of M rows: the chunk's plan, or up to kMaxAttnRowsAsSteps rows as decode steps
+// (a decode step's splits per row).
 size_t attention_scratch_bytes(int M, int H, int D, int max_context) {
   AF_CHECK(M >= 1 && H >= 1 && D >= 1 && max_context >= 1, "attention_scratch_bytes: arguments must be >= 1");
-  return scratch_bytes(M, H, D, max_context);
+  const size_t chunk = scratch_bytes(M, H, D, max_context);
+  if (M > kMaxAttnRowsAsSteps) return chunk;
+  return std::max(chunk, scratch_bytes(M, H, D, max_context, max_splits(1, max_context)));
 }
 
 void attention_scratch_clear(void* scratch, size_t scratch_bytes, cudaStream_t stream) {
@@ -817,7 +843,8 @@ static int cluster_splits(int s_max, bool merge) {
 template <class KV, int D, int G, int QT>
 static void launch_attention(const bf16* q, const KV& kv, int B, int M, int H, int Hkv, int s_max, int cs, float scale,
                              void* scratch, void* out, int* f16_overflow, cudaStream_t stream, bool early) {
-  AF_CHECK(s_max == max_splits(B * M, kv.capacity) && cs >= 1 && (cs == 1 || cs >= s_max),
+  AF_CHECK(s_max == (kRowsAsSteps<KV> ? max_splits(1, kv.capacity) : max_splits(B * M, kv.capacity)) && cs >= 1 &&
+               (cs == 1 || cs >= s_max),
            "attention: the plan's splits are not this call's");
   int* counters = static_cast<int*>(scratch);
   float* part_acc = reinterpret_cast<float*>(static_cast<char*>(scratch) + kCounterBytes);
@@ -859,7 +886,7 @@ static HeadMap head_map(int D, int group) {
 // takes those; each further head_dim costs ~10 instances of compile time per policy).
 template <class KV, class Fn>
 static decltype(auto) for_shape(int D, int group, int M, Fn&& fn) {
-  constexpr bool every_dim = std::is_same_v<KV, ContiguousKV>;
+  constexpr bool every_dim = !std::is_same_v<KV, PagedKV>;
   if constexpr (every_dim)
     AF_CHECK(attention_supported(D, 1), "attention: head_dim must be one of 64, 80, 96, 128, 256");
   else
@@ -873,7 +900,10 @@ static decltype(auto) for_shape(int D, int group, int M, Fn&& fn) {
   const auto tile = [&](auto d, auto g, auto mapped) -> decltype(auto) {
     using One = std::integral_constant<int, 1>;
     using Tile = std::integral_constant<int, kQueryTile<decltype(g)::value, decltype(d)::value>>;
-    return M == 1 ? fn(d, g, One{}, mapped) : fn(d, g, Tile{}, mapped);
+    if constexpr (std::is_same_v<KV, ChunkRowsKV>)
+      return fn(d, g, One{}, mapped);  // one query per sequence: its rows are decode steps
+    else
+      return M == 1 ? fn(d, g, One{}, mapped) : fn(d, g, Tile{}, mapped);
   };
   const auto group_of = [&](auto d, auto mapped) -> decltype(auto) {
     constexpr int Dc = decltype(d)::value;
@@ -942,14 +972,20 @@ static void dispatch(const AttnPlan* plan, const bf16* q, const KV& kv, int B, i
   });
 }
 
-AttnPlan plan_attention(int M, int H, int Hkv, int D, int capacity, bool cluster_merge) {
+AttnPlan plan_attention(int M, int H, int Hkv, int D, int capacity, bool cluster_merge, bool rows_as_steps) {
   AF_CHECK(M >= 1 && H >= 1 && Hkv >= 1 && capacity >= 1 && H % Hkv == 0,
            "plan_attention: M, H, Hkv, capacity must be >= 1, H a multiple of Hkv");
-  AttnPlan plan{M, H, Hkv, D, capacity, max_splits(M, capacity), 1};
-  plan.cluster = for_shape<ContiguousKV>(D, H / Hkv, M, [&](auto d, auto g, auto qt, auto mapped) {
-    using P = PolicyOf<ContiguousKV, decltype(mapped)::value>;
-    return cluster_splits<P, decltype(d)::value, decltype(g)::value, decltype(qt)::value>(plan.splits, cluster_merge);
-  });
+  AF_CHECK(!rows_as_steps || M <= kMaxAttnRowsAsSteps, "plan_attention: rows as decode steps: at most 16 rows");
+  AttnPlan plan{
+      M, H, Hkv, D, capacity, rows_as_steps ? max_splits(1, capacity) : max_splits(M, capacity), 1, rows_as_steps};
+  const auto cluster = [&](auto kv) {
+    using KV = decltype(kv);
+    return for_shape<KV>(D, H / Hkv, M, [&](auto d, auto g, auto qt, auto mapped) {
+      using P = PolicyOf<KV, decltype(mapped)::value>;
+      return cluster_splits<P, decltype(d)::value, decltype(g)::value, decltype(qt)::value>(plan.splits, cluster_merge);
+    });
+  };
+  plan.cluster = rows_as_steps ? cluster(ChunkRowsKV{}) : cluster(ContiguousKV{});
   return plan;
 }
 
@@ -966,6 +1002,11 @@ void attention(const AttnPlan& plan, const bf16* q, const bf16* k_cache, const b
            "attention: cache too large for int offsets");
   AF_CHECK(plan.M == M && plan.H == H && plan.Hkv == Hkv && plan.D == D && plan.capacity == max_context,
            "attention: the plan is not this call's (plan_attention(M, H, Hkv, D, max_context))");
+  if (plan.rows_as_steps) {  // the M rows as M sequences of one query on the one cache
+    const ChunkRowsKV kv{k_cache, v_cache, {pos}, max_context};
+    dispatch(&plan, q, kv, M, 1, H, Hkv, D, scale, scratch, out, stream, false, f16_overflow);
+    return;
+  }
   const ContiguousKV kv{k_cache, v_cache, SeqStart{pos, 0}, max_context};
   dispatch(&plan, q, kv, 1, M, H, Hkv, D, scale, scratch, out, stream, early, f16_overflow);
 }

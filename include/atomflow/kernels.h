@@ -277,8 +277,15 @@ struct AttnPlan {
   int M, H, Hkv, D, capacity;  // the call's shape; capacity: the keys the grid is planned for
   int splits;                  // s_max: the most splits of one query row's keys (grid.y before padding)
   int cluster;                 // blocks per thread-block cluster (1: no cluster, merge through the scratch)
+  // Each of the M (<= kMaxAttnRowsAsSteps) rows split as a decode step at its position splits its keys
+  // (its own key count, a decode step's s_max), so row m is bit-identical to that decode step; a chunk's
+  // plan otherwise shares one split of the last row's keys among its rows (s_max = 128 / M), which
+  // matches the decode step's only while every split is one K/V step (up to ~32 x 128 / M keys).
+  bool rows_as_steps = false;
 };
-AttnPlan plan_attention(int M, int H, int Hkv, int D, int capacity, bool cluster_merge = true);
+constexpr int kMaxAttnRowsAsSteps = 16;
+AttnPlan plan_attention(int M, int H, int Hkv, int D, int capacity, bool cluster_merge = true,
+                        bool rows_as_steps = false);
 const char* attention_merge_name(const AttnPlan& plan);  // "cluster", "scratch" or "none" (one split)
 void attention_scratch_clear(void* scratch, size_t scratch_bytes, cudaStream_t stream);
 // early: the previous kernel lets this one launch only after its own PDL wait (the decode QKV GEMV

@@ -82,6 +82,7 @@ struct StepPlan {
   // an H200 (bench_kernels.py, one 3B layer): 16 rows 142 us against the GEMM's 284, 32 rows 294 against
   // 293, 64 rows 594 against 317 (docs/design/gemv_w8a16_m.md).
   static constexpr int kSmallMMaxRows = 16;
+  static_assert(kSmallMMaxRows <= kernels::kMaxAttnRowsAsSteps, "small-M chunks run attention as decode steps");
   int small_m_max_rows = kSmallMMaxRows;
   // Rows of logits the engine holds at once (a speculative verify's chunk; the FP8 head runs them on the
   // small-M GEMV in one launch).
