@@ -139,6 +139,27 @@ def test_verify_with_a_bf16_head(tmp_path, tiny_hf_dir):
     )
 
 
+def test_verify_graphs_give_the_eager_verify(tiny_spec, tiny_model_file):
+    """The exact mode captures a verify chunk per row count 2..16 as a CUDA graph at load (none with
+    fp16 activations or eager); a graph verify gives the eager one's tokens and leaves the same cache."""
+    assert tiny_spec.backend.engine.verify_graphs == 15
+    default = Engine.load(tiny_model_file, backend="cuda", max_context=256)
+    assert default.backend.engine.verify_graphs == 0
+    eager = Engine.load(tiny_model_file, backend="cuda", max_context=256, speculate="ngram:8", eager=True)
+    assert eager.backend.engine.verify_graphs == 0
+    ids = np.asarray(PROMPTS["miss"], dtype=np.int32)
+    for n in (2, 7, 16):
+        got = []
+        for be in (tiny_spec.backend, eager.backend):
+            be.reset()
+            be.prefill(ids[:20])
+            tokens = be.verify(ids[20 : 20 + n])
+            got.append((tokens, be.position, be.decode(int(tokens[-1]))))
+        np.testing.assert_array_equal(got[0][0], got[1][0])
+        assert got[0][1] == got[1][1] == 20 + n
+        np.testing.assert_array_equal(got[0][2], got[1][2])
+
+
 def test_verify_refuses_more_rows_than_it_holds(tiny_spec):
     be = tiny_spec.backend
     be.reset()

@@ -418,6 +418,8 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("device_allocations", &Engine::device_allocations)
       .def_property_readonly("load_seconds", &Engine::load_seconds)
       .def_property_readonly("graph_enabled", &Engine::graph_enabled)
+      .def_property_readonly("verify_graphs", &Engine::verify_graphs,
+                             "verify chunks captured as CUDA graphs (row counts 2..16; the exact mode with graphs on)")
       .def_property_readonly("f16_activations", &Engine::f16_activations,
                              "whether decode steps write attention's and SwiGLU's outputs in fp16 (false when loaded "
                              "with f16_activations=False, or once a step passed fp16's range and ran again in bf16)")

@@ -94,27 +94,27 @@ double time_gemm_sm90(int M, int N, int K, int iters, int ep_, const std::string
 
 // The FP8 recipe (gemm_w8a8_sm90) on the same arguments; outputs and workspace poisoned.
 py::object gemm_sm90_w8a8(const py::array& w_, const py::array& s_, const py::array& x_, int ep_,
-                          const py::object& out_init_, const std::string& x_dtype) {
+                          const py::object& out_init_, const std::string& x_dtype, bool streamk) {
   Sm90Call c("gemm_sm90_w8a8", w_, s_, x_, ep_, out_init_, x_dtype);
-  const size_t ws_bytes = k::gemm_w8a8_sm90_workspace_bytes(c.ep, c.M, c.N, c.K);
+  const size_t ws_bytes = k::gemm_w8a8_sm90_workspace_bytes(c.ep, c.M, c.N, c.K, streamk);
   DeviceBuffer ws = DeviceBuffer::poisoned(ws_bytes);
   k::gemm_w8a8_sm90(c.dw.get<uint8_t>(), c.ds.get<float>(), c.dx.get(), c.xt, c.M, c.N, c.K, c.ep, c.out.get(),
-                    ws.get(), ws_bytes, nullptr);
+                    ws.get(), ws_bytes, nullptr, streamk);
   return c.result();
 }
 
 // us per launch (quantize + GEMM (+ SwiGLU)), bf16 x, median of iters batches (as time_gemm_sm90).
-double time_gemm_sm90_w8a8(int M, int N, int K, int iters, int ep_) {
+double time_gemm_sm90_w8a8(int M, int N, int K, int iters, int ep_, bool streamk) {
   const k::Epilogue ep = epilogue_arg(ep_);
   require(k::gemm_w8a16_sm90_built() && k::gemm_w8a16_sm90_supported(ep, M, N, K),
           "time_gemm_sm90_w8a8: unsupported shape or a build without it");
-  const size_t ws_bytes = k::gemm_w8a8_sm90_workspace_bytes(ep, M, N, K);
+  const size_t ws_bytes = k::gemm_w8a8_sm90_workspace_bytes(ep, M, N, K, streamk);
   GemmOperands o(M, N, K);
   DeviceBuffer ws(ws_bytes);
   return median_us(
       [&](int) {
         k::gemm_w8a8_sm90(o.w.get<uint8_t>(), o.s.get<float>(), o.x.get(), k::Act::BF16, M, N, K, ep, o.out.get(),
-                          ws.get(), ws_bytes, nullptr);
+                          ws.get(), ws_bytes, nullptr, streamk);
       },
       iters, 2);
 }
@@ -123,10 +123,12 @@ double time_gemm_sm90_w8a8(int M, int N, int K, int iters, int ep_) {
 
 void register_gemm_sm90(py::module_& m) {
   m.def("gemm_sm90_w8a8", &gemm_sm90_w8a8, py::arg("w"), py::arg("scales"), py::arg("x"), py::arg("epilogue") = 0,
-        py::arg("out_init") = py::none(), py::arg("x_dtype") = "bf16",
-        "gemm_w8a8_sm90 (the FP8 recipe: x quantized per token per 128 columns) on gemm_sm90's arguments");
+        py::arg("out_init") = py::none(), py::arg("x_dtype") = "bf16", py::arg("streamk") = false,
+        "gemm_w8a8_sm90 (the FP8 recipe: x quantized per token per 128 columns) on gemm_sm90's arguments; streamk: "
+        "the stream-K scheduler");
   m.def("time_gemm_sm90_w8a8", &time_gemm_sm90_w8a8, py::arg("M"), py::arg("N"), py::arg("K"), py::arg("iters") = 20,
-        py::arg("epilogue") = 0, "us per gemm_w8a8_sm90 launch (quantize + GEMM (+ SwiGLU)), bf16 x");
+        py::arg("epilogue") = 0, py::arg("streamk") = false,
+        "us per gemm_w8a8_sm90 launch (quantize + GEMM (+ SwiGLU)), bf16 x");
   m.def("gemm_sm90_built", &k::gemm_w8a16_sm90_built,
         "whether this build has gemm_w8a16_sm90 (nvidia-cutlass's headers were found at build time)");
   m.def("gemm_sm90", &gemm_sm90, py::arg("w"), py::arg("scales"), py::arg("x"), py::arg("epilogue") = 0,

@@ -209,6 +209,7 @@ void Engine::init(const std::string& path, const std::vector<TensorInfo>& table,
                     e.what());
   }
   if (!step_plan_.options.eager) capture_graph();
+  if (!step_plan_.options.eager && !step_plan_.options.f16_activations) capture_verify_graphs();
   step::write_pos(buf_.pos, 0, stream_);
   set_token(0);
   AF_CUDA_CHECK(cudaStreamSynchronize(stream_));
@@ -224,12 +225,41 @@ void Engine::capture_graph() {
 }
 
 cudaGraphExec_t Engine::capture_step(int attn_keys) {
+  size_t nodes = 0;
+  cudaGraphExec_t exec = capture("the decode step", [&] { enqueue_decode_step(attn_keys); }, &nodes);
+  if (opt_.verbose)
+    std::fprintf(stderr, "atomflow: decode step captured as a CUDA graph (%zu nodes, attention for %d keys)\n", nodes,
+                 attn_keys);
+  return exec;
+}
+
+// The verify chunks of the exact mode: their launches depend on the row count only (the ids, the position
+// and the tokens' slots are device memory), so one graph per count serves every verify.
+void Engine::capture_verify_graphs() {
+  const int most = std::min(kLogitRows, opt_.prefill_chunk);
+  size_t nodes = 0, n_nodes = 0;
+  for (int n = 2; n <= most; ++n) {
+    verify_graphs_[n] =
+        capture("the verify chunk of " + std::to_string(n) + " rows", [&] { enqueue_verify(n); }, &n_nodes);
+    nodes += n_nodes;
+  }
+  if (opt_.verbose && most >= 2)
+    std::fprintf(stderr, "atomflow: verify chunks of 2..%d rows captured as CUDA graphs (%zu nodes)\n", most, nodes);
+}
+
+int Engine::verify_graphs() const {
+  int n = 0;
+  for (cudaGraphExec_t g : verify_graphs_) n += g != nullptr;
+  return n;
+}
+
+cudaGraphExec_t Engine::capture(const std::string& what_, const std::function<void()>& enqueue, size_t* nodes) {
   const std::string what =
-      "capturing the decode step as a CUDA graph failed (eager=True or ATOMFLOW_EAGER=1 runs without it): ";
+      "capturing " + what_ + " as a CUDA graph failed (eager=True or ATOMFLOW_EAGER=1 runs without it): ";
   cudaGraph_t graph = nullptr;
   AF_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
   try {
-    enqueue_decode_step(attn_keys);
+    enqueue();
   } catch (const std::exception& e) {
     cudaStreamEndCapture(stream_, &graph);  // leave the stream usable whatever happened
     if (graph) cudaGraphDestroy(graph);
@@ -242,8 +272,8 @@ cudaGraphExec_t Engine::capture_step(int attn_keys) {
     throw std::runtime_error(what + "cudaStreamEndCapture: " + cudaGetErrorString(err) +
                              " (a launcher made a call that cannot be captured: a synchronization or an allocation?)");
   }
-  size_t nodes = 0;
-  cudaGraphGetNodes(graph, nullptr, &nodes);
+  *nodes = 0;
+  cudaGraphGetNodes(graph, nullptr, nodes);
   cudaGraphExec_t exec = nullptr;
   err = cudaGraphInstantiate(&exec, graph, 0);
   cudaGraphDestroy(graph);
@@ -256,9 +286,6 @@ cudaGraphExec_t Engine::capture_step(int attn_keys) {
     cudaGraphExecDestroy(exec);
     AF_CUDA_CHECK(err);
   }
-  if (opt_.verbose)
-    std::fprintf(stderr, "atomflow: decode step captured as a CUDA graph (%zu nodes, attention for %d keys)\n", nodes,
-                 attn_keys);
   return exec;
 }
 
@@ -270,6 +297,10 @@ void Engine::release() noexcept {
   graph_exec_ = nullptr;
   if (short_graph_) cudaGraphExecDestroy(short_graph_);
   short_graph_ = nullptr;
+  for (cudaGraphExec_t& g : verify_graphs_) {
+    if (g) cudaGraphExecDestroy(g);
+    g = nullptr;
+  }
   for (cudaEvent_t& e : step_done_) {
     if (e) cudaEventDestroy(e);
     e = nullptr;
@@ -425,14 +456,21 @@ void Engine::verify_greedy(const int32_t* ids, int n, int32_t* tokens) {
     throw std::invalid_argument("verify: " + std::to_string(n) + " rows do not fit one chunk of " +
                                 std::to_string(opt_.prefill_chunk));
   stage_prefill(ids, n);
-  enqueue_prefill_chunk(0, n);
-  enqueue_head_rows(0, n);
-  // Straight into the mapped host memory after the ring (the sync makes the writes visible).
-  kernels::argmax_rows(buf_.logits, n, spec_.vocab_size, ring_dev_ + 2 * kRingSize, stream_);
+  if (verify_graphs_[n] != nullptr)
+    AF_CUDA_CHECK(cudaGraphLaunch(verify_graphs_[n], stream_));
+  else
+    enqueue_verify(n);
   AF_CUDA_CHECK(cudaStreamSynchronize(stream_));
   std::memcpy(tokens, ring_host_ + 2 * kRingSize, n * sizeof(int32_t));
   host_pos_ += n;
   last_output_ = kUnknown;
+}
+
+void Engine::enqueue_verify(int n) {
+  enqueue_prefill_chunk(0, n);
+  enqueue_head_rows(0, n);
+  // Straight into the mapped host memory after the ring (the caller's sync makes the writes visible).
+  kernels::argmax_rows(buf_.logits, n, spec_.vocab_size, ring_dev_ + 2 * kRingSize, stream_);
 }
 
 void Engine::decode(int32_t token, float* logits) {

@@ -113,63 +113,88 @@ using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
     cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename EpilogueOp::SharedStorage))>,
     cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8BlockScaledAccum>::CollectiveOp;
 
-using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, EpilogueOp>;
-using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+// Scheduler: PersistentScheduler (data-parallel), or StreamKScheduler (the k-loops of all tiles spread over
+// the SMs: a product with fewer tiles than SMs, o and down of a short chunk, still runs on every SM; split
+// tiles reduced in the workspace in a fixed order).
+template <class Scheduler>
+struct W8A8Gemm {
+  using K_ = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, EpilogueOp, Scheduler>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<K_>;
 
-Gemm::Arguments arguments(const uint8_t* w, const float* sw, const void* x8, const float* sx, int M, int N, int K,
-                          float beta, const float* c, float* d) {
-  const auto problem = make_shape(N, M, K, 1);
-  typename Kernel::StrideA stride_w = cutlass::make_cute_packed_stride(typename Kernel::StrideA{}, make_shape(N, K, 1));
-  typename Kernel::StrideB stride_x = cutlass::make_cute_packed_stride(typename Kernel::StrideB{}, make_shape(M, K, 1));
-  typename Kernel::StrideC stride_c = cutlass::make_cute_packed_stride(typename Kernel::StrideC{}, make_shape(N, M, 1));
-  typename Kernel::StrideD stride_d = cutlass::make_cute_packed_stride(typename Kernel::StrideD{}, make_shape(N, M, 1));
-  cutlass::KernelHardwareInfo hw{};
-  hw.sm_count = current_sm_count();
-  return Gemm::Arguments{
-      cutlass::gemm::GemmUniversalMode::kGemm,
-      {N, M, K, 1},
-      {reinterpret_cast<const ElementW*>(w), stride_w, static_cast<const ElementX*>(x8), stride_x, sw,
-       ScaleConfig::tile_atom_to_shape_SFA(problem), sx, ScaleConfig::tile_atom_to_shape_SFB(problem)},
-      {{1.f, beta}, c, stride_c, d, stride_d},
-      hw};
+  static typename Gemm::Arguments arguments(const uint8_t* w, const float* sw, const void* x8, const float* sx, int M,
+                                            int N, int K, float beta, const float* c, float* d) {
+    const auto problem = make_shape(N, M, K, 1);
+    using StrideW = typename K_::StrideA;
+    using StrideX = typename K_::StrideB;
+    using StrideC = typename K_::StrideC;
+    using StrideD = typename K_::StrideD;
+    const StrideW stride_w = cutlass::make_cute_packed_stride(StrideW{}, make_shape(N, K, 1));
+    const StrideX stride_x = cutlass::make_cute_packed_stride(StrideX{}, make_shape(M, K, 1));
+    const StrideC stride_c = cutlass::make_cute_packed_stride(StrideC{}, make_shape(N, M, 1));
+    const StrideD stride_d = cutlass::make_cute_packed_stride(StrideD{}, make_shape(N, M, 1));
+    cutlass::KernelHardwareInfo hw{};
+    hw.sm_count = current_sm_count();
+    return typename Gemm::Arguments{
+        cutlass::gemm::GemmUniversalMode::kGemm,
+        {N, M, K, 1},
+        {reinterpret_cast<const ElementW*>(w), stride_w, static_cast<const ElementX*>(x8), stride_x, sw,
+         ScaleConfig::tile_atom_to_shape_SFA(problem), sx, ScaleConfig::tile_atom_to_shape_SFB(problem)},
+        {{1.f, beta}, c, stride_c, d, stride_d},
+        hw};
+  }
+
+  static size_t workspace_bytes(int M, int N, int K) {
+    return Gemm::get_workspace_size(arguments(nullptr, nullptr, nullptr, nullptr, M, N, K, 0.f, nullptr, nullptr));
+  }
+
+  static void run(const uint8_t* w, const float* sw, const void* x8, const float* sx, int M, int N, int K, float beta,
+                  float* out, void* workspace, cudaStream_t stream) {
+    sm90::run_cutlass<K_, Gemm>(arguments(w, sw, x8, sx, M, N, K, beta, out, out), workspace, stream, "gemm_w8a8_sm90");
+  }
+};
+
+template <class Fn>
+void dispatch(bool streamk, Fn&& fn) {
+  if (streamk)
+    fn(W8A8Gemm<cutlass::gemm::StreamKScheduler>{});
+  else
+    fn(W8A8Gemm<cutlass::gemm::PersistentScheduler>{});
 }
 
-size_t cutlass_workspace_bytes(int M, int N, int K) {
-  return Gemm::get_workspace_size(arguments(nullptr, nullptr, nullptr, nullptr, M, N, K, 0.f, nullptr, nullptr));
-}
-
-void run(const uint8_t* w, const float* sw, const void* x8, const float* sx, int M, int N, int K, float beta,
-         float* out, void* workspace, cudaStream_t stream) {
-  sm90::run_cutlass<Kernel, Gemm>(arguments(w, sw, x8, sx, M, N, K, beta, out, out), workspace, stream,
-                                  "gemm_w8a8_sm90");
+size_t cutlass_workspace_bytes(bool streamk, int M, int N, int K) {
+  size_t bytes = 0;
+  dispatch(streamk, [&](auto g) { bytes = decltype(g)::workspace_bytes(M, N, K); });
+  return bytes;
 }
 #else
-size_t cutlass_workspace_bytes(int, int, int) { return 0; }
+size_t cutlass_workspace_bytes(bool, int, int, int) { return 0; }
 #endif
 
 // Workspace: [x8 M x K][sx M x G fp32][SwiGLU's y M x N fp32][CUTLASS's own].
 struct Carve {
   size_t x8, sx, swiglu, cutlass, total;
 };
-Carve carve(Epilogue ep, int M, int N, int K) {
+Carve carve(Epilogue ep, int M, int N, int K, bool streamk) {
   Carve c{};
   c.x8 = align_up(static_cast<size_t>(M) * K);
   c.sx = align_up(sizeof(float) * static_cast<size_t>(M) * CEIL_DIV(K, kGroup));
   c.swiglu = ep == Epilogue::SwiGLU ? align_up(sizeof(float) * static_cast<size_t>(M) * N) : 0;
-  c.cutlass = align_up(cutlass_workspace_bytes(M, N, K));
+  c.cutlass = align_up(cutlass_workspace_bytes(streamk, M, N, K));
   c.total = c.x8 + c.sx + c.swiglu + c.cutlass;
   return c;
 }
 
 }  // namespace
 
-size_t gemm_w8a8_sm90_workspace_bytes(Epilogue ep, int M, int N, int K) { return carve(ep, M, N, K).total; }
+size_t gemm_w8a8_sm90_workspace_bytes(Epilogue ep, int M, int N, int K, bool streamk) {
+  return carve(ep, M, N, K, streamk).total;
+}
 
 void gemm_w8a8_sm90(const uint8_t* w, const float* scales, const void* x, Act x_type, int M, int N, int K, Epilogue ep,
-                    void* out, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+                    void* out, void* workspace, size_t workspace_bytes, cudaStream_t stream, bool streamk) {
   AF_CHECK(gemm_w8a16_sm90_supported(ep, M, N, K),
            "gemm_w8a8_sm90: needs M >= 1, N % 8 == 0, K % 64 == 0 and the Store, AddResidual or SwiGLU epilogue");
-  const Carve c = carve(ep, M, N, K);
+  const Carve c = carve(ep, M, N, K, streamk);
   AF_CHECK(workspace != nullptr && workspace_bytes >= c.total &&
                reinterpret_cast<uintptr_t>(workspace) % sm90::kWsAlign == 0,
            "gemm_w8a8_sm90: the workspace must be gemm_w8a8_sm90_workspace_bytes() bytes, 256-byte aligned");
@@ -189,7 +214,9 @@ void gemm_w8a8_sm90(const uint8_t* w, const float* scales, const void* x, Act x_
 
 #if ATOMFLOW_SM90_GEMM
   float* y = ep == Epilogue::SwiGLU ? y_swiglu : static_cast<float*>(out);
-  run(w, scales, x8, sx, M, N, K, ep == Epilogue::AddResidual ? 1.f : 0.f, y, cutlass_ws, stream);
+  dispatch(streamk, [&](auto g) {
+    decltype(g)::run(w, scales, x8, sx, M, N, K, ep == Epilogue::AddResidual ? 1.f : 0.f, y, cutlass_ws, stream);
+  });
 #else
   (void)y_swiglu;
   (void)cutlass_ws;

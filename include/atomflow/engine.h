@@ -130,6 +130,9 @@ class Engine {
   int device_allocations() const { return allocations_; }
   double load_seconds() const { return load_seconds_; }
   bool graph_enabled() const { return graph_exec_ != nullptr; }
+  // Verify chunks (verify_greedy) captured as CUDA graphs, one per row count 2..kLogitRows: in the exact
+  // mode (bf16 activations, the mode speculative decoding loads) with graphs on; 0 otherwise.
+  int verify_graphs() const;
   // (group, bytes) for weights, kv, activations, scratch, then ("total", bytes).
   std::vector<std::pair<std::string, size_t>> plan() const;
   // Every launch decision of the decode step, made at load (step_plan.h).
@@ -214,8 +217,12 @@ class Engine {
   void init(const std::string& path, const std::vector<TensorInfo>& tensors, const std::vector<float>& inv_freq);
   void capture_graph();
   cudaGraphExec_t capture_step(int attn_keys);
-  void launch_step();                        // one decode step: the graph, or its launches when eager
-  void enqueue_steps(int n);                 // enqueue() without the lock
+  void capture_verify_graphs();
+  // Stream capture of enqueue()'s launches into an instantiated, uploaded graph; `what` names it in errors.
+  cudaGraphExec_t capture(const std::string& what, const std::function<void()>& enqueue, size_t* nodes);
+  void enqueue_verify(int n);  // a verify chunk of n rows already in buf_.ids: layers, heads, greedy tokens
+  void launch_step();          // one decode step: the graph, or its launches when eager
+  void enqueue_steps(int n);   // enqueue() without the lock
   bool step_overflowed(int position) const;  // the ring's flag of the step at `position` (it has run)
   // A step at `position` overflowed fp16: bf16 activations from now on, the position rolled back to
   // it and `input` set as its token. The caller runs the step (and any after it) again.
@@ -242,6 +249,7 @@ class Engine {
   // split; the same split count per position, so the same bits (forward.cu). Eager steps plan their
   // grid the same way.
   cudaGraphExec_t short_graph_ = nullptr;
+  cudaGraphExec_t verify_graphs_[kLogitRows + 1] = {};    // [n]: the verify chunk of n rows; null: eager
   long long short_grid_steps_ = 0, long_grid_steps_ = 0;  // launch_step()'s choices
   bool f16_acts_ = true;  // decode steps write fp16 activations (engine comment at the top)
   // The input token of each step in flight (ring order), for a rerun in bf16; kUnknown: the output of

@@ -186,10 +186,11 @@ void gemm_w8a16_sm90_swiglu_rows(const float* y, int M, int F, bf16* out, cudaSt
 // gemm_w8a8_sm90.cu: the FP8 recipe of the same product (activations quantized per token per 128 columns,
 // amax / 448; FP8 wgmma with the group scales applied to fp32 partial sums). Shapes, epilogues and
 // workspace rules as gemm_w8a16_sm90's. The step plan routes chunks of StepPlan::w8a8_min_rows+ rows to it
-// under PlanOptions::prefill_fp8.
-size_t gemm_w8a8_sm90_workspace_bytes(Epilogue ep, int M, int N, int K);
+// under PlanOptions::prefill_fp8. streamk: the stream-K scheduler instead of the data-parallel one (128 x
+// 128 tiles either way; the workspace is the kind's).
+size_t gemm_w8a8_sm90_workspace_bytes(Epilogue ep, int M, int N, int K, bool streamk = false);
 void gemm_w8a8_sm90(const uint8_t* w, const float* scales, const void* x, Act x_type, int M, int N, int K, Epilogue ep,
-                    void* out, void* workspace, size_t workspace_bytes, cudaStream_t stream);
+                    void* out, void* workspace, size_t workspace_bytes, cudaStream_t stream, bool streamk = false);
 // out fp32 [ceil(K / 128), N] = scales [N, ceil(K / 128)] transposed (what the sm90 GEMM reads).
 void gemm_w8a16_sm90_transpose_scales(const float* scales, int N, int K, float* out, cudaStream_t stream);
 
