@@ -53,3 +53,16 @@ def test_step_gaps_cuts_steps_at_the_sampler():
     assert [s["span_us"] for s in steps] == [7.0, 7.0]
     assert [s["gap_us"] for s in steps] == [3.0, 13.0]
     assert steps_of([(0.0, 1.0, "gemv")]) == []
+
+
+def test_step_gaps_slots_are_medians_per_kernel_position():
+    sys.path.insert(0, str(TOOLS))
+    from step_gaps import slots_of, steps_of
+
+    k = [(0.0, 1.0, "sample_kernel")]
+    for s0, d in ((10.0, 3.0), (30.0, 5.0), (50.0, 3.0)):  # the gemv of the second step runs longer
+        k += [(s0, s0 + d, "gemv"), (s0 + d + 0.5, s0 + d + 1.0, "sample_kernel")]
+    slots = slots_of(k, steps_of(k))
+    assert [s["name"] for s in slots] == ["gemv", "sample_kernel"]
+    assert [s["dur_us"] for s in slots] == [3.0, 0.5]
+    assert [s["start_us"] for s in slots] == [0.0, 3.5]

@@ -7,7 +7,7 @@ launch crosses it). Next to them, the host-observed interval between tokens of t
 `atomflow bench` reports as TPOT). Span + gap ~ the host-observed TPOT when the host keeps ahead; a
 difference between two builds shows up in one or the other. Needs torch (a tool, never the engine).
 
-    python tools/step_gaps.py MODEL [-n 128] [--context 128] [--json OUT]
+    python tools/step_gaps.py MODEL [-n 128] [--context 128] [--rounds 5] [--json OUT]
 """
 
 from __future__ import annotations
@@ -54,6 +54,27 @@ def steps_of(kernels: list[tuple[float, float, str]]) -> list[dict]:
                 span_us=kernels[end][1] - kernels[first][0],
                 gap_us=kernels[first][0] - kernels[prev][1],
                 kernels=end - first + 1,
+                first=first,
+            )
+        )
+    return out
+
+
+def slots_of(kernels: list[tuple[float, float, str]], steps: list[dict]) -> list[dict]:
+    """Per kernel slot of a step (steps of the most common kernel count): its name, and the medians over
+    steps of its start after the step's first kernel's start and of its duration; where two builds
+    part, the slot whose start moves first is the kernel boundary that changed."""
+    n = int(np.median([s["kernels"] for s in steps]))
+    same = [s for s in steps if s["kernels"] == n]
+    out = []
+    for j in range(n):
+        ks = [kernels[s["first"] + j] for s in same]
+        t0 = [kernels[s["first"]][0] for s in same]
+        out.append(
+            dict(
+                name=ks[0][2][:80],
+                start_us=float(np.median([k[0] - t for k, t in zip(ks, t0)])),
+                dur_us=float(np.median([k[1] - k[0] for k in ks])),
             )
         )
     return out
@@ -64,10 +85,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("model")
     ap.add_argument("-n", "--tokens", type=int, default=128, help="tokens generated (default 128)")
     ap.add_argument("--context", type=int, default=128, help="prompt tokens before them (default 128)")
-    ap.add_argument("--json", help="also write the per-step rows here")
+    ap.add_argument("--rounds", type=int, default=5, help="unprofiled runs timed before the profiled one (default 5)")
+    ap.add_argument("--json", help="also write the per-step rows and the per-kernel slots here")
     a = ap.parse_args(argv)
-    if a.tokens < 3 or a.context < 1:
-        ap.error("-n must be >= 3 and --context >= 1")
+    if a.tokens < 3 or a.context < 1 or a.rounds < 1:
+        ap.error("-n must be >= 3, --context >= 1 and --rounds >= 1")
 
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -79,13 +101,18 @@ def main(argv: list[str] | None = None) -> int:
     ids = np.random.default_rng(0).integers(0, eng.spec.vocab_size, a.context).astype(np.int32)
     params = SamplingParams(temperature=0, max_new_tokens=a.tokens, ignore_eos=True)
     list(eng.generate_tokens(ids, params))  # warm
+    free = []  # the same run without the profiler: what it perturbs shows as a difference
+    for _ in range(a.rounds):
+        t = [time.perf_counter() for _ in eng.generate_tokens(ids, params)]
+        free.append(np.median(np.diff(t)[1:]))
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         stamps = [time.perf_counter() for _ in eng.generate_tokens(ids, params)]
         torch.cuda.synchronize()
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "trace.json")
         prof.export_chrome_trace(path)
-        steps = steps_of(kernels_of(path))
+        kernels = kernels_of(path)
+        steps = steps_of(kernels)
     if not steps:
         print("step_gaps: no step-ending kernel in the trace (is this the CUDA backend?)", file=sys.stderr)
         return 1
@@ -97,9 +124,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  gap       p50 {np.median(gap):8.1f} us   p90 {np.percentile(gap, 90):8.1f}")
     print(f"  span+gap  p50 {np.median(span + gap):8.1f} us")
     print(f"  host TPOT p50 {1e3 * np.median(host):8.1f} us (profiled run)")
+    print(f"  host TPOT p50 {1e6 * np.median(free):8.1f} us (without the profiler, median of {a.rounds} runs)")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump(dict(model=str(eng.model.path), steps=steps, host_tpot_ms=host.tolist()), f, indent=2)
+            rows = dict(model=str(eng.model.path), steps=steps, slots=slots_of(kernels, steps), host_tpot_ms=host.tolist())
+            json.dump(rows, f, indent=2)
     return 0
 
 
