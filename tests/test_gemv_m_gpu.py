@@ -147,7 +147,7 @@ def test_gemv_m_model_shapes(rng, M, N, K, ep):
 
 
 # Every kernel instance: (M, nc) over the token tiles 1, 2, 4, 8 and their classes per warp.
-INSTANCES = [(M, nc) for M in (5, 16) for nc in (1, 2, 4, 8)] + [(M, nc) for M in (31,) for nc in (2, 4)] + [(64, 2)]
+INSTANCES = [(M, nc) for M in (5, 16) for nc in (1, 2, 4)] + [(M, nc) for M in (31,) for nc in (2, 4)] + [(64, 2)]
 
 
 @pytest.mark.parametrize("M,nc", INSTANCES)
@@ -217,7 +217,7 @@ def test_gemv_m_plan_table():
     gate_up = ops.gemv_m_plan(16, 16384, 3072, SWIGLU)
     down = ops.gemv_m_plan(16, 3072, 8192, ADD)
     assert o["nt"] == 2 and o["nc"] == 2 and o["slab"] >= 3072
-    assert gate_up["nc"] == 8
+    assert gate_up["nc"] == 4
     assert down["slab"] < 8192 and down["slab"] % 512 == 0
     assert ops.gemv_m_plan(64, 3072, 3072)["nt"] == 8
 
@@ -230,3 +230,5 @@ def test_gemv_m_rejects_bad_arguments(rng):
         ops.gemv_m(random_fp8(rng, (64, 96)), random_scales(rng, 64, 96), bf16_bits(np.zeros((2, 96))), STORE)
     with pytest.raises(ValueError):
         ops.gemv_m(w, s, bf16_bits(np.zeros((2, 256))), STORE, nc=8 * 3)  # no such instance
+    with pytest.raises(ValueError):
+        ops.gemv_m(w, s, bf16_bits(np.zeros((2, 256))), STORE, nc=8)  # a tile's classes span two warps or more

@@ -56,17 +56,16 @@ constexpr int kMMaxRows = 64;
 // Shared memory one block may use (sm_90: 227 KB opt-in).
 constexpr size_t kMSmemMax = 227 * 1024;
 
-// Groups of 64 columns a warp loads per iteration, per tile row pair: 16 loads of 16 bytes in flight
-// per lane as in the decode GEMV, 8 with 8 token tiles (their 64 accumulators leave no room).
-__host__ __device__ constexpr int m_groups(int nt) { return nt == 8 ? 4 : 8; }
+// Groups of 64 columns a warp loads per iteration, per tile row pair. Two iterations are in flight
+// (ping-pong), so a lane keeps 8 to 16 loads of 16 bytes in flight, never none, as the decode GEMV's
+// 16; 2 with 8 token tiles (their 64 accumulators leave no room).
+__host__ __device__ constexpr int m_groups(int nt) { return nt == 8 ? 2 : 4; }
 // Columns of K one iteration of a warp spans (its classes in each of groups / nc 512-column stripes).
 __host__ __device__ constexpr int m_iter_cols(int nt, int nc) { return m_groups(nt) / nc * 512; }
 // Values per output a warp hands to its tile's leader: pair sums of its classes, or its one class.
 __host__ __device__ constexpr int m_pair_vals(int nc) { return nc >= 2 ? nc / 2 : 1; }
-// Floats of the cross-warp exchange (none when one warp holds all 8 classes).
-__host__ __device__ constexpr int m_comb_floats(int nt, int nc) {
-  return nc == 8 ? 0 : kMWarps * m_pair_vals(nc) * nt * 128;
-}
+// Floats of the cross-warp exchange (a tile's classes always span 8 / nc >= 2 warps).
+__host__ __device__ constexpr int m_comb_floats(int nt, int nc) { return kMWarps * m_pair_vals(nc) * nt * 128; }
 __host__ __device__ constexpr size_t m_x_bytes(int M, int slab) {
   return CEIL_DIV(static_cast<size_t>(M) * (2 * slab + 16), 16) * 16;
 }
@@ -333,10 +332,14 @@ static __global__ void __launch_bounds__(kMThreads, 1) gemv_w8a16_m_kernel(const
 
     for (int slab = 0; slab < n_slabs; ++slab) {
       const int col0 = slab * P.slab, st_begin = col0 / 512, st_end = min(stripes, (col0 + P.slab) / 512);
-      // The slab's first iteration goes out before x is staged (on the first trip, before the PDL
-      // wait: weights are immutable) and is consumed by its own copy of the math, not by the loop.
-      MIter<NT, NC> first;
-      if (active) first.load(P, ra, rb, st_begin, c0, policy);
+      // Two iterations in flight, ping-pong: the slab's first two go out before x is staged (on the
+      // first trip, before the PDL wait: weights are immutable); then each iteration's math runs while
+      // the next one's loads are in flight, and its registers take the one after.
+      MIter<NT, NC> ia, ib;
+      if (active) {
+        ia.load(P, ra, rb, st_begin, c0, policy);
+        if (st_begin + S < st_end) ib.load(P, ra, rb, st_begin + S, c0, policy);
+      }
       if (!waited) {  // block-uniform
         pdl_wait();   // x (and for AddResidual, out) come from earlier kernels
         row_factors(P, sm);
@@ -348,11 +351,13 @@ static __global__ void __launch_bounds__(kMThreads, 1) gemv_w8a16_m_kernel(const
       }
       waited = true;
       if (active) {
-        first.math(acc, x_row, st_begin, c0, col0, G_end);
-        for (int st0 = st_begin + S; st0 < st_end; st0 += S) {
-          MIter<NT, NC> it;
-          it.load(P, ra, rb, st0, c0, policy);
-          it.math(acc, x_row, st0, c0, col0, G_end);
+        for (int st0 = st_begin;; st0 += 2 * S) {
+          ia.math(acc, x_row, st0, c0, col0, G_end);
+          if (st0 + S >= st_end) break;
+          if (st0 + 2 * S < st_end) ia.load(P, ra, rb, st0 + 2 * S, c0, policy);
+          ib.math(acc, x_row, st0 + S, c0, col0, G_end);
+          if (st0 + 2 * S >= st_end) break;
+          if (st0 + 3 * S < st_end) ib.load(P, ra, rb, st0 + 3 * S, c0, policy);
         }
       }
     }
@@ -370,12 +375,8 @@ static __global__ void __launch_bounds__(kMThreads, 1) gemv_w8a16_m_kernel(const
           pv[k][t][e] = NC >= 2 ? acc[2 * k][t][e] + acc[NC >= 2 ? 2 * k + 1 : 0][t][e] : acc[0][t][e];
     float y[NT][4];
     bool leader = true;
-    if constexpr (WT == 1) {
-#pragma unroll
-      for (int t = 0; t < NT; ++t)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) y[t][e] = (pv[0][t][e] + pv[2][t][e]) + (pv[1][t][e] + pv[3][t][e]);
-    } else {
+    static_assert(WT >= 2, "the tile leader gathers the classes of the tile's warps");
+    {
       __syncthreads();  // the previous round's leaders have read the exchange
 #pragma unroll
       for (int k = 0; k < NV; ++k)
@@ -436,7 +437,7 @@ constexpr int calc_nt(int M) { return M <= 8 ? 1 : M <= 16 ? 2 : M <= 32 ? 4 : 8
 // Column classes per warp, most first: 8 / nc warps share a tile. At most 64 accumulators a lane (nc x
 // nt x 4), and at least 2 classes with 32 rows and more (an iteration of one class spans 4096 columns:
 // too much x to stage).
-constexpr int max_nc(int nt) { return nt <= 2 ? 8 : nt == 4 ? 4 : 2; }
+constexpr int max_nc(int nt) { return nt <= 4 ? 4 : 2; }
 constexpr int min_nc(int nt) { return nt <= 2 ? 1 : 2; }
 // The widest slab within the shared memory budget: K whole (x resident) when it fits.
 constexpr int calc_slab(int M, int nt, int nc, int K) {
@@ -454,8 +455,8 @@ constexpr int calc_nc(int nt, int n_tiles, int sms) {
     if (2 * CEIL_DIV(n_tiles, nc) >= sms) return nc;
   return min_nc(nt);
 }
-static_assert(calc_nc(2, 3072 / 16, 132) == 2 && calc_nc(2, 5120 / 16, 132) == 4 && calc_nc(2, 8192 / 8, 132) == 8,
-              "3B at M = 16: o and down 2 classes per warp, qkv 4, gate/up 8");
+static_assert(calc_nc(2, 3072 / 16, 132) == 2 && calc_nc(2, 5120 / 16, 132) == 4 && calc_nc(2, 8192 / 8, 132) == 4,
+              "3B at M = 16: o and down 2 classes per warp, qkv and gate/up 4");
 static_assert(calc_slab(16, 2, 2, 3072) >= 3072 && calc_slab(16, 2, 2, 8192) < 8192 &&
                   calc_slab(64, 8, 2, 18944) >= 1024,
               "3B o at M = 16 resident; Qwen 7B down at M = 64 in slabs");
@@ -501,11 +502,9 @@ auto dispatch_m(int nt, int nc, F&& f) {
     case 1 * 16 + 1: return f(std::integral_constant<int, 1>{}, std::integral_constant<int, 1>{});
     case 1 * 16 + 2: return f(std::integral_constant<int, 1>{}, std::integral_constant<int, 2>{});
     case 1 * 16 + 4: return f(std::integral_constant<int, 1>{}, std::integral_constant<int, 4>{});
-    case 1 * 16 + 8: return f(std::integral_constant<int, 1>{}, std::integral_constant<int, 8>{});
     case 2 * 16 + 1: return f(std::integral_constant<int, 2>{}, std::integral_constant<int, 1>{});
     case 2 * 16 + 2: return f(std::integral_constant<int, 2>{}, std::integral_constant<int, 2>{});
     case 2 * 16 + 4: return f(std::integral_constant<int, 2>{}, std::integral_constant<int, 4>{});
-    case 2 * 16 + 8: return f(std::integral_constant<int, 2>{}, std::integral_constant<int, 8>{});
     case 4 * 16 + 2: return f(std::integral_constant<int, 4>{}, std::integral_constant<int, 2>{});
     case 4 * 16 + 4: return f(std::integral_constant<int, 4>{}, std::integral_constant<int, 4>{});
     case 8 * 16 + 2: return f(std::integral_constant<int, 8>{}, std::integral_constant<int, 2>{});
