@@ -53,6 +53,8 @@ namespace {
 
 constexpr int kMThreads = 256, kMWarps = kMThreads / 32;
 constexpr int kMMaxRows = 64;
+// Rows of x whose per-row factors (RMSNorm's 1 / rms, bf16's power of two) are reduced at once.
+constexpr int kFactorRows = 4;
 // Shared memory one block may use (sm_90: 227 KB opt-in).
 constexpr size_t kMSmemMax = 227 * 1024;
 
@@ -69,9 +71,9 @@ __host__ __device__ constexpr int m_comb_floats(int nt, int nc) { return kMWarps
 __host__ __device__ constexpr size_t m_x_bytes(int M, int slab) {
   return CEIL_DIV(static_cast<size_t>(M) * (2 * slab + 16), 16) * 16;
 }
-// x, the exchange, the per-row factors (2 x 64) and the reductions' scratch (16 + 8 x 64).
+// x, the exchange, the per-row factors (2 x 64) and the reductions' scratch (8 warps x 64 rows).
 __host__ __device__ constexpr size_t m_smem_bytes(int M, int nt, int nc, int slab) {
-  return m_x_bytes(M, slab) + sizeof(float) * (m_comb_floats(nt, nc) + 2 * kMMaxRows + 16 + kMWarps * kMMaxRows);
+  return m_x_bytes(M, slab) + sizeof(float) * (m_comb_floats(nt, nc) + 2 * kMMaxRows + kMWarps * kMMaxRows);
 }
 
 // The decode GEMV's instructions (gemv_w8a16_body.cuh), the same PTX, so the products round alike.
@@ -117,7 +119,7 @@ struct MSmem {
   float* comb;
   float* up;      // per row: the factor x is staged with (bf16: 2^s; NORM: rsqrt(mean(x^2) + eps))
   float* xscale;  // per row: the factor the sums are multiplied by (bf16: 2^-s; else 1)
-  float* red;     // 16 (NORM: two alternating block_inv_rms scratches) + 8 x 64 (bf16: warps' maxima)
+  float* red;     // [warp][row]: the warps' sums of squares (NORM) or maxima (bf16) per row
   __device__ MSmem(uint4* smem, int M, int nt, int nc, int slab) {
     x = reinterpret_cast<char*>(smem);
     comb = reinterpret_cast<float*>(x + m_x_bytes(M, slab));
@@ -132,38 +134,79 @@ struct MSmem {
 // rmsnorm kernel's tree (its float4 path, as on the decode GEMV's shared copy).
 static __device__ void row_factors(const MProduct& P, const MSmem& sm) {
   const int M = P.M, K = P.K, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  // Rows go kFactorRows at a time, so a thread has that many loads in flight, not one; each row's
+  // arithmetic is the one-row code's (rmsnorm.cuh, block_inv_rms: a thread's four chains over float4s
+  // t, t + 256, ..., the butterfly, the warps' sums in warp order), so the factors do not change.
+  constexpr int R = kFactorRows;
+  float* per_warp = sm.red;
   if (P.in == GemvIn::NORM) {
-    const float* xf = static_cast<const float*>(P.x);
-    for (int m = 0; m < M; ++m) {  // alternating scratch: call m + 2 follows call m + 1's barrier
-      const float r = block_inv_rms<kMThreads>(xf + static_cast<size_t>(m) * K, K, P.eps, sm.red + 8 * (m & 1));
-      if (threadIdx.x == 0) {
-        sm.up[m] = r;
-        sm.xscale[m] = 1.f;
-      }
-    }
-  } else if (P.in == GemvIn::BF16) {
-    const uint4* x8 = static_cast<const uint4*>(P.x);
-    float* wmax = sm.red + 16;  // [warp][row]
-    for (int m = 0; m < M; ++m) {
-      float amax = 0.f;
-      for (int v = threadIdx.x; v < K / 8; v += kMThreads) {
-        const uint4 q = __ldcg(x8 + static_cast<size_t>(m) * (K / 8) + v);
-        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&q);
+    const float4* x4 = static_cast<const float4*>(P.x);
+    const int d4 = K / 4;  // K % 64 == 0, x 16-byte aligned: block_inv_rms's float4 path
+    for (int m0 = 0; m0 < M; m0 += R) {
+      float s[R][4] = {};
+      for (int v = threadIdx.x; v < d4; v += kMThreads) {
+        float4 q[R];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const float2 f = __bfloat1622float2(h[i]);
-          amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
+        for (int r = 0; r < R; ++r)
+          if (m0 + r < M) q[r] = x4[static_cast<size_t>(m0 + r) * d4 + v];
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          if (m0 + r >= M) continue;
+          s[r][0] = fmaf(q[r].x, q[r].x, s[r][0]);
+          s[r][1] = fmaf(q[r].y, q[r].y, s[r][1]);
+          s[r][2] = fmaf(q[r].z, q[r].z, s[r][2]);
+          s[r][3] = fmaf(q[r].w, q[r].w, s[r][3]);
         }
       }
 #pragma unroll
-      for (int off = 16; off > 0; off /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-      if (lane == 0) wmax[warp * kMMaxRows + m] = amax;
+      for (int r = 0; r < R; ++r) {
+        float ss = (s[r][0] + s[r][1]) + (s[r][2] + s[r][3]);
+#pragma unroll
+        for (int off = 16; off > 0; off /= 2) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+        if (lane == 0 && m0 + r < M) per_warp[warp * kMMaxRows + m0 + r] = ss;
+      }
+    }
+    __syncthreads();
+    for (int m = threadIdx.x; m < M; m += kMThreads) {
+      float total = 0.f;
+#pragma unroll
+      for (int w = 0; w < kMWarps; ++w) total += per_warp[w * kMMaxRows + m];
+      sm.up[m] = rsqrtf(total / static_cast<float>(K) + P.eps);
+      sm.xscale[m] = 1.f;
+    }
+  } else if (P.in == GemvIn::BF16) {
+    const uint4* x8 = static_cast<const uint4*>(P.x);
+    for (int m0 = 0; m0 < M; m0 += R) {
+      float amax[R] = {};
+      for (int v = threadIdx.x; v < K / 8; v += kMThreads) {
+        uint4 q[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+          if (m0 + r < M) q[r] = __ldcg(x8 + static_cast<size_t>(m0 + r) * (K / 8) + v);
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          if (m0 + r >= M) continue;
+          const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&q[r]);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const float2 f = __bfloat1622float2(h[i]);
+            amax[r] = fmaxf(amax[r], fmaxf(fabsf(f.x), fabsf(f.y)));
+          }
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        float a = amax[r];
+#pragma unroll
+        for (int off = 16; off > 0; off /= 2) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, off));
+        if (lane == 0 && m0 + r < M) per_warp[warp * kMMaxRows + m0 + r] = a;
+      }
     }
     __syncthreads();
     for (int m = threadIdx.x; m < M; m += kMThreads) {
       float amax = 0.f;
 #pragma unroll
-      for (int w = 0; w < kMWarps; ++w) amax = fmaxf(amax, wmax[w * kMMaxRows + m]);
+      for (int w = 0; w < kMWarps; ++w) amax = fmaxf(amax, per_warp[w * kMMaxRows + m]);
       int s = 0;  // 0, inf and NaN: no scaling
       if (amax > 0.f && amax <= FLT_MAX) {
         int e;
