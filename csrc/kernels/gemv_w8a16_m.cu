@@ -19,7 +19,7 @@
 //  x        staged into shared memory as fp16 [M][slab columns] (row stride = 2 slab + 16 bytes, so the
 //           8 lanes of a 128-bit read phase hit distinct banks), once per block when slab >= K
 //           (resident), else slab by slab for every block tile, between two barriers.
-//  Before its PDL wait (pdl.cuh) it reads only immutable data: every warp loads its first iteration's
+//  Before its PDL wait (pdl.cuh) it reads only immutable data: every warp loads its first two iterations'
 //           weights and scales into registers. It triggers its dependents at entry.
 //  After the wait it reads x (NORM and BF16 scan each row once for the per-row factor first) and, for
 //           AddResidual, out.
