@@ -327,10 +327,10 @@ def test_generate_matches_decode_loop(tiny_engine, tiny):
 
 @pytest.mark.parametrize("n", [2, 3, 16, 17, 18, 33, 40])
 def test_begin_prompt_samples_the_last_row(tiny, n):
-    """begin_prompt prefills in chunks (never a last chunk of one row: 17 = 15 + 2 at chunks of 16) and
-    its first step is the sample of the last row: greedy, argmax of the row's logits (which equal the
-    reference's and prefill()'s); sampled, sample_numpy with the RNG counter of a decode step at that
-    row. The position is then the prompt's, and the next enqueued steps continue from the token."""
+    """begin_prompt prefills in chunks (never a last chunk of one row: 17 = 15 + 2 at chunks of 16, as
+    prefill() does) and its first step is the sample of the last row: greedy, argmax of the row's
+    logits (which equal the reference's and prefill()'s to the bit); sampled, sample_numpy with the RNG
+    counter of a decode step at that row. The position is then the prompt's, and the next enqueued steps continue from the token."""
     eng = cuda(tiny, 128, prefill_chunk=16)
     core = eng.engine
     ids = prompt(n, tiny.spec.vocab_size, seed=20 + n)
@@ -343,9 +343,8 @@ def test_begin_prompt_samples_the_last_row(tiny, n):
     assert core.position == n and core.in_flight == 0
     assert_close(logits, want, f"begin_prompt's last row, {n} ids")
     assert token == int(np.argmax(logits))
-    if n % 16 != 1:  # prefill() then chunks alike (it may end on a one-row chunk)
-        eng.reset()
-        np.testing.assert_array_equal(eng.prefill(ids), logits)
+    eng.reset()  # prefill() chunks alike (Engine::prompt_chunk_rows): the same bits
+    np.testing.assert_array_equal(eng.prefill(ids), logits)
     # The steps after it: the same tokens as decode() fed with the first one.
     eng.reset()
     core.begin_prompt(ids)

@@ -412,13 +412,23 @@ void Engine::stage_prefill(const int32_t* ids, int n) {
       cudaMemcpyAsync(buf_.ids, ids, static_cast<size_t>(n) * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
 }
 
+// The rows of the prompt chunk at offset (of n ids): prefill_chunk, except that a prompt of 2+ ids
+// never ends on a one-row chunk (the chunk before it gives up a row): one row would run the decode
+// kernels' fp16 hand-off, whose overflow rerun replays a decode step, and a prompt's rows must be the
+// same bits whether prefill() or begin_prompt() runs them.
+int Engine::prompt_chunk_rows(int offset, int n) const {
+  int rows = std::min(opt_.prefill_chunk, n - offset);
+  if (rows > 1 && n - offset - rows == 1) --rows;
+  return rows;
+}
+
 void Engine::prefill(const int32_t* ids, int n, float* logits) {
   std::lock_guard<std::mutex> lock(mu_);
   NvtxRange range("prefill");
   stage_prefill(ids, n);
   int last_rows = 0;
-  for (int offset = 0; offset < n; offset += opt_.prefill_chunk) {
-    last_rows = std::min(opt_.prefill_chunk, n - offset);
+  for (int offset = 0; offset < n; offset += last_rows) {
+    last_rows = prompt_chunk_rows(offset, n);
     enqueue_prefill_chunk(offset, last_rows);
   }
   enqueue_head(last_rows - 1);  // the chunk's rows are still in buf_.x; only the last one counts
@@ -532,10 +542,7 @@ void Engine::begin_prompt(const int32_t* ids, int n) {
   if (n < 2) throw std::invalid_argument("begin_prompt: at least 2 ids (one id: begin() and enqueue())");
   stage_prefill(ids, n);  // idle: the sample below is the only step in flight
   for (int offset = 0, rows = 0; offset < n; offset += rows) {
-    rows = std::min(opt_.prefill_chunk, n - offset);
-    // The last chunk gets 2 rows rather than 1: a one-row chunk runs the decode kernels' fp16
-    // hand-off, whose overflow rerun replays a decode step, and this row's logits must stay its own.
-    if (rows > 2 && n - offset - rows == 1) --rows;
+    rows = prompt_chunk_rows(offset, n);
     const bool last = offset + rows == n;
     enqueue_prefill_chunk(offset, rows, /*advance=*/!last);
     if (last) {

@@ -200,6 +200,7 @@ class Engine {
   void enqueue_head(int row);
   void enqueue_decode_step(int attn_keys);                                // the keys its attention grid is planned for
   void enqueue_prefill_chunk(int offset, int rows, bool advance = true);  // advance: *pos += rows
+  int prompt_chunk_rows(int offset, int n) const;                         // never a last chunk of one row
   void enqueue_sample();  // the decode step's sampler and step end on buf_.logits row 0
 
   // probes.cu: what a probe point reads; X_DELTA is x minus the last snapshot (the output of a
