@@ -944,6 +944,25 @@ def test_sampler_refuses_non_finite_logits(rng, bad):
     assert ops.sample(x, 1.0, 0, 1.0, 7, 11) == -1 and ops.sample(x, 0.0, 0, 1.0, 7, 11) == -1
 
 
+def test_argmax_rows_is_the_greedy_samplers_choice(rng):
+    """A verify's greedy tokens (kernels::argmax_rows) follow the sampler's rule: the larger value, the
+    lower index on ties, -Inf a masked token, and -1 for a row with a NaN (either sign) or +Inf or
+    nothing but -Inf."""
+    vocab = 50000
+    x = np.stack([distinct_logits(rng, vocab) for _ in range(8)])
+    x[1, [7, 40000]] = x[1].max() + 1.0  # a tie: the lower index
+    x[2, ::2] = -np.inf  # masked tokens
+    x[2, 1] = x[2].max() + 1.0
+    x[3, 123] = np.nan
+    x[4, 4567] = -np.nan
+    x[5, 9] = np.inf
+    x[6, :] = -np.inf
+    got = ops.argmax_rows(x)
+    assert got[0] == int(np.argmax(x[0])) and got[1] == 7 and got[2] == 1 and got[7] == int(np.argmax(x[7]))
+    assert got[3:7].tolist() == [-1, -1, -1, -1]
+    assert got.tolist() == [ops.sample(r, 0.0, 0, 1.0, 7, 11) for r in x]
+
+
 def test_sample_step_greedy_takes_the_block_maxima(rng):
     """With block maxima the greedy token is the one they name (the logits are not read again)."""
     x = distinct_logits(rng, 4096)

@@ -274,7 +274,7 @@ class CudaBackend:
 
     def verify(self, ids: np.ndarray) -> np.ndarray:
         """Appends ids (one chunk of <= verify_rows) at the position; int32 [len(ids)]: each row's greedy
-        token, chosen on the device (-1 where a row's logits are not finite)."""
+        token, chosen on the device (-1 where a row holds a NaN or +Inf or only -Inf, as the sampler)."""
         ids = check_ids(ids, self.spec.vocab_size)
         self._end_run()
         return self.engine.verify_greedy(ids)

@@ -45,6 +45,17 @@ py::array_t<int32_t> sample_seeds(const py::array& logits_, float temperature, i
   return to_host<int32_t>(out, {n});
 }
 
+// kernels::argmax_rows (a verify's greedy tokens): logits f32 [rows, vocab] -> i32 [rows].
+py::array_t<int32_t> argmax_rows(const py::array& logits_) {
+  auto logits = arg<float>(logits_, "logits", {-1, -1});
+  const int rows = static_cast<int>(logits.shape(0)), vocab = static_cast<int>(logits.shape(1));
+  require(rows >= 1 && vocab >= 1, "logits must not be empty");
+  DeviceBuffer dl = to_device(logits), out = unwritten_tokens(rows);
+  k::argmax_rows(dl.get<float>(), rows, vocab, out.get<int32_t>(), nullptr);
+  sync();
+  return to_host<int32_t>(out, {rows});
+}
+
 int sample(const py::array& logits, float temperature, int top_k, float top_p, uint64_t seed, int pos) {
   py::array_t<uint64_t> seeds(1);
   seeds.mutable_at(0) = seed;
@@ -114,6 +125,8 @@ double time_sample(int vocab, float temperature, int top_k, float top_p, int ite
 }  // namespace
 
 void register_sampling(py::module_& m) {
+  m.def("argmax_rows", &argmax_rows, py::arg("logits"),
+        "greedy token per row of f32 [rows, vocab] (the lower index on ties; -1 as the sampler's)");
   m.def("sample", &sample, py::arg("logits"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"),
         py::arg("seed"), py::arg("pos"), "one token from f32 logits [vocab]");
   m.def("sample_step", &sample_step, py::arg("logits"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"),

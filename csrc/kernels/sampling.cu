@@ -407,7 +407,9 @@ void sample_step(const float* logits, int vocab, const uint64_t* block_best, int
 
 // ---------------------------------------------------------------------------------------
 // argmax_rows: one block per row, the row read once with coalesced loads; argmax_key (order_key.cuh)
-// makes the choice the greedy sampler's (the larger value, then the lower index).
+// makes the choice the greedy sampler's (the larger value, then the lower index), and -1 where the
+// sampler gives it: a NaN (either sign) or +Inf in the row, or every value -Inf (-Inf alone is a
+// masked token).
 
 static constexpr int kArgmaxThreads = 512;
 
@@ -415,28 +417,31 @@ static __global__ void __launch_bounds__(kArgmaxThreads)
     argmax_rows_kernel(const float* __restrict__ logits, int vocab, int32_t* __restrict__ out) {
   const float* row = logits + static_cast<size_t>(blockIdx.x) * vocab;
   uint64_t best = 0;
-  bool finite = true;
+  bool bad = false, any = false;  // a NaN or +Inf; a value above -Inf
   for (int i = threadIdx.x; i < vocab; i += kArgmaxThreads) {
     const float v = row[i];
-    finite = finite && isfinite(v);
+    bad = bad || isnan(v) || v == INFINITY;
+    any = any || v != -INFINITY;
     best = max(best, argmax_key(v, static_cast<uint32_t>(i)));
   }
   for (int o = 16; o > 0; o >>= 1) best = max(best, __shfl_xor_sync(0xffffffffu, best, o));
-  finite = __all_sync(0xffffffffu, finite);
+  bad = __any_sync(0xffffffffu, bad);
+  any = __any_sync(0xffffffffu, any);
   __shared__ uint64_t warp_best[kArgmaxThreads / 32];
-  __shared__ int warp_finite[kArgmaxThreads / 32];
+  __shared__ int warp_flags[kArgmaxThreads / 32];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (lane == 0) {
     warp_best[warp] = best;
-    warp_finite[warp] = finite;
+    warp_flags[warp] = (bad ? 1 : 0) | (any ? 2 : 0);
   }
   __syncthreads();
   if (threadIdx.x == 0) {
+    int flags = warp_flags[0];
     for (int w = 1; w < kArgmaxThreads / 32; ++w) {
       best = max(best, warp_best[w]);
-      finite = finite && warp_finite[w];
+      flags |= warp_flags[w];
     }
-    out[blockIdx.x] = finite ? static_cast<int32_t>(~static_cast<uint32_t>(best)) : -1;
+    out[blockIdx.x] = flags == 2 ? static_cast<int32_t>(~static_cast<uint32_t>(best)) : -1;
   }
 }
 

@@ -61,7 +61,7 @@ class Engine {
   void prefill_rows(const int32_t* ids, int n, float* logits);
   // Speculative verification (atomflow/speculate.py): prefill_rows' chunk of n <= kLogitRows rows, then
   // each row's greedy token on the device (argmax, the lower index on ties: the decode step's greedy
-  // choice); -1 for a row whose logits are not all finite. Only the n tokens come back to the host.
+  // choice); -1 for a row with a NaN or +Inf or only -Inf (the sampler's rule). Only the n tokens come back.
   void verify_greedy(const int32_t* ids, int n, int32_t* tokens);
   // Rows of logits the engine holds at once (buf_.logits is [kLogitRows, vocab]; decode uses row 0).
   static constexpr int kLogitRows = StepPlan::kLogitRows;
