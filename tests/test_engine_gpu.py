@@ -330,7 +330,8 @@ def test_begin_prompt_samples_the_last_row(tiny, n):
     """begin_prompt prefills in chunks (never a last chunk of one row: 17 = 15 + 2 at chunks of 16, as
     prefill() does) and its first step is the sample of the last row: greedy, argmax of the row's
     logits (which equal the reference's and prefill()'s to the bit); sampled, sample_numpy with the RNG
-    counter of a decode step at that row. The position is then the prompt's, and the next enqueued steps continue from the token."""
+    counter of a decode step at that row. The position is then the prompt's, and the next enqueued
+    steps continue from the token."""
     eng = cuda(tiny, 128, prefill_chunk=16)
     core = eng.engine
     ids = prompt(n, tiny.spec.vocab_size, seed=20 + n)
