@@ -26,23 +26,27 @@ from atomflow.tokens import generation_budget
 
 METHODS = ("ngram",)
 DEFAULT_K = 8
+# The pause threshold of a run that has not yet timed both a verify step and a plain step.
+FALLBACK_MIN_ACCEPT = 0.6
 MAX_ROWS = 16  # a verify chunk's rows: the small-M GEMV's limit on CUDA (StepPlan::small_m_max_rows)
 
 
 @dataclass(frozen=True)
 class SpecConfig:
     """k_max: the most drafted tokens per verify step (1..MAX_ROWS - 1). n_max..n_min: the suffix
-    lengths looked up, longest first. window, min_accept: speculation pauses when the last `window`
-    verify steps accepted fewer than min_accept drafted tokens per step on average; it pauses for
-    pause_tokens plain tokens, doubling on each pause in a row up to max_pause_tokens."""
+    lengths looked up, longest first (a one-token suffix is too weak a match to draft from: n_min 2).
+    window, min_accept: speculation pauses when the last `window` verify steps accepted fewer than
+    min_accept drafted tokens per step on average; None: the break-even measured in the run (a verify
+    step's time over a plain step's, minus one). It pauses for pause_tokens plain tokens, doubling on
+    each pause in a row up to max_pause_tokens."""
 
     method: str = "ngram"
     k_max: int = DEFAULT_K
     n_max: int = 3
-    n_min: int = 1
+    n_min: int = 2
     window: int = 8
-    min_accept: float = 0.6
-    pause_tokens: int = 32
+    min_accept: float | None = None
+    pause_tokens: int = 16
     max_pause_tokens: int = 256
 
     def __post_init__(self):
@@ -54,6 +58,8 @@ class SpecConfig:
             raise ValueError(f"n-gram lengths need 1 <= n_min <= n_max, got {self.n_min}..{self.n_max}")
         if self.window < 1 or self.pause_tokens < 1 or self.max_pause_tokens < self.pause_tokens:
             raise ValueError("window and pause_tokens must be >= 1, max_pause_tokens >= pause_tokens")
+        if self.min_accept is not None and not self.min_accept >= 0:
+            raise ValueError(f"min_accept must be >= 0 or None (measured), got {self.min_accept}")
 
     def __str__(self) -> str:
         return f"{self.method}:{self.k_max}"
@@ -129,7 +135,10 @@ class AdaptiveK:
     """How many tokens to draft now. k halves on a full miss (bound 1) and doubles on a full accept
     (bound k_max). Over the last `window` verify steps, fewer than min_accept accepted tokens per
     step pauses speculation for `pause` plain tokens (doubling while pauses repeat, up to
-    max_pause_tokens); then it probes again with the k it had."""
+    max_pause_tokens); then it probes again with the k it had. Without a configured min_accept the
+    threshold is where speculation stops paying on this backend, from the times the loop reports
+    (observe_verify, observe_plain): a verify step yields accepted + 1 tokens for its time, a plain
+    step one, so it pays while accepted > verify time / plain time - 1."""
 
     def __init__(self, cfg: SpecConfig):
         self.cfg = cfg
@@ -138,6 +147,8 @@ class AdaptiveK:
         self.pause = cfg.pause_tokens  # the next pause's length
         self.paused_left = 0  # plain tokens to go before speculating again
         self.pauses = 0
+        self.verify_s, self.verifies = 0.0, 0
+        self.plain_s, self.plains = 0.0, 0
 
     @property
     def paused(self) -> bool:
@@ -146,6 +157,21 @@ class AdaptiveK:
     def want(self) -> int:
         """Tokens to draft now (0 while paused)."""
         return 0 if self.paused else self.k
+
+    def observe_verify(self, seconds: float) -> None:
+        self.verify_s, self.verifies = self.verify_s + seconds, self.verifies + 1
+
+    def observe_plain(self, seconds: float) -> None:
+        self.plain_s, self.plains = self.plain_s + seconds, self.plains + 1
+
+    @property
+    def min_accept(self) -> float:
+        """Accepted drafts per verify step below which speculation pauses (see the class)."""
+        if self.cfg.min_accept is not None:
+            return self.cfg.min_accept
+        if not self.verifies or not self.plains or self.plain_s <= 0:
+            return FALLBACK_MIN_ACCEPT
+        return max(0.0, (self.verify_s / self.verifies) / (self.plain_s / self.plains) - 1.0)
 
     def update(self, proposed: int, accepted: int) -> None:
         if proposed < 1:
@@ -156,7 +182,7 @@ class AdaptiveK:
             self.k = max(1, self.k // 2)
         self.recent.append(accepted)
         if len(self.recent) == self.cfg.window:
-            if sum(self.recent) < self.cfg.min_accept * self.cfg.window:
+            if sum(self.recent) < self.min_accept * self.cfg.window:
                 self.paused_left, self.pauses = self.pause, self.pauses + 1
                 self.pause = min(self.cfg.max_pause_tokens, 2 * self.pause)
                 self.recent.clear()
@@ -267,7 +293,13 @@ def speculative_ids(
             if not draft:
                 # Plain steps own the cache while they run (a later call ends them the same way).
                 with contextlib.closing(backend.steps(last, min(remaining, policy.plain_tokens()))) as steps:
-                    for t in steps:
+                    it = iter(steps)
+                    while True:
+                        t0 = time.perf_counter()
+                        t = next(it, None)  # timed apart from the consumer's time between tokens
+                        if t is None:
+                            break
+                        policy.observe_plain(time.perf_counter() - t0)
                         last = int(t)
                         drafter.extend([last])
                         yielded += 1
@@ -280,7 +312,9 @@ def speculative_ids(
                 continue
             t0 = time.perf_counter()
             g = backend.verify(np.asarray([last] + draft, dtype=np.int32))  # each row's greedy token
-            stats.verify_s += time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            stats.verify_s += dt
+            policy.observe_verify(dt)
             if (g < 0).any():
                 raise NonFiniteLogitsError(f"non-finite logits at position {pos}", pos)
             a = 0

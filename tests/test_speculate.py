@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from atomflow import Engine, SamplingParams
-from atomflow.speculate import AdaptiveK, NgramDrafter, SpecConfig, SpecStats, parse_speculate
+from atomflow.speculate import FALLBACK_MIN_ACCEPT, AdaptiveK, NgramDrafter, SpecConfig, SpecStats, parse_speculate
 
 
 # ----------------------------------------------------------------------------------- drafter
@@ -88,6 +88,43 @@ def test_pause_and_resume():
         a.update(2, 2)  # paying again: no pause, and the next pause is short again
     assert not a.paused and a.pause == 5
     assert a.want() == 4
+
+
+def test_pause_threshold_is_the_measured_break_even():
+    """Without a configured min_accept a verify step must yield more than its time in plain steps:
+    accepted > verify time / plain step time - 1, from the times the loop reports; a fixed fallback
+    until both have been timed; a configured value wins."""
+    a = AdaptiveK(SpecConfig(window=2))
+    assert a.min_accept == FALLBACK_MIN_ACCEPT
+    a.observe_verify(0.003)
+    assert a.min_accept == FALLBACK_MIN_ACCEPT  # no plain step timed yet
+    a.observe_plain(0.002)
+    a.observe_plain(0.002)
+    assert a.min_accept == pytest.approx(0.5)  # 3 ms / 2 ms - 1
+    a.update(4, 1)
+    a.update(4, 1)  # 1 accepted per step > 0.5: pays
+    assert not a.paused
+    a.observe_verify(0.009)  # verify now 6 ms on average: break-even 2
+    a.update(4, 1)
+    a.update(4, 1)
+    assert a.paused and a.pauses == 1
+    fixed = AdaptiveK(SpecConfig(min_accept=0.25))
+    fixed.observe_verify(1.0)
+    fixed.observe_plain(0.001)
+    assert fixed.min_accept == 0.25
+    with pytest.raises(ValueError, match="min_accept"):
+        SpecConfig(min_accept=-0.1)
+
+
+def test_default_drafts_need_a_two_token_match():
+    """A one-token suffix is too weak a match to draft from (SpecConfig n_min 2): tools/speculate_sim.py
+    measured fewer wasted verify steps with it on every prompt kind."""
+    cfg = SpecConfig()
+    assert cfg.n_min == 2
+    d = NgramDrafter([1, 2, 3, 9, 4, 3], cfg.n_max, cfg.n_min)  # only [3] occurred before
+    assert d.propose(4) == []
+    d.extend([9])  # [3, 9] occurred before, followed by 4
+    assert d.propose(2) == [4, 3]
 
 
 def test_no_draft_runs_one_plain_step():

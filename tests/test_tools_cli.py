@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 TOOLS = Path(__file__).resolve().parent.parent / "tools"
@@ -66,3 +67,29 @@ def test_step_gaps_slots_are_medians_per_kernel_position():
     assert [s["name"] for s in slots] == ["gemv", "sample_kernel"]
     assert [s["dur_us"] for s in slots] == [3.0, 0.5]
     assert [s["start_us"] for s in slots] == [0.0, 3.5]
+
+
+def test_speculate_sim_replays_the_real_loop():
+    """The replay yields the recorded tokens through the real speculative loop (it asserts so); a
+    sequence that repeats itself is drafted and accepted, and predicted faster than plain decoding;
+    random tokens draft nothing and cost nothing."""
+    sys.path.insert(0, str(TOOLS))
+    from speculate_sim import replay
+
+    from atomflow.speculate import SpecConfig
+
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12] * 4
+    item = dict(prompt=prompt, output=[5, 6, 7, 8, 9, 10, 11, 12] * 8)
+    r = replay(item, SpecConfig(), step_ms=1.0, verify_ms=(1.2, 0.05))
+    assert r["stats"].accepted > 40 and r["stats"].tokens_per_step > 3 and r["speedup"] > 2.5
+    rng = np.random.default_rng(0)
+    noise = dict(prompt=rng.permutation(1000)[:40].tolist(), output=rng.permutation(1000)[:40].tolist())
+    r = replay(noise, SpecConfig(), step_ms=1.0, verify_ms=(1.2, 0.05))
+    assert r["stats"].verify_steps == 0 and r["speedup"] == pytest.approx(1.0)
+
+
+def test_speculate_sim_refuses_bad_costs(tmp_path):
+    r = run("speculate_sim.py", "m.atomflow", "--verify-ms", "1")
+    assert r.returncode == 2 and "--verify-ms" in r.stderr
+    r = run("speculate_sim.py", "m.atomflow", "--config", "n_min=5,n_max=3")
+    assert r.returncode == 2 and "--config" in r.stderr
