@@ -61,6 +61,25 @@ def tiny_model_file(tmp_path_factory, tiny_hf_dir) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def arch_model(tmp_path_factory):
+    """(preset, seed) -> (HF directory, quantized .atomflow path) of tools/make_tiny_arch.py's random
+    model of that architecture preset, made on first use and kept for the session."""
+    from atomflow.model.quantize import quantize
+
+    made: dict[tuple[str, int], tuple[Path, Path]] = {}
+
+    def get(preset: str, seed: int) -> tuple[Path, Path]:
+        if (preset, seed) not in made:
+            hf = load_tool("make_tiny_arch").make_arch_model(tmp_path_factory.mktemp(preset) / "hf", preset, seed=seed)
+            path = hf.parent / "m.atomflow"
+            quantize(hf, path, progress=False, log=lambda s: None)
+            made[preset, seed] = (hf, path)
+        return made[preset, seed]
+
+    return get
+
+
 @pytest.fixture
 def rng():
     """A fresh generator per test, its seed printed (replay: ATOMFLOW_TEST_SEED=...)."""

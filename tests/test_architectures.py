@@ -10,7 +10,6 @@ import pytest
 
 from atomflow.errors import UnsupportedModelError
 from atomflow.model.fileformat import AtomflowFile
-from atomflow.model.quantize import quantize
 from atomflow.model.reference import ReferenceModel
 
 torch = pytest.importorskip("torch")
@@ -34,17 +33,8 @@ def rel_l2(a, b) -> float:
 
 
 @pytest.fixture(scope="module")
-def arch_models(tmp_path_factory):
-    from conftest import load_tool
-
-    tool = load_tool("make_tiny_arch")
-    out = {}
-    for preset in CASES:
-        d = tool.make_arch_model(tmp_path_factory.mktemp(preset) / "hf", preset, seed=1)
-        f = d.parent / "m.atomflow"
-        quantize(d, f, progress=False, log=lambda s: None)
-        out[preset] = (d, f)
-    return out
+def arch_models(arch_model):
+    return {preset: arch_model(preset, 1) for preset in CASES}
 
 
 @pytest.mark.parametrize("preset", list(CASES))

@@ -25,20 +25,9 @@ PRESETS = {"qwen2-g2": "fused", "qwen3-d128": "split", "mistral": "fused"}
 
 
 @pytest.fixture(scope="module")
-def arch_files(tmp_path_factory):
-    """preset -> AtomflowFile, made once per module."""
-    from conftest import load_tool
-
-    from atomflow.model.quantize import quantize
-
-    tool = load_tool("make_tiny_arch")
-    out = {}
-    for preset in PRESETS:
-        hf = tool.make_arch_model(tmp_path_factory.mktemp(preset) / "hf", preset, seed=3)
-        path = hf.parent / "m.atomflow"
-        quantize(hf, path, progress=False, log=lambda s: None)
-        out[preset] = AtomflowFile(path)
-    yield out
+def arch_files(arch_model):
+    """preset -> AtomflowFile (conftest's arch_model, seed 3)."""
+    yield {preset: AtomflowFile(arch_model(preset, 3)[1]) for preset in PRESETS}
     gc.collect()
 
 
