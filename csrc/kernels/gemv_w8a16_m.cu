@@ -417,34 +417,31 @@ static __global__ void __launch_bounds__(kMThreads, 1) gemv_w8a16_m_kernel(const
         for (int e = 0; e < 4; ++e)
           pv[k][t][e] = NC >= 2 ? acc[2 * k][t][e] + acc[NC >= 2 ? 2 * k + 1 : 0][t][e] : acc[0][t][e];
     float y[NT][4];
-    bool leader = true;
     static_assert(WT >= 2, "the tile leader gathers the classes of the tile's warps");
-    {
-      __syncthreads();  // the previous round's leaders have read the exchange
+    __syncthreads();  // the previous round's leaders have read the exchange
 #pragma unroll
-      for (int k = 0; k < NV; ++k)
+    for (int k = 0; k < NV; ++k)
 #pragma unroll
-        for (int t = 0; t < NT; ++t)
+      for (int t = 0; t < NT; ++t)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) sm.comb[((warp * NV + k) * NT + t) * 128 + e * 32 + lane] = pv[k][t][e];
-      __syncthreads();
-      leader = warp % WT == 0;
-      if (leader) {
-        // value k' of the tile's warp i, one output of this lane
-        auto at = [&](int i, int k, int t, int e) {
-          return sm.comb[(((warp + i) * NV + k) * NT + t) * 128 + e * 32 + lane];
-        };
+        for (int e = 0; e < 4; ++e) sm.comb[((warp * NV + k) * NT + t) * 128 + e * 32 + lane] = pv[k][t][e];
+    __syncthreads();
+    const bool leader = warp % WT == 0;
+    if (leader) {
+      // value k' of the tile's warp i, one output of this lane
+      auto at = [&](int i, int k, int t, int e) {
+        return sm.comb[(((warp + i) * NV + k) * NT + t) * 128 + e * 32 + lane];
+      };
 #pragma unroll
-        for (int t = 0; t < NT; ++t)
+      for (int t = 0; t < NT; ++t)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            float p[4];
+        for (int e = 0; e < 4; ++e) {
+          float p[4];
 #pragma unroll
-            for (int k = 0; k < 4; ++k)
-              p[k] = NC >= 2 ? at(2 * k / NC, (2 * k % NC) / 2, t, e) : at(2 * k, 0, t, e) + at(2 * k + 1, 0, t, e);
-            y[t][e] = (p[0] + p[2]) + (p[1] + p[3]);
-          }
-      }
+          for (int k = 0; k < 4; ++k)
+            p[k] = NC >= 2 ? at(2 * k / NC, (2 * k % NC) / 2, t, e) : at(2 * k, 0, t, e) + at(2 * k + 1, 0, t, e);
+          y[t][e] = (p[0] + p[2]) + (p[1] + p[3]);
+        }
     }
 
     if (leader && active) {
