@@ -3,6 +3,7 @@ so a typo fails in a second with a one-line error instead of after a model load.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -93,3 +94,17 @@ def test_speculate_sim_refuses_bad_costs(tmp_path):
     assert r.returncode == 2 and "--verify-ms" in r.stderr
     r = run("speculate_sim.py", "m.atomflow", "--config", "n_min=5,n_max=3")
     assert r.returncode == 2 and "--config" in r.stderr
+
+
+def test_speculate_sim_fits_costs_to_a_bench_run(tmp_path):
+    sys.path.insert(0, str(TOOLS))
+    from speculate_sim import costs_from_bench
+
+    runs = [dict(plain_tps=1000.0, drafted=d * v, verify_steps=v, verify_ms=0.7 + 0.05 * d) for d, v in ((1, 4), (3, 5), (6, 2))]
+    runs.append(dict(plain_tps=1000.0, drafted=0, verify_steps=0, verify_ms=float("nan")))
+    (tmp_path / "b.json").write_text(json.dumps(dict(runs=runs)))
+    step, (a, b) = costs_from_bench(str(tmp_path / "b.json"))
+    assert step == pytest.approx(1.0) and a == pytest.approx(0.7) and b == pytest.approx(0.05)
+    (tmp_path / "none.json").write_text(json.dumps(dict(runs=runs[-1:])))
+    with pytest.raises(ValueError, match="no run made a verify step"):
+        costs_from_bench(str(tmp_path / "none.json"))

@@ -6,12 +6,12 @@ policy's acceptance is exact and its speedup as good as the cost model; a GPU ru
 (tools/speculate_bench.py) checks the prediction.
 
     python tools/speculate_sim.py [MODEL] [--greedy FILE] [-n 128] [--step-ms 0.635] \\
-        [--verify-ms 0.70,0.065] [--config "n_min=1,min_accept=0.6,pause_tokens=32"] ...
+        [--verify-ms 0.70,0.065 | --costs-from BENCH.json] [--config "n_min=1,min_accept=0.6"] ...
 
 The greedy tokens of tools/speculate_prompts.json are generated once on the CPU backend (exact) and
 kept in --greedy (default: next to the model, MODEL.greedy-N.json). --verify-ms A,B models a verify
-step of k drafts as A + B k ms (fit them to the verify_ms column of a speculate_bench run), --step-ms
-a plain pipelined step. Each --config is a SpecConfig (its keyword arguments); the defaults always run.
+step of k drafts as A + B k ms, --step-ms a plain pipelined step; --costs-from fits both to a
+`speculate_bench.py --json` run. Each --config is a SpecConfig (its keyword arguments); the defaults always run.
 """
 
 from __future__ import annotations
@@ -119,6 +119,22 @@ def record(model: str, path: Path, n: int) -> list[dict]:
     return out
 
 
+def costs_from_bench(path: str) -> tuple[float, tuple[float, float]]:
+    """(step ms, (A, B)) from a `speculate_bench.py --json` file: a plain step = 1 / the mean plain
+    tokens/s; a verify of k drafts = A + B k, least squares over the prompts' (drafts per verify step,
+    verify ms); B = 0 when the drafts per step hardly vary."""
+    runs = json.loads(Path(path).read_text())["runs"]
+    step_ms = 1e3 / float(np.mean([r["plain_tps"] for r in runs]))
+    pts = [(r["drafted"] / r["verify_steps"], r["verify_ms"]) for r in runs if r.get("verify_steps")]
+    if not pts:
+        raise ValueError(f"{path}: no run made a verify step")
+    k, ms = np.array(pts).T
+    if np.ptp(k) < 0.5:
+        return step_ms, (float(ms.mean()), 0.0)
+    b, a = np.polyfit(k, ms, 1)
+    return step_ms, (float(a), float(b))
+
+
 def parse_config(text: str) -> SpecConfig:
     kw = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
@@ -135,14 +151,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--step-ms", type=float, default=0.635, help="a plain step (default: SmolLM2, H100)")
     ap.add_argument("--verify-ms", default="0.70,0.065", help="A,B: a verify of k drafts costs A + B k ms")
     ap.add_argument("--config", action="append", default=[], help="SpecConfig keywords, e.g. n_min=1,min_accept=0.6")
+    ap.add_argument("--costs-from", default=None, help="fit --step-ms and --verify-ms to a speculate_bench --json file")
     a = ap.parse_args(argv)
     try:
         verify_ms = tuple(float(x) for x in a.verify_ms.split(","))
         if len(verify_ms) != 2 or a.step_ms <= 0:
             raise ValueError
         configs = [SpecConfig()] + [parse_config(c) for c in a.config]
-    except (ValueError, TypeError) as e:
-        ap.error(f"bad --verify-ms, --step-ms or --config: {e}")
+        if a.costs_from:
+            a.step_ms, verify_ms = costs_from_bench(a.costs_from)
+    except (ValueError, TypeError, KeyError, OSError) as e:
+        ap.error(f"bad --verify-ms, --step-ms, --config or --costs-from: {e}")
     if a.model is None:
         from atomflow.model.default import default_model
 
@@ -152,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         runs = json.loads(path.read_text())["runs"]
     else:
         runs = record(a.model, path, a.max_new_tokens)
-    print(f"{path.name}: {len(runs)} prompts | step {a.step_ms} ms, verify {verify_ms[0]} + {verify_ms[1]} k ms")
+    print(f"{path.name}: {len(runs)} prompts | step {a.step_ms:.3f} ms, verify {verify_ms[0]:.3f} + {verify_ms[1]:.3f} k ms")
     print("| config | kind | acceptance | tokens/step | pauses | predicted speedup |")
     print("|---|---|---:|---:|---:|---:|")
     for cfg in configs:
