@@ -487,17 +487,22 @@ def reference_attention(q, kc, vc, pos, scale):
     return out
 
 
+def attention_inputs(rng, M, context, Hkv, G, D, spare):
+    """M queries (bf16 [M, Hkv G, D]) whose last sees `context` keys, a bf16 cache of context + spare
+    rows whose rows past the context hold NaN (a kernel reading outside the causal range fails), the
+    first query's position and the softmax scale."""
+    kc = bf16_bits(rng.standard_normal((context + spare, Hkv, D)))
+    vc = bf16_bits(rng.standard_normal((context + spare, Hkv, D)))
+    kc[context:] = vc[context:] = 0x7FC0  # bf16 NaN
+    q = bf16_bits(rng.standard_normal((M, Hkv * G, D)) * 2.0)
+    return q, kc, vc, context - M, 1.0 / np.sqrt(D)
+
+
 def check_attention(rng, M, context, Hkv, G, D, early=False):
     """M queries, the last one seeing `context` keys; cache rows past the context hold NaN, so a
     kernel reading outside the causal range fails. early: the decode engine's mode (cached rows read
     before the kernel's PDL wait, the newest after it)."""
-    H, pos = Hkv * G, context - M
-    C = context + 3
-    kc = bf16_bits(rng.standard_normal((C, Hkv, D)))
-    vc = bf16_bits(rng.standard_normal((C, Hkv, D)))
-    kc[context:] = vc[context:] = 0x7FC0  # bf16 NaN
-    q = bf16_bits(rng.standard_normal((M, H, D)) * 2.0)
-    scale = 1.0 / np.sqrt(D)
+    q, kc, vc, pos, scale = attention_inputs(rng, M, context, Hkv, G, D, spare=3)
     got = from_bf16(ops.attention(q, kc, vc, pos, scale, early=early))
     want = reference_attention(q, kc, vc, pos, scale)
     for m in range(M):
@@ -533,13 +538,7 @@ def test_attention_rows_as_steps_equal_decode_steps(rng, M, context, G, D, Hkv):
     attention) gives row m the bits of a decode step at position pos + m on the same cache: each row's
     keys split as that step splits them. (A chunk's shared plan, s_max = 128 / M splits of the last row's
     keys, stops matching past ~32 x 128 / M keys: 800 at 5 rows.) Rows past the context hold NaN."""
-    H, pos = Hkv * G, context - M
-    C = context + 5
-    kc = bf16_bits(rng.standard_normal((C, Hkv, D)))
-    vc = bf16_bits(rng.standard_normal((C, Hkv, D)))
-    kc[context:] = vc[context:] = 0x7FC0  # bf16 NaN
-    q = bf16_bits(rng.standard_normal((M, H, D)) * 2.0)
-    scale = 1.0 / np.sqrt(D)
+    q, kc, vc, pos, scale = attention_inputs(rng, M, context, Hkv, G, D, spare=5)
     rows = ops.attention(q, kc, vc, pos, scale, rows_as_steps=True)
     for m in range(M):
         step = ops.attention(q[m : m + 1], kc, vc, pos + m, scale)
