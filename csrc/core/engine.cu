@@ -253,9 +253,9 @@ int Engine::verify_graphs() const {
   return n;
 }
 
-cudaGraphExec_t Engine::capture(const std::string& what_, const std::function<void()>& enqueue, size_t* nodes) {
+cudaGraphExec_t Engine::capture(const std::string& name, const std::function<void()>& enqueue, size_t* nodes) {
   const std::string what =
-      "capturing " + what_ + " as a CUDA graph failed (eager=True or ATOMFLOW_EAGER=1 runs without it): ";
+      "capturing " + name + " as a CUDA graph failed (eager=True or ATOMFLOW_EAGER=1 runs without it): ";
   cudaGraph_t graph = nullptr;
   AF_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
   try {
