@@ -220,7 +220,7 @@ class Engine {
   cudaGraphExec_t capture_step(int attn_keys);
   void capture_verify_graphs();
   // Stream capture of enqueue()'s launches into an instantiated, uploaded graph; `what` names it in errors.
-  cudaGraphExec_t capture(const std::string& what, const std::function<void()>& enqueue, size_t* nodes);
+  cudaGraphExec_t capture(const std::string& name, const std::function<void()>& enqueue, size_t* nodes);
   void enqueue_verify(int n);  // a verify chunk of n rows already in buf_.ids: layers, heads, greedy tokens
   void launch_step();          // one decode step: the graph, or its launches when eager
   void enqueue_steps(int n);   // enqueue() without the lock
