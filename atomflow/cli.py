@@ -38,7 +38,8 @@ def cmd_quantize(a) -> int:
 # The decode step's QKV paths (include/atomflow/step_plan.h, StepPlan::fused_qkv) as `info --plan` names them.
 QKV_PATHS = {
     "fused": "fused: RMSNorm + QKV GEMV (+ bias) + RoPE + KV append, one launch",
-    "split": "split: RMSNorm + QKV GEMV (Store), then rope_kv_append (bias, per-head q/k RMSNorm, RoPE, KV append)",
+    "attention": "attention: RMSNorm + QKV GEMV (Store), then attention takes the raw row (bias, per-head q/k "
+    "RMSNorm, RoPE, KV append in its blocks)",
 }
 
 

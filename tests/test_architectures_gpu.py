@@ -21,7 +21,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 # preset -> the decode step's QKV path (StepPlan::fused_qkv)
-PRESETS = {"qwen2-g2": "fused", "qwen3-d128": "split", "mistral": "fused"}
+PRESETS = {"qwen2-g2": "fused", "qwen3-d128": "attention", "mistral": "fused"}
 
 
 @pytest.fixture(scope="module")
@@ -101,6 +101,9 @@ def test_plan_says_the_qkv_path(arch_files, preset, capsys):
     assert qkv["kernel"].startswith("gemv_w8a16<RopeKV" if path == "fused" else "gemv_w8a16<Store")
     # Qwen2's q/k/v biases take the fused product's bias instance; every other model the one without
     assert qkv["kernel"].endswith(", bias>") == (preset == "qwen2-g2"), qkv["kernel"]
+    # the split path's decode attention takes the product's raw row (attention_qkv's policy)
+    for row in plan["attention"]:
+        assert row["kernel"].startswith("attention_kernel<RopedKV" if path == "attention" else "attention_kernel<Cont")
     eng = cuda(model, 1024)
     assert eng.step_plan["qkv_path"] == path
     assert main(["info", str(model.path), "--plan", "--max-context", "1024"]) == 0

@@ -196,3 +196,70 @@ def test_gemv_rmsnorm_rope_zero_bias_changes_nothing(rng):
     for u, v in zip(a, b):
         assert np.isfinite(from_bf16(u)).all() and np.isfinite(from_bf16(v)).all()
         np.testing.assert_array_equal(from_bf16(u), from_bf16(v))
+
+
+# ----------------------------------------------------------------------------- attention on the raw QKV row
+
+
+# Qwen3 (8B: 32 / 8, 14B: 40 / 8, 32B: 64 / 8, 0.6B: 16 / 8), Qwen2.5 (0.5B: 14 / 2 of 64, 7B: 28 / 4), a
+# ratio split over two blocks per kv head (16 / 1), the other head dims.
+@pytest.mark.parametrize(
+    "H,Hkv,D",
+    [(32, 8, 128), (40, 8, 128), (64, 8, 128), (16, 8, 128), (14, 2, 64), (28, 4, 128), (16, 1, 128), (6, 2, 96),
+     (4, 1, 256), (3, 1, 80)],
+)  # fmt: skip
+@pytest.mark.parametrize("mode", ["none", "bias", "qk_norm", "both"])
+@pytest.mark.parametrize("pos,C", [(0, 4), (31, 40), (300, 512), (4096, 4200)])
+def test_attention_qkv_equals_rope_then_attention(rng, H, Hkv, D, mode, pos, C):
+    """The decode step's attention on the QKV product's raw row writes what rope_kv_append followed by
+    attention() writes, bit for bit: the output and the cache rows at pos, and no other cache row. The
+    token's own row and every row past it start as NaN, so a read before the write or past the causal
+    range shows; the heads' magnitudes differ, so a norm taken over the wrong head shows."""
+    W = (H + 2 * Hkv) * D
+    scale = 10.0 ** rng.uniform(-1, 1, size=(H + 2 * Hkv, 1))
+    qkv = (rng.standard_normal((H + 2 * Hkv, D)) * scale).astype(np.float32).reshape(W)
+    bias, qn, kn = extras(rng, mode, H, Hkv, D) if mode != "none" else (None, None, None)
+    inv_freq = inv_freq_table(D)
+    kc0 = bf16_bits(rng.standard_normal((C, Hkv, D)))
+    vc0 = bf16_bits(rng.standard_normal((C, Hkv, D)))
+    kc0[pos:] = vc0[pos:] = 0x7FC0  # bf16 NaN
+    kw = dict(bias=bias, q_norm=qn, k_norm=kn, eps=1e-6)
+    for merge, early in ((True, True), (True, False), (False, True)):
+        out, kc, vc = ops.attention_qkv(
+            qkv, inv_freq, pos, H, Hkv, kc0.copy(), vc0.copy(), cluster_merge=merge, early=early, **kw
+        )
+        q, kc_ref, vc_ref = ops.rope_kv_append(qkv[None], inv_freq, pos, H, Hkv, D, kc0.copy(), vc0.copy(), **kw)
+        want = ops.attention(q, kc_ref, vc_ref, pos, cluster_merge=merge)
+        np.testing.assert_array_equal(kc, kc_ref)
+        np.testing.assert_array_equal(vc, vc_ref)
+        assert np.isfinite(from_bf16(out)).all(), f"non-finite output (merge={merge}, early={early})"
+        np.testing.assert_array_equal(out, want)
+
+
+@pytest.mark.parametrize("pos,C,v_scale", [(5, 8, 1e5), (2000, 2048, 1.0)])  # the first overflows fp16
+def test_attention_qkv_f16_output(rng, pos, C, v_scale):
+    """The decode step's fp16 hand-off to o: the same bits and overflow flag as attention()'s."""
+    H, Hkv, D = 32, 8, 128
+    qkv = rng.standard_normal((H + 2 * Hkv) * D).astype(np.float32)
+    bias, qn, kn = extras(rng, "qk_norm", H, Hkv, D)
+    inv_freq = inv_freq_table(D)
+    kc0 = bf16_bits(rng.standard_normal((C, Hkv, D)))
+    vc0 = bf16_bits(rng.standard_normal((C, Hkv, D)) * v_scale)
+    kw = dict(bias=bias, q_norm=qn, k_norm=kn, eps=1e-6)
+    (bits, flag), _, _ = ops.attention_qkv(qkv, inv_freq, pos, H, Hkv, kc0.copy(), vc0.copy(), out_dtype="f16", **kw)
+    q, kc, vc = ops.rope_kv_append(qkv[None], inv_freq, pos, H, Hkv, D, kc0.copy(), vc0.copy(), **kw)
+    want_bits, want_flag = ops.attention(q, kc, vc, pos, out_dtype="f16")
+    np.testing.assert_array_equal(bits, want_bits)
+    assert flag == want_flag == (v_scale > 1e4)
+
+
+def test_attention_qkv_rejects_bad_arguments(rng):
+    H, Hkv, D = 4, 2, 64
+    qkv = np.zeros((H + 2 * Hkv) * D, np.float32)
+    kc = bf16_bits(np.zeros((8, Hkv, D)))
+    with pytest.raises(ValueError, match="come together"):
+        ops.attention_qkv(qkv, inv_freq_table(D), 0, H, Hkv, kc, kc.copy(), q_norm=bf16_bits(np.ones(D)))
+    with pytest.raises(ValueError):  # the token past the cache
+        ops.attention_qkv(qkv, inv_freq_table(D), 8, H, Hkv, kc, kc.copy())
+    with pytest.raises(ValueError):  # qkv of another shape
+        ops.attention_qkv(qkv[:-1], inv_freq_table(D), 0, H, Hkv, kc, kc.copy())

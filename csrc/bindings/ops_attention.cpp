@@ -33,6 +33,35 @@ py::object attention(const py::array& q_, const py::array& k_cache_, const py::a
   return o16.result(to_host<uint16_t>(out, {a.M, a.H, a.D}));
 }
 
+// The decode step's attention on the QKV product's raw row (attention_qkv): qkv f32 [(H + 2 Hkv) D] of the
+// token at pos, caches u16 [C, Hkv, D] (initial contents) -> (out u16 [1, H, D], k_cache, v_cache).
+py::tuple attention_qkv(const py::array& qkv_, const py::array& inv_freq_, int pos, int H, int Hkv,
+                        const py::array& k_cache_, const py::array& v_cache_, const py::object& bias_,
+                        const py::object& q_norm_, const py::object& k_norm_, float eps, const py::object& scale_,
+                        const std::string& out_dtype, bool cluster_merge, bool early) {
+  require(H >= 1 && Hkv >= 1 && H % Hkv == 0, "need H, Hkv >= 1 and H a multiple of Hkv");
+  auto kc = arg<uint16_t>(k_cache_, "k_cache", {-1, Hkv, -1});
+  const int C = static_cast<int>(kc.shape(0)), D = static_cast<int>(kc.shape(2));
+  auto vc = arg<uint16_t>(v_cache_, "v_cache", {C, Hkv, D});
+  const int W = (H + 2 * Hkv) * D;
+  auto qkv = arg<float>(qkv_, "qkv", {W});
+  auto inv_freq = arg<float>(inv_freq_, "inv_freq", {D / 2});
+  require(pos >= 0 && pos < C, "need 0 <= pos < cache rows");
+  Out16 o16(out_dtype);
+  const float scale = scale_.is_none() ? 1.0f / std::sqrt(static_cast<float>(D)) : scale_.cast<float>();
+  DeviceBuffer dqkv = to_device(qkv), dfreq = to_device(inv_freq), dk = to_device(kc), dv = to_device(vc);
+  DeviceBuffer dpos = device_int(pos);
+  const DeviceExtras extras(bias_, q_norm_, k_norm_, eps, W, D);
+  DeviceBuffer scratch = attention_scratch(k::attention_scratch_bytes(1, H, D, C));
+  DeviceBuffer out = DeviceBuffer::poisoned(sizeof(bf16) * H * D);
+  const k::AttnPlan plan = k::plan_attention(1, H, Hkv, D, C, cluster_merge, false, /*qkv_in=*/true);
+  k::attention_qkv(plan, k::AttnQkvIn{dqkv.get<float>(), dfreq.get<float>(), extras.ex}, dk.get<bf16>(), dv.get<bf16>(),
+                   dpos.get<int32_t>(), H, Hkv, D, C, scale, scratch.get(), out.get(), nullptr, early, o16.ptr());
+  sync();
+  return py::make_tuple(o16.result(to_host<uint16_t>(out, {1, H, D})), to_host<uint16_t>(dk, {C, Hkv, D}),
+                        to_host<uint16_t>(dv, {C, Hkv, D}));
+}
+
 int attention_cluster_size(int M, int H, int Hkv, int D, int max_context, bool cluster_merge) {
   return k::plan_attention(M, H, Hkv, D, max_context, cluster_merge).cluster;
 }
@@ -66,6 +95,16 @@ void register_attention(py::module_& m) {
         "q u16 [M, H, D], caches u16 [C, Hkv, D], pos -> u16 [M, H, D] (bf16; out_dtype 'f16': (f16 bits, overflow "
         "flag)); early: the cached rows read before the PDL wait (the decode path's mode); rows_as_steps: each row "
         "split as a decode step at its position (M <= 16)");
+  m.def("attention_qkv", &attention_qkv, py::arg("qkv"), py::arg("inv_freq"), py::arg("pos"), py::arg("H"),
+        py::arg("Hkv"), py::arg("k_cache"), py::arg("v_cache"), py::arg("bias") = py::none(),
+        py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none(), py::arg("eps") = 1e-6f,
+        py::arg("scale") = py::none(), py::arg("out_dtype") = "bf16", py::arg("cluster_merge") = true,
+        py::arg("early") = false,
+        "the decode step's attention on the QKV product's raw row: qkv f32 [(H + 2 Hkv) D] of the token at pos, "
+        "inv_freq f32 [D/2], caches u16 [C, Hkv, D] (initial contents), optional bias / q_norm / k_norm as "
+        "rope_kv_append takes them -> (out u16 [1, H, D] (or (f16 bits, overflow flag)), k_cache, v_cache); early: the "
+        "decode "
+        "step's mode (the position, its angles and the cached rows before the PDL wait)");
   m.def("attention_cluster_size", &attention_cluster_size, py::arg("M"), py::arg("H"), py::arg("Hkv"), py::arg("D"),
         py::arg("max_context"), py::arg("cluster_merge") = true,
         "blocks per thread-block cluster of an attention call of this shape (1: a plain launch, merged through the "

@@ -139,6 +139,26 @@ struct AttnArgs {
   }
 };
 
+// The optional extras (kernels.h, QkvExtras) on the device: bias f32 [W], q_norm / k_norm u16 [D] (bf16).
+struct DeviceExtras {
+  DeviceBuffer bias, q_norm, k_norm;
+  k::QkvExtras ex;
+  DeviceExtras(const py::object& bias_, const py::object& q_norm_, const py::object& k_norm_, float eps, int W, int D) {
+    require(q_norm_.is_none() == k_norm_.is_none(), "q_norm and k_norm come together");
+    if (!bias_.is_none()) {
+      bias = to_device(arg<float>(bias_.cast<py::array>(), "bias", {W}));
+      ex.bias = bias.get<float>();
+    }
+    if (!q_norm_.is_none()) {
+      q_norm = to_device(arg<uint16_t>(q_norm_.cast<py::array>(), "q_norm", {D}));
+      k_norm = to_device(arg<uint16_t>(k_norm_.cast<py::array>(), "k_norm", {D}));
+      ex.q_norm = q_norm.get<bf16>();
+      ex.k_norm = k_norm.get<bf16>();
+    }
+    ex.eps = eps;
+  }
+};
+
 // Registration of each harness file (ops.cpp calls them in turn).
 void register_gemv(py::module_& m);
 void register_gemv_m(py::module_& m);

@@ -51,26 +51,6 @@ py::array_t<float> add_inplace(const py::array& x_, const py::array& y_) {
   return to_host<float>(dx, {n});
 }
 
-// The optional extras (kernels.h, QkvExtras) on the device: bias f32 [W], q_norm / k_norm u16 [D] (bf16).
-struct DeviceExtras {
-  DeviceBuffer bias, q_norm, k_norm;
-  k::QkvExtras ex;
-  DeviceExtras(const py::object& bias_, const py::object& q_norm_, const py::object& k_norm_, float eps, int W, int D) {
-    require(q_norm_.is_none() == k_norm_.is_none(), "q_norm and k_norm come together");
-    if (!bias_.is_none()) {
-      bias = to_device(arg<float>(bias_.cast<py::array>(), "bias", {W}));
-      ex.bias = bias.get<float>();
-    }
-    if (!q_norm_.is_none()) {
-      q_norm = to_device(arg<uint16_t>(q_norm_.cast<py::array>(), "q_norm", {D}));
-      k_norm = to_device(arg<uint16_t>(k_norm_.cast<py::array>(), "k_norm", {D}));
-      ex.q_norm = q_norm.get<bf16>();
-      ex.k_norm = k_norm.get<bf16>();
-    }
-    ex.eps = eps;
-  }
-};
-
 py::tuple rope_kv_append(const py::array& qkv_, const py::array& inv_freq_, int pos, int H, int Hkv, int D,
                          const py::array& k_cache_, const py::array& v_cache_, const py::object& bias_,
                          const py::object& q_norm_, const py::object& k_norm_, float eps) {

@@ -37,8 +37,8 @@ py::dict attention_row(const char* when, const kernels::AttnPlan& a) {
   py::dict r;
   r["product"] = "attention";
   r["when"] = when;
-  r["kernel"] = std::string("attention_kernel<ContiguousKV, D=") + std::to_string(a.D) +
-                ", G=" + std::to_string(a.H / a.Hkv) + ", QT=1>";
+  r["kernel"] = std::string("attention_kernel<") + (a.qkv_in ? "RopedKV" : "ContiguousKV") +
+                ", D=" + std::to_string(a.D) + ", G=" + std::to_string(a.H / a.Hkv) + ", QT=1>";
   r["keys"] = a.capacity;
   r["splits"] = a.splits;
   r["cluster"] = a.cluster;
@@ -80,7 +80,7 @@ py::dict plan_to_dict(const StepPlan& p) {
   }
   d["graphs"] = graphs;  // empty: eager
   d["tail"] = o.fused_tail ? "fused (sample_step)" : "embedding, sample, finish";
-  d["qkv_path"] = p.fused_qkv ? "fused" : "split";  // StepPlan::fused_qkv
+  d["qkv_path"] = p.fused_qkv ? "fused" : "attention";  // StepPlan::fused_qkv
   py::list products;
   products.append(gemv_row("qkv", "decode", p.qkv));
   products.append(gemv_row("o", "decode, f16 activations", p.o_f16));

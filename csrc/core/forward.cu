@@ -62,10 +62,12 @@ void Engine::enqueue_layers(int rows, int attn_keys) {
   const int d = s.hidden_size, f = s.intermediate_size;
   const int H = s.num_heads, Hkv = s.num_kv_heads, D = s.head_dim, C = opt_.max_context;
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  // Decode outside the probes runs the fused QKV GEMV where the plan says so (StepPlan::fused_qkv), which
-  // lets attention launch only after its own wait, so attention may read the cache rows of earlier
-  // steps early (kernels.h).
+  // Decode outside the probes runs the fused QKV GEMV where the plan says so (StepPlan::fused_qkv). Either
+  // way its QKV product lets attention launch only after its own wait (the plan's qkv.late_trigger), so
+  // attention may read the cache rows of earlier steps early (kernels.h).
   const bool fused_qkv = rows == 1 && !probe_ && step_plan_.fused_qkv;
+  // The other decode steps outside the probes hand attention the product's raw row (attention_qkv).
+  const bool qkv_in = rows == 1 && !probe_ && !step_plan_.fused_qkv;
   // A decode step's attention and SwiGLU outputs are fp16 (kernels.h), flagged when they overflow;
   // the o and down GEMVs then take x as it is.
   const bool half = rows == 1 && f16_acts_;
@@ -82,7 +84,7 @@ void Engine::enqueue_layers(int rows, int attn_keys) {
   kernels::AttnPlan attn_plan{};
   kernels::PrefillAttnPlan prefill_plan{};
   if (rows == 1)
-    attn_plan = plan.decode_attention(attn_keys);
+    attn_plan = probe_ ? plan.probe_attention(attn_keys) : plan.decode_attention(attn_keys);
   else if (tc_attn)
     prefill_plan = plan.prefill_attention(rows);
   else  // the small-M GEMV's chunks (the decode step's bits) run their rows as decode steps
@@ -92,6 +94,7 @@ void Engine::enqueue_layers(int rows, int attn_keys) {
     const LayerPtrs& L = buf_.layers[i];
     const int li = static_cast<int>(i);
     NvtxRange layer_range(layer_names_[i].c_str());
+    const kernels::QkvExtras extras{L.bqkv, L.q_norm, L.k_norm, s.rms_norm_eps};  // the split QKV path's
     {
       NvtxRange r("attention_block");
       if (fused_qkv) {
@@ -106,16 +109,21 @@ void Engine::enqueue_layers(int rows, int attn_keys) {
         normed_linear(L.attn_norm, "attn_norm", li, plan.qkv, plan.probe_qkv, L.wqkv, L.wqkv_scale, L.wqkv_scale_gn,
                       rows, s.qkv_dim(), Epilogue::Store, buf_.qkv);
         mark("gemv_qkv+norm", li);
-        const kernels::QkvExtras extras{L.bqkv, L.q_norm, L.k_norm, s.rms_norm_eps};
-        kernels::rope_kv_append(buf_.qkv, buf_.inv_freq, buf_.pos, rows, H, Hkv, D, C, buf_.q, L.k_cache, L.v_cache,
-                                stream_, extras);
-        mark("rope_kv_append", li);
+        if (!qkv_in) {
+          kernels::rope_kv_append(buf_.qkv, buf_.inv_freq, buf_.pos, rows, H, Hkv, D, C, buf_.q, L.k_cache, L.v_cache,
+                                  stream_, extras);
+          mark("rope_kv_append", li);
+        }
       }
       // The split count of a query row is min(64, ceil(keys / 32)) on any grid that holds its keys, so
       // the bits do not depend on attn_keys (attention_decode.cu).
       if (tc_attn)
         kernels::attention_prefill(prefill_plan, buf_.q, L.k_cache, L.v_cache, buf_.pos, rows, H, Hkv, D, C, scale,
                                    static_cast<bf16*>(buf_.attn_out), stream_);
+      else if (qkv_in)
+        kernels::attention_qkv(attn_plan, kernels::AttnQkvIn{buf_.qkv, buf_.inv_freq, extras}, L.k_cache, L.v_cache,
+                               buf_.pos, H, Hkv, D, attn_keys, scale, buf_.attn_scratch, buf_.attn_out, stream_,
+                               /*early=*/true, overflow);
       else
         kernels::attention(attn_plan, buf_.q, L.k_cache, L.v_cache, buf_.pos, rows, H, Hkv, D, attn_keys, scale,
                            buf_.attn_scratch, buf_.attn_out, stream_, /*early=*/fused_qkv, overflow);

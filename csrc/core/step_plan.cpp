@@ -12,7 +12,8 @@ namespace {
 // Whether the decode QKV product may take RoPE and the KV append into its epilogue (StepPlan::fused_qkv):
 // every per-row step of the Llama family fits it (the bias is one add per output), a per-head
 // reduction does not (qk_norm: a warp holds two outputs of a head, the head's D outputs lie across
-// D / 2 warps and blocks).
+// D / 2 warps and blocks); there attention takes the product's raw row (attention_qkv), where a
+// warp holds a whole head.
 bool qkv_fusable(const ModelSpec& s) { return !s.qk_norm; }
 
 }  // namespace
@@ -21,6 +22,10 @@ const kernels::AttnPlan& StepPlan::decode_attention(int attn_keys) const {
   if (attn_keys == attn.capacity) return attn;
   if (short_keys > 0 && attn_keys == attn_short.capacity) return attn_short;
   throw std::logic_error("step plan: no decode attention planned for " + std::to_string(attn_keys) + " keys");
+}
+
+kernels::AttnPlan StepPlan::probe_attention(int attn_keys) const {
+  return kernels::plan_attention(1, num_heads, num_kv_heads, head_dim, attn_keys, options.cluster_merge);
 }
 
 kernels::PrefillAttnPlan StepPlan::prefill_attention(int rows) const {
@@ -52,6 +57,9 @@ StepPlan make_step_plan(const ModelSpec& s, int max_context, const PlanOptions& 
   // machine code free of the bias.
   p.qkv = kernels::plan_gemv(p.fused_qkv ? Epilogue::RopeKV : Epilogue::Store, GemvIn::NORM, s.qkv_dim(), d, knobs,
                              p.fused_qkv && s.attention_bias);
+  // Either way attention may read the cache of earlier steps before its wait (`early`): the product
+  // lets it launch only after its own wait (RopeKV always does).
+  p.qkv.late_trigger = true;
   p.o_f16 = kernels::plan_gemv(Epilogue::AddResidual, GemvIn::F16, d, s.q_dim(), knobs);
   p.o_bf16 = kernels::plan_gemv(Epilogue::AddResidual, GemvIn::BF16, d, s.q_dim(), knobs);
   p.gate_up = kernels::plan_gemv(Epilogue::SwiGLU, GemvIn::NORM, 2 * f, d, knobs);
@@ -66,8 +74,11 @@ StepPlan make_step_plan(const ModelSpec& s, int max_context, const PlanOptions& 
   p.probe_gate_up = kernels::plan_gemv(Epilogue::SwiGLU, GemvIn::F16, 2 * f, d, knobs);
 
   const int H = s.num_heads, Hkv = s.num_kv_heads, D = s.head_dim;
-  p.attn = kernels::plan_attention(1, H, Hkv, D, max_context, options.cluster_merge);
-  if (p.short_keys > 0) p.attn_short = kernels::plan_attention(1, H, Hkv, D, p.short_keys, options.cluster_merge);
+  // A split QKV path's decode attention takes the product's raw row (attention_qkv).
+  const bool qkv_in = !p.fused_qkv;
+  p.attn = kernels::plan_attention(1, H, Hkv, D, max_context, options.cluster_merge, false, qkv_in);
+  if (p.short_keys > 0)
+    p.attn_short = kernels::plan_attention(1, H, Hkv, D, p.short_keys, options.cluster_merge, false, qkv_in);
   p.head_dim = D;
   p.num_heads = H;
   p.num_kv_heads = Hkv;

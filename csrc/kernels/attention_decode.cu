@@ -41,8 +41,11 @@
 // on where sequence b's keys live. ContiguousKV is the core engine's cache (row p of a
 // [capacity, Hkv, D] array per sequence); PagedKV is the sandbox's (key p in block table[p / bs],
 // slot p % bs, of a [num_blocks, bs, Hkv, D] pool). Batching = grid.z walks (sequence, query tile);
-// each sequence has its own length. For the same keys and split count every policy does the same
-// arithmetic in the same order (bit-identical results).
+// each sequence has its own length. RopedKV is the contiguous cache of a decode step whose QKV
+// product left its row raw (Qwen3's per-head q/k RMSNorm): each block makes its query heads and its kv
+// head's new key / value row itself (make_new_rows, rope_kv_append's arithmetic) instead of reading
+// them. For the same keys and split count every policy does the same arithmetic in the same order
+// (bit-identical results).
 //
 // Query heads per block: the exact instances (head_dim 64 and 128, G = H / Hkv in {1, 2, 3, 4, 6, 8}:
 // the Llama shapes) serve all G query heads of kv head blockIdx.x, with no mapping arithmetic in
@@ -60,12 +63,15 @@
 //           call's H / Hkv in 1..16 (kv head blockIdx.x / hm.blocks).
 //  Before its PDL wait (pdl.cuh) only with `early` (the core's decode, whose QKV GEMV triggers after
 //           its own wait): *pos and the cached K / V rows below it (earlier steps' rows). Otherwise
-//           nothing: the wait comes first.
+//           nothing: the wait comes first. RopedKV (M = 1) waits first, issues the cached rows below
+//           *pos, then reads the raw QKV row (the previous kernel's output) for its rows.
 //  Triggers its dependents (the o GEMV) after its key loop, not at its start.
 //  Scratch  the merge counters (zero on entry, zero again on exit: attention_scratch_clear once),
 //           then each split's unnormalized partials; a cluster merge uses the leader's shared memory.
 //  Writes   out [B * M, H, D], bf16, or fp16 given f16_overflow (set to 1 when a value passes
 //           kF16Max). Every output row is written once, by the group's last block or its leader.
+//           RopedKV: also the cache rows of kv head h at *pos (K and V), by the block holding *pos that
+//           serves h's first query heads; no q is stored.
 //  Invariants  the splits' partials are summed in an order fixed by the shapes alone, so the output
 //           does not depend on timing, on the merge path, or on the capacity the grid is planned for.
 #include <cooperative_groups.h>
@@ -75,6 +81,7 @@
 #include "atomflow/act16.cuh"
 #include "atomflow/kernels.h"
 #include "atomflow/pdl.cuh"
+#include "atomflow/rope.cuh"
 #include "atomflow/trace.cuh"
 
 namespace atomflow::kernels {
@@ -186,6 +193,20 @@ struct ChunkRowsKV {
   __device__ __forceinline__ size_t row(int, int, int key) const { return static_cast<size_t>(key); }
 };
 
+// The core's decode step (M = 1) on the QKV product's raw row (a split-QKV model: StepPlan::fused_qkv
+// false, the per-head q/k RMSNorm): the contiguous cache, plus what rope_kv_append would take. Each
+// block makes its query rows and, when its split holds *pos, its kv head's new key and value row
+// (bias, norms, RoPE: rope_kv_append's arithmetic, so the same bits) in shared memory; the block that
+// serves the kv head's first query heads also writes that row into the cache for later steps.
+struct RopedKV : ContiguousKV {
+  const float* qkv;       // fp32 [(H + 2 Hkv) D], written by the previous kernel: coherent loads
+  const float* inv_freq;  // [D / 2]
+  QkvExtras ex;           // bias, q_norm / k_norm, eps (kernels.h)
+  bf16* k_out;            // the caches ContiguousKV reads, written at row *pos
+  bf16* v_out;
+  int H;  // query heads (the k and v heads follow them in qkv)
+};
+
 // Key p of sequence b lives in block tables[b, p >> shift], slot p & (bs - 1): k, v
 // [num_blocks, bs, Hkv, D], tables int32 [B, max_blocks]. A bad table entry is clamped into the
 // pool so it can never read outside it (the block manager never writes one).
@@ -216,6 +237,10 @@ template <class KV>
 constexpr bool kHeadMapped = false;
 template <class KV>
 constexpr bool kHeadMapped<HeadMapped<KV>> = true;
+// Whether a policy's blocks make their query rows and the new K / V row from the raw QKV row (RopedKV,
+// mapped or not).
+template <class KV>
+constexpr bool kRoped = std::is_base_of_v<RopedKV, KV>;
 // Whether a policy's calls split each query row as a decode step (ChunkRowsKV, mapped or not).
 template <class KV>
 constexpr bool kRowsAsSteps = std::is_same_v<KV, ChunkRowsKV> || std::is_same_v<KV, HeadMapped<ChunkRowsKV>>;
@@ -275,6 +300,104 @@ static __device__ __forceinline__ void bf16x8_to_float(uint4 v, float (&f)[8]) {
     const float2 t = __bfloat1622float2(h[i]);
     f[2 * i] = t.x;
     f[2 * i + 1] = t.y;
+  }
+}
+
+// RopedKV's prologue: query heads first .. first + nq - 1 into sq, and with `owns` (the block's keys
+// hold *pos) kv head h's new key and value rows into snew, each a bf16 row as rope_kv_append writes it:
+// its arithmetic in its order (one warp per head: a lane's squares in ascending columns, the butterfly,
+// the inverse RMS, then per rotation pair (x r) w and rope_rotate), so the bits are the same. Every
+// task's raw values are loaded at once (one L2 round trip), the cos / sin of pos's angles computed while
+// they travel; with `early` (the QKV product launched this kernel after its own wait) the cos / sin come
+// before this kernel's PDL wait and only the raw row after it. With `writes` the block also stores the
+// new rows in the cache at *pos for later steps; its own keys take them from snew. cs: D floats of
+// shared memory (cos, then sin).
+template <int D, int R>
+static __device__ __forceinline__ void make_new_rows(const RopedKV& kv, int Hkv, int h, int first, int nq, int pos,
+                                                     bool owns, bool writes, bool early, bf16 (&sq)[R][D],
+                                                     bf16 (&snew)[2][D], float* cs) {
+  constexpr int half = D / 2;
+  constexpr int kCols = CEIL_DIV(D, 32);               // a lane's columns of a head: lane + 32 j
+  constexpr int kTasks = CEIL_DIV(R + 2, kAttnWarps);  // a warp's heads, at most
+  constexpr bool kPairsInLane = D % 64 == 0;           // pair (c, c + D/2): columns j and j + D/64 of a lane
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const QkvExtras& ex = kv.ex;
+  const auto value = [&](int c) { return ex.bias != nullptr ? __fadd_rn(kv.qkv[c], ex.bias[c]) : kv.qkv[c]; };
+  const int tasks = nq + (owns ? 2 : 0);  // q heads, then the new key, then the new value
+  // Task t's head in qkv: a q head, the k head, the v head.
+  const auto head_of = [&](int t) { return t < nq ? first + t : (t == nq ? kv.H + h : kv.H + Hkv + h); };
+  const auto angles = [&] {
+    for (int i = threadIdx.x; i < half; i += kAttnThreads) rope_cos_sin(pos, kv.inv_freq[i], cs[i], cs[half + i]);
+  };
+  if (early) {
+    angles();
+    pdl_wait();
+  }
+  float x[kTasks][kCols];
+#pragma unroll
+  for (int s = 0; s < kTasks; ++s) {
+    const int t = warp + s * kAttnWarps;
+#pragma unroll
+    for (int j = 0; j < kCols; ++j)
+      x[s][j] = t < tasks && lane + 32 * j < D ? value(head_of(t) * D + lane + 32 * j) : 0.f;
+  }
+  if (!early) angles();
+  __syncthreads();
+#pragma unroll
+  for (int s = 0; s < kTasks; ++s) {
+    const int t = warp + s * kAttnWarps;
+    if (t >= tasks) break;
+    if (t == nq + 1) {
+#pragma unroll
+      for (int j = 0; j < kCols; ++j)
+        if (lane + 32 * j < D) snew[1][lane + 32 * j] = __float2bfloat16(x[s][j]);
+      continue;
+    }
+    const bool is_q = t < nq;
+    bf16* dst = is_q ? sq[t] : snew[0];
+    float r = 1.f;
+    const bf16* w = nullptr;
+    if (ex.q_norm != nullptr) {
+      float ss = 0.f;
+#pragma unroll
+      for (int j = 0; j < kCols; ++j)
+        if (lane + 32 * j < D) ss = fmaf(x[s][j], x[s][j], ss);
+#pragma unroll
+      for (int off = 16; off > 0; off /= 2) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+      r = rsqrtf(ss / static_cast<float>(D) + ex.eps);
+      w = is_q ? ex.q_norm : ex.k_norm;
+    }
+    const int c0 = head_of(t) * D;
+#pragma unroll
+    for (int j = 0; j < CEIL_DIV(half, 32); ++j) {
+      const int i = lane + 32 * j;
+      if (i >= half) break;
+      float x1, x2;
+      if constexpr (kPairsInLane) {
+        x1 = x[s][j];
+        x2 = x[s][j + half / 32];
+      } else {
+        x1 = value(c0 + i);
+        x2 = value(c0 + i + half);
+      }
+      if (w != nullptr) {
+        x1 = x1 * r * __bfloat162float(w[i]);
+        x2 = x2 * r * __bfloat162float(w[i + half]);
+      }
+      float o1, o2;
+      rope_rotate(x1, x2, cs[i], cs[half + i], o1, o2);
+      dst[i] = __float2bfloat16(o1);
+      dst[i + half] = __float2bfloat16(o2);
+    }
+  }
+  __syncthreads();
+  if (owns && writes) {
+    constexpr int C16 = D / 8;  // 16-byte pieces of a row
+    const size_t at = (static_cast<size_t>(pos) * Hkv + h) * D;
+    for (int i = threadIdx.x; i < 2 * C16; i += kAttnThreads) {
+      bf16* dst = (i < C16 ? kv.k_out : kv.v_out) + at;
+      reinterpret_cast<uint4*>(dst)[i % C16] = reinterpret_cast<const uint4*>(snew[i / C16])[i % C16];
+    }
   }
 }
 
@@ -345,8 +468,11 @@ static __device__ __forceinline__ void merge_in_cluster(const float4 (&acc)[CS][
 // cache rows below it, written by earlier steps, are read BEFORE the wait: inactive splits leave at
 // once, and the first step's cached keys are in flight while the QKV product finishes; only q and the
 // new key (row pos, written by the QKV GEMV) are read after it.
+// RopedKV's prologue holds the first step's rows in registers while it runs (the instances of up to 4
+// query heads per block then wanted ~168 registers): they are held to 128, four blocks per SM as the
+// ContiguousKV instances have, without spilling; 6 and 8 heads spill at 128 and keep their ~220.
 template <class KV, int D, int G, int QT>
-static __global__ void __launch_bounds__(kAttnThreads)
+static __global__ void __launch_bounds__(kAttnThreads, kRoped<KV>&& G <= 4 ? 4 : 1)
     attention_kernel(const bf16* q, KV kv, int M, int H, int Hkv, int s_max, float q_scale, int* counters,
                      float* part_acc, float* part_ml, void* __restrict__ out, int* f16_overflow, bool early) {
   constexpr bool MAPPED = kHeadMapped<KV>;                        // rows past the block's heads are masked
@@ -370,6 +496,11 @@ static __global__ void __launch_bounds__(kAttnThreads)
   __shared__ float2 cl_ml[CS][R];
   __shared__ int sm_n_active;
   __shared__ bool sm_last;
+  constexpr bool ROPED = kRoped<KV>;
+  // RopedKV: the block's query rows and the new key / value row (make_new_rows), cos / sin of *pos.
+  __shared__ __align__(16) bf16 sm_q[ROPED ? R : 1][ROPED ? D : 8];
+  __shared__ __align__(16) bf16 sm_new[ROPED ? 2 : 1][ROPED ? D : 8];
+  __shared__ float sm_cs[ROPED ? D : 1];
 #ifdef ATOMFLOW_TRACE
   __shared__ uint64_t tr_t[trace::kStamps];
   const uint64_t t_entry = trace::now();
@@ -442,6 +573,13 @@ static __global__ void __launch_bounds__(kAttnThreads)
     for (int j = 0; j < KT; ++j) {
       const int key = base + j * NS + stream;
       if (key >= lo && key < hi && (LD == LPR || li < LD)) {
+        if constexpr (ROPED) {
+          if (key == pos) {  // the new row, made by this block (make_new_rows)
+            kd[j] = reinterpret_cast<const uint4*>(sm_new[0])[li];
+            vd[j] = reinterpret_cast<const uint4*>(sm_new[1])[li];
+            continue;
+          }
+        }
         const size_t row = kv.row(b, ent[j], key);
         kd[j] = ld_kv(k_base + row * key_stride);
         vd[j] = ld_kv(v_base + row * key_stride);
@@ -450,15 +588,23 @@ static __global__ void __launch_bounds__(kAttnThreads)
   };
 
   // The first step's rows: with `early`, those below pos before the wait and the rest after it;
-  // otherwise all after it.
+  // RopedKV, those below pos before make_new_rows makes the row at pos (and waits, with `early`);
+  // otherwise all after the wait.
   entries(kb);
   uint4 kr[KT], vr[KT];
 #pragma unroll
   for (int j = 0; j < KT; ++j) kr[j] = vr[j] = make_uint4(0, 0, 0, 0);
-  const int cached = early ? pos : kb;  // keys below this are loaded before the wait
+  const int cached = early || ROPED ? pos : kb;  // keys below this are loaded first
   load_rows(kb, kb, min(ke, cached), kr, vr);
   stamp(kAIssued);
-  if (early) pdl_wait();
+  if constexpr (ROPED) {
+    bool writes = true;  // one block of the kv head stores the new row
+    if constexpr (MAPPED) writes = blockIdx.x % kv.hm.blocks == 0;
+    make_new_rows<D, R>(kv, Hkv, h, first_head<G>(kv, h), nq, pos, kb <= pos && pos < ke, writes, early, sm_q, sm_new,
+                        sm_cs);
+  } else if (early) {
+    pdl_wait();
+  }
   stamp(kAWaited);
   load_rows(kb, cached, ke, kr, vr);
   entries(kb + NS * KT);
@@ -471,11 +617,15 @@ static __global__ void __launch_bounds__(kAttnThreads)
   for (int r = 0; r < R; ++r) {
     const int m = m0 + r / G;
     if (valid(r)) {
-      const size_t row = static_cast<size_t>(b) * M + m;
-      const uint4 raw =
-          LD == LPR || li < LD
-              ? __ldcg(reinterpret_cast<const uint4*>(q + (row * H + first_head<G>(kv, h) + r % G) * D) + li)
-              : make_uint4(0, 0, 0, 0);
+      uint4 raw = make_uint4(0, 0, 0, 0);
+      if (LD == LPR || li < LD) {
+        if constexpr (ROPED) {
+          raw = reinterpret_cast<const uint4*>(sm_q[r])[li];  // M = 1: row r is query head first + r
+        } else {
+          const size_t row = static_cast<size_t>(b) * M + m;
+          raw = __ldcg(reinterpret_cast<const uint4*>(q + (row * H + first_head<G>(kv, h) + r % G) * D) + li);
+        }
+      }
       bf16x8_to_float(raw, qf[r]);
 #pragma unroll
       for (int e = 0; e < 8; ++e) qf[r][e] *= q_scale;
@@ -900,8 +1050,8 @@ static decltype(auto) for_shape(int D, int group, int M, Fn&& fn) {
   const auto tile = [&](auto d, auto g, auto mapped) -> decltype(auto) {
     using One = std::integral_constant<int, 1>;
     using Tile = std::integral_constant<int, kQueryTile<decltype(g)::value, decltype(d)::value>>;
-    if constexpr (std::is_same_v<KV, ChunkRowsKV>)
-      return fn(d, g, One{}, mapped);  // one query per sequence: its rows are decode steps
+    if constexpr (std::is_same_v<KV, ChunkRowsKV> || kRoped<KV>)
+      return fn(d, g, One{}, mapped);  // one query per sequence (its rows are decode steps; RopedKV: M = 1)
     else
       return M == 1 ? fn(d, g, One{}, mapped) : fn(d, g, Tile{}, mapped);
   };
@@ -972,12 +1122,15 @@ static void dispatch(const AttnPlan* plan, const bf16* q, const KV& kv, int B, i
   });
 }
 
-AttnPlan plan_attention(int M, int H, int Hkv, int D, int capacity, bool cluster_merge, bool rows_as_steps) {
+AttnPlan plan_attention(int M, int H, int Hkv, int D, int capacity, bool cluster_merge, bool rows_as_steps,
+                        bool qkv_in) {
   AF_CHECK(M >= 1 && H >= 1 && Hkv >= 1 && capacity >= 1 && H % Hkv == 0,
            "plan_attention: M, H, Hkv, capacity must be >= 1, H a multiple of Hkv");
   AF_CHECK(!rows_as_steps || M <= kMaxAttnRowsAsSteps, "plan_attention: rows as decode steps: at most 16 rows");
+  AF_CHECK(!qkv_in || (M == 1 && !rows_as_steps), "plan_attention: the raw QKV input is the decode step's (M = 1)");
   AttnPlan plan{
-      M, H, Hkv, D, capacity, rows_as_steps ? max_splits(1, capacity) : max_splits(M, capacity), 1, rows_as_steps};
+      M,     H, Hkv, D, capacity, rows_as_steps ? max_splits(1, capacity) : max_splits(M, capacity), 1, rows_as_steps,
+      qkv_in};
   const auto cluster = [&](auto kv) {
     using KV = decltype(kv);
     return for_shape<KV>(D, H / Hkv, M, [&](auto d, auto g, auto qt, auto mapped) {
@@ -985,7 +1138,7 @@ AttnPlan plan_attention(int M, int H, int Hkv, int D, int capacity, bool cluster
       return cluster_splits<P, decltype(d)::value, decltype(g)::value, decltype(qt)::value>(plan.splits, cluster_merge);
     });
   };
-  plan.cluster = rows_as_steps ? cluster(ChunkRowsKV{}) : cluster(ContiguousKV{});
+  plan.cluster = rows_as_steps ? cluster(ChunkRowsKV{}) : (qkv_in ? cluster(RopedKV{}) : cluster(ContiguousKV{}));
   return plan;
 }
 
@@ -1002,6 +1155,7 @@ void attention(const AttnPlan& plan, const bf16* q, const bf16* k_cache, const b
            "attention: cache too large for int offsets");
   AF_CHECK(plan.M == M && plan.H == H && plan.Hkv == Hkv && plan.D == D && plan.capacity == max_context,
            "attention: the plan is not this call's (plan_attention(M, H, Hkv, D, max_context))");
+  AF_CHECK(!plan.qkv_in, "attention: a plan for the raw QKV input runs attention_qkv");
   if (plan.rows_as_steps) {  // the M rows as M sequences of one query on the one cache
     const ChunkRowsKV kv{k_cache, v_cache, {pos}, max_context};
     dispatch(&plan, q, kv, M, 1, H, Hkv, D, scale, scratch, out, stream, false, f16_overflow);
@@ -1009,6 +1163,31 @@ void attention(const AttnPlan& plan, const bf16* q, const bf16* k_cache, const b
   }
   const ContiguousKV kv{k_cache, v_cache, SeqStart{pos, 0}, max_context};
   dispatch(&plan, q, kv, 1, M, H, Hkv, D, scale, scratch, out, stream, early, f16_overflow);
+}
+
+void attention_qkv(const AttnPlan& plan, const AttnQkvIn& in, bf16* k_cache, bf16* v_cache, const int32_t* pos, int H,
+                   int Hkv, int D, int max_context, float scale, void* scratch, void* out, cudaStream_t stream,
+                   bool early, int* f16_overflow) {
+  AF_CHECK(H >= 1 && Hkv >= 1 && max_context >= 1, "attention_qkv: H, Hkv, max_context must be >= 1");
+  AF_CHECK(in.qkv && in.inv_freq && k_cache && v_cache && pos, "attention_qkv: null pointer argument");
+  AF_CHECK((in.extras.q_norm == nullptr) == (in.extras.k_norm == nullptr),
+           "attention_qkv: q_norm and k_norm come together");
+  AF_CHECK(in.extras.q_norm == nullptr || in.extras.eps > 0.f, "attention_qkv: the q/k norms need eps > 0");
+  AF_CHECK(static_cast<size_t>(max_context) * Hkv * D < (size_t{1} << 31),
+           "attention_qkv: cache too large for int offsets");
+  AF_CHECK(
+      plan.qkv_in && plan.M == 1 && plan.H == H && plan.Hkv == Hkv && plan.D == D && plan.capacity == max_context,
+      "attention_qkv: the plan is not this call's (plan_attention(1, H, Hkv, D, max_context, merge, false, true))");
+  RopedKV kv{};
+  static_cast<ContiguousKV&>(kv) = ContiguousKV{k_cache, v_cache, SeqStart{pos, 0}, max_context};
+  kv.qkv = in.qkv;
+  kv.inv_freq = in.inv_freq;
+  kv.ex = in.extras;
+  kv.k_out = k_cache;
+  kv.v_out = v_cache;
+  kv.H = H;
+  dispatch(&plan, static_cast<const bf16*>(nullptr), kv, 1, 1, H, Hkv, D, scale, scratch, out, stream, early,
+           f16_overflow);
 }
 
 // ---- batched launchers (the sandbox): sequence b's M queries sit at lens[b] - M .. lens[b] - 1 ----

@@ -91,12 +91,14 @@ static __global__ void __launch_bounds__(kGemvThreads, 2)
     load_iter<WHOLE, TAIL>(first, P, r0, r1, lane, policy);
   }
   stage_weights<IN>(P, st);
-  // The decode QKV product lets the attention after it launch only once the kernel before it has
-  // completed (its own wait), so attention may read the KV cache of earlier steps before its wait
-  // (attention_decode.cu, `early`). Its blocks need the SMs this grid holds anyway.
-  if constexpr (EP != Ep::RopeKV) pdl_launch_dependents();
+  // The decode QKV product (RopeKV, or Store with P.late_trigger) lets the attention after it launch
+  // only once the kernel before it has completed (its own wait), so attention may read the KV cache of
+  // earlier steps before its wait (attention_decode.cu, `early`). Its blocks need the SMs this grid
+  // holds anyway.
+  const bool late = EP == Ep::RopeKV || P.late_trigger;
+  if (!late) pdl_launch_dependents();
   pdl_wait();  // x (and, for AddResidual, out; for RopeKV, *pos) come from earlier kernels
-  if constexpr (EP == Ep::RopeKV) pdl_launch_dependents();
+  if (late) pdl_launch_dependents();
   tr.stamp(trace::kWaited);
 
   // SwiGLU of several rounds: lane 0 takes the ticket of the warp's second row pair now, so its
@@ -297,6 +299,7 @@ static void launch_gemv_as(const GemvPlan& plan, Product P, float eps, const Rop
            "gemv_w8a16: the plan's grid does not fit");
   P.staged_warps = plan.staged_warps;
   P.pre_warps = plan.pre_warps;
+  P.late_trigger = plan.late_trigger;
   if (!plan.ticketed) P.tickets = nullptr;
   af_launch(gemv_w8a16_kernel<EP, IN, WHOLE, TAIL, BIAS>, dim3(plan.blocks), dim3(kGemvThreads), plan.smem, stream, P,
             eps, rope);

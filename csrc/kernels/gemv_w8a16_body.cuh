@@ -100,6 +100,7 @@ struct Product {
   uint64_t* best;     // Store: each block's argmax key of the rows it wrote (gemv_w8a16_rmsnorm_argmax), or null
   int* f16_overflow;  // SwiGLU: fp16 output, flagged past kF16Max (act16.cuh); null: bf16
   int pre_warps;      // warps per block that load their first iteration before the PDL wait (GemvPlan)
+  bool late_trigger;  // the dependents launch after this kernel's PDL wait, not at its start (GemvPlan)
 };
 
 // Which rows row pair p covers. SwiGLU pairs gate row p with up row F + p; RopeKV pairs (i, i + D/2)

@@ -80,6 +80,9 @@ struct GemvPlan {
   int staged_warps;  // warps per block that copy their second row pair into shared memory early (QKV)
   bool ticketed;     // SwiGLU: row pairs past the first round handed out by ticket (given counters)
   size_t smem;       // dynamic shared memory per block
+  // The dependents launch after the kernel's PDL wait instead of at its start (always for RopeKV): the
+  // decode QKV product before an attention that reads the cache early (the step plan sets it).
+  bool late_trigger = false;
 };
 // The plan's overrides of the default schedule (each same bits, a comparison for the tests): the
 // QKV product's staged second pairs, and SwiGLU's tickets.
@@ -283,10 +286,12 @@ struct AttnPlan {
   // plan otherwise shares one split of the last row's keys among its rows (s_max = 128 / M), which
   // matches the decode step's only while every split is one K/V step (up to ~32 x 128 / M keys).
   bool rows_as_steps = false;
+  // The decode step's attention on the QKV product's raw row (attention_qkv): M = 1.
+  bool qkv_in = false;
 };
 constexpr int kMaxAttnRowsAsSteps = 16;
 AttnPlan plan_attention(int M, int H, int Hkv, int D, int capacity, bool cluster_merge = true,
-                        bool rows_as_steps = false);
+                        bool rows_as_steps = false, bool qkv_in = false);
 const char* attention_merge_name(const AttnPlan& plan);  // "cluster", "scratch" or "none" (one split)
 void attention_scratch_clear(void* scratch, size_t scratch_bytes, cudaStream_t stream);
 // early: the previous kernel lets this one launch only after its own PDL wait (the decode QKV GEMV
@@ -296,6 +301,21 @@ void attention_scratch_clear(void* scratch, size_t scratch_bytes, cudaStream_t s
 void attention(const AttnPlan& plan, const bf16* q, const bf16* k_cache, const bf16* v_cache, const int32_t* pos, int M,
                int H, int Hkv, int D, int max_context, float scale, void* scratch, void* out, cudaStream_t stream,
                bool early = false, int* f16_overflow = nullptr);
+// The decode step (M = 1) of a model whose QKV product stores its row raw (StepPlan::fused_qkv false:
+// Qwen3's per-head q/k RMSNorm): rope_kv_append(M = 1, in.extras) and attention() in one launch, the
+// same bits. Each block makes its query heads and, when its keys hold *pos, its kv head's new key and
+// value row (bias, norms, RoPE) from in.qkv after its PDL wait, and the cache row at *pos is written
+// for later steps; no q is stored. plan: plan_attention(1, H, Hkv, D, max_context, merge, false, true).
+struct AttnQkvIn {
+  const float* qkv;       // fp32 [(H + 2 Hkv) D]: the QKV product's row (before bias, norms, RoPE)
+  const float* inv_freq;  // [D / 2]
+  QkvExtras extras;       // bias, q_norm / k_norm, eps (as rope_kv_append takes them)
+};
+// early: as attention()'s (the QKV GEMV's plan has late_trigger): *pos, the cos / sin of its angles
+// and the cache rows below it are taken before the wait, only the raw row after it.
+void attention_qkv(const AttnPlan& plan, const AttnQkvIn& in, bf16* k_cache, bf16* v_cache, const int32_t* pos, int H,
+                   int Hkv, int D, int max_context, float scale, void* scratch, void* out, cudaStream_t stream,
+                   bool early = false, int* f16_overflow = nullptr);
 
 // ---------------------------------------------------------------------------------------
 // attention_prefill.cu: the causal GQA attention of attention() for a prefill chunk of M query

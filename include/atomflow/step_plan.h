@@ -49,11 +49,13 @@ struct StepPlan {
 
   // The decode step's QKV path. Fused (fused_qkv): one launch, qkv = (RopeKV, NORM): RMSNorm + QKV
   // GEMV (+ bias: with attention_bias, the instance that adds it, qkv.bias) + RoPE + KV append.
-  // Split: qkv = (Store, NORM) into the activation buffer, then rope_kv_append (bias, per-head q/k
-  // RMSNorm, RoPE, KV append). A model with per-head q/k RMSNorm (qk_norm, Qwen3) takes the split
-  // path: the norm needs a head's D outputs together, and each warp of the fused epilogue holds two of
-  // them (qkv_fusable in step_plan.cpp). Attention reads the cache early only after the fused launch
-  // (kernels.h, attention's `early`).
+  // In attention (fused_qkv false): qkv = (Store, NORM) into the activation buffer, and attention
+  // takes that raw row (attention_qkv, planned with qkv_in: each block makes its query heads and the
+  // new K / V row with the bias, per-head q/k RMSNorm and RoPE, rope_kv_append's bits). A model with
+  // per-head q/k RMSNorm (qk_norm, Qwen3) takes it: the norm needs a head's D outputs together, and
+  // each warp of the fused epilogue holds two of them (qkv_fusable in step_plan.cpp). Attention reads
+  // the cache early only after the fused launch (kernels.h, attention's `early`). Probed steps and
+  // prompt chunks run rope_kv_append and attention apart.
   bool fused_qkv = true;
   // The decode step's products (M = 1), in launch order. o and down run on fp16 x while the
   // activations are fp16 and on bf16 x after an overflow (or from load without f16_activations).
@@ -66,7 +68,8 @@ struct StepPlan {
   // The validator's decode step (probes between the norms and the products): the same products
   // with the norms apart.
   kernels::GemvPlan probe_qkv, probe_gate_up, probe_head;
-  // Attention of a decode step: the grid planned for max_context, and for short_keys.
+  // Attention of a decode step: the grid planned for max_context, and for short_keys (qkv_in where
+  // fused_qkv is false).
   kernels::AttnPlan attn, attn_short;
   // Prefill chunks (M > 1) run the tensor-core GEMM. Their attention: chunks of at least
   // prefill_attn_min_rows rows run attention_prefill on tensor cores (planned per chunk by
@@ -106,6 +109,8 @@ struct StepPlan {
   kernels::GemvKnobs knobs() const { return {options.staged_pair, options.tickets}; }
   // The attention plan of a decode step whose grid is planned for attn_keys keys.
   const kernels::AttnPlan& decode_attention(int attn_keys) const;
+  // A probed decode step's (q from rope_kv_append, never qkv_in).
+  kernels::AttnPlan probe_attention(int attn_keys) const;
   // Whether a chunk of `rows` query tokens runs attention_prefill, and its plan when it does.
   bool prefill_on_tensor_cores(int rows) const { return rows >= prefill_attn_min_rows; }
   kernels::PrefillAttnPlan prefill_attention(int rows) const;
