@@ -640,8 +640,9 @@ def test_attention_f16_output(rng, context, C, D, G):
 
 
 # Every GQA ratio 1..16 at every head_dim the kernel takes. Ratios past the built group sizes (1, 2,
-# 3, 4, 6, 8; 1..4 at D = 256) run the next size up with the extra rows masked, and past 8 (4) query
-# heads per kv head several blocks serve one kv head (attention_decode.cu, HeadMap).
+# 3, 4, 6, 8; 1..4 at D = 256) run on several blocks per kv head (5 and 7: two blocks of 3 or 4 heads;
+# past 8 (4) query heads: blocks of up to 8 (4)), each block's rows past its heads masked
+# (attention_decode.cu, HeadMap).
 ATTN_RATIOS = list(range(1, 17))
 ATTN_HEAD_DIMS = [64, 80, 96, 128, 256]
 # (M, position of the first query, cache rows): decode at positions 0, 1, 99 (4 splits: a cluster of 4
@@ -680,9 +681,9 @@ def test_attention_every_ratio_and_head_dim(rng, kind, G, D):
 @pytest.mark.parametrize(
     "M,H,Hkv,D,max_context,want",
     [
-        (1, 14, 2, 64, 512, 16),  # ratio 7 runs G = 8: G * D = 512, 16 splits in a 16-block cluster
-        (1, 10, 2, 96, 256, 8),  # ratio 5 runs G = 6: G * D = 576, the leader's buffer holds 8
-        (1, 10, 2, 96, 512, 1),  # 16 splits: more than the buffer holds
+        (1, 14, 2, 64, 512, 16),  # ratio 7 runs two blocks of G = 4: G * D = 256, 16 splits in a 16-block cluster
+        (1, 10, 2, 96, 256, 8),  # ratio 5 runs two blocks of G = 3: G * D = 288, 8 splits in a cluster of 8
+        (1, 10, 2, 96, 512, 16),  # 16 splits: the leader's buffer of G * D <= 512 holds them
         (1, 16, 1, 256, 128, 4),  # ratio 16 at D = 256: blocks of 4 heads, G * D = 1024, 4 splits
         (1, 32, 2, 80, 512, 1),  # ratio 16: blocks of 8 heads, G * D = 640 holds 8, not 16 splits
         (1, 32, 2, 80, 256, 8),

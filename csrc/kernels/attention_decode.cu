@@ -50,8 +50,8 @@
 // Query heads per block: the exact instances (head_dim 64 and 128, G = H / Hkv in {1, 2, 3, 4, 6, 8}:
 // the Llama shapes) serve all G query heads of kv head blockIdx.x, with no mapping arithmetic in
 // their machine code. Every other shape runs a HeadMapped<policy> instance, which carries a HeadMap:
-// padded ratios (5 -> 6, 7 -> 8; a block's rows past its heads are masked), ratios past 8 over
-// several blocks per kv head, and head_dim 80, 96, 256 (for_shape picks from the shape).
+// ratios 5 and 7 over two blocks of 3 or 4 heads, ratios past 8 over several blocks per kv head (a
+// block's rows past its heads are masked), and head_dim 80, 96, 256 (for_shape picks from the shape).
 //
 // Contract of attention_kernel<KV, D, G, QT>, grid (Hkv x blocks per kv head (1 unless HeadMapped),
 // splits padded to whole clusters, B x query tiles) x 128 threads, in clusters of (1, plan.cluster, 1)
@@ -468,11 +468,18 @@ static __device__ __forceinline__ void merge_in_cluster(const float4 (&acc)[CS][
 // cache rows below it, written by earlier steps, are read BEFORE the wait: inactive splits leave at
 // once, and the first step's cached keys are in flight while the QKV product finishes; only q and the
 // new key (row pos, written by the QKV GEMV) are read after it.
-// RopedKV's prologue holds the first step's rows in registers while it runs (the instances of up to 4
-// query heads per block then wanted ~168 registers): they are held to 128, four blocks per SM as the
-// ContiguousKV instances have, without spilling; 6 and 8 heads spill at 128 and keep their ~220.
+// Instances of up to 4 query rows per block run four blocks per SM (128 registers) where the exact
+// ContiguousKV ones do, without spilling: RopedKV's prologue holds the first step's rows in registers
+// while it runs, and HeadMapped's arithmetic (two blocks of 3 or 4 heads for ratios 5 and 7) took them
+// to ~150-168 registers, three blocks per SM (a second wave of blocks at long contexts). 6 and 8 heads
+// spill at 128 and keep their ~220 (two per SM, as the exact instances); so does the sandbox's paged
+// policy (its mapped 4 heads spill at 128).
+template <class KV>
+constexpr int kAttnMinBlocks(int rows) {
+  return (kRoped<KV> || (kHeadMapped<KV> && !std::is_base_of_v<PagedKV, KV>)) && rows <= 4 ? 4 : 1;
+}
 template <class KV, int D, int G, int QT>
-static __global__ void __launch_bounds__(kAttnThreads, kRoped<KV>&& G <= 4 ? 4 : 1)
+static __global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocks<KV>(G* QT))
     attention_kernel(const bf16* q, KV kv, int M, int H, int Hkv, int s_max, float q_scale, int* counters,
                      float* part_acc, float* part_ml, void* __restrict__ out, int* f16_overflow, bool early) {
   constexpr bool MAPPED = kHeadMapped<KV>;                        // rows past the block's heads are masked
@@ -1021,9 +1028,14 @@ bool attention_supported(int D, int group) {
   return (D == 64 || D == 80 || D == 96 || D == 128 || D == 256) && group >= 1 && group <= kMaxAttnGroup;
 }
 
+// A ratio that fits one block but has no instance of its own (5, 7 at head_dim <= 128) runs two blocks
+// of 3 or 4 heads rather than one padded to 6 or 8: half the rows per block and twice the blocks (a
+// Qwen2.5-7B decode step, 4 kv heads, has as many blocks as a Llama-3.1-8B one), the kv head's keys read
+// twice (the second time mostly from L2: its blocks are adjacent in grid.x).
 static HeadMap head_map(int D, int group) {
   const int most = D <= 128 ? kMaxGroup<128> : kMaxGroup<256>;
-  const int blocks = CEIL_DIV(group, most);
+  const bool padded = group <= most && group > 4 && group != 6 && group != 8;
+  const int blocks = padded ? 2 : CEIL_DIV(group, most);
   return {group, blocks, CEIL_DIV(group, blocks)};
 }
 
@@ -1058,7 +1070,9 @@ static decltype(auto) for_shape(int D, int group, int M, Fn&& fn) {
   const auto group_of = [&](auto d, auto mapped) -> decltype(auto) {
     constexpr int Dc = decltype(d)::value;
     if constexpr (decltype(mapped)::value && (Dc == 64 || Dc == 128)) {
-      // Not exact at these head dims: 5..16 heads per kv head, hence 5..8 per block.
+      // Not exact at these head dims: 5 and 7 heads per kv head (two blocks of 3 or 4), 9..16 (5..8 per block).
+      if (G == 3) return tile(d, std::integral_constant<int, 3>{}, mapped);
+      if (G == 4) return tile(d, std::integral_constant<int, 4>{}, mapped);
       if (G == 6) return tile(d, std::integral_constant<int, 6>{}, mapped);
       return tile(d, std::integral_constant<int, 8>{}, mapped);
     } else {
