@@ -1031,13 +1031,11 @@ bool attention_supported(int D, int group) {
 // A ratio that fits one block but has no instance of its own (5, 7 at head_dim <= 128) runs two blocks
 // of 3 or 4 heads rather than one padded to 6 or 8: half the rows per block and twice the blocks (a
 // Qwen2.5-7B decode step, 4 kv heads, has as many blocks as a Llama-3.1-8B one), the kv head's keys read
-// twice (the second time mostly from L2: its blocks are adjacent in grid.x). RopedKV (`roped`) halves
-// every ratio of 4 to 8 so: a block makes its own query heads in its prologue, after its wait.
-static HeadMap head_map(int D, int group, bool roped = false) {
+// twice (the second time mostly from L2: its blocks are adjacent in grid.x).
+static HeadMap head_map(int D, int group) {
   const int most = D <= 128 ? kMaxGroup<128> : kMaxGroup<256>;
   const bool padded = group <= most && group > 4 && group != 6 && group != 8;
-  const bool halved = roped && D <= 128 && group >= 4 && group <= most;
-  const int blocks = padded || halved ? 2 : CEIL_DIV(group, most);
+  const int blocks = padded ? 2 : CEIL_DIV(group, most);
   return {group, blocks, CEIL_DIV(group, blocks)};
 }
 
@@ -1056,7 +1054,7 @@ static decltype(auto) for_shape(int D, int group, int M, Fn&& fn) {
   else
     AF_CHECK(D == 64 || D == 128, "attention_paged: head_dim must be 64 or 128");
   AF_CHECK(attention_supported(D, group), "attention: GQA group size H / Hkv must be in 1..16");
-  const int per = head_map(D, group, kRoped<KV>).per;
+  const int per = head_map(D, group).per;
   const int G = per <= 4 ? per : (per <= 6 ? 6 : 8);
   const bool exact = (D == 64 || D == 128) && G == group;  // hence one block per kv head, no padding
   using Exact = std::false_type;
@@ -1072,10 +1070,7 @@ static decltype(auto) for_shape(int D, int group, int M, Fn&& fn) {
   const auto group_of = [&](auto d, auto mapped) -> decltype(auto) {
     constexpr int Dc = decltype(d)::value;
     if constexpr (decltype(mapped)::value && (Dc == 64 || Dc == 128)) {
-      // Not exact at these head dims: 5 and 7 heads per kv head (two blocks of 3 or 4), 9..16 (5..8 per block);
-      // RopedKV's halved 4 and 6 (two blocks of 2 or 3).
-      if constexpr (kRoped<KV>)
-        if (G == 2) return tile(d, std::integral_constant<int, 2>{}, mapped);
+      // Not exact at these head dims: 5 and 7 heads per kv head (two blocks of 3 or 4), 9..16 (5..8 per block).
       if (G == 3) return tile(d, std::integral_constant<int, 3>{}, mapped);
       if (G == 4) return tile(d, std::integral_constant<int, 4>{}, mapped);
       if (G == 6) return tile(d, std::integral_constant<int, 6>{}, mapped);
@@ -1127,7 +1122,7 @@ static void dispatch(const AttnPlan* plan, const bf16* q, const KV& kv, int B, i
   for_shape<KV>(D, H / Hkv, M, [&](auto d, auto g, auto qt, auto mapped) {
     constexpr int Dc = decltype(d)::value, Gc = decltype(g)::value, QTc = decltype(qt)::value;
     using P = PolicyOf<KV, decltype(mapped)::value>;
-    const HeadMap hm = head_map(D, H / Hkv, kRoped<KV>);
+    const HeadMap hm = head_map(D, H / Hkv);
     AF_CHECK(Hkv * hm.blocks <= kMaxKvHeads, "attention: at most 256 kv heads x blocks per kv head (the counters)");
     AF_CHECK(static_cast<long long>(B) * M <= 65535, "attention: B * M too large for the grid");
     const int s_max = plan ? plan->splits : max_splits(B * M, kv.capacity);
