@@ -102,9 +102,8 @@ void register_attention(py::module_& m) {
         py::arg("early") = false,
         "the decode step's attention on the QKV product's raw row: qkv f32 [(H + 2 Hkv) D] of the token at pos, "
         "inv_freq f32 [D/2], caches u16 [C, Hkv, D] (initial contents), optional bias / q_norm / k_norm as "
-        "rope_kv_append takes them -> (out u16 [1, H, D] (or (f16 bits, overflow flag)), k_cache, v_cache); early: the "
-        "decode "
-        "step's mode (the position, its angles and the cached rows before the PDL wait)");
+        "rope_kv_append takes them -> (out u16 [1, H, D] (or (f16 bits, overflow flag)), k_cache, v_cache); "
+        "early: the decode step's mode (the position, its angles and the cached rows before the PDL wait)");
   m.def("attention_cluster_size", &attention_cluster_size, py::arg("M"), py::arg("H"), py::arg("Hkv"), py::arg("D"),
         py::arg("max_context"), py::arg("cluster_merge") = true,
         "blocks per thread-block cluster of an attention call of this shape (1: a plain launch, merged through the "
