@@ -197,14 +197,11 @@ struct ChunkRowsKV {
 // false, the per-head q/k RMSNorm): the contiguous cache, plus what rope_kv_append would take. Each
 // block makes its query rows and, when its split holds *pos, its kv head's new key and value row
 // (bias, norms, RoPE: rope_kv_append's arithmetic, so the same bits) in shared memory; the block that
-// serves the kv head's first query heads also writes that row into the cache for later steps.
+// serves the kv head's first query heads also writes that row into the cache (k, v) for later steps.
 struct RopedKV : ContiguousKV {
   const float* qkv;       // fp32 [(H + 2 Hkv) D], written by the previous kernel: coherent loads
   const float* inv_freq;  // [D / 2]
   QkvExtras ex;           // bias, q_norm / k_norm, eps (kernels.h)
-  bf16* k_out;            // the caches ContiguousKV reads, written at row *pos
-  bf16* v_out;
-  int H;  // query heads (the k and v heads follow them in qkv)
 };
 
 // Key p of sequence b lives in block tables[b, p >> shift], slot p & (bs - 1): k, v
@@ -313,8 +310,8 @@ static __device__ __forceinline__ void bf16x8_to_float(uint4 v, float (&f)[8]) {
 // new rows in the cache at *pos for later steps; its own keys take them from snew. cs: D floats of
 // shared memory (cos, then sin).
 template <int D, int R>
-static __device__ __forceinline__ void make_new_rows(const RopedKV& kv, int Hkv, int h, int first, int nq, int pos,
-                                                     bool owns, bool writes, bool early, bf16 (&sq)[R][D],
+static __device__ __forceinline__ void make_new_rows(const RopedKV& kv, int H, int Hkv, int h, int first, int nq,
+                                                     int pos, bool owns, bool writes, bool early, bf16 (&sq)[R][D],
                                                      bf16 (&snew)[2][D], float* cs) {
   constexpr int half = D / 2;
   constexpr int kCols = CEIL_DIV(D, 32);               // a lane's columns of a head: lane + 32 j
@@ -325,7 +322,7 @@ static __device__ __forceinline__ void make_new_rows(const RopedKV& kv, int Hkv,
   const auto value = [&](int c) { return ex.bias != nullptr ? __fadd_rn(kv.qkv[c], ex.bias[c]) : kv.qkv[c]; };
   const int tasks = nq + (owns ? 2 : 0);  // q heads, then the new key, then the new value
   // Task t's head in qkv: a q head, the k head, the v head.
-  const auto head_of = [&](int t) { return t < nq ? first + t : (t == nq ? kv.H + h : kv.H + Hkv + h); };
+  const auto head_of = [&](int t) { return t < nq ? first + t : (t == nq ? H + h : H + Hkv + h); };
   const auto angles = [&] {
     for (int i = threadIdx.x; i < half; i += kAttnThreads) rope_cos_sin(pos, kv.inv_freq[i], cs[i], cs[half + i]);
   };
@@ -395,7 +392,8 @@ static __device__ __forceinline__ void make_new_rows(const RopedKV& kv, int Hkv,
     constexpr int C16 = D / 8;  // 16-byte pieces of a row
     const size_t at = (static_cast<size_t>(pos) * Hkv + h) * D;
     for (int i = threadIdx.x; i < 2 * C16; i += kAttnThreads) {
-      bf16* dst = (i < C16 ? kv.k_out : kv.v_out) + at;
+      // The caches this kernel reads: its key loads are .cg and asm volatile, never cached across this store.
+      bf16* dst = const_cast<bf16*>(i < C16 ? kv.k : kv.v) + at;
       reinterpret_cast<uint4*>(dst)[i % C16] = reinterpret_cast<const uint4*>(snew[i / C16])[i % C16];
     }
   }
@@ -607,8 +605,8 @@ static __global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocks<KV>(G* QT)
   if constexpr (ROPED) {
     bool writes = true;  // one block of the kv head stores the new row
     if constexpr (MAPPED) writes = blockIdx.x % kv.hm.blocks == 0;
-    make_new_rows<D, R>(kv, Hkv, h, first_head<G>(kv, h), nq, pos, kb <= pos && pos < ke, writes, early, sm_q, sm_new,
-                        sm_cs);
+    make_new_rows<D, R>(kv, H, Hkv, h, first_head<G>(kv, h), nq, pos, kb <= pos && pos < ke, writes, early, sm_q,
+                        sm_new, sm_cs);
   } else if (early) {
     pdl_wait();
   }
@@ -1192,14 +1190,7 @@ void attention_qkv(const AttnPlan& plan, const AttnQkvIn& in, bf16* k_cache, bf1
   AF_CHECK(
       plan.qkv_in && plan.M == 1 && plan.H == H && plan.Hkv == Hkv && plan.D == D && plan.capacity == max_context,
       "attention_qkv: the plan is not this call's (plan_attention(1, H, Hkv, D, max_context, merge, false, true))");
-  RopedKV kv{};
-  static_cast<ContiguousKV&>(kv) = ContiguousKV{k_cache, v_cache, SeqStart{pos, 0}, max_context};
-  kv.qkv = in.qkv;
-  kv.inv_freq = in.inv_freq;
-  kv.ex = in.extras;
-  kv.k_out = k_cache;
-  kv.v_out = v_cache;
-  kv.H = H;
+  const RopedKV kv{{k_cache, v_cache, SeqStart{pos, 0}, max_context}, in.qkv, in.inv_freq, in.extras};
   dispatch(&plan, static_cast<const bf16*>(nullptr), kv, 1, 1, H, Hkv, D, scale, scratch, out, stream, early,
            f16_overflow);
 }
