@@ -104,6 +104,7 @@ def test_plan_says_the_qkv_path(arch_files, preset, capsys):
     # the split path's decode attention takes the product's raw row (attention_qkv's policy)
     for row in plan["attention"]:
         assert row["kernel"].startswith("attention_kernel<RopedKV" if path == "attention" else "attention_kernel<Cont")
+        assert row["halved"] == (path == "attention")  # AttnPlan::halved: the roped model's every path
     eng = cuda(model, 1024)
     assert eng.step_plan["qkv_path"] == path
     assert main(["info", str(model.path), "--plan", "--max-context", "1024"]) == 0

@@ -610,7 +610,7 @@ def test_load_time_3b_is_reported(model_files):
 # ----------------------------------------------------------------------------- the step plan
 
 PLAN_PRODUCT_FIELDS = {"product", "when", "kernel", "N", "K", "blocks", "warps", "pre_warps", "staged_warps", "tickets", "smem"}
-PLAN_ATTENTION_FIELDS = {"product", "when", "kernel", "keys", "splits", "cluster", "merge", "blocks", "warps"}
+PLAN_ATTENTION_FIELDS = {"product", "when", "kernel", "keys", "splits", "cluster", "merge", "halved", "blocks", "warps"}
 
 
 def test_info_plan_lists_every_product(tiny):

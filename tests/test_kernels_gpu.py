@@ -531,17 +531,22 @@ def test_attention_prefill_chunk(rng, M, context, G, D):
     check_attention(rng, M, context, 2, G, D)
 
 
-@pytest.mark.parametrize("D,G,Hkv", [(64, 3, 3), (128, 3, 8), (128, 4, 2), (96, 7, 2)])
+ROWS_AS_STEPS_SHAPES = [(64, 3, 3, False), (128, 3, 8, False), (128, 4, 2, False), (96, 7, 2, False)]
+ROWS_AS_STEPS_SHAPES += [(128, 4, 8, True), (64, 8, 2, True), (128, 6, 2, True)]  # a qk_norm model's halved plan
+
+
+@pytest.mark.parametrize("D,G,Hkv,halved", ROWS_AS_STEPS_SHAPES)
 @pytest.mark.parametrize("M,context", [(2, 40), (5, 1000), (9, 700), (16, 3000), (16, 2055)])
-def test_attention_rows_as_steps_equal_decode_steps(rng, M, context, G, D, Hkv):
+def test_attention_rows_as_steps_equal_decode_steps(rng, M, context, G, D, Hkv, halved):
     """A chunk of up to 16 rows planned as decode steps (AttnPlan::rows_as_steps: a speculative verify's
     attention) gives row m the bits of a decode step at position pos + m on the same cache: each row's
     keys split as that step splits them. (A chunk's shared plan, s_max = 128 / M splits of the last row's
-    keys, stops matching past ~32 x 128 / M keys: 800 at 5 rows.) Rows past the context hold NaN."""
+    keys, stops matching past ~32 x 128 / M keys: 800 at 5 rows.) Rows past the context hold NaN. A
+    halved plan (a qk_norm model's: ratios 4..8 on two blocks per kv head) keeps this with its own steps."""
     q, kc, vc, pos, scale = attention_inputs(rng, M, context, Hkv, G, D, spare=5)
-    rows = ops.attention(q, kc, vc, pos, scale, rows_as_steps=True)
+    rows = ops.attention(q, kc, vc, pos, scale, rows_as_steps=True, halved=halved)
     for m in range(M):
-        step = ops.attention(q[m : m + 1], kc, vc, pos + m, scale)
+        step = ops.attention(q[m : m + 1], kc, vc, pos + m, scale, halved=halved)
         np.testing.assert_array_equal(rows[m], step[0], err_msg=f"row {m} of {M} at context {context}")
     want = reference_attention(q, kc, vc, pos, scale)
     assert_close(from_bf16(rows), want, 6e-3, f"rows as steps M={M} context={context}")

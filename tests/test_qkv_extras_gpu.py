@@ -224,15 +224,15 @@ def test_attention_qkv_equals_rope_then_attention(rng, H, Hkv, D, mode, pos, C):
     vc0 = bf16_bits(rng.standard_normal((C, Hkv, D)))
     kc0[pos:] = vc0[pos:] = 0x7FC0  # bf16 NaN
     kw = dict(bias=bias, q_norm=qn, k_norm=kn, eps=1e-6)
-    for merge, early in ((True, True), (True, False), (False, True)):
+    for merge, early, halved in ((True, True, False), (True, False, False), (False, True, False), (True, True, True)):
         out, kc, vc = ops.attention_qkv(
-            qkv, inv_freq, pos, H, Hkv, kc0.copy(), vc0.copy(), cluster_merge=merge, early=early, **kw
+            qkv, inv_freq, pos, H, Hkv, kc0.copy(), vc0.copy(), cluster_merge=merge, early=early, halved=halved, **kw
         )
         q, kc_ref, vc_ref = ops.rope_kv_append(qkv[None], inv_freq, pos, H, Hkv, D, kc0.copy(), vc0.copy(), **kw)
-        want = ops.attention(q, kc_ref, vc_ref, pos, cluster_merge=merge)
+        want = ops.attention(q, kc_ref, vc_ref, pos, cluster_merge=merge, halved=halved)
         np.testing.assert_array_equal(kc, kc_ref)
         np.testing.assert_array_equal(vc, vc_ref)
-        assert np.isfinite(from_bf16(out)).all(), f"non-finite output (merge={merge}, early={early})"
+        assert np.isfinite(from_bf16(out)).all(), f"non-finite output (merge={merge}, early={early}, halved={halved})"
         np.testing.assert_array_equal(out, want)
 
 

@@ -21,12 +21,12 @@ using atomflow::median_us;
 
 py::object attention(const py::array& q_, const py::array& k_cache_, const py::array& v_cache_, int pos,
                      const py::object& scale_, bool early, const std::string& out_dtype, bool cluster_merge,
-                     bool rows_as_steps) {
+                     bool rows_as_steps, bool halved) {
   Out16 o16(out_dtype);
   AttnArgs a(q_, k_cache_, v_cache_, pos, scale_);
   DeviceBuffer scratch = attention_scratch(k::attention_scratch_bytes(a.M, a.H, a.D, a.C));
   DeviceBuffer out = DeviceBuffer::poisoned(sizeof(bf16) * a.M * a.H * a.D);
-  const k::AttnPlan plan = k::plan_attention(a.M, a.H, a.Hkv, a.D, a.C, cluster_merge, rows_as_steps);
+  const k::AttnPlan plan = k::plan_attention(a.M, a.H, a.Hkv, a.D, a.C, cluster_merge, rows_as_steps, false, halved);
   k::attention(plan, a.q.get<bf16>(), a.k_cache.get<bf16>(), a.v_cache.get<bf16>(), a.pos.get<int32_t>(), a.M, a.H,
                a.Hkv, a.D, a.C, a.scale, scratch.get(), out.get(), nullptr, early, o16.ptr());
   sync();
@@ -38,7 +38,7 @@ py::object attention(const py::array& q_, const py::array& k_cache_, const py::a
 py::tuple attention_qkv(const py::array& qkv_, const py::array& inv_freq_, int pos, int H, int Hkv,
                         const py::array& k_cache_, const py::array& v_cache_, const py::object& bias_,
                         const py::object& q_norm_, const py::object& k_norm_, float eps, const py::object& scale_,
-                        const std::string& out_dtype, bool cluster_merge, bool early) {
+                        const std::string& out_dtype, bool cluster_merge, bool early, bool halved) {
   require(H >= 1 && Hkv >= 1 && H % Hkv == 0, "need H, Hkv >= 1 and H a multiple of Hkv");
   auto kc = arg<uint16_t>(k_cache_, "k_cache", {-1, Hkv, -1});
   const int C = static_cast<int>(kc.shape(0)), D = static_cast<int>(kc.shape(2));
@@ -54,7 +54,7 @@ py::tuple attention_qkv(const py::array& qkv_, const py::array& inv_freq_, int p
   const DeviceExtras extras(bias_, q_norm_, k_norm_, eps, W, D);
   DeviceBuffer scratch = attention_scratch(k::attention_scratch_bytes(1, H, D, C));
   DeviceBuffer out = DeviceBuffer::poisoned(sizeof(bf16) * H * D);
-  const k::AttnPlan plan = k::plan_attention(1, H, Hkv, D, C, cluster_merge, false, /*qkv_in=*/true);
+  const k::AttnPlan plan = k::plan_attention(1, H, Hkv, D, C, cluster_merge, false, /*qkv_in=*/true, halved);
   k::attention_qkv(plan, k::AttnQkvIn{dqkv.get<float>(), dfreq.get<float>(), extras.ex}, dk.get<bf16>(), dv.get<bf16>(),
                    dpos.get<int32_t>(), H, Hkv, D, C, scale, scratch.get(), out.get(), nullptr, early, o16.ptr());
   sync();
@@ -91,19 +91,21 @@ double time_attention(int context, int H, int Hkv, int D, int M, int iters, bool
 void register_attention(py::module_& m) {
   m.def("attention", &attention, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("pos"),
         py::arg("scale") = py::none(), py::arg("early") = false, py::arg("out_dtype") = "bf16",
-        py::arg("cluster_merge") = true, py::arg("rows_as_steps") = false,
+        py::arg("cluster_merge") = true, py::arg("rows_as_steps") = false, py::arg("halved") = false,
         "q u16 [M, H, D], caches u16 [C, Hkv, D], pos -> u16 [M, H, D] (bf16; out_dtype 'f16': (f16 bits, overflow "
         "flag)); early: the cached rows read before the PDL wait (the decode path's mode); rows_as_steps: each row "
-        "split as a decode step at its position (M <= 16)");
+        "split as a decode step at its position (M <= 16); halved: ratios 4..8 on two blocks per kv head "
+        "(AttnPlan::halved)");
   m.def("attention_qkv", &attention_qkv, py::arg("qkv"), py::arg("inv_freq"), py::arg("pos"), py::arg("H"),
         py::arg("Hkv"), py::arg("k_cache"), py::arg("v_cache"), py::arg("bias") = py::none(),
         py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none(), py::arg("eps") = 1e-6f,
         py::arg("scale") = py::none(), py::arg("out_dtype") = "bf16", py::arg("cluster_merge") = true,
-        py::arg("early") = false,
+        py::arg("early") = false, py::arg("halved") = false,
         "the decode step's attention on the QKV product's raw row: qkv f32 [(H + 2 Hkv) D] of the token at pos, "
         "inv_freq f32 [D/2], caches u16 [C, Hkv, D] (initial contents), optional bias / q_norm / k_norm as "
         "rope_kv_append takes them -> (out u16 [1, H, D] (or (f16 bits, overflow flag)), k_cache, v_cache); "
-        "early: the decode step's mode (the position, its angles and the cached rows before the PDL wait)");
+        "early: the decode step's mode (the position, its angles and the cached rows before the PDL wait); halved: "
+        "as attention()'s");
   m.def("attention_cluster_size", &attention_cluster_size, py::arg("M"), py::arg("H"), py::arg("Hkv"), py::arg("D"),
         py::arg("max_context"), py::arg("cluster_merge") = true,
         "blocks per thread-block cluster of an attention call of this shape (1: a plain launch, merged through the "

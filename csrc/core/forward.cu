@@ -89,7 +89,7 @@ void Engine::enqueue_layers(int rows, int attn_keys) {
     prefill_plan = plan.prefill_attention(rows);
   else  // the small-M GEMV's chunks (the decode step's bits) run their rows as decode steps
     attn_plan = kernels::plan_attention(rows, H, Hkv, D, attn_keys, plan.options.cluster_merge,
-                                        /*rows_as_steps=*/rows <= plan.small_m_max_rows);
+                                        /*rows_as_steps=*/rows <= plan.small_m_max_rows, false, plan.attn_halved);
   for (size_t i = 0; i < buf_.layers.size(); ++i) {
     const LayerPtrs& L = buf_.layers[i];
     const int li = static_cast<int>(i);

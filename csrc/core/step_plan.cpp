@@ -25,7 +25,8 @@ const kernels::AttnPlan& StepPlan::decode_attention(int attn_keys) const {
 }
 
 kernels::AttnPlan StepPlan::probe_attention(int attn_keys) const {
-  return kernels::plan_attention(1, num_heads, num_kv_heads, head_dim, attn_keys, options.cluster_merge);
+  return kernels::plan_attention(1, num_heads, num_kv_heads, head_dim, attn_keys, options.cluster_merge, false, false,
+                                 attn_halved);
 }
 
 kernels::PrefillAttnPlan StepPlan::prefill_attention(int rows) const {
@@ -76,9 +77,11 @@ StepPlan make_step_plan(const ModelSpec& s, int max_context, const PlanOptions& 
   const int H = s.num_heads, Hkv = s.num_kv_heads, D = s.head_dim;
   // A split QKV path's decode attention takes the product's raw row (attention_qkv).
   const bool qkv_in = !p.fused_qkv;
-  p.attn = kernels::plan_attention(1, H, Hkv, D, max_context, options.cluster_merge, false, qkv_in);
+  p.attn_halved = qkv_in;
+  p.attn = kernels::plan_attention(1, H, Hkv, D, max_context, options.cluster_merge, false, qkv_in, p.attn_halved);
   if (p.short_keys > 0)
-    p.attn_short = kernels::plan_attention(1, H, Hkv, D, p.short_keys, options.cluster_merge, false, qkv_in);
+    p.attn_short =
+        kernels::plan_attention(1, H, Hkv, D, p.short_keys, options.cluster_merge, false, qkv_in, p.attn_halved);
   p.head_dim = D;
   p.num_heads = H;
   p.num_kv_heads = Hkv;

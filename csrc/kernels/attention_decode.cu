@@ -1030,10 +1030,14 @@ bool attention_supported(int D, int group) {
 // of 3 or 4 heads rather than one padded to 6 or 8: half the rows per block and twice the blocks (a
 // Qwen2.5-7B decode step, 4 kv heads, has as many blocks as a Llama-3.1-8B one), the kv head's keys read
 // twice (the second time mostly from L2: its blocks are adjacent in grid.x).
-static HeadMap head_map(int D, int group) {
+// A plan `halved` (AttnPlan::halved) runs every ratio of 4 to 8 so, at head_dim <= 128: a qk_norm
+// model's decode step makes its query heads in attention's prologue, which two blocks of half the heads
+// shorten; the model's verify rows and probed steps take the same map, hence the same bits.
+static HeadMap head_map(int D, int group, bool halved = false) {
   const int most = D <= 128 ? kMaxGroup<128> : kMaxGroup<256>;
   const bool padded = group <= most && group > 4 && group != 6 && group != 8;
-  const int blocks = padded ? 2 : CEIL_DIV(group, most);
+  const bool half = halved && D <= 128 && group >= 4 && group <= most;
+  const int blocks = padded || half ? 2 : CEIL_DIV(group, most);
   return {group, blocks, CEIL_DIV(group, blocks)};
 }
 
@@ -1045,14 +1049,14 @@ static HeadMap head_map(int D, int group) {
 // holds a block's heads. The paged policy is built for head_dim 64 and 128 only (the sandbox's model
 // takes those; each further head_dim costs ~10 instances of compile time per policy).
 template <class KV, class Fn>
-static decltype(auto) for_shape(int D, int group, int M, Fn&& fn) {
+static decltype(auto) for_shape(int D, int group, int M, bool halved, Fn&& fn) {
   constexpr bool every_dim = !std::is_same_v<KV, PagedKV>;
   if constexpr (every_dim)
     AF_CHECK(attention_supported(D, 1), "attention: head_dim must be one of 64, 80, 96, 128, 256");
   else
     AF_CHECK(D == 64 || D == 128, "attention_paged: head_dim must be 64 or 128");
   AF_CHECK(attention_supported(D, group), "attention: GQA group size H / Hkv must be in 1..16");
-  const int per = head_map(D, group).per;
+  const int per = head_map(D, group, halved).per;
   const int G = per <= 4 ? per : (per <= 6 ? 6 : 8);
   const bool exact = (D == 64 || D == 128) && G == group;  // hence one block per kv head, no padding
   using Exact = std::false_type;
@@ -1068,7 +1072,10 @@ static decltype(auto) for_shape(int D, int group, int M, Fn&& fn) {
   const auto group_of = [&](auto d, auto mapped) -> decltype(auto) {
     constexpr int Dc = decltype(d)::value;
     if constexpr (decltype(mapped)::value && (Dc == 64 || Dc == 128)) {
-      // Not exact at these head dims: 5 and 7 heads per kv head (two blocks of 3 or 4), 9..16 (5..8 per block).
+      // Not exact at these head dims: 5 and 7 heads per kv head (two blocks of 3 or 4), 9..16 (5..8 per block);
+      // a halved plan's 4..8 (two blocks of 2..4; not the paged policy's: the sandbox plans no halving).
+      if constexpr (!std::is_same_v<KV, PagedKV>)
+        if (G == 2) return tile(d, std::integral_constant<int, 2>{}, mapped);
       if (G == 3) return tile(d, std::integral_constant<int, 3>{}, mapped);
       if (G == 4) return tile(d, std::integral_constant<int, 4>{}, mapped);
       if (G == 6) return tile(d, std::integral_constant<int, 6>{}, mapped);
@@ -1117,10 +1124,11 @@ static void dispatch(const AttnPlan* plan, const bf16* q, const KV& kv, int B, i
                      int* f16_overflow = nullptr) {
   AF_CHECK(B >= 1 && M >= 1 && H >= 1 && Hkv >= 1, "attention: B, M, H, Hkv must be >= 1");
   AF_CHECK(H % Hkv == 0, "attention: H must be a multiple of Hkv");
-  for_shape<KV>(D, H / Hkv, M, [&](auto d, auto g, auto qt, auto mapped) {
+  const bool halved = plan != nullptr && plan->halved;
+  for_shape<KV>(D, H / Hkv, M, halved, [&](auto d, auto g, auto qt, auto mapped) {
     constexpr int Dc = decltype(d)::value, Gc = decltype(g)::value, QTc = decltype(qt)::value;
     using P = PolicyOf<KV, decltype(mapped)::value>;
-    const HeadMap hm = head_map(D, H / Hkv);
+    const HeadMap hm = head_map(D, H / Hkv, halved);
     AF_CHECK(Hkv * hm.blocks <= kMaxKvHeads, "attention: at most 256 kv heads x blocks per kv head (the counters)");
     AF_CHECK(static_cast<long long>(B) * M <= 65535, "attention: B * M too large for the grid");
     const int s_max = plan ? plan->splits : max_splits(B * M, kv.capacity);
@@ -1134,18 +1142,20 @@ static void dispatch(const AttnPlan* plan, const bf16* q, const KV& kv, int B, i
   });
 }
 
-AttnPlan plan_attention(int M, int H, int Hkv, int D, int capacity, bool cluster_merge, bool rows_as_steps,
-                        bool qkv_in) {
+AttnPlan plan_attention(int M, int H, int Hkv, int D, int capacity, bool cluster_merge, bool rows_as_steps, bool qkv_in,
+                        bool halved) {
   AF_CHECK(M >= 1 && H >= 1 && Hkv >= 1 && capacity >= 1 && H % Hkv == 0,
            "plan_attention: M, H, Hkv, capacity must be >= 1, H a multiple of Hkv");
   AF_CHECK(!rows_as_steps || M <= kMaxAttnRowsAsSteps, "plan_attention: rows as decode steps: at most 16 rows");
   AF_CHECK(!qkv_in || (M == 1 && !rows_as_steps), "plan_attention: the raw QKV input is the decode step's (M = 1)");
-  AttnPlan plan{
-      M,     H, Hkv, D, capacity, rows_as_steps ? max_splits(1, capacity) : max_splits(M, capacity), 1, rows_as_steps,
-      qkv_in};
+  AttnPlan plan{M,        H,
+                Hkv,      D,
+                capacity, rows_as_steps ? max_splits(1, capacity) : max_splits(M, capacity),
+                1,        rows_as_steps,
+                qkv_in,   halved};
   const auto cluster = [&](auto kv) {
     using KV = decltype(kv);
-    return for_shape<KV>(D, H / Hkv, M, [&](auto d, auto g, auto qt, auto mapped) {
+    return for_shape<KV>(D, H / Hkv, M, halved, [&](auto d, auto g, auto qt, auto mapped) {
       using P = PolicyOf<KV, decltype(mapped)::value>;
       return cluster_splits<P, decltype(d)::value, decltype(g)::value, decltype(qt)::value>(plan.splits, cluster_merge);
     });

@@ -288,10 +288,13 @@ struct AttnPlan {
   bool rows_as_steps = false;
   // The decode step's attention on the QKV product's raw row (attention_qkv): M = 1.
   bool qkv_in = false;
+  // Query-head ratios 4..8 at head_dim <= 128 on two blocks per kv head of half the heads (ratios 5
+  // and 7 always are): a qk_norm model's every path (StepPlan::attn_halved), so they keep one set of bits.
+  bool halved = false;
 };
 constexpr int kMaxAttnRowsAsSteps = 16;
 AttnPlan plan_attention(int M, int H, int Hkv, int D, int capacity, bool cluster_merge = true,
-                        bool rows_as_steps = false, bool qkv_in = false);
+                        bool rows_as_steps = false, bool qkv_in = false, bool halved = false);
 const char* attention_merge_name(const AttnPlan& plan);  // "cluster", "scratch" or "none" (one split)
 void attention_scratch_clear(void* scratch, size_t scratch_bytes, cudaStream_t stream);
 // early: the previous kernel lets this one launch only after its own PDL wait (the decode QKV GEMV
