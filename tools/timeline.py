@@ -9,7 +9,13 @@ so the charges of one step add up to the step's span exactly, whatever overlaps.
 kernel's own duration (start to end, PDL wait included) and the gap from the previous kernel's end
 to its start (negative: it started early under PDL).
 
-    python tools/timeline.py MODEL [--steps 16] [--context 128] [--max-context N] [--json out.json]
+With --verify K each step is a speculative verify of K + 1 rows instead (the backend's verify(): the
+small-M chunk, its attention rows, the head once for every row, greedy tokens on the device), rolled
+back after it, on an engine loaded for speculation (bf16 activations, as speculative decoding runs);
+the small-M GEMV's launches are named by their place in the layer (qkv, o, gate_up, down; the last
+odd one the head).
+
+    python tools/timeline.py MODEL [--steps 16] [--context 128] [--max-context N] [--verify K] [--json out.json]
 """
 
 from __future__ import annotations
@@ -45,13 +51,21 @@ def label(name: str, seen_add: int) -> str:
     return short
 
 
+GEMV_M_PRODUCTS = ("gemv_m qkv", "gemv_m o", "gemv_m gate_up", "gemv_m down")
+
+
 def charge(kernels: list[tuple[float, float, str]]) -> list[dict]:
     """kernels: (start_us, end_us, name) of one step -> rows with label, charged, duration, gap."""
     rows, frontier, prev_end, adds = [], None, None, 0
+    n_m = sum("gemv_w8a16_m_kernel" in k[2] for k in kernels)
+    seen_m = 0
     for start, end, name in sorted(kernels):
         lab = label(name, adds)
         if lab in ("gemv o", "gemv down"):
             adds += 1
+        if "gemv_w8a16_m_kernel" in name:  # a layer's four products in order; an odd last one is the head
+            lab = "gemv_m head" if n_m % 4 == 1 and seen_m == n_m - 1 else GEMV_M_PRODUCTS[seen_m % 4]
+            seen_m += 1
         charged = end - start if frontier is None else max(0.0, end - frontier)
         gap = 0.0 if prev_end is None else start - prev_end
         rows.append(dict(label=lab, charged=charged, duration=end - start, gap=gap))
@@ -71,10 +85,11 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="KV cache length (default: just what the steps need; `atomflow run` uses 8192)",
     )
+    ap.add_argument("--verify", type=int, default=0, metavar="K", help="time a verify of K + 1 rows, not a decode step")
     ap.add_argument("--json", help="also write the per-label table here")
     a = ap.parse_args(argv)
-    if a.steps < 1 or a.context < 0:
-        ap.error("--steps must be >= 1 and --context >= 0")
+    if a.steps < 1 or a.context < 0 or a.verify < 0:
+        ap.error("--steps must be >= 1, --context and --verify >= 0")
     try:
         import torch
         from torch.profiler import ProfilerActivity, profile
@@ -88,21 +103,38 @@ def main(argv: list[str] | None = None) -> int:
 
     from atomflow import Engine
 
-    need = a.context + a.steps + 8
+    need = a.context + (a.verify + 1 if a.verify else a.steps) + 8
     if a.max_context is not None and a.max_context < need:
-        ap.error(f"--max-context must be >= {need} (context + steps + 8)")
-    eng = Engine.load(a.model, backend="cuda", max_context=a.max_context or need)
-    ids = np.random.default_rng(0).integers(0, eng.spec.vocab_size, a.context + 1).astype(np.int32)
+        ap.error(f"--max-context must be >= {need} (context + the steps' rows + 8)")
+    extra = dict(speculate="ngram") if a.verify else {}
+    eng = Engine.load(a.model, backend="cuda", max_context=a.max_context or need, **extra)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, eng.spec.vocab_size, a.context + 1).astype(np.int32)
     eng.reset()
     if a.context:
         eng.prefill(ids[: a.context])
     token = int(ids[a.context])
+    if a.verify:
+        be = eng.backend
+        if a.verify + 1 > be.verify_rows:
+            ap.error(f"--verify: this engine verifies at most {be.verify_rows - 1} drafts")
+        chunk = rng.integers(0, eng.spec.vocab_size, a.verify + 1).astype(np.int32)
+
+        def step() -> None:
+            be.verify(chunk)  # returns once the rows' tokens are on the host: steps never overlap
+            be.rollback(a.context)
+    else:
+
+        def step() -> None:
+            nonlocal token
+            token = int(np.argmax(eng.decode(token)))  # each step waited for: steps never overlap
+
     for _ in range(3):  # warm-up: graph capture, module loading
-        token = int(np.argmax(eng.decode(token)))
+        step()
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(a.steps):
-            token = int(np.argmax(eng.decode(token)))  # each step waited for: steps never overlap
+            step()
     events = [
         e
         for e in prof.events()
@@ -151,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     table.sort(key=lambda r: -r["charged_us"])
     print(
-        f"timeline: {len(steps)} graph decode steps at context {a.context} (max_context {eng.max_context}), "
+        f"timeline: {len(steps)} graph {f'verify steps of {a.verify + 1} rows' if a.verify else 'decode steps'} "
+        f"at context {a.context} (max_context {eng.max_context}), "
         f"step span p50 {span:.1f} us"
     )
     print(f"{'kernel':<24}{'per step':>9}{'charged us':>12}{'share':>8}{'each us':>9}{'own us':>8}{'gap us':>8}")
