@@ -86,7 +86,8 @@ def _print_plan(p: dict) -> None:
             longer = f"gemm_w8a16_sm90 (CUTLASS wgmma) from {sm90} ({tiles})"
             if sm90 > p["prefill_small_m_max_rows"] + 1:
                 longer = f"gemm_w8a16 (tensor cores) up to {sm90 - 1} rows, " + longer
-        print(f"  prefill products: gemv_w8a16_m for chunks of 2..{p['prefill_small_m_max_rows']} rows, {longer}")
+        fused = " (QKV with RoPE + KV append fused)" if p.get("prefill_small_m_rope") else ""
+        print(f"  prefill products: gemv_w8a16_m for chunks of 2..{p['prefill_small_m_max_rows']} rows{fused}, {longer}")
     pre = p.get("prefill_attention")
     if pre and pre["min_rows"] is None:
         print("  prefill attention: the decode kernel for every chunk (no tensor-core kernel for this head shape)")

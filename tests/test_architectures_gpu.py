@@ -105,6 +105,9 @@ def test_plan_says_the_qkv_path(arch_files, preset, capsys):
     for row in plan["attention"]:
         assert row["kernel"].startswith("attention_kernel<RopedKV" if path == "attention" else "attention_kernel<Cont")
         assert row["halved"] == (path == "attention")  # AttnPlan::halved: the roped model's every path
+    # a chunk of a few rows (a verify's) fuses RoPE + KV append into its small-M QKV product where the
+    # decode step does
+    assert plan["prefill_small_m_rope"] == (path == "fused")
     eng = cuda(model, 1024)
     assert eng.step_plan["qkv_path"] == path
     assert main(["info", str(model.path), "--plan", "--max-context", "1024"]) == 0

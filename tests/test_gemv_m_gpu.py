@@ -210,6 +210,62 @@ def test_gemv_m_swiglu_f16_output(rng):
     assert flag == 1
 
 
+def llama_inv_freq(D, theta=500000.0):
+    return (1.0 / theta ** (np.arange(0, D, 2, dtype=np.float64) / D)).astype(np.float32)
+
+
+@pytest.mark.parametrize(
+    "H,Hkv,D,K,bias",
+    [
+        (24, 8, 128, 3072, False),  # Llama-3.2-3B
+        (9, 3, 64, 576, False),  # SmolLM2-135M: a 64-column tail scale group
+        (28, 4, 128, 3584, True),  # Qwen2.5-7B: q/k/v biases
+        (8, 2, 80, 256, False),  # the head dims past 64 and 128: 5 and 6 tiles a head
+        (8, 1, 96, 256, True),
+        (4, 1, 256, 256, False),
+    ],
+)
+@pytest.mark.parametrize("M,nc", [(2, 0), (5, 1), (9, 0), (16, 4)])
+@pytest.mark.parametrize("pos,C", [(0, 20), (4093, 4100), (70000, 70010)])  # middle: the last rows past the cache
+def test_gemv_m_rmsnorm_rope_equals_the_three_kernels(rng, H, Hkv, D, K, bias, M, nc, pos, C):
+    """A chunk's QKV launch with RoPE + KV append in its epilogue writes exactly what the small-M
+    product (Store) followed by rope_kv_append writes, bit for bit: q of every row, the K / V rows of the
+    positions inside the cache, and nothing else of the caches."""
+    N = (H + 2 * Hkv) * D
+    w, s = random_fp8(rng, (N, K)), random_scales(rng, N, K)
+    x = (rng.standard_normal((M, K)) * rng.uniform(0.1, 10)).astype(np.float32)
+    nw = bf16_bits(1 + 0.1 * rng.standard_normal(K))
+    b = (rng.standard_normal(N) * 0.5).astype(np.float32) if bias else None
+    inv_freq = llama_inv_freq(D)
+    kc0, vc0 = np.zeros((C, Hkv, D), np.uint16), np.zeros((C, Hkv, D), np.uint16)
+    lo = max(0, pos - 4)  # random rows around the chunk, so a stray write shows
+    kc0[lo:] = bf16_bits(rng.standard_normal((C - lo, Hkv, D)))
+    vc0[lo:] = bf16_bits(rng.standard_normal((C - lo, Hkv, D)))
+    q, kc, vc = ops.gemv_m_rmsnorm_rope(w, s, x, nw, 1e-5, inv_freq, pos, H, Hkv, D, kc0.copy(), vc0.copy(), b, nc=nc)
+    qkv = ops.gemv_m(w, s, x, STORE, None, norm_w=nw, eps=1e-5, nc=nc)
+    q_ref, kc_ref, vc_ref = ops.rope_kv_append(qkv, inv_freq, pos, H, Hkv, D, kc0.copy(), vc0.copy(), bias=b)
+    np.testing.assert_array_equal(q, q_ref)
+    np.testing.assert_array_equal(kc, kc_ref)
+    np.testing.assert_array_equal(vc, vc_ref)
+    inside = max(0, min(M, C - pos))
+    assert np.array_equal(kc[:pos], kc0[:pos]) and np.array_equal(vc[:pos], vc0[:pos])
+    if pos + inside < C:
+        assert np.array_equal(kc[pos + inside :], kc0[pos + inside :])
+
+
+def test_gemv_m_rmsnorm_rope_rejects_bad_arguments(rng):
+    H, Hkv, K = 2, 1, 256
+    kc = bf16_bits(np.zeros((8, 1, 72)))
+    w, s = random_fp8(rng, (4 * 72, K)), random_scales(rng, 4 * 72, K)
+    x, nw = np.ones((2, K), np.float32), bf16_bits(np.ones(K))
+    with pytest.raises(ValueError, match="multiple of 16"):  # head_dim 72: rotation pairs do not fill a tile
+        ops.gemv_m_rmsnorm_rope(w, s, x, nw, 1e-5, llama_inv_freq(72), 0, H, Hkv, 72, kc, kc.copy())
+    with pytest.raises(ValueError):  # w's rows are not (H + 2 Hkv) D
+        ops.gemv_m_rmsnorm_rope(w, s, x, nw, 1e-5, llama_inv_freq(64), 0, H, Hkv, 64, kc, kc.copy())
+    with pytest.raises(ValueError):  # RopeKV is the rope launcher's, not gemv_m's
+        ops.gemv_m(w, s, bf16_bits(np.zeros((2, K))), 3)
+
+
 def test_gemv_m_plan_table():
     """The table's choices for the 3B shapes at M = 16 (docs/design/gemv_w8a16_m.md): few classes per
     warp where N is small (enough block tiles to fill the GPU), x resident where it fits."""

@@ -71,6 +71,46 @@ py::object gemv_m(const py::array& w_, const py::array& s_, const py::array& x_,
   return to_host<float>(out, {M, N});
 }
 
+// The small-M QKV product with RMSNorm and RoPE + KV append fused: w u8 [(H + 2 Hkv) D, K], scales,
+// x f32 [M, K] (the residual stream), norm_w u16 [K], tokens at positions pos .. pos + M - 1, caches
+// u16 [C, Hkv, D] (initial contents), bias f32 [(H + 2 Hkv) D] or None -> (q u16 [M, H, D], k_cache,
+// v_cache).
+py::tuple gemv_m_rmsnorm_rope(const py::array& w_, const py::array& s_, const py::array& x_, const py::array& nw_,
+                              float eps, const py::array& inv_freq_, int pos, int H, int Hkv, int D,
+                              const py::array& k_cache_, const py::array& v_cache_, const py::object& bias_, int nc) {
+  require(H >= 1 && Hkv >= 1 && D >= 2 && D % 2 == 0, "need H, Hkv >= 1 and an even D");
+  const int N = (H + 2 * Hkv) * D;
+  auto w = arg<uint8_t>(w_, "w", {N, -1});
+  const int K = static_cast<int>(w.shape(1));
+  require(K % 64 == 0, "w: K = " + std::to_string(K) + " must be a multiple of 64");
+  auto s = arg<float>(s_, "scales", {N, scale_groups(K)});
+  auto x = arg<float>(x_, "x", {-1, K});
+  const int M = static_cast<int>(x.shape(0));
+  require(M >= 1 && M <= 64, "x must have 1 to 64 rows, got " + std::to_string(M));
+  auto nw = arg<uint16_t>(nw_, "norm_w", {K});
+  auto inv_freq = arg<float>(inv_freq_, "inv_freq", {D / 2});
+  auto kc = arg<uint16_t>(k_cache_, "k_cache", {-1, Hkv, D});
+  const int C = static_cast<int>(kc.shape(0));
+  auto vc = arg<uint16_t>(v_cache_, "v_cache", {C, Hkv, D});
+  require(pos >= 0, "need pos >= 0");
+  DeviceBuffer dw = to_device(w), ds = to_device(s), dx = to_device(x), dnw = to_device(nw);
+  DeviceBuffer dfreq = to_device(inv_freq), dk = to_device(kc), dv = to_device(vc), dpos = device_int(pos);
+  DeviceBuffer q = DeviceBuffer::poisoned(sizeof(bf16) * M * H * D);
+  k::RopeKVArgs rope{dfreq.get<float>(), dpos.get<int32_t>(), H, Hkv, D, C, q.get<bf16>(),
+                     dk.get<bf16>(),     dv.get<bf16>()};
+  DeviceBuffer dbias;
+  if (!bias_.is_none()) {
+    dbias = to_device(arg<float>(bias_.cast<py::array>(), "bias", {N}));
+    rope.bias = dbias.get<float>();
+  }
+  const k::GemvMPlan plan = plan_of(k::Epilogue::RopeKV, k::GemvIn::NORM, M, N, K, nc, 0);
+  k::gemv_w8a16_m_rmsnorm_rope(plan, dw.get<uint8_t>(), ds.get<float>(), dx.get<float>(), dnw.get<bf16>(), eps, M, K,
+                               rope, nullptr);
+  sync();
+  return py::make_tuple(to_host<uint16_t>(q, {M, H, D}), to_host<uint16_t>(dk, {C, Hkv, D}),
+                        to_host<uint16_t>(dv, {C, Hkv, D}));
+}
+
 // The plan's choices for a shape, as the tests and `bench_kernels.py` print them.
 py::dict gemv_m_plan(int M, int N, int K, int ep_, const std::string& x_in, int nc, int slab) {
   require(x_in == "bf16" || x_in == "f16" || x_in == "norm", "x_in must be 'bf16', 'f16' or 'norm'");
@@ -115,6 +155,11 @@ void register_gemv_m(py::module_& m) {
         "x_dtype) or, given norm_w u16 [K], f32 [M, K] normalized in the prologue; epilogue 0 Store -> f32 [M, N], "
         "1 AddResidual (out_init f32 [M, N]) -> f32 [M, N], 2 SwiGLU -> u16 [M, N/2] (out_dtype 'f16': (bits, flag)); "
         "nc, slab: plan overrides (0: the table's)");
+  m.def("gemv_m_rmsnorm_rope", &gemv_m_rmsnorm_rope, py::arg("w"), py::arg("scales"), py::arg("x"), py::arg("norm_w"),
+        py::arg("eps"), py::arg("inv_freq"), py::arg("pos"), py::arg("H"), py::arg("Hkv"), py::arg("D"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("bias") = py::none(), py::arg("nc") = 0,
+        "small-M QKV gemv with RMSNorm and RoPE + KV append fused: x f32 [M, K] at positions pos.. -> (q u16 "
+        "[M, H, D], k_cache, v_cache); the same bits as gemv_m(norm_w=..., Store) then rope_kv_append");
   m.def("gemv_m_plan", &gemv_m_plan, py::arg("M"), py::arg("N"), py::arg("K"), py::arg("epilogue") = 0,
         py::arg("x_in") = "bf16", py::arg("nc") = 0, py::arg("slab") = 0,
         "plan_gemv_m's choices for a shape: {variant, nt, nc, slab, blocks, smem}");

@@ -113,6 +113,7 @@ py::dict plan_to_dict(const StepPlan& p) {
   pre["chunks"] = chunks;
   d["prefill_attention"] = pre;
   d["prefill_small_m_max_rows"] = p.small_m_max_rows;  // chunks of 2..this many rows: gemv_w8a16_m
+  d["prefill_small_m_rope"] = p.small_m_rope;          // ... their QKV product with RoPE + KV append fused
   // chunks of at least this many rows: gemm_w8a16_sm90 (None: never)
   d["prefill_sm90_gemm_min_rows"] =
       p.sm90_gemm_min_rows < StepPlan::kNever ? py::object(py::int_(p.sm90_gemm_min_rows)) : py::object(py::none());

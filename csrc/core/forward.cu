@@ -68,6 +68,8 @@ void Engine::enqueue_layers(int rows, int attn_keys) {
   const bool fused_qkv = rows == 1 && !probe_ && step_plan_.fused_qkv;
   // The other decode steps outside the probes hand attention the product's raw row (attention_qkv).
   const bool qkv_in = rows == 1 && !probe_ && !step_plan_.fused_qkv;
+  // A small-M chunk's QKV product does RoPE + KV append in its epilogue where the plan says so.
+  const bool small_m_rope = rows > 1 && rows <= step_plan_.small_m_max_rows && !probe_ && step_plan_.small_m_rope;
   // A decode step's attention and SwiGLU outputs are fp16 (kernels.h), flagged when they overflow;
   // the o and down GEMVs then take x as it is.
   const bool half = rows == 1 && f16_acts_;
@@ -102,6 +104,13 @@ void Engine::enqueue_layers(int rows, int attn_keys) {
         const kernels::RopeKVArgs rope{buf_.inv_freq, buf_.pos, H, Hkv, D, C, buf_.q, L.k_cache, L.v_cache, L.bqkv};
         kernels::gemv_w8a16_rmsnorm_rope(plan.qkv, L.wqkv, L.wqkv_scale, buf_.x, L.attn_norm, s.rms_norm_eps, d, rope,
                                          stream_);
+        mark("gemv_qkv+norm+rope", li);
+      } else if (small_m_rope) {
+        // The same three steps for a chunk of a few rows (bit-identical to rmsnorm, gemv_w8a16_m, rope_kv_append).
+        const kernels::RopeKVArgs rope{buf_.inv_freq, buf_.pos, H, Hkv, D, C, buf_.q, L.k_cache, L.v_cache, L.bqkv};
+        kernels::gemv_w8a16_m_rmsnorm_rope(
+            kernels::plan_gemv_m(Epilogue::RopeKV, kernels::GemvIn::NORM, rows, s.qkv_dim(), d), L.wqkv, L.wqkv_scale,
+            buf_.x, L.attn_norm, s.rms_norm_eps, rows, d, rope, stream_);
         mark("gemv_qkv+norm+rope", li);
       } else {
         // Prefill chunks, probed steps, and the decode steps of a split-QKV plan (plan.qkv: Store, NORM;

@@ -61,6 +61,7 @@ StepPlan make_step_plan(const ModelSpec& s, int max_context, const PlanOptions& 
   // Either way attention may read the cache of earlier steps before its wait (`early`): the product
   // lets it launch only after its own wait (RopeKV always does).
   p.qkv.late_trigger = true;
+  p.small_m_rope = p.fused_qkv && s.head_dim % 16 == 0;
   p.o_f16 = kernels::plan_gemv(Epilogue::AddResidual, GemvIn::F16, d, s.q_dim(), knobs);
   p.o_bf16 = kernels::plan_gemv(Epilogue::AddResidual, GemvIn::BF16, d, s.q_dim(), knobs);
   p.gate_up = kernels::plan_gemv(Epilogue::SwiGLU, GemvIn::NORM, 2 * f, d, knobs);

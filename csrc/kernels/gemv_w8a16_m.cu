@@ -1,6 +1,6 @@
 // W8A16 GEMV for small M (2..64 rows of x: short prompts, a chunked prompt's tail, speculative
 // verification, batched decode): y[m, n] = sum_k x[m, k] * fp8[n, k] * scale[n, k / 128], each weight
-// byte read once for all M rows, with the Store / AddResidual / SwiGLU epilogues and optionally
+// byte read once for all M rows, with the Store / AddResidual / SwiGLU / RopeKV epilogues and optionally
 // RMSNorm fused into the prologue. Row m of the result is bit-identical to gemv_w8a16 (M = 1) on x[m].
 // Why it is shaped this way, the byte and FLOP counts and the prediction: docs/design/gemv_w8a16_m.md.
 //
@@ -15,7 +15,9 @@
 //           the column classes G mod 8 in [i NC, i NC + NC). Lane 4 g + q loads 16 bytes (chunk 4 G + q)
 //           of tile rows g and g + 8, as the decode GEMV's lane group g does of its row at G, so every
 //           product's k order, and every class's fp32 chain over G, is the decode GEMV's (below).
-//           A block is NC tiles (8 warps); blocks are persistent over the block tiles.
+//           A block is NC tiles (8 warps); blocks are persistent over the block tiles. RopeKV pairs
+//           tile rows g and g + 8 as rows i and i + D / 2 of one q or k head (8 rotation pairs a tile,
+//           D % 16 == 0), then the v rows 16 at a time.
 //  x        staged into shared memory as fp16 [M][slab columns] (row stride = 2 slab + 16 bytes, so the
 //           8 lanes of a 128-bit read phase hit distinct banks), once per block when slab >= K
 //           (resident), else slab by slab for every block tile, between two barriers.
@@ -24,7 +26,10 @@
 //  After the wait it reads x (NORM and BF16 scan each row once for the per-row factor first) and, for
 //           AddResidual, out.
 //  Writes   Store: out fp32 [M, N]; AddResidual: out[m, n] += y; SwiGLU: out [M, N / 2] bf16, or fp16
-//           given f16_overflow (set to 1 when a value passes kF16Max). Every element exactly once.
+//           given f16_overflow (set to 1 when a value passes kF16Max); RopeKV (N = (H + 2 Hkv) D): token
+//           m at position *rope.pos + m, rope_kv_append's arithmetic on the row Store would write (the
+//           bias added, rope.cuh's rotation): q bf16 [M, H, D], and the K / V cache rows of the positions
+//           inside the cache. Every element exactly once.
 //  Leaves   nothing behind.
 //  Invariants (the decode GEMV's order, which makes row m bit-identical to gemv_w8a16 on x[m]):
 //           the partial of (row, G) is the 4-product chain from zero with the same k slots; it is
@@ -46,6 +51,7 @@
 #include "atomflow/loads.cuh"
 #include "atomflow/pdl.cuh"
 #include "atomflow/rmsnorm.cuh"
+#include "atomflow/rope.cuh"
 
 namespace atomflow::kernels {
 
@@ -111,7 +117,16 @@ struct MProduct {
   GemvIn in;
   void* out;
   int* f16_overflow;  // SwiGLU: fp16 output, flagged past kF16Max; null: bf16
+  RopeKVArgs rope;    // RopeKV: where the rotated q and the K / V rows go (out unused)
 };
+
+// Tiles of a product: SwiGLU 8 gate rows and their 8 up rows; RopeKV 8 rotation pairs of a q / k head,
+// then the v rows; else 16 rows.
+__host__ __device__ inline int m_tiles(Epilogue ep, int N) {
+  return ep == Epilogue::SwiGLU ? CEIL_DIV(N / 2, 8) : CEIL_DIV(N, 16);
+}
+// RopeKV: the tiles of rotation pairs (the q and k heads' D / 2 pairs, 8 a tile).
+__device__ __forceinline__ int m_rot_tiles(const RopeKVArgs& r) { return (r.H + r.Hkv) * (r.D / 16); }
 
 // The shared memory of a block (m_smem_bytes).
 struct MSmem {
@@ -343,9 +358,9 @@ static __global__ void __launch_bounds__(kMThreads, 1) gemv_w8a16_m_kernel(const
   const MSmem sm(smem, P.M, NT, NC, P.slab);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
   const int M = P.M, N = P.N, K = P.K;
-  const bool swiglu = P.ep == Epilogue::SwiGLU;
+  const bool swiglu = P.ep == Epilogue::SwiGLU, roped = P.ep == Epilogue::RopeKV;
   const int F = N / 2;
-  const int n_tiles = swiglu ? CEIL_DIV(F, 8) : CEIL_DIV(N, 16);
+  const int n_tiles = m_tiles(P.ep, N);
   const int n_bt = CEIL_DIV(n_tiles, NC);
   const int G_end = K / 64, stripes = CEIL_DIV(K, 512), n_slabs = CEIL_DIV(K, P.slab), xs = 2 * P.slab + 16;
   const uint64_t policy = stream_policy();
@@ -356,13 +371,28 @@ static __global__ void __launch_bounds__(kMThreads, 1) gemv_w8a16_m_kernel(const
 
   pdl_launch_dependents();
   bool waited = false;
+  // AddResidual: the leader lanes' residual values of the first block tile, loaded right after the wait
+  // (beside x's staging) instead of after the products: an L2 round trip fewer at the end. The engine's
+  // instances only (NT <= 2): 4 and 8 token tiles have no registers to spare.
+  constexpr bool kEarlyRes = NT <= 2;
+  float res[kEarlyRes ? NT : 1][4];
+  const bool add = P.ep == Epilogue::AddResidual;
   for (int bt = blockIdx.x; bt < n_bt; bt += gridDim.x) {
     const int tile = bt * NC + warp / WT, c0 = (warp % WT) * NC;
     const bool active = tile < n_tiles;
+    const bool first = bt == static_cast<int>(blockIdx.x);
     int ra, rb;
     if (swiglu) {
       ra = min(8 * tile + g, F - 1);
       rb = F + ra;
+    } else if (roped && tile < m_rot_tiles(P.rope)) {
+      const int per_head = P.rope.D / 16;
+      ra = (tile / per_head) * P.rope.D + (tile % per_head) * 8 + g;
+      rb = ra + P.rope.D / 2;
+    } else if (roped) {
+      const int v0 = (P.rope.H + P.rope.Hkv) * P.rope.D + 16 * (tile - m_rot_tiles(P.rope));
+      ra = min(v0 + g, N - 1);
+      rb = min(v0 + 8 + g, N - 1);
     } else {
       ra = min(16 * tile + g, N - 1);
       rb = min(16 * tile + 8 + g, N - 1);
@@ -385,6 +415,16 @@ static __global__ void __launch_bounds__(kMThreads, 1) gemv_w8a16_m_kernel(const
       }
       if (!waited) {  // block-uniform
         pdl_wait();   // x (and for AddResidual, out) come from earlier kernels
+        if (kEarlyRes && add && active && warp % WT == 0) {
+#pragma unroll
+          for (int t = 0; t < (kEarlyRes ? NT : 0); ++t)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int m = 8 * t + 2 * q + (e & 1), r = 16 * tile + g + 8 * (e >> 1);
+              res[t][e] =
+                  m < M && r < N ? __ldcg(static_cast<const float*>(P.out) + static_cast<size_t>(m) * N + r) : 0.f;
+            }
+        }
         row_factors(P, sm);
       }
       if (!waited || n_slabs > 1) {
@@ -445,6 +485,7 @@ static __global__ void __launch_bounds__(kMThreads, 1) gemv_w8a16_m_kernel(const
     }
 
     if (leader && active) {
+      const int pos0 = roped ? *P.rope.pos : 0;  // after the wait: an earlier kernel wrote it
 #pragma unroll
       for (int t = 0; t < NT; ++t)
 #pragma unroll
@@ -452,7 +493,36 @@ static __global__ void __launch_bounds__(kMThreads, 1) gemv_w8a16_m_kernel(const
           const int m = 8 * t + 2 * q + (e & 1);
           if (m >= M) continue;
           const float v = y[t][e] * sm.xscale[m];
-          if (swiglu) {
+          if (roped) {
+            // rope_kv_append's arithmetic on Store's row: the bias in one rounded add, then rope.cuh.
+            const RopeKVArgs& R = P.rope;
+            const int p = pos0 + m, D = R.D, Hkv = R.Hkv, H = R.H;
+            const bool in_cache = p < R.max_context;
+            if (tile < m_rot_tiles(R)) {
+              if (e >= 2) continue;  // e: row i of the pair, e + 2: row i + D / 2
+              const int head = ra / D, i = ra % D;
+              // The row Store writes (a lone product: nothing to contract it into), then the bias.
+              float x1 = __fmul_rn(y[t][e], sm.xscale[m]), x2 = __fmul_rn(y[t][e + 2], sm.xscale[m]);
+              if (R.bias != nullptr) {
+                x1 = __fadd_rn(x1, R.bias[ra]);
+                x2 = __fadd_rn(x2, R.bias[rb]);
+              }
+              float c, sn, o1, o2;
+              rope_cos_sin(p, R.inv_freq[i], c, sn);
+              rope_rotate(x1, x2, c, sn, o1, o2);
+              bf16* dst = head < H ? R.q_out + (static_cast<size_t>(m) * H + head) * D
+                                   : (in_cache ? R.k_cache + (static_cast<size_t>(p) * Hkv + head - H) * D : nullptr);
+              if (dst == nullptr) continue;
+              dst[i] = __float2bfloat16(o1);
+              dst[i + D / 2] = __float2bfloat16(o2);
+            } else {
+              const int v0 = (H + Hkv) * D, r = v0 + 16 * (tile - m_rot_tiles(R)) + g + 8 * (e >> 1);
+              if (r >= N || !in_cache) continue;
+              const float x = __fmul_rn(y[t][e], sm.xscale[m]);
+              const float val = R.bias != nullptr ? __fadd_rn(x, R.bias[r]) : x;
+              R.v_cache[static_cast<size_t>(p) * Hkv * D + (r - v0)] = __float2bfloat16(val);
+            }
+          } else if (swiglu) {
             if (e >= 2) continue;  // e: gate, e + 2: up
             const int p = 8 * tile + g;
             if (p >= F) continue;
@@ -463,7 +533,7 @@ static __global__ void __launch_bounds__(kMThreads, 1) gemv_w8a16_m_kernel(const
             const int r = 16 * tile + g + 8 * (e >> 1);
             if (r >= N) continue;
             float* o = static_cast<float*>(P.out) + static_cast<size_t>(m) * N + r;
-            *o = P.ep == Epilogue::AddResidual ? __ldcg(o) + v : v;
+            *o = add ? (kEarlyRes && first ? res[kEarlyRes ? t : 0][e] : __ldcg(o)) + v : v;
           }
         }
     }
@@ -555,7 +625,10 @@ auto dispatch_m(int nt, int nc, F&& f) {
 }
 
 const char* m_ep_name(Epilogue ep) {
-  return ep == Epilogue::Store ? "Store" : ep == Epilogue::AddResidual ? "AddResidual" : "SwiGLU";
+  return ep == Epilogue::Store         ? "Store"
+         : ep == Epilogue::AddResidual ? "AddResidual"
+         : ep == Epilogue::SwiGLU      ? "SwiGLU"
+                                       : "RopeKV";
 }
 const char* m_in_name(GemvIn in) { return in == GemvIn::BF16 ? "BF16" : in == GemvIn::F16 ? "F16" : "NORM"; }
 
@@ -566,9 +639,19 @@ void launch_m(const GemvMPlan& plan, const MProduct& P, cudaStream_t stream) {
   AF_CHECK(P.M >= 1 && P.M <= 8 * plan.nt && P.N >= 1 && P.K >= 64 && P.K % 64 == 0,
            "gemv_w8a16_m: need 1 <= M <= 64, N >= 1 and K a multiple of 64");
   AF_CHECK(P.ep != Epilogue::SwiGLU || P.N % 2 == 0, "gemv_w8a16_m: SwiGLU needs N = 2F (gate rows, then up rows)");
-  AF_CHECK(P.ep == Epilogue::Store || P.ep == Epilogue::AddResidual || P.ep == Epilogue::SwiGLU,
-           "gemv_w8a16_m: the Store, AddResidual and SwiGLU epilogues only");
+  AF_CHECK(
+      P.ep == Epilogue::Store || P.ep == Epilogue::AddResidual || P.ep == Epilogue::SwiGLU || P.ep == Epilogue::RopeKV,
+      "gemv_w8a16_m: the Store, AddResidual, SwiGLU and RopeKV epilogues only");
   AF_CHECK(P.f16_overflow == nullptr || P.ep == Epilogue::SwiGLU, "gemv_w8a16_m: an fp16 output is SwiGLU's only");
+  if (P.ep == Epilogue::RopeKV) {
+    const RopeKVArgs& r = P.rope;
+    AF_CHECK(r.H >= 1 && r.Hkv >= 1 && r.max_context >= 1 && r.D >= 16 && r.D % 16 == 0 && r.D <= kMaxRopeHeadDim,
+             "gemv_w8a16_m: RopeKV needs H, Hkv, max_context >= 1 and head_dim a multiple of 16, <= 1024");
+    AF_CHECK(P.N == (r.H + 2 * r.Hkv) * r.D, "gemv_w8a16_m: RopeKV needs N = (H + 2 Hkv) head_dim");
+    AF_CHECK(
+        r.inv_freq != nullptr && r.pos != nullptr && r.q_out != nullptr && r.k_cache != nullptr && r.v_cache != nullptr,
+        "gemv_w8a16_m: RopeKV needs inv_freq, pos, q_out and the caches");
+  }
   AF_CHECK(reinterpret_cast<uintptr_t>(P.w) % 16 == 0 && reinterpret_cast<uintptr_t>(P.x) % 16 == 0 &&
                (P.norm_w == nullptr || reinterpret_cast<uintptr_t>(P.norm_w) % 16 == 0),
            "gemv_w8a16_m: w, x and norm_w must be 16-byte aligned");
@@ -587,8 +670,8 @@ void launch_m(const GemvMPlan& plan, const MProduct& P, cudaStream_t stream) {
 GemvMPlan plan_gemv_m(Epilogue ep, GemvIn in, int M, int N, int K, const GemvMKnobs& knobs) {
   AF_CHECK(M >= 1 && M <= kMMaxRows, "plan_gemv_m: 1 <= M <= 64");
   AF_CHECK(N >= 1 && K >= 64 && K % 64 == 0, "plan_gemv_m: N >= 1, K a multiple of 64");
-  AF_CHECK(ep == Epilogue::Store || ep == Epilogue::AddResidual || ep == Epilogue::SwiGLU,
-           "plan_gemv_m: the Store, AddResidual and SwiGLU epilogues only");
+  AF_CHECK(ep == Epilogue::Store || ep == Epilogue::AddResidual || ep == Epilogue::SwiGLU || ep == Epilogue::RopeKV,
+           "plan_gemv_m: the Store, AddResidual, SwiGLU and RopeKV epilogues only");
   AF_CHECK(ep != Epilogue::SwiGLU || N % 2 == 0, "plan_gemv_m: SwiGLU needs an even N");
   GemvMPlan plan{};
   plan.ep = ep;
@@ -598,7 +681,7 @@ GemvMPlan plan_gemv_m(Epilogue ep, GemvIn in, int M, int N, int K, const GemvMKn
   plan.K = K;
   plan.nt = calc_nt(M);
   plan.threads = kMThreads;
-  const int n_tiles = ep == Epilogue::SwiGLU ? CEIL_DIV(N / 2, 8) : CEIL_DIV(N, 16);
+  const int n_tiles = m_tiles(ep, N);
   int device = 0, sms = 0;
   AF_CUDA_CHECK(cudaGetDevice(&device));
   AF_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
@@ -626,6 +709,7 @@ std::string gemv_m_variant_name(const GemvMPlan& plan) {
 
 void gemv_w8a16_m(const GemvMPlan& plan, const uint8_t* w, const float* scales, const void* x, Act x_type, int M, int N,
                   int K, Epilogue ep, void* out, cudaStream_t stream, int* f16_overflow) {
+  AF_CHECK(ep != Epilogue::RopeKV, "gemv_w8a16_m: RopeKV is gemv_w8a16_m_rmsnorm_rope's");
   const GemvIn in = x_type == Act::F16 ? GemvIn::F16 : GemvIn::BF16;
   const MProduct P{w, scales, x, nullptr, 0.f, M, N, K, plan.slab, ep, in, out, f16_overflow};
   launch_m(plan, P, stream);
@@ -635,7 +719,18 @@ void gemv_w8a16_m_rmsnorm(const GemvMPlan& plan, const uint8_t* w, const float* 
                           const bf16* norm_w, float eps, int M, int N, int K, Epilogue ep, void* out,
                           cudaStream_t stream, int* f16_overflow) {
   AF_CHECK(norm_w != nullptr, "gemv_w8a16_m_rmsnorm: needs the norm weight");
+  AF_CHECK(ep != Epilogue::RopeKV, "gemv_w8a16_m_rmsnorm: RopeKV is gemv_w8a16_m_rmsnorm_rope's");
   const MProduct P{w, scales, x, norm_w, eps, M, N, K, plan.slab, ep, GemvIn::NORM, out, f16_overflow};
+  launch_m(plan, P, stream);
+}
+
+void gemv_w8a16_m_rmsnorm_rope(const GemvMPlan& plan, const uint8_t* w, const float* scales, const float* x,
+                               const bf16* norm_w, float eps, int M, int K, const RopeKVArgs& rope,
+                               cudaStream_t stream) {
+  AF_CHECK(norm_w != nullptr, "gemv_w8a16_m_rmsnorm_rope: needs the norm weight");
+  const int N = (rope.H + 2 * rope.Hkv) * rope.D;
+  const MProduct P{w,       scales,  x,   norm_w, eps, M, N, K, plan.slab, Epilogue::RopeKV, GemvIn::NORM,
+                   nullptr, nullptr, rope};
   launch_m(plan, P, stream);
 }
 

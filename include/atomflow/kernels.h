@@ -233,6 +233,13 @@ void gemv_w8a16_m(const GemvMPlan& plan, const uint8_t* w, const float* scales, 
 void gemv_w8a16_m_rmsnorm(const GemvMPlan& plan, const uint8_t* w, const float* scales, const float* x,
                           const bf16* norm_w, float eps, int M, int N, int K, Epilogue ep, void* out,
                           cudaStream_t stream, int* f16_overflow = nullptr);
+// The small-M QKV product of a chunk with RoPE + KV append in its epilogue: what
+// gemv_w8a16_m_rmsnorm(Store) then rope_kv_append, bit for bit, in one launch (q into rope.q_out
+// [M, H, D]; token m's K / V rows at *rope.pos + m while inside the cache). head_dim % 16 == 0.
+// plan: plan_gemv_m(Epilogue::RopeKV, GemvIn::NORM, M, (H + 2 Hkv) D, K).
+void gemv_w8a16_m_rmsnorm_rope(const GemvMPlan& plan, const uint8_t* w, const float* scales, const float* x,
+                               const bf16* norm_w, float eps, int M, int K, const RopeKVArgs& rope,
+                               cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------
 // rope.cu: RoPE (HF rotate-half convention) on q and k of a fused qkv row, then the KV append.

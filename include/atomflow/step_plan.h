@@ -92,6 +92,11 @@ struct StepPlan {
   static constexpr int kSmallMMaxRows = 16;
   static_assert(kSmallMMaxRows <= kernels::kMaxAttnRowsAsSteps, "small-M chunks run attention as decode steps");
   int small_m_max_rows = kSmallMMaxRows;
+  // Such a chunk's QKV product takes RoPE + KV append into its epilogue (gemv_w8a16_m_rmsnorm_rope:
+  // rope_kv_append's bits, one launch fewer per layer) where the decode step's does (fused_qkv) and
+  // head_dim % 16 == 0 (a tile holds 8 rotation pairs of one head); else it stores the raw row and
+  // rope_kv_append follows.
+  bool small_m_rope = false;
   // Rows of logits the engine holds at once (a speculative verify's chunk; the FP8 head runs them on the
   // small-M GEMV in one launch).
   static constexpr int kLogitRows = kSmallMMaxRows;
