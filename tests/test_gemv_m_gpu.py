@@ -276,6 +276,11 @@ def test_gemv_m_plan_table():
     assert gate_up["nc"] == 4
     assert down["slab"] < 8192 and down["slab"] % 512 == 0
     assert ops.gemv_m_plan(64, 3072, 3072)["nt"] == 8
+    # x resident: the factor scan keeps its raw rows for the staging (bf16 in x's area, NORM beside it);
+    # not with x in slabs
+    assert o["keep"] and not down["keep"]
+    assert ops.gemv_m_plan(5, 5120, 3072, STORE, "norm")["keep"] and ops.gemv_m_plan(5, 3072, 8192, ADD)["keep"]
+    assert not ops.gemv_m_plan(5, 5120, 3072, STORE, "f16")["keep"]
 
 
 def test_gemv_m_rejects_bad_arguments(rng):

@@ -121,6 +121,7 @@ py::dict gemv_m_plan(int M, int N, int K, int ep_, const std::string& x_in, int 
   d["nt"] = p.nt;
   d["nc"] = p.nc;
   d["slab"] = p.slab;
+  d["keep"] = p.keep;
   d["blocks"] = p.blocks;
   d["smem"] = p.smem;
   return d;
@@ -162,7 +163,7 @@ void register_gemv_m(py::module_& m) {
         "[M, H, D], k_cache, v_cache); the same bits as gemv_m(norm_w=..., Store) then rope_kv_append");
   m.def("gemv_m_plan", &gemv_m_plan, py::arg("M"), py::arg("N"), py::arg("K"), py::arg("epilogue") = 0,
         py::arg("x_in") = "bf16", py::arg("nc") = 0, py::arg("slab") = 0,
-        "plan_gemv_m's choices for a shape: {variant, nt, nc, slab, blocks, smem}");
+        "plan_gemv_m's choices for a shape: {variant, nt, nc, slab, keep, blocks, smem}");
   m.def("time_gemv_m", &time_gemv_m, py::arg("M"), py::arg("N"), py::arg("K"), py::arg("iters") = 50,
         py::arg("epilogue") = 0, py::arg("nc") = 0, py::arg("slab") = 0,
         "us per gemv_w8a16_m launch on bf16 x [M, K] (median of iters batches), weights rotated past L2");

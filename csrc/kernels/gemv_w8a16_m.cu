@@ -81,6 +81,10 @@ __host__ __device__ constexpr size_t m_x_bytes(int M, int slab) {
 __host__ __device__ constexpr size_t m_smem_bytes(int M, int nt, int nc, int slab) {
   return m_x_bytes(M, slab) + sizeof(float) * (m_comb_floats(nt, nc) + 2 * kMMaxRows + kMWarps * kMMaxRows);
 }
+// What keeping x takes beyond that: NORM's fp32 rows and its weight (bf16 x stays in x's own area).
+__host__ __device__ constexpr size_t m_keep_bytes(GemvIn in, int M, int K) {
+  return in == GemvIn::NORM ? sizeof(float) * static_cast<size_t>(M) * K + 2 * static_cast<size_t>(K) : 0;
+}
 
 // The decode GEMV's instructions (gemv_w8a16_body.cuh), the same PTX, so the products round alike.
 __device__ __forceinline__ void mma16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
@@ -112,7 +116,8 @@ struct MProduct {
   const bf16* norm_w;  // GemvIn::NORM
   float eps;
   int M, N, K;
-  int slab;  // columns of x staged at once (a multiple of the iteration's columns)
+  int slab;   // columns of x staged at once (a multiple of the iteration's columns)
+  bool keep;  // x resident: the factor scan leaves the raw rows (and NORM's weight) in shared memory
   Epilogue ep;
   GemvIn in;
   void* out;
@@ -132,11 +137,15 @@ __device__ __forceinline__ int m_rot_tiles(const RopeKVArgs& r) { return (r.H + 
 struct MSmem {
   char* x;
   float* comb;
-  float* up;      // per row: the factor x is staged with (bf16: 2^s; NORM: rsqrt(mean(x^2) + eps))
-  float* xscale;  // per row: the factor the sums are multiplied by (bf16: 2^-s; else 1)
-  float* red;     // [warp][row]: the warps' sums of squares (NORM) or maxima (bf16) per row
-  __device__ MSmem(uint4* smem, int M, int nt, int nc, int slab) {
+  float* up;       // per row: the factor x is staged with (bf16: 2^s; NORM: rsqrt(mean(x^2) + eps))
+  float* xscale;   // per row: the factor the sums are multiplied by (bf16: 2^-s; else 1)
+  float* red;      // [warp][row]: the warps' sums of squares (NORM) or maxima (bf16) per row
+  float* raw;      // keep, NORM: x's rows fp32 [M][K], then the norm weight bf16 [K] (m_keep_bytes)
+  const bf16* nw;  // the norm weight there
+  __device__ MSmem(uint4* smem, int M, int nt, int nc, int slab, int K) {
     x = reinterpret_cast<char*>(smem);
+    raw = reinterpret_cast<float*>(x + m_smem_bytes(M, nt, nc, slab));
+    nw = reinterpret_cast<const bf16*>(raw + static_cast<size_t>(M) * K);
     comb = reinterpret_cast<float*>(x + m_x_bytes(M, slab));
     up = comb + m_comb_floats(nt, nc);
     xscale = up + kMMaxRows;
@@ -146,8 +155,10 @@ struct MSmem {
 
 // After the PDL wait: the per-row factors. bf16: the power of two that puts the row's largest
 // magnitude in [2^14, 2^15) (stage_x of the decode GEMV); NORM: block_inv_rms of each row, the
-// rmsnorm kernel's tree (its float4 path, as on the decode GEMV's shared copy).
-static __device__ void row_factors(const MProduct& P, const MSmem& sm) {
+// rmsnorm kernel's tree (its float4 path, as on the decode GEMV's shared copy). keep (bf16 x resident in
+// one slab): the scan also leaves the raw rows in the x staging area, for stage_slab to convert in place
+// instead of reading x from L2 a second time.
+static __device__ void row_factors(const MProduct& P, const MSmem& sm, bool keep) {
   const int M = P.M, K = P.K, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   // Rows go kFactorRows at a time, so a thread has that many loads in flight, not one; each row's
   // arithmetic is the one-row code's (rmsnorm.cuh, block_inv_rms: a thread's four chains over float4s
@@ -164,9 +175,12 @@ static __device__ void row_factors(const MProduct& P, const MSmem& sm) {
 #pragma unroll
         for (int r = 0; r < R; ++r)
           if (m0 + r < M) q[r] = x4[static_cast<size_t>(m0 + r) * d4 + v];
+        if (keep && m0 == 0)  // the norm weight's 4 columns of this float4
+          reinterpret_cast<uint2*>(const_cast<bf16*>(sm.nw))[v] = __ldg(reinterpret_cast<const uint2*>(P.norm_w) + v);
 #pragma unroll
         for (int r = 0; r < R; ++r) {
           if (m0 + r >= M) continue;
+          if (keep) reinterpret_cast<float4*>(sm.raw)[static_cast<size_t>(m0 + r) * d4 + v] = q[r];
           s[r][0] = fmaf(q[r].x, q[r].x, s[r][0]);
           s[r][1] = fmaf(q[r].y, q[r].y, s[r][1]);
           s[r][2] = fmaf(q[r].z, q[r].z, s[r][2]);
@@ -201,6 +215,7 @@ static __device__ void row_factors(const MProduct& P, const MSmem& sm) {
 #pragma unroll
         for (int r = 0; r < R; ++r) {
           if (m0 + r >= M) continue;
+          if (keep) *reinterpret_cast<uint4*>(sm.x + static_cast<size_t>(m0 + r) * (2 * P.slab + 16) + 16 * v) = q[r];
           const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&q[r]);
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
@@ -237,8 +252,9 @@ static __device__ void row_factors(const MProduct& P, const MSmem& sm) {
 }
 
 // x[:, col0 : col0 + slab) (the part inside K) into shared memory as fp16, 8 values per 16-byte piece.
-// The caller puts a barrier on each side.
-static __device__ void stage_slab(const MProduct& P, const MSmem& sm, int col0) {
+// kept: the raw bf16 rows are already there (row_factors' keep), converted in place. The caller puts a
+// barrier on each side.
+static __device__ void stage_slab(const MProduct& P, const MSmem& sm, int col0, bool kept) {
   const int M = P.M, K = P.K, pieces = P.slab / 8, xs = 2 * P.slab + 16;
   for (int v = threadIdx.x; v < M * pieces; v += kMThreads) {
     const int m = v / pieces, p = v - m * pieces, col = col0 + 8 * p;
@@ -248,7 +264,7 @@ static __device__ void stage_slab(const MProduct& P, const MSmem& sm, int col0) 
     if (P.in == GemvIn::F16) {
       cp_async16(dst, static_cast<const uint16_t*>(P.x) + at);
     } else if (P.in == GemvIn::BF16) {
-      uint4 q = __ldcg(reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(P.x) + at));
+      uint4 q = kept ? *dst : __ldcg(reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(P.x) + at));
       const float up = sm.up[m];
       uint32_t* w = reinterpret_cast<uint32_t*>(&q);
 #pragma unroll
@@ -259,9 +275,19 @@ static __device__ void stage_slab(const MProduct& P, const MSmem& sm, int col0) 
       }
       *dst = q;
     } else {
-      const float4* xf = reinterpret_cast<const float4*>(static_cast<const float*>(P.x) + at);
-      const float4 a = __ldcg(xf), b = __ldcg(xf + 1);
-      const uint4 nw = __ldg(reinterpret_cast<const uint4*>(P.norm_w + col));
+      float4 a, b;
+      uint4 nw;
+      if (kept) {
+        const float4* xf = reinterpret_cast<const float4*>(sm.raw + at);
+        a = xf[0];
+        b = xf[1];
+        nw = *reinterpret_cast<const uint4*>(sm.nw + col);
+      } else {
+        const float4* xf = reinterpret_cast<const float4*>(static_cast<const float*>(P.x) + at);
+        a = __ldcg(xf);
+        b = __ldcg(xf + 1);
+        nw = __ldg(reinterpret_cast<const uint4*>(P.norm_w + col));
+      }
       const bf16* wv = reinterpret_cast<const bf16*>(&nw);
       const float r = sm.up[m];
       const __half2 h0 = __halves2half2(rmsnorm_value(a.x, r, wv[0]), rmsnorm_value(a.y, r, wv[1]));
@@ -355,7 +381,7 @@ template <int NT, int NC>
 static __global__ void __launch_bounds__(kMThreads, 1) gemv_w8a16_m_kernel(const MProduct P) {
   constexpr int WT = 8 / NC, S = m_groups(NT) / NC, NV = m_pair_vals(NC);
   extern __shared__ uint4 smem[];
-  const MSmem sm(smem, P.M, NT, NC, P.slab);
+  const MSmem sm(smem, P.M, NT, NC, P.slab, P.K);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
   const int M = P.M, N = P.N, K = P.K;
   const bool swiglu = P.ep == Epilogue::SwiGLU, roped = P.ep == Epilogue::RopeKV;
@@ -364,6 +390,8 @@ static __global__ void __launch_bounds__(kMThreads, 1) gemv_w8a16_m_kernel(const
   const int n_bt = CEIL_DIV(n_tiles, NC);
   const int G_end = K / 64, stripes = CEIL_DIV(K, 512), n_slabs = CEIL_DIV(K, P.slab), xs = 2 * P.slab + 16;
   const uint64_t policy = stream_policy();
+  // x resident in one slab: the factor scan keeps the raw rows in shared memory (row_factors).
+  const bool keep = P.keep;
   const uint32_t x_smem = static_cast<uint32_t>(__cvta_generic_to_shared(sm.x));
   uint32_t x_row[NT];
 #pragma unroll
@@ -425,11 +453,11 @@ static __global__ void __launch_bounds__(kMThreads, 1) gemv_w8a16_m_kernel(const
                   m < M && r < N ? __ldcg(static_cast<const float*>(P.out) + static_cast<size_t>(m) * N + r) : 0.f;
             }
         }
-        row_factors(P, sm);
+        row_factors(P, sm, keep);
       }
       if (!waited || n_slabs > 1) {
         __syncthreads();  // every warp is done with the previous slab (and the factors are in)
-        stage_slab(P, sm, col0);
+        stage_slab(P, sm, col0, keep && !waited);
         __syncthreads();
       }
       waited = true;
@@ -657,7 +685,8 @@ void launch_m(const GemvMPlan& plan, const MProduct& P, cudaStream_t stream) {
            "gemv_w8a16_m: w, x and norm_w must be 16-byte aligned");
   dispatch_m(plan.nt, plan.nc, [&](auto nt_c, auto nc_c) {
     constexpr int NT = decltype(nt_c)::value, NC = decltype(nc_c)::value;
-    AF_CHECK(plan.slab % m_iter_cols(NT, NC) == 0 && plan.smem == m_smem_bytes(P.M, NT, NC, plan.slab),
+    AF_CHECK(plan.slab % m_iter_cols(NT, NC) == 0 && P.keep == plan.keep &&
+                 plan.smem == m_smem_bytes(P.M, NT, NC, plan.slab) + (plan.keep ? m_keep_bytes(P.in, P.M, P.K) : 0),
              "gemv_w8a16_m: the plan's slab does not fit its instance");
     AF_CHECK((m_resident_blocks<NT, NC>(plan.smem) >= plan.blocks), "gemv_w8a16_m: the plan's grid does not fit");
     af_launch(gemv_w8a16_m_kernel<NT, NC>, dim3(plan.blocks), dim3(kMThreads), plan.smem, stream, P);
@@ -693,6 +722,11 @@ GemvMPlan plan_gemv_m(Epilogue ep, GemvIn in, int M, int N, int K, const GemvMKn
                               : calc_slab(M, plan.nt, plan.nc, K);
   AF_CHECK(plan.slab >= iw, "plan_gemv_m: x does not fit in shared memory");
   plan.smem = m_smem_bytes(M, plan.nt, plan.nc, plan.slab);
+  // The factor scan keeps x's raw rows for the staging when x is resident and they fit (bf16: in x's own
+  // area; NORM: fp32 rows and the weight beside it): one read of x from L2 instead of two.
+  plan.keep =
+      (in == GemvIn::BF16 || in == GemvIn::NORM) && plan.slab >= K && plan.smem + m_keep_bytes(in, M, K) <= kMSmemMax;
+  if (plan.keep) plan.smem += m_keep_bytes(in, M, K);
   AF_CHECK(plan.smem <= kMSmemMax, "plan_gemv_m: the slab does not fit in shared memory");
   const int resident = dispatch_m(plan.nt, plan.nc, [&](auto nt_c, auto nc_c) {
     return m_resident_blocks<decltype(nt_c)::value, decltype(nc_c)::value>(plan.smem);
@@ -704,14 +738,14 @@ GemvMPlan plan_gemv_m(Epilogue ep, GemvIn in, int M, int N, int K, const GemvMKn
 std::string gemv_m_variant_name(const GemvMPlan& plan) {
   return std::string("gemv_w8a16_m<") + m_ep_name(plan.ep) + ", " + m_in_name(plan.in) +
          ", nt=" + std::to_string(plan.nt) + ", nc=" + std::to_string(plan.nc) + ", slab=" + std::to_string(plan.slab) +
-         ">";
+         (plan.keep ? ", keep" : "") + ">";
 }
 
 void gemv_w8a16_m(const GemvMPlan& plan, const uint8_t* w, const float* scales, const void* x, Act x_type, int M, int N,
                   int K, Epilogue ep, void* out, cudaStream_t stream, int* f16_overflow) {
   AF_CHECK(ep != Epilogue::RopeKV, "gemv_w8a16_m: RopeKV is gemv_w8a16_m_rmsnorm_rope's");
   const GemvIn in = x_type == Act::F16 ? GemvIn::F16 : GemvIn::BF16;
-  const MProduct P{w, scales, x, nullptr, 0.f, M, N, K, plan.slab, ep, in, out, f16_overflow};
+  const MProduct P{w, scales, x, nullptr, 0.f, M, N, K, plan.slab, plan.keep, ep, in, out, f16_overflow};
   launch_m(plan, P, stream);
 }
 
@@ -720,7 +754,7 @@ void gemv_w8a16_m_rmsnorm(const GemvMPlan& plan, const uint8_t* w, const float* 
                           cudaStream_t stream, int* f16_overflow) {
   AF_CHECK(norm_w != nullptr, "gemv_w8a16_m_rmsnorm: needs the norm weight");
   AF_CHECK(ep != Epilogue::RopeKV, "gemv_w8a16_m_rmsnorm: RopeKV is gemv_w8a16_m_rmsnorm_rope's");
-  const MProduct P{w, scales, x, norm_w, eps, M, N, K, plan.slab, ep, GemvIn::NORM, out, f16_overflow};
+  const MProduct P{w, scales, x, norm_w, eps, M, N, K, plan.slab, plan.keep, ep, GemvIn::NORM, out, f16_overflow};
   launch_m(plan, P, stream);
 }
 
@@ -729,7 +763,7 @@ void gemv_w8a16_m_rmsnorm_rope(const GemvMPlan& plan, const uint8_t* w, const fl
                                cudaStream_t stream) {
   AF_CHECK(norm_w != nullptr, "gemv_w8a16_m_rmsnorm_rope: needs the norm weight");
   const int N = (rope.H + 2 * rope.Hkv) * rope.D;
-  const MProduct P{w,       scales,  x,   norm_w, eps, M, N, K, plan.slab, Epilogue::RopeKV, GemvIn::NORM,
+  const MProduct P{w,       scales,  x,   norm_w, eps, M, N, K, plan.slab, plan.keep, Epilogue::RopeKV, GemvIn::NORM,
                    nullptr, nullptr, rope};
   launch_m(plan, P, stream);
 }

@@ -211,6 +211,7 @@ struct GemvMPlan {
   int nt;       // token tiles of 8 (M padded to 8 nt): 1, 2, 4 or 8
   int nc;       // column classes (64-column groups mod 8) per warp: 8 / nc warps share a 16-row tile
   int slab;     // columns of x staged in shared memory at once; >= K: x staged once per block
+  bool keep;    // x resident: its raw rows stay in shared memory from the factor scan to the staging
   int blocks;   // grid: the block tiles (nc tiles each), at most the blocks resident at once
   int threads;  // per block (256)
   size_t smem;  // dynamic shared memory per block
