@@ -40,6 +40,37 @@ inline DeviceBuffer device_int(int32_t v) {
   return d;
 }
 
+// The RoPE + KV append side of a fused QKV harness (gemv_rmsnorm_rope, gemv_m_rmsnorm_rope), checked and on
+// the device: inv_freq f32 [D / 2], caches u16 [C, Hkv, D] (initial contents), pos >= 0, bias f32 [N] or
+// None, and a poisoned q of q_elems. args() points a RopeKVArgs at them.
+struct RopeInputs {
+  int C = 0;
+  DeviceBuffer freq, kc, vc, pos, bias, q;
+  k::RopeKVArgs args(int H, int Hkv, int D) const {
+    k::RopeKVArgs r{freq.get<float>(), pos.get<int32_t>(), H, Hkv, D, C, q.get<bf16>(), kc.get<bf16>(), vc.get<bf16>()};
+    r.bias = bias.get<float>();  // null without one
+    return r;
+  }
+};
+
+inline RopeInputs rope_inputs(const py::array& inv_freq_, int pos, int Hkv, int D, const py::array& k_cache_,
+                              const py::array& v_cache_, const py::object& bias_, int N, size_t q_elems) {
+  auto inv_freq = arg<float>(inv_freq_, "inv_freq", {D / 2});
+  auto kc = arg<uint16_t>(k_cache_, "k_cache", {-1, Hkv, D});
+  const int C = static_cast<int>(kc.shape(0));
+  auto vc = arg<uint16_t>(v_cache_, "v_cache", {C, Hkv, D});
+  require(pos >= 0, "need pos >= 0");
+  RopeInputs r;
+  r.C = C;
+  r.freq = to_device(inv_freq);
+  r.kc = to_device(kc);
+  r.vc = to_device(vc);
+  r.pos = device_int(pos);
+  r.q = DeviceBuffer::poisoned(sizeof(bf16) * q_elems);
+  if (!bias_.is_none()) r.bias = to_device(arg<float>(bias_.cast<py::array>(), "bias", {N}));
+  return r;
+}
+
 // The SwiGLU GEMV's ticket counters (kernels.h) for every launch of this module: zeroed once, and
 // each launch leaves them zeroed. Never freed (a static's destructor could run after the driver).
 inline unsigned* gemv_tickets() {

@@ -123,27 +123,15 @@ py::tuple gemv_rmsnorm_rope(const py::array& w_, const py::array& s_, const py::
   require(H >= 1 && Hkv >= 1 && D >= 2 && D % 2 == 0, "need H, Hkv >= 1 and an even D");
   NormedGemvInputs in = normed_gemv_inputs(w_, s_, x_, nw_, (H + 2 * Hkv) * D);
   const int K = in.K;
-  auto inv_freq = arg<float>(inv_freq_, "inv_freq", {D / 2});
-  auto kc = arg<uint16_t>(k_cache_, "k_cache", {-1, Hkv, D});
-  const int C = static_cast<int>(kc.shape(0));
-  auto vc = arg<uint16_t>(v_cache_, "v_cache", {C, Hkv, D});
-  require(pos >= 0, "need pos >= 0");
-  DeviceBuffer dfreq = to_device(inv_freq), dk = to_device(kc), dv = to_device(vc), dpos = device_int(pos);
-  DeviceBuffer q = DeviceBuffer::poisoned(sizeof(bf16) * H * D);
-  k::RopeKVArgs rope{dfreq.get<float>(), dpos.get<int32_t>(), H, Hkv, D, C, q.get<bf16>(),
-                     dk.get<bf16>(),     dv.get<bf16>()};
-  DeviceBuffer dbias;
-  if (!bias_.is_none()) {
-    dbias = to_device(arg<float>(bias_.cast<py::array>(), "bias", {in.N}));
-    rope.bias = dbias.get<float>();
-  }
+  const RopeInputs r = rope_inputs(inv_freq_, pos, Hkv, D, k_cache_, v_cache_, bias_, in.N, static_cast<size_t>(H) * D);
+  const k::RopeKVArgs rope = r.args(H, Hkv, D);
   const k::GemvPlan plan =
       k::plan_gemv(k::Epilogue::RopeKV, k::GemvIn::NORM, in.N, K, {staged_pair, true}, rope.bias != nullptr);
   k::gemv_w8a16_rmsnorm_rope(plan, in.w.get<uint8_t>(), in.scales.get<float>(), in.x.get<float>(),
                              in.norm_w.get<bf16>(), eps, K, rope, nullptr);
   sync();
-  return py::make_tuple(to_host<uint16_t>(q, {H, D}), to_host<uint16_t>(dk, {C, Hkv, D}),
-                        to_host<uint16_t>(dv, {C, Hkv, D}));
+  return py::make_tuple(to_host<uint16_t>(r.q, {H, D}), to_host<uint16_t>(r.kc, {r.C, Hkv, D}),
+                        to_host<uint16_t>(r.vc, {r.C, Hkv, D}));
 }
 
 // The plan's answers the tests check (gemv_w8a16_plan.cpp).

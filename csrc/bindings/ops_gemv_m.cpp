@@ -88,27 +88,16 @@ py::tuple gemv_m_rmsnorm_rope(const py::array& w_, const py::array& s_, const py
   const int M = static_cast<int>(x.shape(0));
   require(M >= 1 && M <= 64, "x must have 1 to 64 rows, got " + std::to_string(M));
   auto nw = arg<uint16_t>(nw_, "norm_w", {K});
-  auto inv_freq = arg<float>(inv_freq_, "inv_freq", {D / 2});
-  auto kc = arg<uint16_t>(k_cache_, "k_cache", {-1, Hkv, D});
-  const int C = static_cast<int>(kc.shape(0));
-  auto vc = arg<uint16_t>(v_cache_, "v_cache", {C, Hkv, D});
-  require(pos >= 0, "need pos >= 0");
+  const RopeInputs r =
+      rope_inputs(inv_freq_, pos, Hkv, D, k_cache_, v_cache_, bias_, N, static_cast<size_t>(M) * H * D);
   DeviceBuffer dw = to_device(w), ds = to_device(s), dx = to_device(x), dnw = to_device(nw);
-  DeviceBuffer dfreq = to_device(inv_freq), dk = to_device(kc), dv = to_device(vc), dpos = device_int(pos);
-  DeviceBuffer q = DeviceBuffer::poisoned(sizeof(bf16) * M * H * D);
-  k::RopeKVArgs rope{dfreq.get<float>(), dpos.get<int32_t>(), H, Hkv, D, C, q.get<bf16>(),
-                     dk.get<bf16>(),     dv.get<bf16>()};
-  DeviceBuffer dbias;
-  if (!bias_.is_none()) {
-    dbias = to_device(arg<float>(bias_.cast<py::array>(), "bias", {N}));
-    rope.bias = dbias.get<float>();
-  }
+  const k::RopeKVArgs rope = r.args(H, Hkv, D);
   const k::GemvMPlan plan = plan_of(k::Epilogue::RopeKV, k::GemvIn::NORM, M, N, K, nc, 0);
   k::gemv_w8a16_m_rmsnorm_rope(plan, dw.get<uint8_t>(), ds.get<float>(), dx.get<float>(), dnw.get<bf16>(), eps, M, K,
                                rope, nullptr);
   sync();
-  return py::make_tuple(to_host<uint16_t>(q, {M, H, D}), to_host<uint16_t>(dk, {C, Hkv, D}),
-                        to_host<uint16_t>(dv, {C, Hkv, D}));
+  return py::make_tuple(to_host<uint16_t>(r.q, {M, H, D}), to_host<uint16_t>(r.kc, {r.C, Hkv, D}),
+                        to_host<uint16_t>(r.vc, {r.C, Hkv, D}));
 }
 
 // The plan's choices for a shape, as the tests and `bench_kernels.py` print them.
