@@ -20,11 +20,14 @@
 //           D % 16 == 0), then the v rows 16 at a time.
 //  x        staged into shared memory as fp16 [M][slab columns] (row stride = 2 slab + 16 bytes, so the
 //           8 lanes of a 128-bit read phase hit distinct banks), once per block when slab >= K
-//           (resident), else slab by slab for every block tile, between two barriers.
+//           (resident), else slab by slab for every block tile, between two barriers. With plan.keep
+//           (resident) the factor scan below leaves x's raw rows in shared memory (bf16: in the staging
+//           area itself; NORM: fp32 rows and the norm weight beside it) and the staging reads them there.
 //  Before its PDL wait (pdl.cuh) it reads only immutable data: every warp loads its first two iterations'
 //           weights and scales into registers. It triggers its dependents at entry.
-//  After the wait it reads x (NORM and BF16 scan each row once for the per-row factor first) and, for
-//           AddResidual, out.
+//  After the wait it reads x (NORM and BF16 scan each row once for the per-row factor first), for
+//           AddResidual out (the first block tile's right away, the others' in the epilogue), for RopeKV
+//           *rope.pos.
 //  Writes   Store: out fp32 [M, N]; AddResidual: out[m, n] += y; SwiGLU: out [M, N / 2] bf16, or fp16
 //           given f16_overflow (set to 1 when a value passes kF16Max); RopeKV (N = (H + 2 Hkv) D): token
 //           m at position *rope.pos + m, rope_kv_append's arithmetic on the row Store would write (the
@@ -155,9 +158,10 @@ struct MSmem {
 
 // After the PDL wait: the per-row factors. bf16: the power of two that puts the row's largest
 // magnitude in [2^14, 2^15) (stage_x of the decode GEMV); NORM: block_inv_rms of each row, the
-// rmsnorm kernel's tree (its float4 path, as on the decode GEMV's shared copy). keep (bf16 x resident in
-// one slab): the scan also leaves the raw rows in the x staging area, for stage_slab to convert in place
-// instead of reading x from L2 a second time.
+// rmsnorm kernel's tree (its float4 path, as on the decode GEMV's shared copy). keep (plan.keep, x
+// resident): the scan also leaves the raw rows in shared memory (bf16: in the staging area, converted there
+// in place; NORM: fp32 rows and the norm weight in sm.raw / sm.nw), so stage_slab does not read x from L2
+// a second time.
 static __device__ void row_factors(const MProduct& P, const MSmem& sm, bool keep) {
   const int M = P.M, K = P.K, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   // Rows go kFactorRows at a time, so a thread has that many loads in flight, not one; each row's
