@@ -262,7 +262,7 @@ def test_gemv_m_rmsnorm_rope_rejects_bad_arguments(rng):
         ops.gemv_m_rmsnorm_rope(w, s, x, nw, 1e-5, llama_inv_freq(72), 0, H, Hkv, 72, kc, kc.copy())
     with pytest.raises(ValueError):  # w's rows are not (H + 2 Hkv) D
         ops.gemv_m_rmsnorm_rope(w, s, x, nw, 1e-5, llama_inv_freq(64), 0, H, Hkv, 64, kc, kc.copy())
-    with pytest.raises(ValueError):  # RopeKV is the rope launcher's, not gemv_m's
+    with pytest.raises(ValueError):  # epilogue 3 (RopeKV) is not ops.gemv_m's (the binding refuses it)
         ops.gemv_m(w, s, bf16_bits(np.zeros((2, K))), 3)
 
 

@@ -59,8 +59,8 @@ StepPlan make_step_plan(const ModelSpec& s, int max_context, const PlanOptions& 
   p.qkv = kernels::plan_gemv(p.fused_qkv ? Epilogue::RopeKV : Epilogue::Store, GemvIn::NORM, s.qkv_dim(), d, knobs,
                              p.fused_qkv && s.attention_bias);
   // Either way attention may read the cache of earlier steps before its wait (`early`): the product
-  // lets it launch only after its own wait (RopeKV always does).
-  p.qkv.late_trigger = true;
+  // lets it launch only after its own wait (RopeKV always does; the split path's Store says so).
+  p.qkv.late_trigger = !p.fused_qkv;
   p.small_m_rope = p.fused_qkv && s.head_dim % 16 == 0;
   p.o_f16 = kernels::plan_gemv(Epilogue::AddResidual, GemvIn::F16, d, s.q_dim(), knobs);
   p.o_bf16 = kernels::plan_gemv(Epilogue::AddResidual, GemvIn::BF16, d, s.q_dim(), knobs);

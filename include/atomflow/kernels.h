@@ -316,7 +316,7 @@ void attention(const AttnPlan& plan, const bf16* q, const bf16* k_cache, const b
 // Qwen3's per-head q/k RMSNorm): rope_kv_append(M = 1, in.extras) and attention() in one launch, the
 // same bits. Each block makes its query heads and, when its keys hold *pos, its kv head's new key and
 // value row (bias, norms, RoPE) from in.qkv after its PDL wait, and the cache row at *pos is written
-// for later steps; no q is stored. plan: plan_attention(1, H, Hkv, D, max_context, merge, false, true).
+// for later steps; no q is stored. plan: plan_attention(1, H, Hkv, D, max_context, merge, false, true, halved).
 struct AttnQkvIn {
   const float* qkv;       // fp32 [(H + 2 Hkv) D]: the QKV product's row (before bias, norms, RoPE)
   const float* inv_freq;  // [D / 2]

@@ -53,9 +53,10 @@ struct StepPlan {
   // takes that raw row (attention_qkv, planned with qkv_in: each block makes its query heads and the
   // new K / V row with the bias, per-head q/k RMSNorm and RoPE, rope_kv_append's bits). A model with
   // per-head q/k RMSNorm (qk_norm, Qwen3) takes it: the norm needs a head's D outputs together, and
-  // each warp of the fused epilogue holds two of them (qkv_fusable in step_plan.cpp). Attention reads
-  // the cache early only after the fused launch (kernels.h, attention's `early`). Probed steps and
-  // prompt chunks run rope_kv_append and attention apart.
+  // each warp of the fused epilogue holds two of them (qkv_fusable in step_plan.cpp). Either way the
+  // decode step's attention reads the cached rows early (kernels.h, attention's `early`: the product
+  // triggers it after its own wait). Probed steps run rope_kv_append and attention apart, and so do
+  // prompt chunks but those of up to small_m_max_rows rows with small_m_rope (below).
   bool fused_qkv = true;
   // The decode step's products (M = 1), in launch order. o and down run on fp16 x while the
   // activations are fp16 and on bf16 x after an overflow (or from load without f16_activations).
