@@ -44,7 +44,7 @@ py::dict attention_row(const char* when, const kernels::AttnPlan& a) {
   r["cluster"] = a.cluster;
   r["merge"] = kernels::attention_merge_name(a);
   r["halved"] = a.halved;  // ratios 4..8 on two blocks per kv head (AttnPlan::halved)
-  r["blocks"] = a.Hkv * ((a.splits + a.cluster - 1) / a.cluster) * a.cluster;
+  r["blocks"] = a.Hkv * kernels::attention_blocks_per_kv_head(a) * ((a.splits + a.cluster - 1) / a.cluster) * a.cluster;
   r["warps"] = 4;
   return r;
 }

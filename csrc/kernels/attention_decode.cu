@@ -1164,6 +1164,10 @@ AttnPlan plan_attention(int M, int H, int Hkv, int D, int capacity, bool cluster
   return plan;
 }
 
+int attention_blocks_per_kv_head(const AttnPlan& plan) {
+  return head_map(plan.D, plan.H / plan.Hkv, plan.halved).blocks;
+}
+
 const char* attention_merge_name(const AttnPlan& plan) {
   return plan.cluster > 1 ? "cluster" : (plan.splits > 1 ? "scratch" : "none");
 }
