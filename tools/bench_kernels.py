@@ -18,7 +18,7 @@ MODELS = {  # Llama 3.2 3B and 3.1 8B
 }
 VOCAB = 128256
 STORE, ADD, SWIGLU = 0, 1, 2
-SECTIONS = ("gemv", "gemv_m", "attention", "attention_prefill", "gemm", "gemm_sm90", "gemm_w8a8", "sample")
+SECTIONS = ("gemv", "gemv_m", "attention", "attention_qkv", "attention_prefill", "gemm", "gemm_sm90", "gemm_w8a8", "sample")
 
 
 def linear_shapes(m: dict):
@@ -148,6 +148,27 @@ def main(argv=None) -> int:
         table(
             "attention (M = 1, one layer)",
             ["model", "heads", "context", "us", "us (decode step's mode)", "MiB", "GB/s", "of ceiling"],
+            rows,
+        )
+
+    if "attention_qkv" in run:
+        # The split-QKV decode step's attention (attention_qkv: the raw QKV row in, each block making its
+        # query heads and the new K / V row): an 8B-shaped layer (H 32, Hkv 8, D 128) without and with
+        # Qwen3's per-head q/k RMSNorm, each plain and halved (AttnPlan::halved: two blocks of 2 heads
+        # per kv head), by the keys the step sees.
+        rows, results["attention_qkv"] = [], []
+        H, Hkv, D = 32, 8, 128
+        for ctx in [64, 128, 256, 384, 512, 1024, 2048, 4096]:
+            row = [str(ctx)]
+            for qk_norm in (False, True):
+                for halved in (False, True):
+                    us = ops.time_attention_qkv(ctx, H, Hkv, D, qk_norm=qk_norm, halved=halved, iters=args.iters)
+                    row.append(f"{us:.2f}")
+                    results["attention_qkv"].append(dict(context=ctx, qk_norm=qk_norm, halved=halved, us=us))
+            rows.append(row)
+        table(
+            "attention_qkv (M = 1, one layer, H 32 / Hkv 8 / D 128), us",
+            ["context", "plain", "halved", "q/k norm", "q/k norm, halved"],
             rows,
         )
 

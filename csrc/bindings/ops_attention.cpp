@@ -86,6 +86,33 @@ double time_attention(int context, int H, int Hkv, int D, int M, int iters, bool
       iters, std::min(kv.copies, 32));
 }
 
+// The decode step's attention_qkv (the QKV product's raw row in, early) at a position whose step sees
+// `context` keys, the plan's grid for those keys; qk_norm: per-head q/k RMSNorm in the prologue (Qwen3);
+// halved: AttnPlan::halved. Caches rotated past L2.
+double time_attention_qkv(int context, int H, int Hkv, int D, bool qk_norm, bool halved, int iters) {
+  require(context >= 1 && H >= 1 && Hkv >= 1 && H % Hkv == 0, "need context >= 1 and H a multiple of Hkv");
+  const int C = context, W = (H + 2 * Hkv) * D;
+  const size_t cache = static_cast<size_t>(C) * Hkv * D * sizeof(bf16);
+  Rotating kv(2 * cache);
+  kv.buf.fill(0);
+  DeviceBuffer qkv(sizeof(float) * W), freq(sizeof(float) * D / 2), norms(sizeof(bf16) * 2 * D);
+  qkv.fill(0x3F), freq.fill(0x3F), norms.fill(0x3F);  // ~0.75 each
+  DeviceBuffer out(sizeof(bf16) * H * D), pos = device_int(context - 1);
+  DeviceBuffer scratch = attention_scratch(k::attention_scratch_bytes(1, H, D, C));
+  k::QkvExtras extras{};
+  extras.eps = 1e-6f;
+  if (qk_norm) extras.q_norm = norms.get<bf16>(), extras.k_norm = norms.get<bf16>() + D;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  const k::AttnPlan plan = k::plan_attention(1, H, Hkv, D, C, true, false, /*qkv_in=*/true, halved);
+  const k::AttnQkvIn in{qkv.get<float>(), freq.get<float>(), extras};
+  return median_us(
+      [&](int i) {
+        k::attention_qkv(plan, in, kv.at<bf16>(i), kv.at<bf16>(i, cache), pos.get<int32_t>(), H, Hkv, D, C, scale,
+                         scratch.get(), out.get(), nullptr, /*early=*/true);
+      },
+      iters, std::min(kv.copies, 32));
+}
+
 }  // namespace
 
 void register_attention(py::module_& m) {
@@ -110,6 +137,10 @@ void register_attention(py::module_& m) {
         py::arg("max_context"), py::arg("cluster_merge") = true,
         "blocks per thread-block cluster of an attention call of this shape (1: a plain launch, merged through the "
         "scratch)");
+  m.def("time_attention_qkv", &time_attention_qkv, py::arg("context"), py::arg("H"), py::arg("Hkv"), py::arg("D"),
+        py::arg("qk_norm") = false, py::arg("halved") = false, py::arg("iters") = 50,
+        "us per decode-step attention_qkv call (the raw QKV row in, early; split + merge) seeing `context` keys, "
+        "caches rotated past L2; qk_norm: per-head q/k RMSNorm in the prologue; halved: AttnPlan::halved");
   m.def("time_attention", &time_attention, py::arg("context"), py::arg("H"), py::arg("Hkv"), py::arg("D"),
         py::arg("M") = 1, py::arg("iters") = 50, py::arg("early") = false, py::arg("rows_as_steps") = false,
         "us per attention call (split + merge) for M queries, the last seeing `context` keys; caches rotated past L2; "
