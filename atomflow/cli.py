@@ -456,7 +456,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="ngram[:K]",
         help="speculative decoding with n-gram drafts of up to K tokens (1..15, default 8); greedy only (the "
-        "default temperature becomes 0); on CUDA the engine decodes with bf16 activations, so the output "
+        "default temperature becomes 0); the verify chunks run the decode step's activations, so the output "
         "equals plain greedy decoding's",
     )
     r.add_argument("-v", "--verbose", action="store_true")
@@ -544,7 +544,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--speculate",
         default=None,
         metavar="ngram[:K]",
-        help="also run the tg tests with n-gram speculation on an engine loaded for it (bf16 activations), "
+        help="also run the tg tests with n-gram speculation on an engine loaded for it, "
         "plain and speculative: tokens per step, verify time, effective TPOT",
     )
     b.add_argument(

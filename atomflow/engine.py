@@ -74,8 +74,9 @@ class Engine:
         (default min(8192, the model's max_position_embeddings)). eager: run CUDA without the
         graph (default: the ATOMFLOW_EAGER environment variable). speculate: "ngram" or "ngram:K"
         (atomflow/speculate.py), greedy only: generation drafts from n-grams of the sequence and
-        verifies K at a time; the CUDA engine then decodes with bf16 activations, so that a verify
-        chunk's rows equal decode steps bit for bit and the output equals plain greedy decoding's.
+        verifies K at a time; a verify chunk's rows run the decode step's activations (fp16 with its
+        overflow flag, or bf16 after an overflow), so they equal decode steps bit for bit and the output
+        equals plain greedy decoding's on the same engine.
         prefill_recipe: "w8a16" (default) or "w8a8": prompt chunks of 256+ rows quantize their activations
         to FP8 per token per 128 columns (FP8 tensor cores, ~1.2x the products' speed; other bits, its
         quality in docs/design/gemm_w8a8_sm90.md); the CPU backend emulates it."""
@@ -93,8 +94,7 @@ class Engine:
             )
             raise ValueError(f"max_context must be an integer in [1, {limit}] ({what}), got {max_context!r}")
         tok = model.tokenizer()  # checked before the (slow) backend load: parses, fits the vocab, template renders
-        plan = {"f16_activations": False} if spec is not None else {}
-        be = make_backend(backend, model, max_context, eager=eager, verbose=verbose, prefill_recipe=prefill_recipe, **plan)
+        be = make_backend(backend, model, max_context, eager=eager, verbose=verbose, prefill_recipe=prefill_recipe)
         return cls(model, be, tok, time.perf_counter() - t0, speculate=spec)
 
     # -- low level: logits ---------------------------------------------------------------------
@@ -184,15 +184,12 @@ class Engine:
         (cached_ids) stays, and only the rest is prefilled (llama-server's cache_prompt); at least
         the last prompt token runs. stats.reused_tokens says how many were kept. speculate: the
         engine's setting (Engine.load(speculate=...)) by default, "off" for plain decoding, or
-        another "ngram[:K]" (on CUDA only where the engine was loaded for it: see load)."""
+        another "ngram[:K]"."""
         params = params or SamplingParams()
         spec = self.speculate if speculate == "default" else parse_speculate(speculate)
         check_greedy(spec, params.temperature)
         if spec is not None and not self.backend.exact_verify:
-            raise ValueError(
-                "speculation on this engine would verify with fp16 activations against bf16 chunks "
-                "(not exact): load it with Engine.load(..., speculate=...)"
-            )
+            raise ValueError("speculation on this backend would not reproduce plain greedy decoding (its verify is not exact)")
         ids = self._check_ids(self.encode(prompt, chat), room=1)
         start = min(self.common_prefix(ids), len(ids) - 1) if reuse_prefix else 0
         stats = self.stats = GenerationStats(load_s=self.stats.load_s, prompt_tokens=len(ids), reused_tokens=start)

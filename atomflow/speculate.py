@@ -3,11 +3,13 @@
 The drafter looks for the longest suffix of the sequence (prompt + output), n_max..n_min tokens,
 that occurred earlier, and proposes the up to k tokens that followed its most recent earlier
 occurrence. The backend verifies the last accepted token and the k drafts as one chunk of k + 1
-rows (on CUDA: the small-M GEMV, whose rows are the decode step's bits with bf16 activations) and
-returns every row's logits; the longest draft prefix the model's own greedy choice confirms is
-kept, plus the model's token after it, and the KV position rolls back past the rejected rows. So
-the tokens equal plain greedy decoding's, token for token, wherever the verify rows equal decode
-steps (README: exactness). k adapts (halves on a full miss, doubles on a full accept) and
+rows (on CUDA: the small-M GEMV, whose rows are the decode step's bits in the engine's activations)
+and returns every row's greedy token; the longest draft prefix the model's own greedy choice
+confirms is kept, plus the model's token after it, and the KV position rolls back past the rejected
+rows. So the tokens equal plain greedy decoding's, token for token, wherever the verify rows equal
+decode steps (README: exactness). A verify whose fp16 activations passed fp16's range appends
+nothing (backend.verify gives None): a plain step goes on from there, and reruns in bf16 as plain
+decoding does. k adapts (halves on a full miss, doubles on a full accept) and
 speculation pauses for a while when the recent acceptance says it does not pay.
 """
 
@@ -202,7 +204,8 @@ class AdaptiveK:
 class SpecStats:
     """What one speculative generation did. verify_steps: chunks verified; drafted / accepted: draft
     tokens proposed / confirmed; plain_steps: single decode steps (no draft, or paused); verify_s:
-    wall time inside the backend's verify calls; pauses: times speculation paused."""
+    wall time inside the backend's verify calls; pauses: times speculation paused; overflowed_verifies:
+    verifies dropped because an fp16 activation passed fp16's range (a plain step went on instead)."""
 
     config: str = ""
     verify_steps: int = 0
@@ -211,6 +214,7 @@ class SpecStats:
     plain_steps: int = 0
     verify_s: float = 0.0
     pauses: int = 0
+    overflowed_verifies: int = 0
 
     @classmethod
     def total(cls, runs: list[SpecStats]) -> SpecStats:
@@ -223,6 +227,7 @@ class SpecStats:
             plain_steps=sum(r.plain_steps for r in runs),
             verify_s=sum(r.verify_s for r in runs),
             pauses=sum(r.pauses for r in runs),
+            overflowed_verifies=sum(r.overflowed_verifies for r in runs),
         )
 
     @property
@@ -290,9 +295,17 @@ def speculative_ids(
             pos = n - 1 + yielded  # the cache holds the sequence but `last`
             k = min(policy.want(), remaining - 1, max_rows - 1)
             draft = drafter.propose(k) if k > 0 else []
-            if not draft:
+            g = None
+            if draft:
+                t0 = time.perf_counter()
+                g = backend.verify(np.asarray([last] + draft, dtype=np.int32))  # each row's greedy token
+                dt = time.perf_counter() - t0
+                if g is None:  # an fp16 activation overflowed: nothing appended, one plain step instead
+                    stats.overflowed_verifies += 1
+            if g is None:
                 # Plain steps own the cache while they run (a later call ends them the same way).
-                with contextlib.closing(backend.steps(last, min(remaining, policy.plain_tokens()))) as steps:
+                count = 1 if draft else min(remaining, policy.plain_tokens())
+                with contextlib.closing(backend.steps(last, count)) as steps:
                     it = iter(steps)
                     while True:
                         t0 = time.perf_counter()
@@ -304,15 +317,13 @@ def speculative_ids(
                         drafter.extend([last])
                         yielded += 1
                         stats.plain_steps += 1
-                        policy.ran_plain(1)
+                        if not draft:
+                            policy.ran_plain(1)
                         yield last
                 if backend.position != n - 1 + yielded:
                     raise RuntimeError("this generation was ended by a later call on the same backend")
                 run = backend.hold(n - 1 + yielded)
                 continue
-            t0 = time.perf_counter()
-            g = backend.verify(np.asarray([last] + draft, dtype=np.int32))  # each row's greedy token
-            dt = time.perf_counter() - t0
             stats.verify_s += dt
             policy.observe_verify(dt)
             if (g < 0).any():

@@ -80,6 +80,28 @@ def arch_model(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="session")
+def loud(tmp_path_factory, make_tiny_model):
+    """The tiny model with every post-attention norm weight x 300: gate and up ~300x larger, so
+    SwiGLU's output passes fp16's range in every decode step (bf16 holds it)."""
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    from atomflow.model.fileformat import AtomflowFile
+    from atomflow.model.quantize import quantize
+
+    root = tmp_path_factory.mktemp("loud")
+    hf = make_tiny_model.make_model(root / "hf", preset="tiny", seed=0, dtype="fp32")
+    for f in hf.glob("*.safetensors"):
+        t = load_file(f)
+        for name in t:
+            if name.endswith("post_attention_layernorm.weight"):
+                t[name] = t[name] * np.float32(300)
+        save_file(t, f, metadata={"format": "pt"})
+    quantize(hf, root / "loud.atomflow", progress=False, log=lambda s: None)
+    return AtomflowFile(root / "loud.atomflow")
+
+
 @pytest.fixture
 def rng():
     """A fresh generator per test, its seed printed (replay: ATOMFLOW_TEST_SEED=...)."""

@@ -184,6 +184,23 @@ def test_speculation_accepts_on_a_self_repeating_model(eng):
     assert st.accepted > 0 and st.tokens_per_step > 1
 
 
+def test_a_verify_that_gives_way_is_a_plain_step(tiny_model_file, monkeypatch):
+    """A verify that appends nothing (backend.verify -> None: the CUDA engine's fp16 overflow) gives way
+    to one plain step; the output stays plain greedy decoding's."""
+    eng = Engine.load(tiny_model_file, backend="cpu", max_context=256)
+    real, calls = eng.backend.verify, []
+
+    def verify(ids):
+        calls.append(len(ids))
+        return None if len(calls) % 2 else real(ids)  # every other verify gives way
+
+    monkeypatch.setattr(eng.backend, "verify", verify)
+    plain, got, st = plain_and_spec(eng, PROMPTS["hit"], 80, "ngram:8")
+    assert got == plain
+    assert st.overflowed_verifies == (len(calls) + 1) // 2 >= 2
+    assert st.verify_steps + st.plain_steps + 1 == len(got) - st.accepted
+
+
 def test_context_limit_cuts_the_draft(tiny_model_file):
     eng = Engine.load(tiny_model_file, backend="cpu", max_context=40)
     ids = [5, 6, 7, 8] * 8  # 32 tokens: 9 generated fill the cache

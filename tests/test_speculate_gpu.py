@@ -1,6 +1,7 @@
-"""Speculative decoding on the CUDA backend: with the exact mode (Engine.load(speculate=...) loads
-bf16 activations) the greedy tokens equal plain greedy decoding's on the same engine, token for
-token; a verify chunk's rows equal decode steps bit for bit. SmolLM2 where installed."""
+"""Speculative decoding on the CUDA backend: a verify chunk's rows run the decode step's activations
+(fp16 with the overflow flag by default, bf16 with ATOMFLOW_BF16_ACTS or after an overflow), so the
+greedy tokens equal plain greedy decoding's on the same engine, token for token. SmolLM2 where
+installed."""
 
 from __future__ import annotations
 
@@ -140,13 +141,11 @@ def test_verify_with_a_bf16_head(tmp_path, tiny_hf_dir):
 
 
 def test_verify_graphs_give_the_eager_verify(tiny_spec, tiny_model_file):
-    """The exact mode captures a verify chunk per row count 2..16 as a CUDA graph at load (none with
-    fp16 activations or eager); a graph verify gives the eager one's tokens and leaves the same cache."""
-    assert tiny_spec.backend.engine.verify_graphs == 15
+    """An engine captures a verify chunk as a CUDA graph on the first verify of its row count (none when
+    eager); a graph verify gives the eager one's tokens and leaves the same cache."""
     default = Engine.load(tiny_model_file, backend="cuda", max_context=256)
-    assert default.backend.engine.verify_graphs == 0
+    assert default.backend.engine.verify_graphs == 0  # nothing at load
     eager = Engine.load(tiny_model_file, backend="cuda", max_context=256, speculate="ngram:8", eager=True)
-    assert eager.backend.engine.verify_graphs == 0
     ids = np.asarray(PROMPTS["miss"], dtype=np.int32)
     for n in (2, 7, 16):
         got = []
@@ -158,6 +157,7 @@ def test_verify_graphs_give_the_eager_verify(tiny_spec, tiny_model_file):
         np.testing.assert_array_equal(got[0][0], got[1][0])
         assert got[0][1] == got[1][1] == 20 + n
         np.testing.assert_array_equal(got[0][2], got[1][2])
+    assert tiny_spec.backend.engine.verify_graphs >= 3 and eager.backend.engine.verify_graphs == 0
 
 
 def test_verify_refuses_more_rows_than_it_holds(tiny_spec):
@@ -178,12 +178,68 @@ def test_context_limit_cuts_the_draft(tiny_model_file):
     assert got == plain and len(got) == 9
 
 
-def test_default_engine_refuses_inexact_speculation(tiny_model_file):
-    eng = Engine.load(tiny_model_file, backend="cuda", max_context=64)
-    if eng.backend.exact_verify:
-        pytest.skip("ATOMFLOW_BF16_ACTS is set: the default engine is already exact")
-    with pytest.raises(ValueError, match="not exact"):
-        list(eng.generate_tokens([1, 2, 3], SamplingParams(temperature=0), speculate="ngram"))
+def test_speculation_in_either_activation_mode(tiny_model_file, monkeypatch):
+    """The default engine (fp16 activations) and one in bf16 from the start both speculate exactly, with
+    their verify chunks captured as graphs in their own mode."""
+    for bf16 in (False, True):
+        if bf16:
+            monkeypatch.setenv("ATOMFLOW_BF16_ACTS", "1")
+        eng = Engine.load(tiny_model_file, backend="cuda", max_context=256)
+        assert eng.backend.engine.f16_activations == (not bf16)
+        for kind in sorted(PROMPTS):
+            equal_runs(eng, PROMPTS[kind], 48, "ngram:8")
+        assert eng.backend.engine.verify_graphs > 0
+        del eng
+        gc.collect()
+
+
+def test_an_overflowing_verify_gives_way_to_a_plain_step(loud, monkeypatch):
+    """On a model whose SwiGLU output passes fp16's range, the first verify appends nothing; the plain step
+    after it overflows, reruns in bf16 and leaves the engine (and its verify graphs) in bf16: the output is
+    that of an engine in bf16 from the start. (The drafter always drafts here, so the first step verifies.)"""
+    from atomflow.speculate import NgramDrafter
+
+    ids = [5, 6, 7, 8] * 8
+    p = SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True)
+    monkeypatch.setenv("ATOMFLOW_BF16_ACTS", "1")
+    ref = list(Engine.load(loud.path, backend="cuda", max_context=256).generate_tokens(ids, p, speculate="off"))
+    monkeypatch.delenv("ATOMFLOW_BF16_ACTS")
+    eng = Engine.load(loud.path, backend="cuda", max_context=256, speculate="ngram:8")
+    assert eng.backend.engine.f16_activations
+    monkeypatch.setattr(NgramDrafter, "propose", lambda self, k: [5, 6, 7, 8, 5, 6, 7, 8][:k])
+    got = list(eng.generate_tokens(ids, p))
+    assert got == ref
+    st = eng.stats.speculation
+    assert st.overflowed_verifies == 1 and st.verify_steps > 0 and not eng.backend.engine.f16_activations
+    assert eng.backend.engine.verify_graphs > 0
+
+
+def test_an_overflowing_verify_appends_nothing(loud):
+    """backend.verify on an fp16 engine whose rows overflow: None, the position where it was, the engine
+    still in fp16 (the plain step that follows decides)."""
+    be = Engine.load(loud.path, backend="cuda", max_context=256).backend
+    be.reset()
+    be.prefill(np.arange(10, dtype=np.int32))
+    assert be.verify(np.arange(10, 15, dtype=np.int32)) is None
+    assert be.position == 10 and be.engine.f16_activations
+
+
+def test_prefill_rows_that_overflow_run_again_in_bf16(loud, monkeypatch):
+    """prefill_rows of a small chunk on an fp16 engine whose rows overflow: the engine moves to bf16 and the
+    rows are a bf16 engine's (and its decode steps')."""
+    ids = np.arange(3, 20, dtype=np.int32)
+    monkeypatch.setenv("ATOMFLOW_BF16_ACTS", "1")
+    ref = Engine.load(loud.path, backend="cuda", max_context=256).backend
+    monkeypatch.delenv("ATOMFLOW_BF16_ACTS")
+    be = Engine.load(loud.path, backend="cuda", max_context=256).backend
+    want, _, steps = _rows_against_steps(ref, ids, 12)
+    be.reset()
+    be.prefill(ids[:12])
+    assert be.engine.f16_activations
+    got = be.engine.prefill_rows(ids[12:])
+    assert not be.engine.f16_activations and be.position == len(ids)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(got, steps)
 
 
 def test_smollm2_greedy_equals_plain():

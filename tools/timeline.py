@@ -11,7 +11,7 @@ to its start (negative: it started early under PDL).
 
 With --verify K each step is a speculative verify of K + 1 rows instead (the backend's verify(): the
 small-M chunk, its attention rows, the head once for every row, greedy tokens on the device), rolled
-back after it, on an engine loaded for speculation (bf16 activations, as speculative decoding runs);
+back after it, on an engine loaded for speculation (as speculative decoding runs);
 the small-M GEMV's launches are named by their place in the layer (qkv, o, gate_up, down; the last
 odd one the head).
 

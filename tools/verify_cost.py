@@ -1,7 +1,7 @@
 """What a speculative verify step costs against a decode step: for k = 1..8 drafts, the time of one
 verify of k + 1 rows (the backend's verify(): the small-M chunk and the logits of every row, as
 speculative decoding runs it) against the decode TPOT of the pipelined generate path, on one engine
-loaded for speculation (bf16 activations: the exact mode). Random token ids; the cache holds
+loaded for speculation (the engine's default activations). Random token ids; the cache holds
 --context tokens before each verify, rolled back after it.
 
     python tools/verify_cost.py MODEL [--context 256] [--reps 30] [--json OUT]

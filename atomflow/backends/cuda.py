@@ -253,8 +253,9 @@ class CudaBackend:
 
     @property
     def exact_verify(self) -> bool:
-        """Whether verify rows equal decode steps bit for bit: bf16 activations on both paths."""
-        return not self.engine.f16_activations
+        """Whether verify rows equal decode steps bit for bit: they run the decode step's activations
+        (fp16 with its overflow flag, or bf16), whichever the engine is in."""
+        return True
 
     def spec_prefill(self, ids: np.ndarray, start: int) -> int | None:
         """As generate_ids: the cache then holds ids (from `start`), greedy sampling set, and the first token
@@ -272,9 +273,10 @@ class CudaBackend:
         with contextlib.closing(self._pipeline(1, keep=len(ids) - 1, prompt=ids[start:])) as first:
             return int(next(first))  # closed: the cache holds the prompt, the token not fed
 
-    def verify(self, ids: np.ndarray) -> np.ndarray:
+    def verify(self, ids: np.ndarray) -> np.ndarray | None:
         """Appends ids (one chunk of <= verify_rows) at the position; int32 [len(ids)]: each row's greedy
-        token, chosen on the device (-1 where a row holds a NaN or +Inf or only -Inf, as the sampler)."""
+        token, chosen on the device (-1 where a row holds a NaN or +Inf or only -Inf, as the sampler). None,
+        with nothing appended, where an fp16 activation passed fp16's range: decode on with steps."""
         ids = check_ids(ids, self.spec.vocab_size)
         self._end_run()
         return self.engine.verify_greedy(ids)

@@ -73,7 +73,7 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] = log_stderr) -> di
     if opts.speculate:
         from atomflow.bench.engine import run_speculate_tests
 
-        log(f"loading {opts.model} for --speculate {opts.speculate} (bf16 activations)")
+        log(f"loading {opts.model} for --speculate {opts.speculate}")
         eng = Engine.load(opts.model, backend="cuda", max_context=opts.max_context, speculate=opts.speculate)
         rows += run_speculate_tests(eng, opts, bandwidth, log)
         del eng

@@ -6,10 +6,10 @@ random token ids (no tokenizer, no text), greedy, EOS ignored.
   tg<N>@dD  the pipelined generate path from a prompt of D + 1 tokens (prefilled, the first token
             sampled from its last row; D = 0: the one token fed to a decode step); TPOT = the intervals between consecutive tokens
             as the host receives them, N - 1 per repetition; prefill time excluded.
-  --speculate (tg tests only), on an engine loaded for it (bf16 activations): the same test plain
-            (engine "atomflow bf16-acts": what the exact mode costs) and speculative (engine
-            "atomflow ngram:K"): tokens per step, accepted tokens per verify step, the verify
-            step's time and the effective TPOT (generation time / (N - 1)) in the row.
+  --speculate (tg tests only), on an engine loaded for it: the same test plain (engine
+            "atomflow plain") and speculative (engine "atomflow ngram:K"): tokens per step, accepted
+            tokens per verify step, the verify step's time and the effective TPOT (generation time /
+            (N - 1)) in the row.
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def run_speculate_tests(eng: Engine, opts: BenchOptions, bandwidth_gbs: float | 
         if test.kind != "tg":
             continue
         nbytes = token_bytes(eng.spec, eng.model.weight_bytes, test.mean_context)
-        for engine, spec in (("atomflow bf16-acts", "off"), (f"atomflow {opts.speculate}", opts.speculate)):
+        for engine, spec in (("atomflow plain", "off"), (f"atomflow {opts.speculate}", opts.speculate)):
             log(f"{engine}: {test.name}")
             s = time_tg_speculate(eng, test, opts, spec)
             rows.append(measured_row(engine, test, bytes_per_token=nbytes, bandwidth_gbs=bandwidth_gbs, weight_dtype="fp8", **s))

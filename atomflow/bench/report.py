@@ -92,7 +92,7 @@ def to_markdown(result: dict) -> str:
     if spec_rows:
         lines += [
             "",
-            "--speculate (one engine, bf16 activations; effective TPOT = generation time / (N - 1))",
+            "--speculate (one engine; effective TPOT = generation time / (N - 1))",
             "",
             "| engine | test | t/s | effective TPOT ms | tokens/step | tokens/verify | verify ms | acceptance |",
             "|---|---|---:|---:|---:|---:|---:|---:|",

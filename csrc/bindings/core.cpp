@@ -265,20 +265,26 @@ PYBIND11_MODULE(_core, m) {
             return logits;
           },
           py::arg("ids"),
-          "append ids (one prefill chunk) at the current position; fp32 logits [len(ids), vocab] of every one")
+          "append ids (one prefill chunk) at the current position; fp32 logits [len(ids), vocab] of every one (a chunk "
+          "of up to 16 rows: each row a decode step's bits in the engine's activations; one that passes fp16's "
+          "range moves the engine to bf16 and the chunk runs again)")
       .def(
           "verify_greedy",
           [](Engine& e, const py::array& ids) {
             std::vector<int32_t> v = ids_arg(ids, e.spec().vocab_size);
             py::array_t<int32_t> tokens(static_cast<py::ssize_t>(v.size()));
             int32_t* out = tokens.mutable_data();
-            py::gil_scoped_release nogil;
-            e.verify_greedy(v.data(), static_cast<int>(v.size()), out);
-            return tokens;
+            bool ok = false;
+            {
+              py::gil_scoped_release nogil;
+              ok = e.verify_greedy(v.data(), static_cast<int>(v.size()), out);
+            }
+            return ok ? py::object(tokens) : py::object(py::none());
           },
           py::arg("ids"),
           "append ids (at most logit_rows) at the current position; int32 [len(ids)]: each row's greedy token "
-          "(-1 where its logits are not finite)")
+          "(-1 where its logits are not finite), or None (nothing appended) where an fp16 activation passed "
+          "fp16's range: decode steps go on from there")
       .def_property_readonly_static("logit_rows", [](const py::object&) { return Engine::kLogitRows; })
       .def(
           "decode",

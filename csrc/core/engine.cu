@@ -179,11 +179,12 @@ void Engine::init(const std::string& path, const std::vector<TensorInfo>& table,
   // The stream every launch goes to, the per-step events, the pinned token ring and logits.
   AF_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   for (cudaEvent_t& e : step_done_) AF_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-  // The ring (tokens and overflow flags, 2 x kRingSize), then kLogitRows tokens of a verify.
-  AF_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&ring_host_), (2 * kRingSize + kLogitRows) * sizeof(int32_t),
+  // The ring (tokens and overflow flags, 2 x kRingSize), then kLogitRows tokens of a verify and its overflow
+  // flag (enqueue_verify).
+  AF_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&ring_host_), (2 * kRingSize + kLogitRows + 1) * sizeof(int32_t),
                               cudaHostAllocMapped));
   ++allocations_;
-  std::memset(ring_host_, 0, (2 * kRingSize + kLogitRows) * sizeof(int32_t));
+  std::memset(ring_host_, 0, (2 * kRingSize + kLogitRows + 1) * sizeof(int32_t));
   AF_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&ring_dev_), ring_host_, 0));
   AF_CUDA_CHECK(
       cudaHostAlloc(reinterpret_cast<void**>(&logits_host_), s.vocab_size * sizeof(float), cudaHostAllocDefault));
@@ -209,7 +210,6 @@ void Engine::init(const std::string& path, const std::vector<TensorInfo>& table,
                     e.what());
   }
   if (!step_plan_.options.eager) capture_graph();
-  if (!step_plan_.options.eager && !step_plan_.options.f16_activations) capture_verify_graphs();
   step::write_pos(buf_.pos, 0, stream_);
   set_token(0);
   AF_CUDA_CHECK(cudaStreamSynchronize(stream_));
@@ -233,18 +233,11 @@ cudaGraphExec_t Engine::capture_step(int attn_keys) {
   return exec;
 }
 
-// The verify chunks of the exact mode: their launches depend on the row count only (the ids, the position
-// and the tokens' slots are device memory), so one graph per count serves every verify.
-void Engine::capture_verify_graphs() {
-  const int most = std::min(kLogitRows, opt_.prefill_chunk);
-  size_t nodes = 0, n_nodes = 0;
-  for (int n = 2; n <= most; ++n) {
-    verify_graphs_[n] =
-        capture("the verify chunk of " + std::to_string(n) + " rows", [&] { enqueue_verify(n); }, &n_nodes);
-    nodes += n_nodes;
+void Engine::destroy_verify_graphs() {
+  for (cudaGraphExec_t& g : verify_graphs_) {
+    if (g) cudaGraphExecDestroy(g);
+    g = nullptr;
   }
-  if (opt_.verbose && most >= 2)
-    std::fprintf(stderr, "atomflow: verify chunks of 2..%d rows captured as CUDA graphs (%zu nodes)\n", most, nodes);
 }
 
 int Engine::verify_graphs() const {
@@ -297,10 +290,7 @@ void Engine::release() noexcept {
   graph_exec_ = nullptr;
   if (short_graph_) cudaGraphExecDestroy(short_graph_);
   short_graph_ = nullptr;
-  for (cudaGraphExec_t& g : verify_graphs_) {
-    if (g) cudaGraphExecDestroy(g);
-    g = nullptr;
-  }
+  destroy_verify_graphs();
   for (cudaEvent_t& e : step_done_) {
     if (e) cudaEventDestroy(e);
     e = nullptr;
@@ -338,16 +328,14 @@ bool Engine::step_overflowed(int position) const {
   return f16_acts_ && flags[position % kRingSize] != 0;
 }
 
-void Engine::rerun_in_bf16(int position, int32_t input) {
+void Engine::move_to_bf16(const std::string& what) {
   AF_CUDA_CHECK(cudaStreamSynchronize(stream_));  // every step in flight has run: drop them
   in_flight_ = 0;
   oldest_ = 0;
   f16_acts_ = false;
   if (opt_.verbose)
-    std::fprintf(stderr,
-                 "atomflow: an activation of the decode step at position %d passed fp16's range; "
-                 "decoding on with bf16 activations\n",
-                 position);
+    std::fprintf(stderr, "atomflow: an activation of %s passed fp16's range; decoding on with bf16 activations\n",
+                 what.c_str());
   if (graph_exec_ != nullptr) {
     cudaGraphExecDestroy(graph_exec_);
     graph_exec_ = nullptr;
@@ -355,7 +343,12 @@ void Engine::rerun_in_bf16(int position, int32_t input) {
     short_graph_ = nullptr;
     capture_graph();
   }
+  destroy_verify_graphs();  // captured again in bf16 on their next use, as the decode step runs
   step::write_int(buf_.f16_overflow, 0, stream_);
+}
+
+void Engine::rerun_in_bf16(int position, int32_t input) {
+  move_to_bf16("the decode step at position " + std::to_string(position));
   step::write_pos(buf_.pos, position, stream_);
   host_pos_ = position;
   if (probe_records_ != nullptr) probe_records_->clear();
@@ -444,20 +437,35 @@ void Engine::prefill_rows(const int32_t* ids, int n, float* logits) {
     throw std::invalid_argument("prefill_rows: " + std::to_string(n) + " rows do not fit one chunk of " +
                                 std::to_string(opt_.prefill_chunk));
   stage_prefill(ids, n);
-  enqueue_prefill_chunk(0, n);
-  const size_t vocab = static_cast<size_t>(spec_.vocab_size);
-  for (int first = 0; first < n; first += kLogitRows) {
-    const int rows = std::min(kLogitRows, n - first);
-    enqueue_head_rows(first, rows);
-    AF_CUDA_CHECK(cudaMemcpyAsync(logits + first * vocab, buf_.logits, rows * vocab * sizeof(float),
-                                  cudaMemcpyDeviceToHost, stream_));
+  // A small-M chunk's rows run as decode steps, in the engine's activations; in fp16 one that passes
+  // fp16's range moves the engine to bf16 (as a decode step's would) and the chunk runs again.
+  const bool as_steps = n <= step_plan_.small_m_max_rows;
+  volatile int32_t* overflow = ring_host_ + 2 * kRingSize + kLogitRows;  // take_int's copy of the flag
+  for (;;) {
+    {
+      StepRows scope(step_rows_, as_steps);
+      enqueue_prefill_chunk(0, n);
+    }
+    const size_t vocab = static_cast<size_t>(spec_.vocab_size);
+    for (int first = 0; first < n; first += kLogitRows) {
+      const int rows = std::min(kLogitRows, n - first);
+      enqueue_head_rows(first, rows);
+      AF_CUDA_CHECK(cudaMemcpyAsync(logits + first * vocab, buf_.logits, rows * vocab * sizeof(float),
+                                    cudaMemcpyDeviceToHost, stream_));
+    }
+    const bool flagged = as_steps && f16_acts_;
+    if (flagged) step::take_int(buf_.f16_overflow, ring_dev_ + 2 * kRingSize + kLogitRows, stream_);
+    AF_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    if (!flagged || *overflow == 0) break;
+    *overflow = 0;
+    move_to_bf16("a chunk of " + std::to_string(n) + " rows at position " + std::to_string(host_pos_));
+    step::write_pos(buf_.pos, host_pos_, stream_);  // the same rows again (the ids are still staged)
   }
-  AF_CUDA_CHECK(cudaStreamSynchronize(stream_));
   host_pos_ += n;
   last_output_ = kUnknown;  // as prefill(): the next step's input is begin()'s
 }
 
-void Engine::verify_greedy(const int32_t* ids, int n, int32_t* tokens) {
+bool Engine::verify_greedy(const int32_t* ids, int n, int32_t* tokens) {
   std::lock_guard<std::mutex> lock(mu_);
   NvtxRange range("verify_greedy");
   if (n > kLogitRows)
@@ -465,22 +473,41 @@ void Engine::verify_greedy(const int32_t* ids, int n, int32_t* tokens) {
   if (n > opt_.prefill_chunk)
     throw std::invalid_argument("verify: " + std::to_string(n) + " rows do not fit one chunk of " +
                                 std::to_string(opt_.prefill_chunk));
-  stage_prefill(ids, n);
+  stage_prefill(ids, n);  // checks the ids and that no step is in flight
+  // A verify chunk's launches depend on its row count only (the ids, the position and the tokens' slots are
+  // device memory): one graph per count, captured on its first use in the engine's activations.
+  if (verify_graphs_[n] == nullptr && graph_exec_ != nullptr) {
+    size_t nodes = 0;
+    verify_graphs_[n] =
+        capture("the verify chunk of " + std::to_string(n) + " rows", [&] { enqueue_verify(n); }, &nodes);
+  }
   if (verify_graphs_[n] != nullptr)
     AF_CUDA_CHECK(cudaGraphLaunch(verify_graphs_[n], stream_));
   else
     enqueue_verify(n);
   AF_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  last_output_ = kUnknown;
+  volatile int32_t* overflow = ring_host_ + 2 * kRingSize + kLogitRows;  // enqueue_verify's copy of the flag
+  if (*overflow != 0) {  // the rows are not the fp16 decode steps' (one passed fp16's range): dropped
+    *overflow = 0;
+    step::write_pos(buf_.pos, host_pos_, stream_);
+    return false;
+  }
   std::memcpy(tokens, ring_host_ + 2 * kRingSize, n * sizeof(int32_t));
   host_pos_ += n;
-  last_output_ = kUnknown;
+  return true;
 }
 
 void Engine::enqueue_verify(int n) {
-  enqueue_prefill_chunk(0, n);
+  {
+    StepRows scope(step_rows_, true);  // its layers run the decode step's activations (enqueue_layers)
+    enqueue_prefill_chunk(0, n);
+  }
   enqueue_head_rows(0, n);
-  // Straight into the mapped host memory after the ring (the caller's sync makes the writes visible).
+  // Straight into the mapped host memory after the ring (the caller's sync makes the writes visible): the
+  // tokens, and in fp16 the overflow flag (taken and cleared).
   kernels::argmax_rows(buf_.logits, n, spec_.vocab_size, ring_dev_ + 2 * kRingSize, stream_);
+  if (f16_acts_) step::take_int(buf_.f16_overflow, ring_dev_ + 2 * kRingSize + kLogitRows, stream_);
 }
 
 void Engine::decode(int32_t token, float* logits) {

@@ -71,8 +71,8 @@ void Engine::enqueue_layers(int rows, int attn_keys) {
   // A small-M chunk's QKV product does RoPE + KV append in its epilogue where the plan says so.
   const bool small_m_rope = rows > 1 && rows <= step_plan_.small_m_max_rows && !probe_ && step_plan_.small_m_rope;
   // A decode step's attention and SwiGLU outputs are fp16 (kernels.h), flagged when they overflow;
-  // the o and down GEMVs then take x as it is.
-  const bool half = rows == 1 && f16_acts_;
+  // the o and down GEMVs then take x as it is. A chunk whose rows run as decode steps (step_rows_): the same.
+  const bool half = (rows == 1 || step_rows_) && f16_acts_;
   const kernels::Act act = half ? kernels::Act::F16 : kernels::Act::BF16;
   int* const overflow = half ? buf_.f16_overflow : nullptr;
   const StepPlan& plan = step_plan_;

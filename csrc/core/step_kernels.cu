@@ -16,6 +16,12 @@ static __global__ void write_int_kernel(int32_t* dst, int32_t value) {
   *dst = value;
 }
 
+static __global__ void take_int_kernel(int32_t* src, int32_t* dst) {
+  pdl_prologue();
+  *reinterpret_cast<volatile int32_t*>(dst) = *src;
+  *src = 0;
+}
+
 static __global__ void write_pos_kernel(int32_t* pos, int32_t p) {
   pdl_prologue();
   pos[0] = p;
@@ -57,6 +63,10 @@ static __global__ void gate_kernel(const int32_t* flag, int32_t ticket, uint64_t
 
 void write_int(int32_t* dst, int32_t value, cudaStream_t stream) {
   af_launch(write_int_kernel, dim3(1), dim3(1), 0, stream, dst, value);
+}
+
+void take_int(int32_t* src, int32_t* dst, cudaStream_t stream) {
+  af_launch(take_int_kernel, dim3(1), dim3(1), 0, stream, src, dst);
 }
 
 void write_pos(int32_t* pos, int32_t p, cudaStream_t stream) {

@@ -16,6 +16,9 @@ namespace atomflow::step {
 // *dst = value (the input-token slot).
 void write_int(int32_t* dst, int32_t value, cudaStream_t stream);
 
+// *dst = *src, then *src = 0 (a verify's overflow flag into mapped host memory).
+void take_int(int32_t* src, int32_t* dst, cudaStream_t stream);
+
 // pos = {p, p + 1}.
 void write_pos(int32_t* pos, int32_t p, cudaStream_t stream);
 

@@ -55,14 +55,21 @@ class Engine {
 
   // Appends ids[0..n) at the current position; writes the last token's logits (fp32 [vocab]).
   void prefill(const int32_t* ids, int n, float* logits);
-  // prefill() of one chunk (n <= prefill_chunk) that writes every row's logits, fp32 [n, vocab], each
-  // row bit-identical to a decode step's: an FP8 head runs once per kLogitRows rows on the small-M GEMV
-  // (RMSNorm fused: its rows are the decode head's bits), a bf16 head once per row.
+  // prefill() of one chunk (n <= prefill_chunk) that writes every row's logits, fp32 [n, vocab]. A chunk of
+  // up to small_m_max_rows rows runs its rows as decode steps in the engine's activations, each row
+  // bit-identical to a decode step's (fp16 while f16_activations(): where one passes fp16's range, the
+  // engine moves to bf16, as a decode step would, and the chunk runs again in bf16). The heads: an FP8 one
+  // once per kLogitRows rows on the small-M GEMV (RMSNorm fused: its rows are the decode head's bits), a
+  // bf16 one once per row.
   void prefill_rows(const int32_t* ids, int n, float* logits);
-  // Speculative verification (atomflow/speculate.py): prefill_rows' chunk of n <= kLogitRows rows, then
-  // each row's greedy token on the device (argmax, the lower index on ties: the decode step's greedy
-  // choice); -1 for a row with a NaN or +Inf or only -Inf (the sampler's rule). Only the n tokens come back.
-  void verify_greedy(const int32_t* ids, int n, int32_t* tokens);
+  // Speculative verification (atomflow/speculate.py): a chunk of n <= kLogitRows rows whose rows are
+  // decode steps' bits in the engine's activations (fp16 while f16_activations(): attention's and SwiGLU's
+  // outputs fp16 with the overflow flag, o and down on fp16 x, as the decode step), then each row's greedy
+  // token on the device (argmax, the lower index on ties: the decode step's greedy choice); -1 for a row
+  // with a NaN or +Inf or only -Inf (the sampler's rule). Only the n tokens come back. false: an fp16
+  // activation passed fp16's range; nothing was appended (the position is as before) and no token comes
+  // back: decode steps go on from there, the overflowing one reruns in bf16 as plain decoding does.
+  bool verify_greedy(const int32_t* ids, int n, int32_t* tokens);
   // Rows of logits the engine holds at once (buf_.logits is [kLogitRows, vocab]; decode uses row 0).
   static constexpr int kLogitRows = StepPlan::kLogitRows;
   // Feeds one token at the current position, runs the decode step, writes its logits.
@@ -130,8 +137,8 @@ class Engine {
   int device_allocations() const { return allocations_; }
   double load_seconds() const { return load_seconds_; }
   bool graph_enabled() const { return graph_exec_ != nullptr; }
-  // Verify chunks (verify_greedy) captured as CUDA graphs, one per row count 2..kLogitRows: in the exact
-  // mode (bf16 activations, the mode speculative decoding loads) with graphs on; 0 otherwise.
+  // Verify chunks (verify_greedy) captured as CUDA graphs so far: one per row count 2..kLogitRows, on its
+  // first use with graphs on, in the engine's activations (dropped when it moves to bf16).
   int verify_graphs() const;
   // (group, bytes) for weights, kv, activations, scratch, then ("total", bytes).
   std::vector<std::pair<std::string, size_t>> plan() const;
@@ -218,15 +225,18 @@ class Engine {
   void init(const std::string& path, const std::vector<TensorInfo>& tensors, const std::vector<float>& inv_freq);
   void capture_graph();
   cudaGraphExec_t capture_step(int attn_keys);
-  void capture_verify_graphs();
+  void destroy_verify_graphs();
   // Stream capture of enqueue()'s launches into an instantiated, uploaded graph; `what` names it in errors.
   cudaGraphExec_t capture(const std::string& name, const std::function<void()>& enqueue, size_t* nodes);
   void enqueue_verify(int n);  // a verify chunk of n rows already in buf_.ids: layers, heads, greedy tokens
   void launch_step();          // one decode step: the graph, or its launches when eager
   void enqueue_steps(int n);   // enqueue() without the lock
   bool step_overflowed(int position) const;  // the ring's flag of the step at `position` (it has run)
-  // A step at `position` overflowed fp16: bf16 activations from now on, the position rolled back to
-  // it and `input` set as its token. The caller runs the step (and any after it) again.
+  // bf16 activations from now on: the steps in flight dropped, the graphs captured again (verify graphs on
+  // their next use), the overflow flag cleared; `what` overflowed (the verbose message names it).
+  void move_to_bf16(const std::string& what);
+  // A step at `position` overflowed fp16: move_to_bf16, the position rolled back to it and `input` set as
+  // its token. The caller runs the step (and any after it) again.
   void rerun_in_bf16(int position, int32_t input);
   void require_idle(const char* what) const;
   void check_token(int32_t token) const;
@@ -273,7 +283,15 @@ class Engine {
   int allocations_ = 0;  // every cudaMalloc / cudaHostAlloc the engine made
   double load_seconds_ = 0;
   const ProbeSink* probe_ = nullptr;  // set only inside prefill_probed / decode_probed
-  std::vector<float> probe_x_;        // snapshot of x for the X_DELTA probes
+  // Set only while a chunk whose rows run as decode steps (a verify's, prefill_rows' small-M ones) enqueues
+  // its layers: they take the decode step's activations (enqueue_layers).
+  bool step_rows_ = false;
+  struct StepRows {  // step_rows_ = on for one scope
+    bool& flag;
+    StepRows(bool& f, bool on) : flag(f) { flag = on; }
+    ~StepRows() { flag = false; }
+  };
+  std::vector<float> probe_x_;  // snapshot of x for the X_DELTA probes
   // A probed decode step's points, given to the sink once it has succeeded: a step rerun in bf16
   // (rerun_in_bf16) drops those of its first run. nullptr: straight to the sink (prefill).
   struct ProbeRecord {
