@@ -105,6 +105,9 @@ def test_plan_says_the_qkv_path(arch_files, preset, capsys):
     for row in plan["attention"]:
         assert row["kernel"].startswith("attention_kernel<RopedKV" if path == "attention" else "attention_kernel<Cont")
         assert row["halved"] == (path == "attention")  # AttnPlan::halved: the roped model's every path
+    # a halved plan's splits stop at 32 (two blocks per kv head: the unhalved plan's grid), others at 64
+    long = next(r for r in plan_for(model, 2048)["attention"] if r["when"] == "decode")
+    assert long["keys"] == 2048 and long["splits"] == (32 if path == "attention" else 64)
     # a chunk of a few rows (a verify's) fuses RoPE + KV append into its small-M QKV product where the
     # decode step does
     assert plan["prefill_small_m_rope"] == (path == "fused")

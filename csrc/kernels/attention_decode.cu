@@ -23,14 +23,14 @@
 // position; blocks read the position and derive their key range. With n_keys = start + M (a
 // sequence's keys after this call), it first takes n = min(s_max, ceil(n_keys / 32)) splits, where
 // s_max = min(64, max(128 / (B * M), 1), ceil(capacity / 32)) (capacity = max_context for the
-// core, B = 1), then rounds their length up to whole K/V steps of the block (32 keys for the Llama
-// 3 shapes): chunk = ceil(ceil(n_keys / n) / step) * step, n_active = ceil(n_keys / chunk). Short
-// contexts spread over splits of one step each (latency stays low); long ones use up to 64 splits
-// of several steps each (M = 1, Hkv = 8: 512 blocks, one wave at 4 per SM on 132 SMs). Blocks past
-// n_active exit. n depends on the capacity only through s_max >= min(64, ceil(n_keys / 32)), so any
-// capacity that holds the keys gives the same splits and the same bits: the core plans the grid of
-// steps of at most 512 keys for 512 (step_plan.h, kShortKeys). Why 64 and 32, and what more splits
-// cost: docs/design/attention_decode.md.
+// core, B = 1; 32 in place of 64 for a halved plan, kHalvedMaxSplits), then rounds their length
+// up to whole K/V steps of the block (32 keys for the Llama 3 shapes): chunk = ceil(ceil(n_keys / n)
+// / step) * step, n_active = ceil(n_keys / chunk). Short contexts spread over splits of one step each
+// (latency stays low); long ones use up to 64 splits of several steps each (M = 1, Hkv = 8: 512
+// blocks, one wave at 4 per SM on 132 SMs). Blocks past n_active exit. n depends on the capacity only
+// through s_max >= min(64, ceil(n_keys / 32)), so any capacity that holds the keys gives the same
+// splits and the same bits: the core plans the grid of steps of at most 512 keys for 512
+// (step_plan.h, kShortKeys). Why 64 and 32, and what more splits cost: docs/design/attention_decode.md.
 //
 // Inside a block: D / 8 lanes hold one key row (16 B each; padded to a power of two, kLanesPerRow),
 // so a warp covers 32 / kLanesPerRow<D> keys per load; each such lane group is an independent "key stream" with its own
@@ -100,6 +100,10 @@ constexpr int kAttnThreads = 128;
 constexpr int kAttnWarps = kAttnThreads / 32;
 constexpr int kMinKeysPerSplit = 32;  // short contexts: many blocks, one K/V step each
 constexpr int kMaxSplits = 64;        // splits of one query row's keys
+// A halved plan's (AttnPlan::halved): two blocks per kv head, so half the splits keep the grid at the
+// unhalved plan's 512 blocks (Qwen3-8B) from 1024 keys on, one wave where 64 splits took two (H100,
+// ops.time_attention_qkv: 2048 keys 13.35 -> 9.53 us, 4096 17.10 -> 12.92; log 2026-11-26 h).
+constexpr int kHalvedMaxSplits = 32;
 constexpr int kMaxSplitBlocks = 128;  // splits x query rows of one call (prefill chunks, batches)
 // The most splits per thread-block cluster, by the leader's buffer. A call runs in clusters only when
 // one holds all its splits (cluster_splits); a group's active splits then merge through the leader's
@@ -142,11 +146,13 @@ struct HeadMap {
 constexpr int kMaxKvHeads = 256;
 constexpr size_t kCounterBytes = static_cast<size_t>(kMaxSplitBlocks / 2) * kMaxKvHeads * sizeof(int);
 
-// Splits planned for (grid.y and scratch): fixed by the query rows of the call (rows = B * M) and
-// the per-sequence key capacity only. A batch shares the 128 splits' worth of blocks among its rows.
-static int max_splits(int rows, int capacity) {
+// Splits planned for (grid.y and scratch): fixed by the query rows of the call (rows = B * M), the
+// per-sequence key capacity and whether a halved plan halves the shape (halves() below) only. A batch
+// shares the 128 splits' worth of blocks among its rows. The scratch is sized for the unhalved count.
+static int max_splits(int rows, int capacity, bool halved = false) {
+  const int most = halved ? kHalvedMaxSplits : kMaxSplits;
   const int shared = kMaxSplitBlocks / rows > 1 ? kMaxSplitBlocks / rows : 1;
-  const int by_rows = shared < kMaxSplits ? shared : kMaxSplits;
+  const int by_rows = shared < most ? shared : most;
   const int by_keys = CEIL_DIV(capacity, kMinKeysPerSplit);
   return by_rows < by_keys ? by_rows : by_keys;
 }
@@ -472,6 +478,11 @@ static __device__ __forceinline__ void merge_in_cluster(const float4 (&acc)[CS][
 // to ~150-168 registers, three blocks per SM (a second wave of blocks at long contexts). 6 and 8 heads
 // spill at 128 and keep their ~220 (two per SM, as the exact instances); so does the sandbox's paged
 // policy (its mapped 4 heads spill at 128).
+// Keys per stream per step. A halved plan's blocks of two heads (mapped, head_dim 64 / 128) keep the
+// unhalved block's 4: the same short splits on twice the blocks (Qwen3-8B decode -2.5%, log 2026-11-26
+// h; with 8 a split held 64 keys and the halving paid only its prologue).
+template <int R, int D, bool MAPPED>
+constexpr int kKeysPerStream = R <= 2 && !(MAPPED && (D == 64 || D == 128)) ? 8 : (R <= 4 ? 4 : 2);
 template <class KV>
 constexpr int kAttnMinBlocks(int rows) {
   return (kRoped<KV> || (kHeadMapped<KV> && !std::is_base_of_v<PagedKV, KV>)) && rows <= 4 ? 4 : 1;
@@ -486,7 +497,7 @@ static __global__ void __launch_bounds__(kAttnThreads, kAttnMinBlocks<KV>(G* QT)
   constexpr int GPW = 32 / LPR;                                   // key streams per warp
   constexpr int NS = kAttnWarps * GPW;                            // key streams per block
   constexpr int R = G * QT;                                       // query rows per block
-  constexpr int KT = R <= 2 ? 8 : (R <= 4 ? 4 : 2);               // keys per stream per step (registers: R x KT scores)
+  constexpr int KT = kKeysPerStream<R, D, MAPPED>;                // keys per stream per step (registers: R x KT scores)
   constexpr int C4 = D / 4;                                       // float4 columns of a partial's acc
   constexpr int NO = R * C4;                                      // float4 outputs of the merge
   constexpr int IPT = CEIL_DIV(NO, kAttnThreads);                 // merge outputs per thread
@@ -997,9 +1008,10 @@ static int cluster_splits(int s_max, bool merge) {
 
 template <class KV, int D, int G, int QT>
 static void launch_attention(const bf16* q, const KV& kv, int B, int M, int H, int Hkv, int s_max, int cs, float scale,
-                             void* scratch, void* out, int* f16_overflow, cudaStream_t stream, bool early) {
-  AF_CHECK(s_max == (kRowsAsSteps<KV> ? max_splits(1, kv.capacity) : max_splits(B * M, kv.capacity)) && cs >= 1 &&
-               (cs == 1 || cs >= s_max),
+                             void* scratch, void* out, int* f16_overflow, cudaStream_t stream, bool early,
+                             bool halved) {
+  AF_CHECK(s_max == (kRowsAsSteps<KV> ? max_splits(1, kv.capacity, halved) : max_splits(B * M, kv.capacity, halved)) &&
+               cs >= 1 && (cs == 1 || cs >= s_max),
            "attention: the plan's splits are not this call's");
   int* counters = static_cast<int*>(scratch);
   float* part_acc = reinterpret_cast<float*>(static_cast<char*>(scratch) + kCounterBytes);
@@ -1032,11 +1044,15 @@ bool attention_supported(int D, int group) {
 // twice (the second time mostly from L2: its blocks are adjacent in grid.x).
 // A plan `halved` (AttnPlan::halved) runs every ratio of 4 to 8 so, at head_dim <= 128: a qk_norm
 // model's decode step makes its query heads in attention's prologue, which two blocks of half the heads
-// shorten; the model's verify rows and probed steps take the same map, hence the same bits.
+// shorten; the model's verify rows and probed steps take the same map, hence the same bits. Such a plan
+// also stops at kHalvedMaxSplits (max_splits).
+static bool halves(int D, int group, bool halved) {
+  return halved && D <= 128 && group >= 4 && group <= kMaxGroup<128>;
+}
 static HeadMap head_map(int D, int group, bool halved = false) {
   const int most = D <= 128 ? kMaxGroup<128> : kMaxGroup<256>;
   const bool padded = group <= most && group > 4 && group != 6 && group != 8;
-  const bool half = halved && D <= 128 && group >= 4 && group <= most;
+  const bool half = halves(D, group, halved);
   const int blocks = padded || half ? 2 : CEIL_DIV(group, most);
   return {group, blocks, CEIL_DIV(group, blocks)};
 }
@@ -1131,14 +1147,15 @@ static void dispatch(const AttnPlan* plan, const bf16* q, const KV& kv, int B, i
     const HeadMap hm = head_map(D, H / Hkv, halved);
     AF_CHECK(Hkv * hm.blocks <= kMaxKvHeads, "attention: at most 256 kv heads x blocks per kv head (the counters)");
     AF_CHECK(static_cast<long long>(B) * M <= 65535, "attention: B * M too large for the grid");
-    const int s_max = plan ? plan->splits : max_splits(B * M, kv.capacity);
+    const bool fewer = halves(D, H / Hkv, halved);  // a halved map's splits (max_splits)
+    const int s_max = plan ? plan->splits : max_splits(B * M, kv.capacity, fewer);
     const int cs = plan ? plan->cluster : cluster_splits<P, Dc, Gc, QTc>(s_max, true);
     if constexpr (kHeadMapped<P>)
       launch_attention<P, Dc, Gc, QTc>(q, P{kv, hm}, B, M, H, Hkv, s_max, cs, scale, scratch, out, f16_overflow, stream,
-                                       early);
+                                       early, fewer);
     else
-      launch_attention<P, Dc, Gc, QTc>(q, kv, B, M, H, Hkv, s_max, cs, scale, scratch, out, f16_overflow, stream,
-                                       early);
+      launch_attention<P, Dc, Gc, QTc>(q, kv, B, M, H, Hkv, s_max, cs, scale, scratch, out, f16_overflow, stream, early,
+                                       fewer);
   });
 }
 
@@ -1148,9 +1165,10 @@ AttnPlan plan_attention(int M, int H, int Hkv, int D, int capacity, bool cluster
            "plan_attention: M, H, Hkv, capacity must be >= 1, H a multiple of Hkv");
   AF_CHECK(!rows_as_steps || M <= kMaxAttnRowsAsSteps, "plan_attention: rows as decode steps: at most 16 rows");
   AF_CHECK(!qkv_in || (M == 1 && !rows_as_steps), "plan_attention: the raw QKV input is the decode step's (M = 1)");
+  const bool fewer = halves(D, H / Hkv, halved);  // a halved map's splits (max_splits)
   AttnPlan plan{M,        H,
                 Hkv,      D,
-                capacity, rows_as_steps ? max_splits(1, capacity) : max_splits(M, capacity),
+                capacity, rows_as_steps ? max_splits(1, capacity, fewer) : max_splits(M, capacity, fewer),
                 1,        rows_as_steps,
                 qkv_in,   halved};
   const auto cluster = [&](auto kv) {

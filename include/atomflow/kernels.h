@@ -297,7 +297,8 @@ struct AttnPlan {
   // The decode step's attention on the QKV product's raw row (attention_qkv): M = 1.
   bool qkv_in = false;
   // Query-head ratios 4..8 at head_dim <= 128 on two blocks per kv head of half the heads (ratios 5
-  // and 7 always are): a qk_norm model's every path (StepPlan::attn_halved), so they keep one set of bits.
+  // and 7 always are), at most 32 splits (attention_decode.cu's kHalvedMaxSplits): a qk_norm model's every
+  // path (StepPlan::attn_halved), so they keep one set of bits.
   bool halved = false;
 };
 constexpr int kMaxAttnRowsAsSteps = 16;
