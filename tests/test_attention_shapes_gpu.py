@@ -86,3 +86,24 @@ def test_engine_head_dim_matches_reference(arch_file, preset, head_dim):
     assert model.spec.head_dim == head_dim and model.spec.cuda_unsupported() is None
     compare(model, 40, 16)
     compare(model, 530, 4)
+
+
+def test_engine_halved_ratio_4_matches_reference(arch_file):
+    """4 query heads per kv head at head_dim 128 (Llama-3.1-8B's) run the halved attention plan
+    (StepPlan::attn_halved: two blocks of 2 heads per kv head, at most 32 splits): against the reference
+    short and past 1024 keys, and a chunk's rows as decode steps equal the decode steps bit for bit."""
+    from atomflow.backends.cuda import CudaBackend, plan_for
+
+    model = arch_file("llama-r4-d128")
+    plan = plan_for(model, 2048)
+    assert plan["qkv_path"] == "fused" and all(r["halved"] for r in plan["attention"])
+    assert next(r for r in plan["attention"] if r["when"] == "decode")["splits"] == 32
+    compare(model, 40, 16)
+    compare(model, 1100, 4, max_context=2048)
+    be = CudaBackend(model, 2048, verbose=False)
+    ids = np.random.default_rng(7).integers(0, model.spec.vocab_size, 1105).astype(np.int32)
+    be.prefill(ids[:1100])
+    rows = be.engine.prefill_rows(ids[1100:])
+    be.rollback(1100)
+    steps = np.stack([be.decode(int(t)) for t in ids[1100:]])
+    np.testing.assert_array_equal(rows, steps)

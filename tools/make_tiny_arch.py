@@ -35,6 +35,8 @@ PRESETS = {
     "llama-d80": ("llama", 256, 512, 2, 8, 2, 80, {}),
     "llama-d96": ("llama", 256, 512, 2, 8, 1, 96, {}),
     "llama-d256": ("llama", 256, 512, 2, 8, 1, 256, {}),
+    # Llama-3.1-8B's ratio and head_dim (4, 128): the attention plan halved (StepPlan::attn_halved).
+    "llama-r4-d128": ("llama", 256, 512, 2, 4, 1, 128, {}),
     # The Qwen extras on the GPU (tests/test_architectures_gpu.py); qwen3-d128: head_dim 128 while
     # hidden / heads = 64.
     "qwen2-g2": ("qwen2", 256, 512, 2, 4, 2, 64, {"use_sliding_window": False}),

@@ -1042,12 +1042,12 @@ bool attention_supported(int D, int group) {
 // of 3 or 4 heads rather than one padded to 6 or 8: half the rows per block and twice the blocks (a
 // Qwen2.5-7B decode step, 4 kv heads, has as many blocks as a Llama-3.1-8B one), the kv head's keys read
 // twice (the second time mostly from L2: its blocks are adjacent in grid.x).
-// A plan `halved` (AttnPlan::halved) runs every ratio of 4 to 8 so, at head_dim <= 128: a qk_norm
-// model's decode step makes its query heads in attention's prologue, which two blocks of half the heads
-// shorten; the model's verify rows and probed steps take the same map, hence the same bits. Such a plan
-// also stops at kHalvedMaxSplits (max_splits).
+// A plan `halved` (AttnPlan::halved) runs ratios 4, 6 and 8 so, at head_dim <= 128 (StepPlan::attn_halved
+// says which models): half the heads a block, twice the blocks, each split the unhalved plan's keys; the
+// model's verify rows and probed steps take the same map, hence the same bits. Such a plan also stops at
+// kHalvedMaxSplits (max_splits), which ratios 5 and 7 (two blocks already) do not take.
 static bool halves(int D, int group, bool halved) {
-  return halved && D <= 128 && group >= 4 && group <= kMaxGroup<128>;
+  return halved && D <= 128 && (group == 4 || group == 6 || group == 8);  // 5 and 7 run two blocks anyway
 }
 static HeadMap head_map(int D, int group, bool halved = false) {
   const int most = D <= 128 ? kMaxGroup<128> : kMaxGroup<256>;

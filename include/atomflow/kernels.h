@@ -296,9 +296,9 @@ struct AttnPlan {
   bool rows_as_steps = false;
   // The decode step's attention on the QKV product's raw row (attention_qkv): M = 1.
   bool qkv_in = false;
-  // Query-head ratios 4..8 at head_dim <= 128 on two blocks per kv head of half the heads (ratios 5
-  // and 7 always are), at most 32 splits (attention_decode.cu's kHalvedMaxSplits): a qk_norm model's every
-  // path (StepPlan::attn_halved), so they keep one set of bits.
+  // Query-head ratios 4, 6 and 8 at head_dim <= 128 on two blocks per kv head of half the heads (ratios 5
+  // and 7 always are), at most 32 splits (attention_decode.cu's kHalvedMaxSplits): every path of a model
+  // the step plan halves (StepPlan::attn_halved), so they keep one set of bits.
   bool halved = false;
 };
 constexpr int kMaxAttnRowsAsSteps = 16;

@@ -73,10 +73,10 @@ struct StepPlan {
   // fused_qkv is false).
   kernels::AttnPlan attn, attn_short;
   // Every attention plan of the model on the decode kernel (decode, probed, a chunk's rows) halves its
-  // query-head ratios of 4..8 (AttnPlan::halved): where fused_qkv is false, whose decode step makes its
-  // query heads in attention's prologue (two blocks of half the heads, the unhalved plan's key steps, at
-  // most 32 splits: Qwen3-8B -3.9% on an H100, log 2026-11-26 f and h; the plain Llama-3.1-8B step was
-  // 1.4% slower so, log 2026-11-26 e).
+  // query-head ratios of 4, 6 and 8 (AttnPlan::halved: two blocks of half the heads per kv head, the
+  // unhalved plan's key steps, at most 32 splits) where fused_qkv is false, whose decode step makes its
+  // query heads in attention's prologue (Qwen3-8B -3.9% on an H100, log 2026-11-26 f and h), and at
+  // ratio 4 with head_dim 128 on any model (Llama-3.1-8B -8% at depth 8192, log 2026-11-26 i).
   bool attn_halved = false;
   // Prefill chunks (M > 1) run the tensor-core GEMM. Their attention: chunks of at least
   // prefill_attn_min_rows rows run attention_prefill on tensor cores (planned per chunk by
