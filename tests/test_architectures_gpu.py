@@ -103,7 +103,9 @@ def test_plan_says_the_qkv_path(arch_files, preset, capsys):
     assert qkv["kernel"].endswith(", bias>") == (preset == "qwen2-g2"), qkv["kernel"]
     # the split path's decode attention takes the product's raw row (attention_qkv's policy)
     for row in plan["attention"]:
-        assert row["kernel"].startswith("attention_kernel<RopedKV" if path == "attention" else "attention_kernel<Cont")
+        # the instance it launches: qwen3-d128's 4 heads per kv head on two blocks of 2 (halved)
+        want = "attention_kernel<HeadMapped<RopedKV>, 128, 2, 1>" if path == "attention" else "attention_kernel<ContiguousKV"
+        assert row["kernel"].startswith(want), row["kernel"]
         assert row["halved"] == (path == "attention")  # AttnPlan::halved: the roped model's every path
     # a halved plan's splits stop at 32 (two blocks per kv head: the unhalved plan's grid), others at 64
     long = next(r for r in plan_for(model, 2048)["attention"] if r["when"] == "decode")

@@ -37,13 +37,12 @@ py::dict attention_row(const char* when, const kernels::AttnPlan& a) {
   py::dict r;
   r["product"] = "attention";
   r["when"] = when;
-  r["kernel"] = std::string("attention_kernel<") + (a.qkv_in ? "RopedKV" : "ContiguousKV") +
-                ", D=" + std::to_string(a.D) + ", G=" + std::to_string(a.H / a.Hkv) + ", QT=1>";
+  r["kernel"] = kernels::attention_instance_name(a);  // the instance: heads per block, not H / Hkv
   r["keys"] = a.capacity;
   r["splits"] = a.splits;
   r["cluster"] = a.cluster;
   r["merge"] = kernels::attention_merge_name(a);
-  r["halved"] = a.halved;  // ratios 4..8 on two blocks per kv head (AttnPlan::halved)
+  r["halved"] = a.halved;  // ratios 4, 6, 8 on two blocks per kv head (AttnPlan::halved)
   r["blocks"] = a.Hkv * kernels::attention_blocks_per_kv_head(a) * ((a.splits + a.cluster - 1) / a.cluster) * a.cluster;
   r["warps"] = 4;
   return r;

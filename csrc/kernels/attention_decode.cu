@@ -76,6 +76,7 @@
 //           does not depend on timing, on the merge path, or on the capacity the grid is planned for.
 #include <cooperative_groups.h>
 #include <algorithm>
+#include <string>
 #include <type_traits>
 
 #include "atomflow/act16.cuh"
@@ -1184,6 +1185,25 @@ AttnPlan plan_attention(int M, int H, int Hkv, int D, int capacity, bool cluster
 
 int attention_blocks_per_kv_head(const AttnPlan& plan) {
   return head_map(plan.D, plan.H / plan.Hkv, plan.halved).blocks;
+}
+
+std::string attention_instance_name(const AttnPlan& plan) {
+  std::string out;
+  const auto name = [&](auto kv, const char* policy) {
+    using KV = decltype(kv);
+    for_shape<KV>(plan.D, plan.H / plan.Hkv, plan.M, plan.halved, [&](auto d, auto g, auto qt, auto mapped) {
+      const std::string p = decltype(mapped)::value ? std::string("HeadMapped<") + policy + ">" : std::string(policy);
+      out = "attention_kernel<" + p + ", " + std::to_string(decltype(d)::value) + ", " +
+            std::to_string(decltype(g)::value) + ", " + std::to_string(decltype(qt)::value) + ">";
+    });
+  };
+  if (plan.rows_as_steps)
+    name(ChunkRowsKV{}, "ChunkRowsKV");
+  else if (plan.qkv_in)
+    name(RopedKV{}, "RopedKV");
+  else
+    name(ContiguousKV{}, "ContiguousKV");
+  return out;
 }
 
 const char* attention_merge_name(const AttnPlan& plan) {

@@ -305,6 +305,8 @@ constexpr int kMaxAttnRowsAsSteps = 16;
 AttnPlan plan_attention(int M, int H, int Hkv, int D, int capacity, bool cluster_merge = true,
                         bool rows_as_steps = false, bool qkv_in = false, bool halved = false);
 const char* attention_merge_name(const AttnPlan& plan);  // "cluster", "scratch" or "none" (one split)
+// The kernel instance a plan launches, as its symbol reads: "attention_kernel<HeadMapped<RopedKV>, 128, 2, 1>".
+std::string attention_instance_name(const AttnPlan& plan);
 // Blocks per kv head of the plan's grid: 1, or 2+ where a kv head's query heads run on several blocks
 // (ratios 5 and 7, a halved plan's 4..8, ratios past a block's rows).
 int attention_blocks_per_kv_head(const AttnPlan& plan);
