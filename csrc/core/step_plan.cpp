@@ -79,8 +79,8 @@ StepPlan make_step_plan(const ModelSpec& s, int max_context, const PlanOptions& 
   // A split QKV path's decode attention takes the product's raw row (attention_qkv).
   const bool qkv_in = !p.fused_qkv;
   // Halved (StepPlan::attn_halved): a qk_norm model (its prologue makes the query heads), and 4 query
-  // heads per kv head at head_dim 128 (the measured shape: Llama-3.1-8B decode at depth 8192 3.752 ->
-  // 3.445 ms, 1024 -1.8%, short contexts -0.2%; log 2026-11-26 i).
+  // heads per kv head at head_dim 128 (the measured shape: Llama-3.1-8B decode at depth 8192 3.762 ->
+  // 3.453 ms, 1024 -1.7%, but 128..384 keys +0.8%; log 2026-11-26 j).
   p.attn_halved = qkv_in || (H / Hkv == 4 && D == 128);
   p.attn = kernels::plan_attention(1, H, Hkv, D, max_context, options.cluster_merge, false, qkv_in, p.attn_halved);
   if (p.short_keys > 0)

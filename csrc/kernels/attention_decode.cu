@@ -150,8 +150,8 @@ constexpr size_t kCounterBytes = static_cast<size_t>(kMaxSplitBlocks / 2) * kMax
 // Splits planned for (grid.y and scratch): fixed by the query rows of the call (rows = B * M), the
 // per-sequence key capacity and whether a halved plan halves the shape (halves() below) only. A batch
 // shares the 128 splits' worth of blocks among its rows. The scratch is sized for the unhalved count.
-static int max_splits(int rows, int capacity, bool halved = false) {
-  const int most = halved ? kHalvedMaxSplits : kMaxSplits;
+static int max_splits(int rows, int capacity, bool fewer = false) {
+  const int most = fewer ? kHalvedMaxSplits : kMaxSplits;
   const int shared = kMaxSplitBlocks / rows > 1 ? kMaxSplitBlocks / rows : 1;
   const int by_rows = shared < most ? shared : most;
   const int by_keys = CEIL_DIV(capacity, kMinKeysPerSplit);
@@ -1009,9 +1009,8 @@ static int cluster_splits(int s_max, bool merge) {
 
 template <class KV, int D, int G, int QT>
 static void launch_attention(const bf16* q, const KV& kv, int B, int M, int H, int Hkv, int s_max, int cs, float scale,
-                             void* scratch, void* out, int* f16_overflow, cudaStream_t stream, bool early,
-                             bool halved) {
-  AF_CHECK(s_max == (kRowsAsSteps<KV> ? max_splits(1, kv.capacity, halved) : max_splits(B * M, kv.capacity, halved)) &&
+                             void* scratch, void* out, int* f16_overflow, cudaStream_t stream, bool early, bool fewer) {
+  AF_CHECK(s_max == (kRowsAsSteps<KV> ? max_splits(1, kv.capacity, fewer) : max_splits(B * M, kv.capacity, fewer)) &&
                cs >= 1 && (cs == 1 || cs >= s_max),
            "attention: the plan's splits are not this call's");
   int* counters = static_cast<int*>(scratch);
