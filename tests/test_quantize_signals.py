@@ -119,3 +119,28 @@ def test_sigkill_leftover_is_swept_by_the_next_run(tiny_hf_dir, tmp_path):
     assert q.returncode == 0, err
     assert f"removed {stale}" in err
     assert os.listdir(tmp_path) == ["m.atomflow"]
+
+
+def test_a_signal_that_breaks_a_cleanup_is_still_the_signal(tiny_hf_dir, tmp_path, monkeypatch):
+    """A signal that lands inside a library's `try: lock.acquire() ... finally: lock.release()` surfaces
+    as that cleanup's RuntimeError ("release unlocked lock"); quantize reports the signal (the CLI's exit
+    128 + signum and its one line), and nothing is left behind."""
+    import threading
+
+    from atomflow.errors import InterruptedBySignal
+    from atomflow.model import quantize as q
+
+    def broken(source, out, *args):
+        q.temp_path(out).write_bytes(b"partial")
+        lock = threading.Lock()
+        try:
+            raise InterruptedBySignal(signal.SIGTERM)  # as the handler raises it, before acquire() took the lock
+        finally:
+            lock.release()  # RuntimeError: release unlocked lock
+
+    monkeypatch.setattr(q, "_quantize", broken)
+    out = tmp_path / "m.atomflow"
+    with pytest.raises(InterruptedBySignal) as e:
+        q.quantize(tiny_hf_dir, out, progress=False, log=lambda s: None)
+    assert e.value.signum == signal.SIGTERM
+    assert not list(tmp_path.iterdir())

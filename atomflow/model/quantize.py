@@ -249,8 +249,13 @@ def quantize(
     with quantize_io.raise_on_signals():
         try:
             summary = _quantize(source, out, lm_head, progress, log)
-        except BaseException:
+        except BaseException as e:
             temp_path(out).unlink(missing_ok=True)  # even if the signal came before the writer's `with`
+            # A signal that lands inside a library's `try: acquire ... finally: release` surfaces as the
+            # error of that cleanup ("release unlocked lock"): the signal is what ended the run.
+            sig = quantize_io.signal_behind(e)
+            if sig is not None and sig is not e:
+                raise sig from None
             raise
     _print_error_table(ModelSpec.from_dict(summary["spec"]), summary["errors"], log)  # the file is in place
     return summary

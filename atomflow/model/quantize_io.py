@@ -214,6 +214,18 @@ def raise_on_signals():
             signal.signal(s, h)
 
 
+def signal_behind(e: BaseException) -> InterruptedBySignal | None:
+    """The InterruptedBySignal that `e` is, or that it arose while handling (its __cause__ /
+    __context__ chain), else None."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, InterruptedBySignal):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+
 def check_spec(hf_dir: Path, spec: ModelSpec, weight_map: dict[str, str]) -> None:
     """Before a tensor table is built from config.json: its sizes within the reader's bounds (it
     would refuse the file) and its layer count the checkpoint's, so an absurd config costs
