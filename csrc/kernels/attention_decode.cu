@@ -103,7 +103,8 @@ constexpr int kMinKeysPerSplit = 32;  // short contexts: many blocks, one K/V st
 constexpr int kMaxSplits = 64;        // splits of one query row's keys
 // A halved plan's (AttnPlan::halved): two blocks per kv head, so half the splits keep the grid at the
 // unhalved plan's 512 blocks (Qwen3-8B) from 1024 keys on, one wave where 64 splits took two (H100,
-// ops.time_attention_qkv: 2048 keys 13.35 -> 9.53 us, 4096 17.10 -> 12.92; log 2026-11-26 h).
+// bench_kernels.py --sections attention_qkv, q/k norms, halved, 319fb60 -> 7d93a59: 2048 keys 10.28 ->
+// 9.52 us, 4096 18.01 -> 12.87; the cap alone, 64 / 32 / 16 splits: log 2026-11-26 i).
 constexpr int kHalvedMaxSplits = 32;
 constexpr int kMaxSplitBlocks = 128;  // splits x query rows of one call (prefill chunks, batches)
 // The most splits per thread-block cluster, by the leader's buffer. A call runs in clusters only when
