@@ -482,7 +482,7 @@ static __device__ __forceinline__ void merge_in_cluster(const float4 (&acc)[CS][
 // policy (its mapped 4 heads spill at 128).
 // Keys per stream per step. A halved plan's blocks of two heads (mapped, head_dim 64 / 128) keep the
 // unhalved block's 4: the same short splits on twice the blocks (Qwen3-8B decode -2.5%, log 2026-11-26
-// h; with 8 a split held 64 keys and the halving paid only its prologue).
+// i; with 8 a split held 64 keys and the halving paid only its prologue).
 template <int R, int D, bool MAPPED>
 constexpr int kKeysPerStream = R <= 2 && !(MAPPED && (D == 64 || D == 128)) ? 8 : (R <= 4 ? 4 : 2);
 template <class KV>

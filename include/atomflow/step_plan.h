@@ -75,7 +75,7 @@ struct StepPlan {
   // Every attention plan of the model on the decode kernel (decode, probed, a chunk's rows) halves its
   // query-head ratios of 4, 6 and 8 (AttnPlan::halved: two blocks of half the heads per kv head, the
   // unhalved plan's key steps, at most 32 splits) where fused_qkv is false, whose decode step makes its
-  // query heads in attention's prologue (Qwen3-8B -3.9% on an H100, log 2026-11-26 f and h), and at
+  // query heads in attention's prologue (Qwen3-8B -3.9% on an H100, log 2026-11-26 f and i), and at
   // ratio 4 with head_dim 128 on any model (Llama-3.1-8B -8% at depth 8192, log 2026-11-26 i).
   bool attn_halved = false;
   // Prefill chunks (M > 1) run the tensor-core GEMM. Their attention: chunks of at least
