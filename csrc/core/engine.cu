@@ -440,7 +440,6 @@ void Engine::prefill_rows(const int32_t* ids, int n, float* logits) {
   // A small-M chunk's rows run as decode steps, in the engine's activations; in fp16 one that passes
   // fp16's range moves the engine to bf16 (as a decode step's would) and the chunk runs again.
   const bool as_steps = n <= step_plan_.small_m_max_rows;
-  volatile int32_t* overflow = ring_host_ + 2 * kRingSize + kLogitRows;  // take_int's copy of the flag
   for (;;) {
     {
       StepRows scope(step_rows_, as_steps);
@@ -454,10 +453,9 @@ void Engine::prefill_rows(const int32_t* ids, int n, float* logits) {
                                     cudaMemcpyDeviceToHost, stream_));
     }
     const bool flagged = as_steps && f16_acts_;
-    if (flagged) step::take_int(buf_.f16_overflow, ring_dev_ + 2 * kRingSize + kLogitRows, stream_);
+    if (flagged) enqueue_take_overflow();
     AF_CUDA_CHECK(cudaStreamSynchronize(stream_));
-    if (!flagged || *overflow == 0) break;
-    *overflow = 0;
+    if (!flagged || !took_overflow()) break;
     move_to_bf16("a chunk of " + std::to_string(n) + " rows at position " + std::to_string(host_pos_));
     step::write_pos(buf_.pos, host_pos_, stream_);  // the same rows again (the ids are still staged)
   }
@@ -487,9 +485,7 @@ bool Engine::verify_greedy(const int32_t* ids, int n, int32_t* tokens) {
     enqueue_verify(n);
   AF_CUDA_CHECK(cudaStreamSynchronize(stream_));
   last_output_ = kUnknown;
-  volatile int32_t* overflow = ring_host_ + 2 * kRingSize + kLogitRows;  // enqueue_verify's copy of the flag
-  if (*overflow != 0) {  // the rows are not the fp16 decode steps' (one passed fp16's range): dropped
-    *overflow = 0;
+  if (took_overflow()) {  // the rows are not the fp16 decode steps' (one passed fp16's range): dropped
     step::write_pos(buf_.pos, host_pos_, stream_);
     return false;
   }
@@ -507,7 +503,18 @@ void Engine::enqueue_verify(int n) {
   // Straight into the mapped host memory after the ring (the caller's sync makes the writes visible): the
   // tokens, and in fp16 the overflow flag (taken and cleared).
   kernels::argmax_rows(buf_.logits, n, spec_.vocab_size, ring_dev_ + 2 * kRingSize, stream_);
-  if (f16_acts_) step::take_int(buf_.f16_overflow, ring_dev_ + 2 * kRingSize + kLogitRows, stream_);
+  if (f16_acts_) enqueue_take_overflow();
+}
+
+void Engine::enqueue_take_overflow() {
+  step::take_int(buf_.f16_overflow, ring_dev_ + 2 * kRingSize + kLogitRows, stream_);
+}
+
+bool Engine::took_overflow() {
+  volatile int32_t* slot = ring_host_ + 2 * kRingSize + kLogitRows;
+  const bool overflowed = *slot != 0;
+  *slot = 0;
+  return overflowed;
 }
 
 void Engine::decode(int32_t token, float* logits) {

@@ -229,8 +229,12 @@ class Engine {
   // Stream capture of enqueue()'s launches into an instantiated, uploaded graph; `what` names it in errors.
   cudaGraphExec_t capture(const std::string& name, const std::function<void()>& enqueue, size_t* nodes);
   void enqueue_verify(int n);  // a verify chunk of n rows already in buf_.ids: layers, heads, greedy tokens
-  void launch_step();          // one decode step: the graph, or its launches when eager
-  void enqueue_steps(int n);   // enqueue() without the lock
+  // A chunk's fp16 overflow flag: copied (and cleared) into the mapped slot after a verify's tokens, then,
+  // once the stream has synced, read (and cleared) there.
+  void enqueue_take_overflow();
+  bool took_overflow();
+  void launch_step();                        // one decode step: the graph, or its launches when eager
+  void enqueue_steps(int n);                 // enqueue() without the lock
   bool step_overflowed(int position) const;  // the ring's flag of the step at `position` (it has run)
   // bf16 activations from now on: the steps in flight dropped, the graphs captured again (verify graphs on
   // their next use), the overflow flag cleared; `what` overflowed (the verbose message names it).
