@@ -251,11 +251,9 @@ class CudaBackend:
         head included (the engine's logit_rows)."""
         return min(int(self.step_plan["prefill_small_m_max_rows"]), int(self.engine.logit_rows))
 
-    @property
-    def exact_verify(self) -> bool:
-        """Whether verify rows equal decode steps bit for bit: they run the decode step's activations
-        (fp16 with its overflow flag, or bf16), whichever the engine is in."""
-        return True
+    # Verify rows equal decode steps bit for bit: they run the decode step's activations (fp16 with its
+    # overflow flag, or bf16), whichever the engine is in.
+    exact_verify = True
 
     def spec_prefill(self, ids: np.ndarray, start: int) -> int | None:
         """As generate_ids: the cache then holds ids (from `start`), greedy sampling set, and the first token
