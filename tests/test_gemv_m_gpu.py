@@ -94,17 +94,17 @@ def decode_gemv(w, s, x_row, ep, out_init, x_dtype):
         return None
 
 
-def check(rng, M, N, K, ep, x_dtype="bf16", nc=0, slab=0, exact_rows=None):
+def check(rng, M, N, K, ep, x_dtype="bf16", nc=0, slab=0, exact_rows=None, kernel="auto"):
     """One product against the numpy reference, and rows against the decode GEMV to the bit."""
     w, s = random_fp8(rng, (N, K)), random_scales(rng, N, K)
     to_bits, from_bits = (bf16_bits, from_bf16) if x_dtype == "bf16" else (f16_bits, from_f16)
     x = to_bits(rng.standard_normal((M, K)))
     y = reference_linear(w, s, from_bits(x))
-    what = f"gemv_m M={M} N={N} K={K} ep={ep} x {x_dtype} nc={nc} slab={slab}"
+    what = f"gemv_m M={M} N={N} K={K} ep={ep} x {x_dtype} nc={nc} slab={slab} kernel={kernel}"
     out_init = None
     if ep == ADD:
         out_init = (rng.standard_normal((M, N)) * (np.sqrt(np.mean(y**2)) + 1.0)).astype(np.float32)
-    got = ops.gemv_m(w, s, x, ep, out_init, x_dtype, nc=nc, slab=slab)
+    got = ops.gemv_m(w, s, x, ep, out_init, x_dtype, nc=nc, slab=slab, kernel=kernel)
     if ep == STORE:
         assert_close(got, y, FP32_REL, what)
     elif ep == ADD:
@@ -146,6 +146,31 @@ def test_gemv_m_model_shapes(rng, M, N, K, ep):
     check(rng, M, N, K, ep, exact_rows=some_rows)
 
 
+# The decode GEMV with token columns (gemv_w8a16_cols.cu) against the tile kernel on the rows the
+# table may give either: whole rows (K % 512 == 0), ragged rows, ragged rows with a tail scale group.
+@pytest.mark.parametrize("M", range(1, 5))
+@pytest.mark.parametrize("kernel", ["cols", "tiles"])
+@pytest.mark.parametrize("ep", [STORE, ADD, SWIGLU])
+def test_gemv_m_cols_and_tiles_every_row_same_bits(rng, M, kernel, ep):
+    """Every row of M = 1..4 equals the decode GEMV's to the bit on either kernel, bf16 and f16 x, for
+    rows of 0.75 to 4.5 iterations of the columns (several row pairs a warp on the small N)."""
+    for N, K, x_dtype in ((2 * 136, 3072, "f16"), (150, 1216, "bf16"), (2 * 520, 1024, "bf16"), (2 * 40, 9216, "f16")):
+        check(rng, M, N, K, ep, x_dtype, exact_rows=range, kernel=kernel)
+
+
+@pytest.mark.parametrize("M", [2, 3, 4])
+@pytest.mark.parametrize("N,K,ep", list(model_shapes()))
+def test_gemv_m_cols_model_shapes(rng, M, N, K, ep):
+    """Every model shape on the token columns where they fit (the table takes only some of them)."""
+    if M * (-(-K // 512) * 512) * 2 > 114 * 1024:  # x's fp16 rows past half an SM's 228 KB (Qwen2.5-7B's down, 4 rows)
+        with pytest.raises(ValueError, match="no token-column plan"):
+            ops.gemv_m_plan(M, N, K, ep, "f16", kernel="cols")
+        return
+    plan = ops.gemv_m_plan(M, N, K, ep, "f16", kernel="cols")
+    assert plan["cols"] and plan["variant"].startswith("gemv_cols<")
+    check(rng, M, N, K, ep, "f16", exact_rows=some_rows, kernel="cols")
+
+
 # Every kernel instance: (M, nc) over the token tiles 1, 2, 4, 8 and their classes per warp.
 INSTANCES = [(M, nc) for M in (5, 16) for nc in (1, 2, 4)] + [(M, nc) for M in (31,) for nc in (2, 4)] + [(64, 2)]
 
@@ -159,11 +184,17 @@ def test_gemv_m_every_instance_same_bits(rng, M, nc, ep):
         check(rng, M, 2 * 136, 3072, ep, "f16", nc=nc, slab=slab, exact_rows=some_rows)
 
 
-@pytest.mark.parametrize("M", [1, 3, 16, 40])
-@pytest.mark.parametrize("K", [576, 3072])
-def test_gemv_m_rmsnorm_same_bits(rng, M, K):
+@pytest.mark.parametrize(
+    "M,K,kernel",
+    [(M, K, "tiles") for M in (1, 3, 16, 40) for K in (576, 3072)]
+    + [(M, K, "cols") for M in (1, 3, 4) for K in (576, 3072, 8192)],
+)
+def test_gemv_m_rmsnorm_same_bits(rng, M, K, kernel):
     """The fused RMSNorm: row m equals rmsnorm() + gemv_m(f16) and, where it takes K, the decode
-    GEMV's fused prologue on x[m], to the bit; all against the reference of the normalized input."""
+    GEMV's fused prologue on x[m], to the bit; all against the reference of the normalized input.
+    At K = 8192 the token columns stage the raw fp32 rows one at a time (their shared memory)."""
+    if kernel == "cols" and K == 8192 and M > 1:
+        assert ops.gemv_m_plan(M, 400, K, STORE, "norm", kernel="cols")["cols_raw_rows"] < M
     N = 2 * 200
     w, s = random_fp8(rng, (N, K)), random_scales(rng, N, K)
     x = (rng.standard_normal((M, K)) * rng.uniform(0.1, 10, size=(M, 1))).astype(np.float32)
@@ -171,8 +202,8 @@ def test_gemv_m_rmsnorm_same_bits(rng, M, K):
     xn = ops.rmsnorm(x, nw, 1e-5)  # fp16 bits [M, K]
     for ep in (STORE, ADD, SWIGLU):
         init = rng.standard_normal((M, N)).astype(np.float32) if ep == ADD else None
-        got = ops.gemv_m(w, s, x, ep, init, norm_w=nw, eps=1e-5)
-        np.testing.assert_array_equal(got, ops.gemv_m(w, s, xn, ep, init, "f16"))
+        got = ops.gemv_m(w, s, x, ep, init, norm_w=nw, eps=1e-5, kernel=kernel)
+        np.testing.assert_array_equal(got, ops.gemv_m(w, s, xn, ep, init, "f16", kernel="tiles"))
         if K % 128 == 0:
             for m in some_rows(M):
                 one = ops.gemv_rmsnorm(w, s, x[m], nw, 1e-5, ep, None if init is None else init[m])
@@ -225,9 +256,11 @@ def llama_inv_freq(D, theta=500000.0):
         (4, 1, 256, 256, False),
     ],
 )
-@pytest.mark.parametrize("M,nc", [(2, 0), (5, 1), (9, 0), (16, 4)])
+@pytest.mark.parametrize(
+    "M,nc,kernel", [(2, 0, "cols"), (4, 0, "cols"), (2, 0, "tiles"), (5, 1, "auto"), (9, 0, "auto"), (16, 4, "auto")]
+)
 @pytest.mark.parametrize("pos,C", [(0, 20), (4093, 4100), (70000, 70010)])  # middle: the last rows past the cache
-def test_gemv_m_rmsnorm_rope_equals_the_three_kernels(rng, H, Hkv, D, K, bias, M, nc, pos, C):
+def test_gemv_m_rmsnorm_rope_equals_the_three_kernels(rng, H, Hkv, D, K, bias, M, nc, kernel, pos, C):
     """A chunk's QKV launch with RoPE + KV append in its epilogue writes exactly what the small-M
     product (Store) followed by rope_kv_append writes, bit for bit: q of every row, the K / V rows of the
     positions inside the cache, and nothing else of the caches."""
@@ -241,8 +274,10 @@ def test_gemv_m_rmsnorm_rope_equals_the_three_kernels(rng, H, Hkv, D, K, bias, M
     lo = max(0, pos - 4)  # random rows around the chunk, so a stray write shows
     kc0[lo:] = bf16_bits(rng.standard_normal((C - lo, Hkv, D)))
     vc0[lo:] = bf16_bits(rng.standard_normal((C - lo, Hkv, D)))
-    q, kc, vc = ops.gemv_m_rmsnorm_rope(w, s, x, nw, 1e-5, inv_freq, pos, H, Hkv, D, kc0.copy(), vc0.copy(), b, nc=nc)
-    qkv = ops.gemv_m(w, s, x, STORE, None, norm_w=nw, eps=1e-5, nc=nc)
+    q, kc, vc = ops.gemv_m_rmsnorm_rope(
+        w, s, x, nw, 1e-5, inv_freq, pos, H, Hkv, D, kc0.copy(), vc0.copy(), b, nc=nc, kernel=kernel
+    )
+    qkv = ops.gemv_m(w, s, x, STORE, None, norm_w=nw, eps=1e-5, nc=nc, kernel="auto" if nc else "tiles")
     q_ref, kc_ref, vc_ref = ops.rope_kv_append(qkv, inv_freq, pos, H, Hkv, D, kc0.copy(), vc0.copy(), bias=b)
     np.testing.assert_array_equal(q, q_ref)
     np.testing.assert_array_equal(kc, kc_ref)
@@ -281,6 +316,24 @@ def test_gemv_m_plan_table():
     assert o["keep"] and not down["keep"]
     assert ops.gemv_m_plan(5, 5120, 3072, STORE, "norm")["keep"] and ops.gemv_m_plan(5, 3072, 8192, ADD)["keep"]
     assert not ops.gemv_m_plan(5, 5120, 3072, STORE, "f16")["keep"]
+    # 2 and 3 rows of the long products on the decode GEMV with token columns (both blocks of an SM
+    # hold x's rows); the rest, and anything the tile kernel's knobs name, on tiles
+    gu3 = ops.gemv_m_plan(3, 16384, 3072, SWIGLU, "norm")
+    assert gu3["cols"] and gu3["cols_mt"] == 4 and gu3["cols_raw_rows"] == 3 and gu3["variant"].startswith("gemv_cols<")
+    assert ops.gemv_m_plan(2, 3072, 8192, ADD, "f16")["cols"]  # 3B down
+    assert ops.gemv_m_plan(2, 6144, 4096, STORE, "norm")["cols"]  # 8B qkv
+    assert not ops.gemv_m_plan(2, 4096, 4096, ADD, "f16")["cols"]  # 8B o: too short a stream
+    assert not ops.gemv_m_plan(2, 49152, 576, STORE, "norm")["cols"]  # SmolLM2's head: too short a row
+    assert ops.gemv_m_plan(4, 16384, 3072, SWIGLU, "norm")["cols"]
+    assert not ops.gemv_m_plan(5, 16384, 3072, SWIGLU, "norm")["cols"]  # past the rows' crossover
+    assert not ops.gemv_m_plan(1, 16384, 3072, SWIGLU, "norm")["cols"]
+    assert not ops.gemv_m_plan(3, 16384, 3072, SWIGLU, "norm", nc=2)["cols"]  # the tile kernel's knobs
+    assert not ops.gemv_m_plan(3, 16384, 3072, SWIGLU, "norm", kernel="tiles")["cols"]
+    assert ops.gemv_m_plan(4, 3072, 3072, ADD, "f16", kernel="cols")["cols"]
+    with pytest.raises(ValueError, match="no token-column plan"):
+        ops.gemv_m_plan(4, 4096, 28672, ADD, "f16", kernel="cols")  # 4 rows of 28672: 229 KB
+    with pytest.raises(ValueError, match="no token-column plan"):
+        ops.gemv_m_plan(5, 3072, 3072, ADD, "f16", kernel="cols")  # 4 columns at most
 
 
 def test_gemv_m_rejects_bad_arguments(rng):

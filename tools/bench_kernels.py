@@ -18,7 +18,18 @@ MODELS = {  # Llama 3.2 3B and 3.1 8B
 }
 VOCAB = 128256
 STORE, ADD, SWIGLU = 0, 1, 2
-SECTIONS = ("gemv", "gemv_m", "attention", "attention_qkv", "attention_prefill", "gemm", "gemm_sm90", "gemm_w8a8", "sample")
+SECTIONS = (
+    "gemv",
+    "gemv_m",
+    "gemv_m_products",
+    "attention",
+    "attention_qkv",
+    "attention_prefill",
+    "gemm",
+    "gemm_sm90",
+    "gemm_w8a8",
+    "sample",
+)
 
 
 def linear_shapes(m: dict):
@@ -100,26 +111,73 @@ def main(argv=None) -> int:
             m = MODELS[model]
             layer = linear_shapes(m)[:4]
             m1_us = sum(ops.time_gemv(N, K, iters=args.iters, epilogue=ep) for _, N, K, ep in layer)
-            for M in [1, 2, 4, 8, 16, 32, 64]:
-                us = gemm_us = 0.0
+            for M in [1, 2, 4, 5, 8, 16, 32, 64]:
+                us = tiles_us = gemm_us = 0.0
                 nbytes = 0
                 for _, N, K, ep in layer:
                     us += ops.time_gemv_m(M, N, K, iters=args.iters, epilogue=ep)
+                    tiles_us += ops.time_gemv_m(M, N, K, iters=args.iters, epilogue=ep, kernel="tiles")
                     gemm_us += ops.time_gemm(M, N, K, iters=max(5, args.iters // 5), epilogue=ep)
                     out = {STORE: 4 * N, ADD: 8 * N, SWIGLU: 2 * (N // 2)}[ep] * M
                     nbytes += N * K + N * (-(-K // 128)) * 4 + 2 * K * M + out
                 gbs = nbytes / us / 1e3
-                plans = " ".join(f"{ops.gemv_m_plan(M, N, K, ep)['nc']}" for _, N, K, ep in layer)
+                chosen = [ops.gemv_m_plan(M, N, K, ep) for _, N, K, ep in layer]
+                plans = " ".join("cols" if p["cols"] else f"{p['nc']}" for p in chosen)
                 mib = f"{nbytes / 2**20:.1f}"
                 rows.append(
-                    [model, str(M), f"{us:.1f}", f"{us / m1_us:.2f}", f"{gemm_us:.1f}", mib, f"{gbs:.0f}", pct(gbs), plans]
+                    [
+                        model,
+                        str(M),
+                        f"{us:.1f}",
+                        f"{us / m1_us:.2f}",
+                        f"{tiles_us:.1f}",
+                        f"{gemm_us:.1f}",
+                        mib,
+                        f"{gbs:.0f}",
+                        pct(gbs),
+                        plans,
+                    ]
                 )
-                results["gemv_m"].append(dict(model=model, M=M, us=us, m1_us=m1_us, gemm_us=gemm_us, bytes=nbytes, GBps=gbs))
+                results["gemv_m"].append(
+                    dict(model=model, M=M, us=us, m1_us=m1_us, tiles_us=tiles_us, gemm_us=gemm_us, bytes=nbytes, GBps=gbs)
+                )
         table(
-            "gemv_w8a16_m (one layer's qkv + o + gate_up + down)",
-            ["model", "M", "us", "x M=1 gemv", "gemm us", "MiB", "GB/s", "of ceiling", "nc qkv/o/gu/down"],
+            "gemv_w8a16_m (one layer's qkv + o + gate_up + down; us: the table's kernel, tiles us: the tile kernel)",
+            ["model", "M", "us", "x M=1 gemv", "tiles us", "gemm us", "MiB", "GB/s", "of ceiling", "qkv/o/gu/down"],
             rows,
         )
+    if "gemv_m_products" in run:
+        # The products as a verify chunk runs them (qkv and gate_up on the residual stream, RMSNorm fused;
+        # o and down on fp16 x), per product: the decode GEMV, the tile kernel, the token columns.
+        rows, results["gemv_m_products"] = [], []
+        for model in ("3B", "8B"):
+            layer = linear_shapes(MODELS[model])
+            for (name, N, K, ep), x_in in zip(layer, ("norm", "f16", "norm", "f16", "norm")):
+                m1 = ops.time_gemv(N, K, iters=args.iters, epilogue=ep)
+                for M in (2, 3, 4, 5):
+                    tiles = ops.time_gemv_m(M, N, K, iters=args.iters, epilogue=ep, x_in=x_in, kernel="tiles")
+                    try:  # the token columns wherever they fit (4 rows at most)
+                        cols = ops.time_gemv_m(M, N, K, iters=args.iters, epilogue=ep, x_in=x_in, kernel="cols")
+                    except ValueError:
+                        cols = None
+                    table_cols = ops.gemv_m_plan(M, N, K, ep, x_in)["cols"]
+                    rows.append(
+                        [
+                            model,
+                            name,
+                            x_in,
+                            str(M),
+                            f"{m1:.1f}",
+                            f"{tiles:.1f}",
+                            "-" if cols is None else f"{cols:.1f}",
+                            f"{min(tiles, cols or tiles) / m1:.2f}",
+                            "cols" if table_cols else "tiles",
+                        ]
+                    )
+                    results["gemv_m_products"].append(
+                        dict(model=model, layer=name, x_in=x_in, M=M, m1_us=m1, tiles_us=tiles, cols_us=cols, table=table_cols)
+                    )
+        table("small-M products (us)", ["model", "layer", "x", "M", "M=1 gemv", "tiles", "cols", "best x M=1", "table"], rows)
 
     if "attention" in run:
         # Decode attention: KV read = 2 (K, V) x context x Hkv x D x 2 B per layer.

@@ -17,17 +17,27 @@ namespace {
 
 using atomflow::median_us;
 
-k::GemvMPlan plan_of(k::Epilogue ep, k::GemvIn in, int M, int N, int K, int nc, int slab) {
+// kernel: "auto" (the table's), "tiles" (the tile kernel; implied by nc or slab, its overrides) or "cols"
+// (the decode GEMV with token columns wherever it fits, M <= 4; an error where it does not).
+k::GemvMPlan plan_of(k::Epilogue ep, k::GemvIn in, int M, int N, int K, int nc, int slab,
+                     const std::string& kernel = "auto") {
+  require(kernel == "auto" || kernel == "tiles" || kernel == "cols",
+          "kernel must be 'auto', 'tiles' or 'cols', got '" + kernel + "'");
   k::GemvMKnobs knobs;
   knobs.nc = nc;
   knobs.slab = slab;
-  return k::plan_gemv_m(ep, in, M, N, K, knobs);
+  knobs.tiles = kernel == "tiles" || nc != 0 || slab != 0;
+  knobs.cols = kernel == "cols";
+  const k::GemvMPlan plan = k::plan_gemv_m(ep, in, M, N, K, knobs);
+  require(kernel != "cols" || plan.cols.blocks > 0,
+          "kernel 'cols': no token-column plan for M = " + std::to_string(M) + ", K = " + std::to_string(K));
+  return plan;
 }
 
 // x [M, K]: u16 (bf16 or f16 bits, x_dtype) or, with norm_w, f32 (the residual stream, RMSNorm fused).
 py::object gemv_m(const py::array& w_, const py::array& s_, const py::array& x_, int ep_, const py::object& out_init_,
                   const std::string& x_dtype, const py::object& norm_w_, float eps, const std::string& out_dtype,
-                  int nc, int slab) {
+                  int nc, int slab, const std::string& kernel) {
   const k::Epilogue ep = epilogue_arg(ep_);
   auto w = arg<uint8_t>(w_, "w", {-1, -1});
   const int N = static_cast<int>(w.shape(0)), K = static_cast<int>(w.shape(1));
@@ -59,7 +69,7 @@ py::object gemv_m(const py::array& w_, const py::array& s_, const py::array& x_,
   DeviceBuffer out =
       add ? to_device(arg<float>(out_init_.cast<py::array>(), "out_init", {M, N}))
           : DeviceBuffer::poisoned(ep == k::Epilogue::SwiGLU ? sizeof(bf16) * M * (N / 2) : sizeof(float) * M * N);
-  const k::GemvMPlan plan = plan_of(ep, in, M, N, K, nc, slab);
+  const k::GemvMPlan plan = plan_of(ep, in, M, N, K, nc, slab, kernel);
   if (norm)
     k::gemv_w8a16_m_rmsnorm(plan, dw.get<uint8_t>(), ds.get<float>(), dx.get<float>(), dnw.get<bf16>(), eps, M, N, K,
                             ep, out.get(), nullptr, o16.ptr());
@@ -77,7 +87,8 @@ py::object gemv_m(const py::array& w_, const py::array& s_, const py::array& x_,
 // v_cache).
 py::tuple gemv_m_rmsnorm_rope(const py::array& w_, const py::array& s_, const py::array& x_, const py::array& nw_,
                               float eps, const py::array& inv_freq_, int pos, int H, int Hkv, int D,
-                              const py::array& k_cache_, const py::array& v_cache_, const py::object& bias_, int nc) {
+                              const py::array& k_cache_, const py::array& v_cache_, const py::object& bias_, int nc,
+                              const std::string& kernel) {
   require(H >= 1 && Hkv >= 1 && D >= 2 && D % 2 == 0, "need H, Hkv >= 1 and an even D");
   const int N = (H + 2 * Hkv) * D;
   auto w = arg<uint8_t>(w_, "w", {N, -1});
@@ -92,7 +103,7 @@ py::tuple gemv_m_rmsnorm_rope(const py::array& w_, const py::array& s_, const py
       rope_inputs(inv_freq_, pos, Hkv, D, k_cache_, v_cache_, bias_, N, static_cast<size_t>(M) * H * D);
   DeviceBuffer dw = to_device(w), ds = to_device(s), dx = to_device(x), dnw = to_device(nw);
   const k::RopeKVArgs rope = r.args(H, Hkv, D);
-  const k::GemvMPlan plan = plan_of(k::Epilogue::RopeKV, k::GemvIn::NORM, M, N, K, nc, 0);
+  const k::GemvMPlan plan = plan_of(k::Epilogue::RopeKV, k::GemvIn::NORM, M, N, K, nc, 0, kernel);
   k::gemv_w8a16_m_rmsnorm_rope(plan, dw.get<uint8_t>(), ds.get<float>(), dx.get<float>(), dnw.get<bf16>(), eps, M, K,
                                rope, nullptr);
   sync();
@@ -101,12 +112,21 @@ py::tuple gemv_m_rmsnorm_rope(const py::array& w_, const py::array& s_, const py
 }
 
 // The plan's choices for a shape, as the tests and `bench_kernels.py` print them.
-py::dict gemv_m_plan(int M, int N, int K, int ep_, const std::string& x_in, int nc, int slab) {
+k::GemvIn in_arg(const std::string& x_in) {
   require(x_in == "bf16" || x_in == "f16" || x_in == "norm", "x_in must be 'bf16', 'f16' or 'norm'");
-  const k::GemvIn in = x_in == "norm" ? k::GemvIn::NORM : x_in == "f16" ? k::GemvIn::F16 : k::GemvIn::BF16;
-  const k::GemvMPlan p = plan_of(epilogue_arg(ep_), in, M, N, K, nc, slab);
+  return x_in == "norm" ? k::GemvIn::NORM : x_in == "f16" ? k::GemvIn::F16 : k::GemvIn::BF16;
+}
+
+py::dict gemv_m_plan(int M, int N, int K, int ep_, const std::string& x_in, int nc, int slab,
+                     const std::string& kernel) {
+  const k::GemvMPlan p = plan_of(epilogue_arg(ep_), in_arg(x_in), M, N, K, nc, slab, kernel);
   py::dict d;
   d["variant"] = k::gemv_m_variant_name(p);
+  d["cols"] = p.cols.blocks > 0;
+  d["cols_blocks"] = p.cols.blocks;
+  d["cols_smem"] = p.cols.smem;
+  d["cols_mt"] = p.cols.mt;
+  d["cols_raw_rows"] = p.cols.raw_rows;
   d["nt"] = p.nt;
   d["nc"] = p.nc;
   d["slab"] = p.slab;
@@ -116,21 +136,31 @@ py::dict gemv_m_plan(int M, int N, int K, int ep_, const std::string& x_in, int 
   return d;
 }
 
-// us per launch on x bf16 [M, K], weights rotated so L2 cannot serve them (time_gemv's method).
-double time_gemv_m(int M, int N, int K, int iters, int ep_, int nc, int slab) {
+// us per launch on x [M, K] (bf16, f16, or the fp32 residual stream normalized in the prologue: x_in),
+// weights rotated so L2 cannot serve them (time_gemv's method).
+double time_gemv_m(int M, int N, int K, int iters, int ep_, int nc, int slab, const std::string& x_in,
+                   const std::string& kernel) {
   const k::Epilogue ep = epilogue_arg(ep_);
   require(K % 64 == 0, "K must be a multiple of 64");
+  require(ep != k::Epilogue::RopeKV, "time_gemv_m: the Store, AddResidual and SwiGLU epilogues");
+  const k::GemvIn in = in_arg(x_in);
   const size_t wbytes = static_cast<size_t>(N) * K, sbytes = static_cast<size_t>(N) * scale_groups(K) * sizeof(float);
   Rotating ws(wbytes + sbytes);
   ws.buf.fill(0x38);
-  DeviceBuffer x(sizeof(bf16) * M * K), out(sizeof(float) * M * N);
+  DeviceBuffer x((in == k::GemvIn::NORM ? sizeof(float) : sizeof(bf16)) * M * K), out(sizeof(float) * M * N),
+      nw(sizeof(bf16) * K);
   x.fill(0);
   out.fill(0);
-  const k::GemvMPlan plan = plan_of(ep, k::GemvIn::BF16, M, N, K, nc, slab);
+  nw.fill(0);
+  const k::GemvMPlan plan = plan_of(ep, in, M, N, K, nc, slab, kernel);
   return median_us(
       [&](int i) {
-        k::gemv_w8a16_m(plan, ws.at<uint8_t>(i), ws.at<float>(i, wbytes), x.get(), k::Act::BF16, M, N, K, ep, out.get(),
-                        nullptr);
+        if (in == k::GemvIn::NORM)
+          k::gemv_w8a16_m_rmsnorm(plan, ws.at<uint8_t>(i), ws.at<float>(i, wbytes), x.get<float>(), nw.get<bf16>(),
+                                  1e-5f, M, N, K, ep, out.get(), nullptr);
+        else
+          k::gemv_w8a16_m(plan, ws.at<uint8_t>(i), ws.at<float>(i, wbytes), x.get(), static_cast<k::Act>(in), M, N, K,
+                          ep, out.get(), nullptr);
       },
       iters, std::min(ws.copies, 32));
 }
@@ -141,21 +171,27 @@ void register_gemv_m(py::module_& m) {
   m.def("gemv_m", &gemv_m, py::arg("w"), py::arg("scales"), py::arg("x"), py::arg("epilogue") = 0,
         py::arg("out_init") = py::none(), py::arg("x_dtype") = "bf16", py::arg("norm_w") = py::none(),
         py::arg("eps") = 1e-5f, py::arg("out_dtype") = "bf16", py::arg("nc") = 0, py::arg("slab") = 0,
+        py::arg("kernel") = "auto",
         "small-M gemv: w u8 [N, K] (K % 64 == 0), scales f32 [N, ceil(K/128)], x u16 [M, K] (bf16 or f16 bits, "
         "x_dtype) or, given norm_w u16 [K], f32 [M, K] normalized in the prologue; epilogue 0 Store -> f32 [M, N], "
         "1 AddResidual (out_init f32 [M, N]) -> f32 [M, N], 2 SwiGLU -> u16 [M, N/2] (out_dtype 'f16': (bits, flag)); "
-        "nc, slab: plan overrides (0: the table's)");
+        "nc, slab: plan overrides (0: the table's); kernel: 'auto' (the table's), 'tiles' (implied by nc or slab) "
+        "or 'cols' (the decode GEMV with token columns)");
   m.def("gemv_m_rmsnorm_rope", &gemv_m_rmsnorm_rope, py::arg("w"), py::arg("scales"), py::arg("x"), py::arg("norm_w"),
         py::arg("eps"), py::arg("inv_freq"), py::arg("pos"), py::arg("H"), py::arg("Hkv"), py::arg("D"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("bias") = py::none(), py::arg("nc") = 0,
+        py::arg("kernel") = "auto",
         "small-M QKV gemv with RMSNorm and RoPE + KV append fused: x f32 [M, K] at positions pos.. -> (q u16 "
         "[M, H, D], k_cache, v_cache); the same bits as gemv_m(norm_w=..., Store) then rope_kv_append");
   m.def("gemv_m_plan", &gemv_m_plan, py::arg("M"), py::arg("N"), py::arg("K"), py::arg("epilogue") = 0,
-        py::arg("x_in") = "bf16", py::arg("nc") = 0, py::arg("slab") = 0,
-        "plan_gemv_m's choices for a shape: {variant, nt, nc, slab, keep, blocks, smem}");
+        py::arg("x_in") = "bf16", py::arg("nc") = 0, py::arg("slab") = 0, py::arg("kernel") = "auto",
+        "plan_gemv_m's choices for a shape: {variant, cols, cols_blocks, cols_smem, cols_mt, cols_raw_rows, nt, nc, "
+        "slab, keep, blocks, smem}");
   m.def("time_gemv_m", &time_gemv_m, py::arg("M"), py::arg("N"), py::arg("K"), py::arg("iters") = 50,
-        py::arg("epilogue") = 0, py::arg("nc") = 0, py::arg("slab") = 0,
-        "us per gemv_w8a16_m launch on bf16 x [M, K] (median of iters batches), weights rotated past L2");
+        py::arg("epilogue") = 0, py::arg("nc") = 0, py::arg("slab") = 0, py::arg("x_in") = "bf16",
+        py::arg("kernel") = "auto",
+        "us per gemv_w8a16_m launch on x [M, K] (x_in 'bf16', 'f16' or 'norm': f32 rows normalized in the prologue; "
+        "median of iters batches), weights rotated past L2");
 }
 
 }  // namespace atomflow::bindings::ops

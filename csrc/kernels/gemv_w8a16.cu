@@ -215,27 +215,27 @@ void gemv_trace_arm(const trace::Buf& b) { AF_CUDA_CHECK(cudaMemcpyToSymbol(g_tr
 
 // ---- launchers ----
 
-// How many blocks of gemv_w8a16_kernel<EP, IN, WHOLE, TAIL, BIAS> with `smem` bytes of dynamic shared
-// memory are resident at once on the current device: 2 per SM, fewer only if fewer fit. The first
-// launch of a (device, smem) queries it and raises the kernel's dynamic limit to what it needs (not
-// only above 48 KB: the default limit counts the static `red` too, so K = 12288, exactly 48 KB of x,
-// failed); later launches take it from the cache, so eager mode does not pay the queries on every
+// How many blocks of a GEMV kernel (gemv_w8a16_kernel or gemv_cols_kernel) with `smem` bytes of dynamic
+// shared memory are resident at once on the current device: 2 per SM, fewer only if fewer fit. The first
+// launch of a (kernel, device, smem) queries it and raises the kernel's dynamic limit to what it needs
+// (not only above 48 KB: the default limit counts the static `red` too, so K = 12288, exactly 48 KB of
+// x, failed); later launches take it from the cache, so eager mode does not pay the queries on every
 // GEMV (a captured graph pays them once either way). Host-side, capture-safe.
-template <Ep EP, In IN, bool WHOLE, bool TAIL, bool BIAS>
-static int resident_blocks(size_t smem) {
+int gemv_kernel_resident_blocks(const void* kernel, size_t smem) {
   struct Seen {
+    const void* kernel;
     int device;
     size_t smem;
     int blocks;
   };
   static std::mutex mu;
-  static std::vector<Seen> seen;  // one entry per (device, K) in use: a handful
+  static std::vector<Seen> seen;  // one entry per (kernel, device, K) in use: a few dozen
   int device = 0;
   AF_CUDA_CHECK(cudaGetDevice(&device));
   const std::lock_guard<std::mutex> lock(mu);
-  size_t raised = 0;  // the largest limit set on this device so far
+  size_t raised = 0;  // the largest limit set for this kernel on this device so far
   for (const Seen& e : seen) {
-    if (e.device != device) continue;
+    if (e.kernel != kernel || e.device != device) continue;
     if (e.smem == smem) return e.blocks;
     raised = std::max(raised, e.smem);
   }
@@ -244,14 +244,17 @@ static int resident_blocks(size_t smem) {
   AF_CUDA_CHECK(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   AF_CHECK(smem <= static_cast<size_t>(smem_optin), "gemv_w8a16: K too large to stage x in shared memory");
   if (smem > raised)
-    AF_CUDA_CHECK(cudaFuncSetAttribute(gemv_w8a16_kernel<EP, IN, WHOLE, TAIL, BIAS>,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    AF_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   int per_sm = 0;
-  AF_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_w8a16_kernel<EP, IN, WHOLE, TAIL, BIAS>,
-                                                              kGemvThreads, smem));
+  AF_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kGemvThreads, smem));
   AF_CHECK(per_sm >= 1, "gemv_w8a16: kernel does not fit on an SM");
-  seen.push_back({device, smem, sms * std::min(per_sm, 2)});
+  seen.push_back({kernel, device, smem, sms * std::min(per_sm, 2)});
   return seen.back().blocks;
+}
+
+template <Ep EP, In IN, bool WHOLE, bool TAIL, bool BIAS>
+static int resident_blocks(size_t smem) {
+  return gemv_kernel_resident_blocks(reinterpret_cast<const void*>(gemv_w8a16_kernel<EP, IN, WHOLE, TAIL, BIAS>), smem);
 }
 
 // The three instances of one (EP, IN, BIAS): whole steps, a ragged last step, and a ragged last

@@ -155,10 +155,14 @@ struct WarpTrace {
 // (coalesced) and the lane that accumulates chunk c fetches group c / 8's by a shuffle. A tail group
 // (TAIL: K % 128 == 64) is group c / 8 of its 4 chunks like any other; only the row's count of
 // scales, ceil(K / 128), differs.
-struct Iter {
-  uint4 wa[kGemvUnroll], wb[kGemvUnroll];
+// U chunks per row per lane (kGemvUnroll; fewer in the column kernel, gemv_w8a16_cols.cu, whose
+// accumulators take the registers): the order in which a lane sums its chunks does not depend on U.
+template <int U = kGemvUnroll>
+struct IterU {
+  uint4 wa[U], wb[U];
   float sa, sb;
 };
+using Iter = IterU<>;
 
 // Whether step u of an iteration (chunks c0 + 32 u, c0 = the warp's chunk + lane) has any lane inside
 // the row: warp-uniform. WHOLE (K a multiple of 512): the active steps are a prefix, counted once per
@@ -170,14 +174,15 @@ struct Steps {
   __device__ bool active(int u) const { return WHOLE ? u < n : c0 + 32 * u - static_cast<int>(threadIdx.x % 32) < C; }
 };
 
-template <bool WHOLE, bool TAIL>
-static __device__ __forceinline__ void load_iter(Iter& it, const Product& P, int r0, int r1, int c0, uint64_t policy) {
+template <bool WHOLE, bool TAIL, int U = kGemvUnroll>
+static __device__ __forceinline__ void load_iter(IterU<U>& it, const Product& P, int r0, int r1, int c0,
+                                                 uint64_t policy) {
   const int C = P.K / 16, G = gemv_scale_groups<TAIL>(P.K);
   const uint8_t* w0 = P.w + static_cast<size_t>(r0) * P.K;
   const uint8_t* w1 = P.w + static_cast<size_t>(r1) * P.K;
   const float* s0 = P.scales + static_cast<size_t>(r0) * G;
   const float* s1 = P.scales + static_cast<size_t>(r1) * G;
-  static_assert(32 * kGemvUnroll / 8 == 32, "one scale group per lane per iteration");
+  static_assert(U <= 8 && 32 * kGemvUnroll / 8 == 32, "at most one scale group per lane per iteration");
   const int lane = threadIdx.x % 32, g = (c0 - lane) / 8 + lane;
   // The step condition is warp-uniform, as in dot_iter. (With a per-lane condition instead, ptxas
   // moved some of a burst's loads behind the math: sass_check.)
@@ -188,7 +193,7 @@ static __device__ __forceinline__ void load_iter(Iter& it, const Product& P, int
     const uint4* b = reinterpret_cast<const uint4*>(w1) + c0;
     const Steps<true> steps(c0, C);
 #pragma unroll
-    for (int u = 0; u < kGemvUnroll; ++u) {
+    for (int u = 0; u < U; ++u) {
       if (steps.active(u)) {
         it.wa[u] = ld_stream16(a + 32 * u, policy);
         it.wb[u] = ld_stream16(b + 32 * u, policy);
@@ -198,7 +203,7 @@ static __device__ __forceinline__ void load_iter(Iter& it, const Product& P, int
     // A lane past the row's end re-reads the row's last chunk.
     const Steps<false> steps(c0, C);
 #pragma unroll
-    for (int u = 0; u < kGemvUnroll; ++u) {
+    for (int u = 0; u < U; ++u) {
       const int c = c0 + 32 * u;
       if (steps.active(u)) {
         it.wa[u] = ld_stream16(reinterpret_cast<const uint4*>(w0 + 16 * min(c, C - 1)), policy);
@@ -206,7 +211,7 @@ static __device__ __forceinline__ void load_iter(Iter& it, const Product& P, int
       }
     }
   }
-  if (g < G) {
+  if (g < G && (U == kGemvUnroll || lane < 4 * U)) {  // lanes past 4 U: groups of the next iteration
     it.sa = __ldg(s0 + g);
     it.sb = __ldg(s1 + g);
   }
@@ -217,8 +222,8 @@ static __device__ __forceinline__ void load_iter(Iter& it, const Product& P, int
 // which are not accumulated (their x reads land in the staging's padding); the products are warp-wide and run
 // whenever any lane's chunk is in range. (c >> 2) & 1 is the same for c0 + 32 u as for c0, so the
 // swizzle is fixed per iteration and each x load is a base register plus a constant.
-template <bool WHOLE>
-static __device__ __forceinline__ void dot_iter(const Iter& it, const uint4* xs, int c0, int C, float& acc0,
+template <bool WHOLE, int U = kGemvUnroll>
+static __device__ __forceinline__ void dot_iter(const IterU<U>& it, const uint4* xs, int c0, int C, float& acc0,
                                                 float& acc1) {
   const int lane = threadIdx.x % 32;
   const Steps<WHOLE> steps(c0, C);
@@ -226,7 +231,7 @@ static __device__ __forceinline__ void dot_iter(const Iter& it, const uint4* xs,
   const uint32_t x_lo = static_cast<uint32_t>(__cvta_generic_to_shared(xs + x_slot(c0, 0)));
   const uint32_t x_hi = static_cast<uint32_t>(__cvta_generic_to_shared(xs + x_slot(c0, 1)));
 #pragma unroll
-  for (int u = 0; u < kGemvUnroll; ++u) {
+  for (int u = 0; u < U; ++u) {
     const int c = c0 + 32 * u;
     if (steps.active(u)) {
       float d[4];

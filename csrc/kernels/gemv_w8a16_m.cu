@@ -55,6 +55,7 @@
 #include "atomflow/pdl.cuh"
 #include "atomflow/rmsnorm.cuh"
 #include "atomflow/rope.cuh"
+#include "gemv_w8a16_plan.h"
 
 namespace atomflow::kernels {
 
@@ -574,6 +575,18 @@ static __global__ void __launch_bounds__(kMThreads, 1) gemv_w8a16_m_kernel(const
 
 // ---- plan table ----
 
+// The decode GEMV with token columns (gemv_w8a16_cols.cu) takes 2..kColsMaxRows rows of the products of
+// at least kColsMinWeights weights, where its staging fits two blocks an SM; the tile kernel the rest.
+// Each token column costs every warp a chain of products per chunk (interleaved 4 at a time) and a read
+// of x from shared memory per row pair, so it pays only up to 4 rows and on long weight streams
+// (bench_kernels.py --sections gemv_m_products, H100, tiles -> columns at M = 2 / 3 / 4: 8B gate_up 56.1
+// -> 44.8 / 56.7 -> 46.6 / 57.3 -> 50.9 us, 3B down 15.0 -> 13.8 / 15.6 -> 14.4 / 16.2 -> 14.8, 3B lm_head
+// 165 -> 144 / 166 -> 145 / 166 -> 146; but 3B gate_up 26.8 -> 27.4 at 4, and the o products (16.8 M
+// weights on the 8B) 8-26% slower. At 5 rows (two groups of chains) 3B gate_up 28.1 -> 37.7. Short rows
+// lose too: SmolLM2's head (49152 x 576) 19.1 -> 24.6 us at 2 rows; rows of kColsMinK or more only.
+constexpr int kColsMaxRows = 4;
+constexpr size_t kColsMinWeights = 20u << 20;
+constexpr int kColsMinK = 3072;
 // Token tiles of 8: M padded to 8, 16, 32 or 64.
 constexpr int calc_nt(int M) { return M <= 8 ? 1 : M <= 16 ? 2 : M <= 32 ? 4 : 8; }
 // Column classes per warp, most first: 8 / nc warps share a tile. At most 64 accumulators a lane (nc x
@@ -687,6 +700,13 @@ void launch_m(const GemvMPlan& plan, const MProduct& P, cudaStream_t stream) {
   AF_CHECK(reinterpret_cast<uintptr_t>(P.w) % 16 == 0 && reinterpret_cast<uintptr_t>(P.x) % 16 == 0 &&
                (P.norm_w == nullptr || reinterpret_cast<uintptr_t>(P.norm_w) % 16 == 0),
            "gemv_w8a16_m: w, x and norm_w must be 16-byte aligned");
+  if (plan.cols.blocks > 0) {  // the decode GEMV with token columns (plan_gemv_cols)
+    AF_CHECK(plan.cols.ep == P.ep && plan.cols.in == P.in, "gemv_w8a16_m: the plan's columns are not this launch's");
+    GemvPlan cols = plan.cols;
+    cols.bias = P.ep == Epilogue::RopeKV && P.rope.bias != nullptr;  // the same grid and staging either way
+    gemv_cols(cols, P.w, P.scales, P.x, P.norm_w, P.eps, P.M, P.N, P.K, P.out, P.f16_overflow, P.rope, stream);
+    return;
+  }
   dispatch_m(plan.nt, plan.nc, [&](auto nt_c, auto nc_c) {
     constexpr int NT = decltype(nt_c)::value, NC = decltype(nc_c)::value;
     AF_CHECK(plan.slab % m_iter_cols(NT, NC) == 0 && P.keep == plan.keep &&
@@ -736,10 +756,13 @@ GemvMPlan plan_gemv_m(Epilogue ep, GemvIn in, int M, int N, int K, const GemvMKn
     return m_resident_blocks<decltype(nt_c)::value, decltype(nc_c)::value>(plan.smem);
   });
   plan.blocks = std::min(CEIL_DIV(n_tiles, plan.nc), resident);
+  const bool by_table = M >= 2 && M <= kColsMaxRows && K >= kColsMinK && static_cast<size_t>(N) * K >= kColsMinWeights;
+  if (!knobs.tiles && M <= kGemvColsMT && (knobs.cols || by_table)) plan.cols = plan_gemv_cols(ep, in, M, N, K);
   return plan;
 }
 
 std::string gemv_m_variant_name(const GemvMPlan& plan) {
+  if (plan.cols.blocks > 0) return gemv_variant_name(plan.cols);
   return std::string("gemv_w8a16_m<") + m_ep_name(plan.ep) + ", " + m_in_name(plan.in) +
          ", nt=" + std::to_string(plan.nt) + ", nc=" + std::to_string(plan.nc) + ", slab=" + std::to_string(plan.slab) +
          (plan.keep ? ", keep" : "") + ">";

@@ -109,7 +109,55 @@ GemvPlan plan_gemv(Epilogue ep, GemvIn in, int N, int K, const GemvKnobs& knobs,
   return plan;
 }
 
+GemvPlan plan_gemv_cols(Epilogue ep, GemvIn in, int M, int N, int K, bool bias) {
+  AF_CHECK(M >= 1 && M <= kGemvColsMT, "plan_gemv_cols: 1 <= M <= 4");
+  GemvPlan plan = GemvPlan{};
+  AF_CHECK(N >= 1 && K >= kGemvKStep && K % kGemvKStep == 0, "plan_gemv_cols: N >= 1, K a multiple of 64");
+  AF_CHECK((ep != Epilogue::SwiGLU && ep != Epilogue::RopeKV) || N % 2 == 0,
+           "plan_gemv_cols: SwiGLU and RopeKV need an even N");
+  AF_CHECK(ep != Epilogue::RopeKV || in == GemvIn::NORM, "plan_gemv_cols: RopeKV needs the fused RMSNorm");
+  AF_CHECK(!bias || ep == Epilogue::RopeKV, "plan_gemv_cols: a bias is the RopeKV epilogue's only");
+  plan.ep = ep;
+  plan.in = in;
+  plan.N = N;
+  plan.K = K;
+  plan.bias = bias;
+  plan.whole = gemv_whole_steps(K);
+  plan.tail = gemv_tail_group(K);
+  plan.threads = kGemvThreads;
+  plan.rows = M;
+  plan.mt = kGemvColsMT;
+  int device = 0, sms = 0, per_sm = 0;
+  AF_CUDA_CHECK(cudaGetDevice(&device));
+  AF_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  AF_CUDA_CHECK(cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
+  // Two blocks an SM, as the decode GEMV (its loads in flight): NORM stages as many raw rows at a time as
+  // then fit; x's M rows must fit whole.
+  const int most_raw = in == GemvIn::NORM ? M : 0;
+  for (int raw = most_raw; raw >= (in == GemvIn::NORM ? 1 : 0); --raw) {
+    const size_t smem = gemv_cols_smem(in, M, K, raw);
+    if (smem > static_cast<size_t>(per_sm) / 2) continue;
+    const int resident = gemv_cols_resident_blocks(ep, in, plan.whole, plan.tail, bias, plan.mt, smem);
+    if (resident < 2 * sms) continue;
+    const int n_pairs = gemv_row_pairs(ep, N);
+    plan.raw_rows = raw;
+    plan.smem = smem;
+    plan.blocks = calc_blocks(n_pairs, resident);
+    plan.pre_warps = calc_pre_warps(ep, in, plan.whole, K, n_pairs, plan.blocks, 0);
+    return plan;
+  }
+  plan.blocks = 0;  // does not fit two blocks an SM: the tile kernel's
+  return plan;
+}
+
 std::string gemv_variant_name(const GemvPlan& plan) {
+  if (plan.rows > 1)
+    return std::string("gemv_cols<") + ep_name(plan.ep) + ", " + in_name(plan.in) +
+           (plan.whole  ? ", whole"
+            : plan.tail ? ", ragged, tail group"
+                        : ", ragged") +
+           (plan.bias ? ", bias" : "") + ", mt=" + std::to_string(plan.mt) +
+           (plan.in == GemvIn::NORM ? ", raw_rows=" + std::to_string(plan.raw_rows) : std::string()) + ">";
   return std::string("gemv_w8a16<") + ep_name(plan.ep) + ", " + in_name(plan.in) +
          (plan.whole  ? ", whole"
           : plan.tail ? ", ragged, tail group"

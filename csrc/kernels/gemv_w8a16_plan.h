@@ -62,6 +62,28 @@ constexpr int gemv_row_pairs(Epilogue ep, int N) {
   return ep == Epilogue::SwiGLU || ep == Epilogue::RopeKV ? N / 2 : CEIL_DIV(N, 2);
 }
 
+// The decode GEMV with token columns (gemv_w8a16_cols.cu): its instances' columns (rows of x at most),
+// and the chunks a lane loads per row per iteration (half the decode GEMV's 8: the registers go to the
+// columns' accumulators and their interleaved product chains).
+constexpr int kGemvColsMT = 4;
+constexpr int kGemvColsUnroll = kGemvUnroll / 2;
+// Its dynamic shared memory: M rows of fp16 x, and for NORM raw_rows fp32 rows and the norm weight.
+__host__ __device__ constexpr size_t gemv_cols_smem(GemvIn in, int M, int K, int raw_rows) {
+  return static_cast<size_t>(M) * gemv_x_padded(K) * sizeof(uint16_t) +
+         (in == GemvIn::NORM ? static_cast<size_t>(raw_rows) * K * sizeof(float) + K * sizeof(uint16_t) : 0);
+}
+
+// gemv_w8a16.cu: blocks of a GEMV kernel (a gemv_w8a16_kernel or gemv_cols_kernel instance) with `smem`
+// bytes of dynamic shared memory resident at once on the current device (2 per SM, fewer only if fewer
+// fit); raises the kernel's dynamic shared memory limit to smem the first time.
+int gemv_kernel_resident_blocks(const void* kernel, size_t smem);
+// gemv_w8a16_cols.cu: the same for the cols instance of (ep, in, whole, tail, bias, mt), and its launch
+// (x [M, K] per plan.in; out and rope as gemv_w8a16_m's).
+int gemv_cols_resident_blocks(Epilogue ep, GemvIn in, bool whole, bool tail, bool bias, int mt, size_t smem);
+void gemv_cols(const GemvPlan& plan, const uint8_t* w, const float* scales, const void* x, const bf16* norm_w,
+               float eps, int M, int N, int K, void* out, int* f16_overflow, const RopeKVArgs& rope,
+               cudaStream_t stream);
+
 // gemv_w8a16.cu: blocks of the (ep, in, whole, tail, bias) instance with `smem` bytes of dynamic
 // shared memory resident at once on the current device (2 per SM, fewer only if fewer fit); raises
 // the instance's dynamic shared memory limit to smem the first time. bias: RopeKV only.

@@ -83,6 +83,11 @@ struct GemvPlan {
   // The dependents launch after the kernel's PDL wait instead of at its start (always for RopeKV): the
   // decode QKV product before an attention that reads the cache early (the step plan sets it).
   bool late_trigger = false;
+  // Token columns (plan_gemv_cols: the decode GEMV on rows 2..mt of x; 1 for the decode GEMV itself): the
+  // rows of x, the instance's columns (kGemvColsMT), and for NORM the raw fp32 rows staged at a time.
+  int rows = 1;
+  int mt = 1;
+  int raw_rows = 0;
 };
 // The plan's overrides of the default schedule (each same bits, a comparison for the tests): the
 // QKV product's staged second pairs, and SwiGLU's tickets.
@@ -215,14 +220,23 @@ struct GemvMPlan {
   int blocks;   // grid: the block tiles (nc tiles each), at most the blocks resident at once
   int threads;  // per block (256)
   size_t smem;  // dynamic shared memory per block
+  // Where the table runs M on the decode GEMV with token columns instead (cols.blocks > 0): its plan
+  // (plan_gemv_cols). The tile kernel's fields above stay planned either way.
+  GemvPlan cols;
 };
-// Overrides of the table, for the tests and the benches (0: the table's choice).
+// Overrides of the table, for the tests and the benches (0: the table's choice; tiles: never the
+// token columns; cols: the token columns wherever they fit, past the table's crossover).
 struct GemvMKnobs {
   int nc = 0;
   int slab = 0;
+  bool tiles = false;
+  bool cols = false;
 };
 // Needs the device (occupancy): call with the GPU that will run the launch current.
 GemvMPlan plan_gemv_m(Epilogue ep, GemvIn in, int M, int N, int K, const GemvMKnobs& knobs = {});
+// The decode GEMV with token columns for M rows (1 <= M <= 4), where both blocks of an SM fit their
+// staging: blocks = 0 when they do not (the tile kernel's case). Needs the device.
+GemvPlan plan_gemv_cols(Epilogue ep, GemvIn in, int M, int N, int K, bool bias = false);
 std::string gemv_m_variant_name(const GemvMPlan& plan);  // "gemv_w8a16_m<SwiGLU, F16, nt=2, nc=8, slab=3072>"
 // x [M, K] of x_type. plan: plan_gemv_m(ep, GemvIn(x_type), M, N, K). f16_overflow (SwiGLU only, may be
 // null): the output is fp16 instead of bf16, and *f16_overflow = 1 when a value passes kF16Max.
