@@ -2,8 +2,9 @@
 // a 16-byte chunk (dot_chunk), one iteration's loads and math (load_iter, dot_iter), staging x into
 // shared memory (stage_x), and the epilogues (store_pair). The kernel that schedules them is in
 // gemv_w8a16.cu; its variants (staged second pairs, tickets) in gemv_w8a16_variants.cuh.
-// Included by gemv_w8a16.cu only. One idea (what a warp does with a row pair), kept whole past the
-// usual size because its pieces share the register and scoreboard rules below.
+// Included by gemv_w8a16.cu and gemv_w8a16_cols.cu (the same pieces on token columns). One idea (what a
+// warp does with a row pair), kept whole past the usual size because its pieces share the register and
+// scoreboard rules below.
 //
 // Two rules the compiler imposes, both seen in the SASS (tools/sass_check.py) and measured
 // (docs/design/gemv_w8a16.md): every weight load of the kernel shares ONE scoreboard, so math must

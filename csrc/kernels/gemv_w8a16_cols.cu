@@ -202,8 +202,8 @@ __device__ __forceinline__ void dot_iter_cols(const IterU<U>& it, const ColsStag
 // epilogue to token m's outputs (store_pair on the token's rows of out, q_out and the cache).
 template <Ep EP, In IN, bool BIAS, int MT>
 __device__ __forceinline__ void finish_pair_cols(const Product& P, const RowPairs<EP>& pairs, const RopeKVArgs& rope,
-                                                 int pos0, int M, const float* xscale, unsigned long long* best, int p,
-                                                 float (&acc0)[MT], float (&acc1)[MT]) {
+                                                 int pos0, int M, const float* xscale, int p, float (&acc0)[MT],
+                                                 float (&acc1)[MT]) {
   const int lane = threadIdx.x % 32;
   const bool mine = (lane & 3) == (lane >> 3);  // lane 4 g + q holds group g's sums iff q = g / 2
 #pragma unroll
@@ -234,15 +234,6 @@ __device__ __forceinline__ void finish_pair_cols(const Product& P, const RowPair
         Pt.out = static_cast<float*>(P.out) + static_cast<size_t>(t) * P.N;
       const Prior pr{0.f, 0.f, -1, pos0 + t};  // no pair's residual or bias loaded early
       store_pair<EP, BIAS>(Pt, pairs, rt, pr, p, y0, y1);
-      if constexpr (EP == Ep::Store) {
-        if (P.best != nullptr) {
-          int r0, r1;
-          pairs.rows(p, r0, r1);
-          uint64_t top = argmax_key(y0, r0);
-          if (2 * p + 1 < P.N) top = max(top, argmax_key(y1, r1));
-          atomicMax(best + t, static_cast<unsigned long long>(top));
-        }
-      }
     }
   }
   __syncwarp();
@@ -250,9 +241,8 @@ __device__ __forceinline__ void finish_pair_cols(const Product& P, const RowPair
 
 template <Ep EP, In IN, bool WHOLE, bool TAIL, bool BIAS, int MT>
 __device__ __forceinline__ void finish_rows_cols(const Product& P, const RowPairs<EP>& pairs, const RopeKVArgs& rope,
-                                                 int pos0, int M, const ColsStaging& st, const float* xscale,
-                                                 unsigned long long* best, int p, int base, float (&acc0)[MT],
-                                                 float (&acc1)[MT], uint64_t policy) {
+                                                 int pos0, int M, const ColsStaging& st, const float* xscale, int p,
+                                                 int base, float (&acc0)[MT], float (&acc1)[MT], uint64_t policy) {
   constexpr int U = kGemvColsUnroll;
   const int C = P.K / 16, lane = threadIdx.x % 32;
   int r0, r1;
@@ -262,7 +252,7 @@ __device__ __forceinline__ void finish_rows_cols(const Product& P, const RowPair
     load_iter<WHOLE, TAIL, U>(it, P, r0, r1, base + lane, policy);
     dot_iter_cols<WHOLE, U, MT>(it, st, base + lane, C, M, acc0, acc1);
   }
-  finish_pair_cols<EP, IN, BIAS, MT>(P, pairs, rope, pos0, M, xscale, best, p, acc0, acc1);
+  finish_pair_cols<EP, IN, BIAS, MT>(P, pairs, rope, pos0, M, xscale, p, acc0, acc1);
 }
 
 template <Ep EP, In IN, bool WHOLE, bool TAIL, bool BIAS, int MT>
@@ -274,7 +264,6 @@ __global__ void __launch_bounds__(kGemvThreads, 2)
   extern __shared__ uint4 smem[];
   __shared__ float red[MT * kGemvWarps];
   __shared__ float xscale[MT];
-  __shared__ unsigned long long best[MT];
   const ColsStaging st(smem, M, P.K, raw_rows);
   const RowPairs<EP> pairs(P.N, rope);
   const int n_pairs = pairs.count();
@@ -293,9 +282,6 @@ __global__ void __launch_bounds__(kGemvThreads, 2)
   if constexpr (IN == In::NORM) {
     for (int v = threadIdx.x; v < P.K / 8; v += kGemvThreads) cp_async16(st.norm_w + 8 * v, P.norm_w + 8 * v);
   }
-  if constexpr (EP == Ep::Store) {
-    if (threadIdx.x < MT) best[threadIdx.x] = 0;
-  }
   const bool late = EP == Ep::RopeKV || P.late_trigger;
   if (!late) pdl_launch_dependents();
   pdl_wait();  // x (AddResidual: out; RopeKV: *pos) come from earlier kernels
@@ -313,21 +299,13 @@ __global__ void __launch_bounds__(kGemvThreads, 2)
 #pragma unroll
     for (int t = 0; t < MT; ++t) acc0[t] = acc1[t] = 0.f;
     dot_iter_cols<WHOLE, U, MT>(first, st, lane, P.K / 16, M, acc0, acc1);
-    finish_rows_cols<EP, IN, WHOLE, TAIL, BIAS, MT>(P, pairs, rope, pos0, M, st, xscale, best, p, 32 * U, acc0, acc1,
-                                                    policy);
+    finish_rows_cols<EP, IN, WHOLE, TAIL, BIAS, MT>(P, pairs, rope, pos0, M, st, xscale, p, 32 * U, acc0, acc1, policy);
     p += stride;
   }
   for (; p < n_pairs; p += stride) {
 #pragma unroll
     for (int t = 0; t < MT; ++t) acc0[t] = acc1[t] = 0.f;
-    finish_rows_cols<EP, IN, WHOLE, TAIL, BIAS, MT>(P, pairs, rope, pos0, M, st, xscale, best, p, 0, acc0, acc1,
-                                                    policy);
-  }
-  if constexpr (EP == Ep::Store) {
-    if (P.best != nullptr) {
-      __syncthreads();
-      if (threadIdx.x < M) P.best[static_cast<size_t>(threadIdx.x) * gridDim.x + blockIdx.x] = best[threadIdx.x];
-    }
+    finish_rows_cols<EP, IN, WHOLE, TAIL, BIAS, MT>(P, pairs, rope, pos0, M, st, xscale, p, 0, acc0, acc1, policy);
   }
 }
 
