@@ -1,7 +1,7 @@
 // The decode GEMV with token columns: y[m, n] = sum_k x[m, k] * fp8[n, k] * scale[n, k / 128] for a
-// few rows of x (2 <= M <= MT), each weight byte read once for all of them, with the decode GEMV's
-// work layout (a warp per row pair, two blocks an SM, the first iteration loaded before the PDL wait)
-// and its epilogues per token. The small-M GEMV's plan (plan_gemv_m, GemvMPlan::cols) launches it where
+// few rows of x (1 <= M <= MT = kGemvColsMT), each weight byte read once for all of them, with the
+// decode GEMV's work layout (a warp per row pair, two blocks an SM, the first iteration loaded before
+// the PDL wait) and its epilogues per token. The small-M GEMV's plan (plan_gemv_m, GemvMPlan::cols) launches it where
 // its table says so; why: docs/design/gemv_w8a16_m.md ("The decode GEMV with token columns").
 //
 // Contract of gemv_cols_kernel<EP, IN, WHOLE, TAIL, BIAS, MT>(P, M, raw_rows, eps, rope), grid
@@ -10,7 +10,9 @@
 //           residual stream [M, K] (each row normalized with rmsnorm.cu's arithmetic and tree).
 //  Work     gemv_w8a16_kernel's row pairs, strided over the grid (no staged pairs, no tickets). Per
 //           16-byte chunk a lane converts its e4m3 weights once and runs the decode GEMV's chain of 4
-//           tensor-core products (dot_chunk) once per token, B = that token's x at the same k slots.
+//           tensor-core products (dot_chunk) once per token, B = that token's x at the same k slots;
+//           the tokens' chains interleave kColsGroup at a time (columns past M run on row M - 1 and
+//           are dropped).
 //  x        all M rows staged into shared memory as fp16 before the products (x_slot's swizzle, one
 //           row after another); NORM copies the raw fp32 rows raw_rows at a time beside them (a thread
 //           reads back only what it copied: no barrier between groups).
@@ -24,9 +26,6 @@
 //           the same two rows' bytes in the same k slots, a tensor-core output depending only on its A
 //           row, B column and C), the same fmaf chain of a lane's chunks in ascending order (whatever
 //           the unroll), the same butterfly, bf16 x scaled by the same power of two of its row maximum.
-#include <mutex>
-#include <vector>
-
 #include "atomflow/pdl.cuh"
 #include "gemv_w8a16_body.cuh"
 #include "gemv_w8a16_plan.h"
