@@ -75,14 +75,14 @@ const char* in_name(GemvIn in) {
   return "?";
 }
 
-}  // namespace
-
-GemvPlan plan_gemv(Epilogue ep, GemvIn in, int N, int K, const GemvKnobs& knobs, bool bias) {
-  AF_CHECK(N >= 1 && K >= kGemvKStep && K % kGemvKStep == 0, "plan_gemv: N >= 1, K a multiple of 64");
+// What every plan of a product's shape holds (the instance's kind and rows), after the shape's checks;
+// `who` names the planner in the errors.
+GemvPlan shape_plan(Epilogue ep, GemvIn in, int N, int K, bool bias, const std::string& who) {
+  AF_CHECK(N >= 1 && K >= kGemvKStep && K % kGemvKStep == 0, who + ": N >= 1, K a multiple of 64");
   AF_CHECK((ep != Epilogue::SwiGLU && ep != Epilogue::RopeKV) || N % 2 == 0,
-           "plan_gemv: SwiGLU and RopeKV need an even N");
-  AF_CHECK(ep != Epilogue::RopeKV || in == GemvIn::NORM, "plan_gemv: RopeKV needs the fused RMSNorm");
-  AF_CHECK(!bias || ep == Epilogue::RopeKV, "plan_gemv: a bias is the RopeKV epilogue's only");
+           who + ": SwiGLU and RopeKV need an even N");
+  AF_CHECK(ep != Epilogue::RopeKV || in == GemvIn::NORM, who + ": RopeKV needs the fused RMSNorm");
+  AF_CHECK(!bias || ep == Epilogue::RopeKV, who + ": a bias is the RopeKV epilogue's only");
   GemvPlan plan{};
   plan.ep = ep;
   plan.in = in;
@@ -92,6 +92,13 @@ GemvPlan plan_gemv(Epilogue ep, GemvIn in, int N, int K, const GemvKnobs& knobs,
   plan.whole = gemv_whole_steps(K);
   plan.tail = gemv_tail_group(K);
   plan.threads = kGemvThreads;
+  return plan;
+}
+
+}  // namespace
+
+GemvPlan plan_gemv(Epilogue ep, GemvIn in, int N, int K, const GemvKnobs& knobs, bool bias) {
+  GemvPlan plan = shape_plan(ep, in, N, K, bias, "plan_gemv");
   plan.smem = gemv_staging_bytes(in, K);
   const int resident = gemv_resident_blocks(ep, in, plan.whole, plan.tail, bias, plan.smem);
   const int n_pairs = gemv_row_pairs(ep, N);
@@ -111,20 +118,7 @@ GemvPlan plan_gemv(Epilogue ep, GemvIn in, int N, int K, const GemvKnobs& knobs,
 
 GemvPlan plan_gemv_cols(Epilogue ep, GemvIn in, int M, int N, int K, bool bias) {
   AF_CHECK(M >= 1 && M <= kGemvColsMT, "plan_gemv_cols: 1 <= M <= 4");
-  GemvPlan plan = GemvPlan{};
-  AF_CHECK(N >= 1 && K >= kGemvKStep && K % kGemvKStep == 0, "plan_gemv_cols: N >= 1, K a multiple of 64");
-  AF_CHECK((ep != Epilogue::SwiGLU && ep != Epilogue::RopeKV) || N % 2 == 0,
-           "plan_gemv_cols: SwiGLU and RopeKV need an even N");
-  AF_CHECK(ep != Epilogue::RopeKV || in == GemvIn::NORM, "plan_gemv_cols: RopeKV needs the fused RMSNorm");
-  AF_CHECK(!bias || ep == Epilogue::RopeKV, "plan_gemv_cols: a bias is the RopeKV epilogue's only");
-  plan.ep = ep;
-  plan.in = in;
-  plan.N = N;
-  plan.K = K;
-  plan.bias = bias;
-  plan.whole = gemv_whole_steps(K);
-  plan.tail = gemv_tail_group(K);
-  plan.threads = kGemvThreads;
+  GemvPlan plan = shape_plan(ep, in, N, K, bias, "plan_gemv_cols");
   plan.rows = M;
   plan.mt = kGemvColsMT;
   int device = 0, sms = 0, per_sm = 0;
