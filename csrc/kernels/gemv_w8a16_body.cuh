@@ -379,12 +379,7 @@ static __device__ float stage_x(const Product& P, float eps, const Staging& st, 
       amax = 0.f;
 #pragma unroll
       for (int w = 0; w < kGemvWarps; ++w) amax = fmaxf(amax, red[w]);
-      int s = 0;  // 0, inf and NaN: no scaling
-      if (amax > 0.f && amax <= FLT_MAX) {
-        int e;
-        frexpf(amax, &e);  // amax < 2^e <= 2 amax
-        s = max(-120, min(100, 15 - e));
-      }
+      const int s = f16_row_shift(amax);  // act16.cuh
       const float up = ldexpf(1.f, s);
       for (int v0 = threadIdx.x; v0 < K / 8; v0 += kStageBatch * kGemvThreads) {  // the slots this thread wrote
         uint4 q[kStageBatch];
@@ -393,14 +388,7 @@ static __device__ float stage_x(const Product& P, float eps, const Staging& st, 
         for (int j = 0; j < kStageBatch; ++j) {
           const int v = v0 + j * kGemvThreads;
           if (v >= K / 8) continue;
-          uint32_t* w = reinterpret_cast<uint32_t*>(&q[j]);
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[i]));
-            const __half2 h = __floats2half2_rn(f.x * up, f.y * up);
-            w[i] = *reinterpret_cast<const uint32_t*>(&h);
-          }
-          xs[x_slot(v / 2, v % 2)] = q[j];
+          xs[x_slot(v / 2, v % 2)] = bf16x8_to_f16(q[j], up);
         }
       }
       tr.stamp(trace::kConverted);

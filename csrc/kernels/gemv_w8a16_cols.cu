@@ -118,26 +118,12 @@ __device__ void stage_cols(const Product& P, int M, int raw_rows, float eps, con
         float amax = 0.f;
 #pragma unroll
         for (int w = 0; w < kGemvWarps; ++w) amax = fmaxf(amax, red[kGemvWarps * t + w]);
-        int s = 0;  // stage_x's power of two: 0, inf and NaN not scaled
-        if (amax > 0.f && amax <= FLT_MAX) {
-          int e;
-          frexpf(amax, &e);
-          s = max(-120, min(100, 15 - e));
-        }
+        const int s = f16_row_shift(amax);
         const float up = ldexpf(1.f, s);
         if (threadIdx.x == 0) xscale[t] = ldexpf(1.f, -s);
         uint4* xs = st.xs + static_cast<size_t>(t) * st.row;
-        for (int v = threadIdx.x; v < K / 8; v += kGemvThreads) {
-          uint4 q = xs[x_slot(v / 2, v % 2)];
-          uint32_t* w = reinterpret_cast<uint32_t*>(&q);
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[i]));
-            const __half2 h = __floats2half2_rn(f.x * up, f.y * up);
-            w[i] = *reinterpret_cast<const uint32_t*>(&h);
-          }
-          xs[x_slot(v / 2, v % 2)] = q;
-        }
+        for (int v = threadIdx.x; v < K / 8; v += kGemvThreads)
+          xs[x_slot(v / 2, v % 2)] = bf16x8_to_f16(xs[x_slot(v / 2, v % 2)], up);
       }
     }
   }

@@ -242,12 +242,7 @@ static __device__ void row_factors(const MProduct& P, const MSmem& sm, bool keep
       float amax = 0.f;
 #pragma unroll
       for (int w = 0; w < kMWarps; ++w) amax = fmaxf(amax, per_warp[w * kMMaxRows + m]);
-      int s = 0;  // 0, inf and NaN: no scaling
-      if (amax > 0.f && amax <= FLT_MAX) {
-        int e;
-        frexpf(amax, &e);  // amax < 2^e <= 2 amax
-        s = max(-120, min(100, 15 - e));
-      }
+      const int s = f16_row_shift(amax);  // act16.cuh
       sm.up[m] = ldexpf(1.f, s);
       sm.xscale[m] = ldexpf(1.f, -s);
     }
@@ -269,16 +264,8 @@ static __device__ void stage_slab(const MProduct& P, const MSmem& sm, int col0, 
     if (P.in == GemvIn::F16) {
       cp_async16(dst, static_cast<const uint16_t*>(P.x) + at);
     } else if (P.in == GemvIn::BF16) {
-      uint4 q = kept ? *dst : __ldcg(reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(P.x) + at));
-      const float up = sm.up[m];
-      uint32_t* w = reinterpret_cast<uint32_t*>(&q);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[i]));
-        const __half2 h = __floats2half2_rn(f.x * up, f.y * up);
-        w[i] = *reinterpret_cast<const uint32_t*>(&h);
-      }
-      *dst = q;
+      const uint4 q = kept ? *dst : __ldcg(reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(P.x) + at));
+      *dst = bf16x8_to_f16(q, sm.up[m]);
     } else {
       float4 a, b;
       uint4 nw;
