@@ -145,7 +145,7 @@ GemvPlan plan_gemv_cols(Epilogue ep, GemvIn in, int M, int N, int K, bool bias) 
 }
 
 std::string gemv_variant_name(const GemvPlan& plan) {
-  if (plan.rows > 1)
+  if (plan.mt > 1)
     return std::string("gemv_cols<") + ep_name(plan.ep) + ", " + in_name(plan.in) +
            (plan.whole  ? ", whole"
             : plan.tail ? ", ragged, tail group"

@@ -83,8 +83,9 @@ struct GemvPlan {
   // The dependents launch after the kernel's PDL wait instead of at its start (always for RopeKV): the
   // decode QKV product before an attention that reads the cache early (the step plan sets it).
   bool late_trigger = false;
-  // Token columns (plan_gemv_cols: the decode GEMV on rows 2..mt of x; 1 for the decode GEMV itself): the
-  // rows of x, the instance's columns (kGemvColsMT), and for NORM the raw fp32 rows staged at a time.
+  // Token columns (plan_gemv_cols: the decode GEMV on 1..mt rows of x; rows = mt = 1 for the decode GEMV
+  // itself): the rows of x, the instance's columns (kGemvColsMT), and for NORM the raw fp32 rows staged at
+  // a time.
   int rows = 1;
   int mt = 1;
   int raw_rows = 0;
@@ -222,7 +223,7 @@ struct GemvMPlan {
   size_t smem;  // dynamic shared memory per block
   // Where the table runs M on the decode GEMV with token columns instead (cols.blocks > 0): its plan
   // (plan_gemv_cols). The tile kernel's fields above stay planned either way.
-  GemvPlan cols;
+  GemvPlan cols{};
 };
 // Overrides of the table, for the tests and the benches (0: the table's choice; tiles: never the
 // token columns; cols: the token columns wherever they fit, past the table's crossover).
