@@ -328,16 +328,10 @@ auto by_kind(Epilogue ep, GemvIn in, bool whole, bool tail, bool bias, F&& f) {
   }
 }
 
-template <class F>
-auto by_instance(Epilogue ep, GemvIn in, bool whole, bool tail, bool bias, int mt, F&& f) {
-  AF_CHECK(mt == kGemvColsMT, "gemv_cols: no instance of these token columns");
-  return by_kind<kGemvColsMT>(ep, in, whole, tail, bias, f);
-}
-
 }  // namespace
 
-int gemv_cols_resident_blocks(Epilogue ep, GemvIn in, bool whole, bool tail, bool bias, int mt, size_t smem) {
-  return by_instance(ep, in, whole, tail, bias, mt, [&](auto kernel) {
+int gemv_cols_resident_blocks(Epilogue ep, GemvIn in, bool whole, bool tail, bool bias, size_t smem) {
+  return by_kind<kGemvColsMT>(ep, in, whole, tail, bias, [&](auto kernel) {
     return gemv_kernel_resident_blocks(reinterpret_cast<const void*>(kernel), smem);
   });
 }
@@ -345,19 +339,18 @@ int gemv_cols_resident_blocks(Epilogue ep, GemvIn in, bool whole, bool tail, boo
 void gemv_cols(const GemvPlan& plan, const uint8_t* w, const float* scales, const void* x, const bf16* norm_w,
                float eps, int M, int N, int K, void* out, int* f16_overflow, const RopeKVArgs& rope,
                cudaStream_t stream) {
-  AF_CHECK(plan.rows == M && plan.N == N && plan.K == K && plan.mt >= M && M >= 1 && plan.blocks >= 1 &&
-               plan.threads == kGemvThreads && plan.whole == gemv_whole_steps(K) && plan.tail == gemv_tail_group(K) &&
-               plan.smem == gemv_cols_smem(plan.in, M, K, plan.raw_rows) &&
+  AF_CHECK(plan.rows == M && plan.N == N && plan.K == K && plan.mt == kGemvColsMT && M >= 1 && M <= plan.mt &&
+               plan.blocks >= 1 && plan.threads == kGemvThreads && plan.whole == gemv_whole_steps(K) &&
+               plan.tail == gemv_tail_group(K) && plan.smem == gemv_cols_smem(plan.in, M, K, plan.raw_rows) &&
                (plan.in != GemvIn::NORM || plan.raw_rows >= 1),
            "gemv_cols: the plan is not this launch's (plan_gemv_cols(ep, in, M, N, K, bias))");
   AF_CHECK(plan.bias == (plan.ep == Epilogue::RopeKV && rope.bias != nullptr),
            "gemv_cols: rope.bias must be given iff the plan is for a bias");
-  AF_CHECK(
-      gemv_cols_resident_blocks(plan.ep, plan.in, plan.whole, plan.tail, plan.bias, plan.mt, plan.smem) >= plan.blocks,
-      "gemv_cols: the plan's grid does not fit");
+  AF_CHECK(gemv_cols_resident_blocks(plan.ep, plan.in, plan.whole, plan.tail, plan.bias, plan.smem) >= plan.blocks,
+           "gemv_cols: the plan's grid does not fit");
   const Product P{
       w, scales, x, norm_w, N, K, out, 0, nullptr, nullptr, f16_overflow, plan.pre_warps, plan.late_trigger};
-  by_instance(plan.ep, plan.in, plan.whole, plan.tail, plan.bias, plan.mt, [&](auto kernel) {
+  by_kind<kGemvColsMT>(plan.ep, plan.in, plan.whole, plan.tail, plan.bias, [&](auto kernel) {
     af_launch(kernel, dim3(plan.blocks), dim3(kGemvThreads), plan.smem, stream, P, M, plan.raw_rows, eps, rope);
     return 0;
   });

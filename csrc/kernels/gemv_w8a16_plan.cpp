@@ -131,7 +131,7 @@ GemvPlan plan_gemv_cols(Epilogue ep, GemvIn in, int M, int N, int K, bool bias) 
   for (int raw = most_raw; raw >= (in == GemvIn::NORM ? 1 : 0); --raw) {
     const size_t smem = gemv_cols_smem(in, M, K, raw);
     if (smem > static_cast<size_t>(per_sm) / 2) continue;
-    const int resident = gemv_cols_resident_blocks(ep, in, plan.whole, plan.tail, bias, plan.mt, smem);
+    const int resident = gemv_cols_resident_blocks(ep, in, plan.whole, plan.tail, bias, smem);
     if (resident < 2 * sms) continue;
     const int n_pairs = gemv_row_pairs(ep, N);
     plan.raw_rows = raw;
@@ -145,18 +145,14 @@ GemvPlan plan_gemv_cols(Epilogue ep, GemvIn in, int M, int N, int K, bool bias) 
 }
 
 std::string gemv_variant_name(const GemvPlan& plan) {
-  if (plan.mt > 1)
-    return std::string("gemv_cols<") + ep_name(plan.ep) + ", " + in_name(plan.in) +
-           (plan.whole  ? ", whole"
-            : plan.tail ? ", ragged, tail group"
-                        : ", ragged") +
-           (plan.bias ? ", bias" : "") + ", mt=" + std::to_string(plan.mt) +
-           (plan.in == GemvIn::NORM ? ", raw_rows=" + std::to_string(plan.raw_rows) : std::string()) + ">";
-  return std::string("gemv_w8a16<") + ep_name(plan.ep) + ", " + in_name(plan.in) +
-         (plan.whole  ? ", whole"
-          : plan.tail ? ", ragged, tail group"
-                      : ", ragged") +
-         (plan.bias ? ", bias>" : ">");
+  const std::string kind = std::string(ep_name(plan.ep)) + ", " + in_name(plan.in) +
+                           (plan.whole  ? ", whole"
+                            : plan.tail ? ", ragged, tail group"
+                                        : ", ragged") +
+                           (plan.bias ? ", bias" : "");
+  if (plan.mt == 1) return "gemv_w8a16<" + kind + ">";
+  return "gemv_cols<" + kind + ", mt=" + std::to_string(plan.mt) +
+         (plan.in == GemvIn::NORM ? ", raw_rows=" + std::to_string(plan.raw_rows) : std::string()) + ">";
 }
 
 }  // namespace atomflow::kernels

@@ -77,9 +77,9 @@ __host__ __device__ constexpr size_t gemv_cols_smem(GemvIn in, int M, int K, int
 // bytes of dynamic shared memory resident at once on the current device (2 per SM, fewer only if fewer
 // fit); raises the kernel's dynamic shared memory limit to smem the first time.
 int gemv_kernel_resident_blocks(const void* kernel, size_t smem);
-// gemv_w8a16_cols.cu: the same for the cols instance of (ep, in, whole, tail, bias, mt), and its launch
+// gemv_w8a16_cols.cu: the same for the cols instance of (ep, in, whole, tail, bias), and its launch
 // (x [M, K] per plan.in; out and rope as gemv_w8a16_m's).
-int gemv_cols_resident_blocks(Epilogue ep, GemvIn in, bool whole, bool tail, bool bias, int mt, size_t smem);
+int gemv_cols_resident_blocks(Epilogue ep, GemvIn in, bool whole, bool tail, bool bias, size_t smem);
 void gemv_cols(const GemvPlan& plan, const uint8_t* w, const float* scales, const void* x, const bf16* norm_w,
                float eps, int M, int N, int K, void* out, int* f16_overflow, const RopeKVArgs& rope,
                cudaStream_t stream);
