@@ -45,7 +45,7 @@ def reference_attention(q, kc, vc, pos, scale, block=128):
     return out
 
 
-def check_prefill(rng, M, pos, Hkv, G, D, key_groups=None, spare=5):
+def check_prefill(rng, M, pos, Hkv, G, D, key_groups=None, spare=5, kernel="auto"):
     """M queries after pos cached keys; `spare` cache rows past pos + M hold NaN."""
     H = Hkv * G
     C = pos + M + spare
@@ -54,8 +54,8 @@ def check_prefill(rng, M, pos, Hkv, G, D, key_groups=None, spare=5):
     kc[pos + M :] = vc[pos + M :] = BF16_NAN
     q = bf16_bits(rng.standard_normal((M, H, D)) * 2.0)
     scale = 1.0 / np.sqrt(D)
-    got = from_bf16(ops.attention_prefill(q, kc, vc, pos, scale, key_groups=key_groups))
-    what = f"attention_prefill M={M} pos={pos} Hkv={Hkv} G={G} D={D} key_groups={key_groups}"
+    got = from_bf16(ops.attention_prefill(q, kc, vc, pos, scale, key_groups=key_groups, kernel=kernel))
+    what = f"attention_prefill M={M} pos={pos} Hkv={Hkv} G={G} D={D} key_groups={key_groups} kernel={kernel}"
     bad = ~np.isfinite(got)
     assert not bad.any(), f"{what}: {int(bad.sum())} non-finite outputs, first at {np.argwhere(bad)[0]}"
     want = reference_attention(q, kc, vc, pos, scale)
@@ -64,18 +64,34 @@ def check_prefill(rng, M, pos, Hkv, G, D, key_groups=None, spare=5):
     assert err.max() < ROW_REL, f"{what}: rel-L2 {err.max():.3e} at (query, head) {worst}"
 
 
-@pytest.mark.parametrize("D,G", [(128, 3), (64, 4)])
+# Both kernels at head_dim 128 (wgmma is the plan's there); head_dim 64 has the mma kernel only.
+KERNELS = [(128, "mma"), (128, "wgmma"), (64, "mma")]
+
+
+@pytest.mark.parametrize("D,kernel", KERNELS)
 @pytest.mark.parametrize("pos", [0, 1, 300, 8192 + 5])
-@pytest.mark.parametrize("M", [1, 2, 17, 64, 65, 100, 511, 512, 1000])
-def test_prefill_attention_sizes(rng, M, pos, D, G):
-    check_prefill(rng, M, pos, 2, G, D)
+@pytest.mark.parametrize("M", [1, 2, 17, 64, 65, 100, 127, 128, 129, 511, 512, 1000])
+def test_prefill_attention_sizes(rng, M, pos, D, kernel):
+    check_prefill(rng, M, pos, 2, 3 if D == 128 else 4, D, kernel=kernel)
 
 
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("D,kernel", KERNELS)
 @pytest.mark.parametrize("G", [1, 3, 4, 7, 8, 16])
 @pytest.mark.parametrize("M,pos", [(1, 0), (17, 1), (65, 300), (100, 0), (200, 8192 + 5)])
-def test_prefill_attention_ratios(rng, M, pos, G, D):
-    check_prefill(rng, M, pos, 2, G, D)
+def test_prefill_attention_ratios(rng, M, pos, G, D, kernel):
+    check_prefill(rng, M, pos, 2, G, D, kernel=kernel)
+
+
+def test_prefill_attention_kernels_agree(rng):
+    """The two kernels on one chunk deep in the context: both near the reference, and near each other."""
+    M, pos, Hkv, G, D = 300, 2000, 2, 4, 128
+    C = pos + M
+    kc = bf16_bits(rng.standard_normal((C, Hkv, D)))
+    vc = bf16_bits(rng.standard_normal((C, Hkv, D)))
+    q = bf16_bits(rng.standard_normal((M, Hkv * G, D)) * 2.0)
+    a = from_bf16(ops.attention_prefill(q, kc, vc, pos, kernel="mma"))
+    b = from_bf16(ops.attention_prefill(q, kc, vc, pos, kernel="wgmma"))
+    assert np.linalg.norm(a - b) / np.linalg.norm(a) < 4e-3
 
 
 @pytest.mark.parametrize("key_groups", [1, 2])
@@ -110,11 +126,16 @@ def test_prefill_attention_matches_decode_kernel(rng):
 
 
 def test_prefill_attention_plan():
-    p = ops.attention_prefill_plan(512, 24, 8, 128)
+    p = ops.attention_prefill_plan(512, 24, 8, 128, kernel="mma")
     assert p["tiles"] == 512 * 3 // 64 and p["blocks"] == 8 * p["tiles"]
     assert p["key_groups"] in (1, 2) and p["threads"] == 128 * p["key_groups"]
     assert p["kernel"] == f"attention_prefill<D=128, KG={p['key_groups']}>"
     assert p["smem"] == (64 * 136 + p["key_groups"] * 4 * 64 * 136) * 2
+    w = ops.attention_prefill_plan(512, 24, 8, 128)  # the plan's kernel at head_dim 128
+    assert w["kernel"] == "attention_prefill_wgmma<D=128>" and w["threads"] == 256
+    # Q and three stages of K and V, 128 x 128 bf16 each, and 1 KB to align them
+    assert w["tiles"] == 512 * 3 // 128 and w["smem"] == 7 * 128 * 128 * 2 + 1024
+    assert ops.attention_prefill_plan(512, 24, 8, 64)["kernel"].startswith("attention_prefill<D=64")
 
 
 def test_prefill_attention_rejects_unsupported():
@@ -125,6 +146,10 @@ def test_prefill_attention_rejects_unsupported():
         ops.attention_prefill(z(4, 17, 64), z(8, 1, 64), z(8, 1, 64), 0)
     with pytest.raises(ValueError, match="pos \\+ M"):
         ops.attention_prefill(z(4, 2, 64), z(8, 1, 64), z(8, 1, 64), 5)
+    with pytest.raises(ValueError, match="head_dim 128"):
+        ops.attention_prefill(z(4, 2, 64), z(8, 1, 64), z(8, 1, 64), 0, kernel="wgmma")
+    with pytest.raises(ValueError, match="kernel must be"):
+        ops.attention_prefill(z(4, 2, 64), z(8, 1, 64), z(8, 1, 64), 0, kernel="fa3")
 
 
 # ----------------------------------------------------------------------------- the engine's prefill

@@ -231,34 +231,39 @@ def main(argv=None) -> int:
         )
 
     if "attention_prefill" in run:
-        # Prefill attention of one 512-row chunk after `prior` cached tokens, 3B shape: tensor cores
-        # (attention_prefill) vs the CUDA-core kernel (attention). FLOPs count the visible keys only:
+        # Prefill attention of one chunk of M rows after `prior` cached tokens: the warpgroup-MMA kernel
+        # against the mma.sync one, and the plan's choice. FLOPs count the visible keys only:
         # 4 H D (M prior + M (M + 1) / 2) (Q K^T and P V, 2 per multiply-add).
         rows, results["attention_prefill"] = [], []
-        m, M = MODELS["3B"], 512
-        H, Hkv, D = m["H"], m["Hkv"], m["D"]
-        for prior in [0, 4096, 16384, 32768]:
-            flops = 4 * H * D * (M * prior + M * (M + 1) // 2)
-            iters = max(5, args.iters // 5)
-            us_tc = ops.time_attention_prefill(M, prior, H, Hkv, D, iters=iters)
-            us_cc = ops.time_attention(prior + M, H, Hkv, D, M=M, iters=iters)
-            kernel = ops.attention_prefill_plan(M, H, Hkv, D)["kernel"]
-            rows.append(
-                [
-                    "3B",
-                    str(prior),
-                    kernel,
-                    f"{us_tc:.1f}",
-                    f"{flops / us_tc / 1e6:.0f}",
-                    f"{us_cc:.1f}",
-                    f"{flops / us_cc / 1e6:.1f}",
-                    f"{us_cc / us_tc:.1f}x",
-                ]
-            )
-            results["attention_prefill"].append(dict(model="3B", M=M, prior=prior, flops=flops, us=us_tc, us_cuda_cores=us_cc))
+        iters = max(5, args.iters // 5)
+        for name in ["3B", "8B"]:
+            m = MODELS[name]
+            H, Hkv, D = m["H"], m["Hkv"], m["D"]
+            for M in [32, 64, 128, 256, 512, 1024]:
+                for prior in [0, 4096, 16384] + ([32768] if M == 1024 else []):
+                    flops = 4 * H * D * (M * prior + M * (M + 1) // 2)
+                    plan = ops.attention_prefill_plan(M, H, Hkv, D)["kernel"]
+                    us_w = ops.time_attention_prefill(M, prior, H, Hkv, D, iters=iters, kernel="wgmma")
+                    us_m = ops.time_attention_prefill(M, prior, H, Hkv, D, iters=iters, kernel="mma")
+                    rows.append(
+                        [
+                            name,
+                            str(M),
+                            str(prior),
+                            f"{us_w:.1f}",
+                            f"{flops / us_w / 1e6:.0f}",
+                            f"{us_m:.1f}",
+                            f"{flops / us_m / 1e6:.0f}",
+                            f"{us_m / us_w:.2f}x",
+                            "wgmma" if "wgmma" in plan else "mma",
+                        ]
+                    )
+                    results["attention_prefill"].append(
+                        dict(model=name, M=M, prior=prior, flops=flops, plan=plan, us_wgmma=us_w, us_mma=us_m)
+                    )
         table(
-            f"prefill attention ({M}-row chunk, H={H} Hkv={Hkv} D={D}, one layer)",
-            ["model", "prior", "kernel", "us", "TFLOP/s", "us (attention)", "TFLOP/s", "speedup"],
+            "prefill attention (one chunk, one layer): wgmma against mma.sync, and the plan's kernel",
+            ["model", "M", "prior", "us (wgmma)", "TFLOP/s", "us (mma)", "TFLOP/s", "mma / wgmma", "plan"],
             rows,
         )
 

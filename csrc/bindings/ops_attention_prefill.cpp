@@ -17,22 +17,31 @@ namespace {
 
 using atomflow::median_us;
 
-// sm_count: the plan's SM count (None: this GPU's); key_groups 1 or 2 overrides the plan's choice.
-k::PrefillAttnPlan prefill_plan(int M, int H, int Hkv, int D, const py::object& key_groups) {
+// The plan on this GPU; kernel "auto" | "mma" | "wgmma" and key_groups 1 or 2 (the mma kernel's) override
+// the plan's kernel.
+k::PrefillAttnPlan prefill_plan(int M, int H, int Hkv, int D, const py::object& key_groups, const std::string& kernel) {
   int sms = 0;
   AF_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  require(kernel == "auto" || kernel == "mma" || kernel == "wgmma", "kernel must be 'auto', 'mma' or 'wgmma'");
+  // key_groups is the Mma kernel's: given, it picks that kernel.
+  const k::PrefillAttnKernel kind = kernel == "mma" || (kernel == "auto" && !key_groups.is_none())
+                                        ? k::PrefillAttnKernel::Mma
+                                    : kernel == "wgmma" ? k::PrefillAttnKernel::Wgmma
+                                                        : k::PrefillAttnKernel::Auto;
   if (!key_groups.is_none()) {
     const int kg = key_groups.cast<int>();
     require(kg == 1 || kg == 2, "key_groups must be 1 or 2");
+    require(kind == k::PrefillAttnKernel::Mma, "key_groups is the mma kernel's");
     sms = kg == 2 ? INT_MAX : 0;  // plan_attention_prefill: two groups when blocks <= sm_count, one for 0
   }
-  return k::plan_attention_prefill(M, H, Hkv, D, sms);
+  return k::plan_attention_prefill(M, H, Hkv, D, sms, kind);
 }
 
 py::array_t<uint16_t> attention_prefill(const py::array& q_, const py::array& k_cache_, const py::array& v_cache_,
-                                        int pos, const py::object& scale_, const py::object& key_groups) {
+                                        int pos, const py::object& scale_, const py::object& key_groups,
+                                        const std::string& kernel) {
   AttnArgs a(q_, k_cache_, v_cache_, pos, scale_);
-  const k::PrefillAttnPlan plan = prefill_plan(a.M, a.H, a.Hkv, a.D, key_groups);
+  const k::PrefillAttnPlan plan = prefill_plan(a.M, a.H, a.Hkv, a.D, key_groups, kernel);
   DeviceBuffer out = DeviceBuffer::poisoned(sizeof(bf16) * a.M * a.H * a.D);
   k::attention_prefill(plan, a.q.get<bf16>(), a.k_cache.get<bf16>(), a.v_cache.get<bf16>(), a.pos.get<int32_t>(), a.M,
                        a.H, a.Hkv, a.D, a.C, a.scale, out.get<bf16>(), nullptr);
@@ -40,8 +49,8 @@ py::array_t<uint16_t> attention_prefill(const py::array& q_, const py::array& k_
   return to_host<uint16_t>(out, {a.M, a.H, a.D});
 }
 
-py::dict attention_prefill_plan(int M, int H, int Hkv, int D, const py::object& key_groups) {
-  const k::PrefillAttnPlan p = prefill_plan(M, H, Hkv, D, key_groups);
+py::dict attention_prefill_plan(int M, int H, int Hkv, int D, const py::object& key_groups, const std::string& kernel) {
+  const k::PrefillAttnPlan p = prefill_plan(M, H, Hkv, D, key_groups, kernel);
   py::dict d;
   d["kernel"] = k::attention_prefill_name(p);
   d["tiles"] = p.tiles;
@@ -53,7 +62,8 @@ py::dict attention_prefill_plan(int M, int H, int Hkv, int D, const py::object& 
 }
 
 // A chunk of M query tokens after `prior` cached ones (pos = prior); caches rotated past L2.
-double time_attention_prefill(int M, int prior, int H, int Hkv, int D, int iters, const py::object& key_groups) {
+double time_attention_prefill(int M, int prior, int H, int Hkv, int D, int iters, const py::object& key_groups,
+                              const std::string& kernel) {
   require(M >= 1 && prior >= 0, "need M >= 1 and prior >= 0");
   const int C = prior + M;
   const size_t cache = static_cast<size_t>(C) * Hkv * D * sizeof(bf16);
@@ -62,7 +72,7 @@ double time_attention_prefill(int M, int prior, int H, int Hkv, int D, int iters
   DeviceBuffer q(sizeof(bf16) * M * H * D), out(sizeof(bf16) * M * H * D), pos = device_int(prior);
   q.fill(0);
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  const k::PrefillAttnPlan plan = prefill_plan(M, H, Hkv, D, key_groups);
+  const k::PrefillAttnPlan plan = prefill_plan(M, H, Hkv, D, key_groups, kernel);
   return median_us(
       [&](int i) {
         k::attention_prefill(plan, q.get<bf16>(), kv.at<bf16>(i), kv.at<bf16>(i, cache), pos.get<int32_t>(), M, H, Hkv,
@@ -75,13 +85,14 @@ double time_attention_prefill(int M, int prior, int H, int Hkv, int D, int iters
 
 void register_attention_prefill(py::module_& m) {
   m.def("attention_prefill", &attention_prefill, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("pos"),
-        py::arg("scale") = py::none(), py::arg("key_groups") = py::none(),
+        py::arg("scale") = py::none(), py::arg("key_groups") = py::none(), py::arg("kernel") = "auto",
         "q u16 [M, H, D], caches u16 [C, Hkv, D], pos -> u16 [M, H, D] (bf16): causal GQA attention of a prefill "
-        "chunk on tensor cores; key_groups 1 or 2 overrides the plan's");
+        "chunk on tensor cores; kernel 'mma' | 'wgmma' and key_groups 1 or 2 (mma) override the plan's");
   m.def("attention_prefill_plan", &attention_prefill_plan, py::arg("M"), py::arg("H"), py::arg("Hkv"), py::arg("D"),
-        py::arg("key_groups") = py::none(), "the launch plan of attention_prefill for this shape on this GPU");
+        py::arg("key_groups") = py::none(), py::arg("kernel") = "auto",
+        "the launch plan of attention_prefill for this shape on this GPU");
   m.def("time_attention_prefill", &time_attention_prefill, py::arg("M"), py::arg("prior"), py::arg("H"), py::arg("Hkv"),
-        py::arg("D"), py::arg("iters") = 20, py::arg("key_groups") = py::none(),
+        py::arg("D"), py::arg("iters") = 20, py::arg("key_groups") = py::none(), py::arg("kernel") = "auto",
         "us per attention_prefill call: M query tokens after `prior` cached keys; caches rotated past L2");
 }
 

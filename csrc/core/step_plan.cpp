@@ -30,7 +30,7 @@ kernels::AttnPlan StepPlan::probe_attention(int attn_keys) const {
 }
 
 kernels::PrefillAttnPlan StepPlan::prefill_attention(int rows) const {
-  return kernels::plan_attention_prefill(rows, num_heads, num_kv_heads, head_dim, sm_count);
+  return kernels::plan_attention_prefill(rows, num_heads, num_kv_heads, head_dim, sm_count, prefill_attn_kernel);
 }
 
 StepPlan make_step_plan(const ModelSpec& s, int max_context, const PlanOptions& options) {
@@ -92,6 +92,8 @@ StepPlan make_step_plan(const ModelSpec& s, int max_context, const PlanOptions& 
   // Head dims the tensor-core kernel is not built for (256) keep every chunk on the decode kernel.
   p.prefill_attn_min_rows =
       kernels::attention_prefill_supported(D, H / Hkv) ? StepPlan::kPrefillAttnMinRows : StepPlan::kNever;
+  p.prefill_attn_kernel =
+      p.cc_major == 9 && D == 128 ? kernels::PrefillAttnKernel::Wgmma : kernels::PrefillAttnKernel::Mma;
   // The Hopper GEMM takes a chunk's products only when every one of them is a shape it runs.
   const bool sm90_gemm =
       p.cc_major == 9 && kernels::gemm_w8a16_sm90_takes_layer(kernels::Sm90Layer{d, f, s.q_dim(), s.qkv_dim()});

@@ -25,6 +25,7 @@
 
 #include "atomflow/kernels.h"
 #include "atomflow/pdl.cuh"
+#include "attention_prefill_sm90.h"
 
 namespace atomflow::kernels {
 
@@ -323,16 +324,26 @@ bool attention_prefill_supported(int D, int group) {
   return group >= 1 && group <= kMaxPrefillGroup && (D == 64 || D == 80 || D == 96 || D == 128);
 }
 
-PrefillAttnPlan plan_attention_prefill(int M, int H, int Hkv, int D, int sm_count) {
+PrefillAttnPlan plan_attention_prefill(int M, int H, int Hkv, int D, int sm_count, PrefillAttnKernel kernel) {
   AF_CHECK(M >= 1 && H >= 1 && Hkv >= 1 && H % Hkv == 0, "plan_attention_prefill: M, H, Hkv >= 1, H a multiple of Hkv");
   AF_CHECK(H / Hkv <= kMaxPrefillGroup, "attention_prefill: at most 16 query heads per kv head");
   AF_CHECK(D == 64 || D == 80 || D == 96 || D == 128, "attention_prefill: head_dim must be 64, 80, 96 or 128");
   AF_CHECK(sm_count >= 0, "plan_attention_prefill: sm_count must be >= 0");
+  AF_CHECK(kernel != PrefillAttnKernel::Wgmma || D == 128, "attention_prefill: the wgmma kernel takes head_dim 128");
   PrefillAttnPlan p{};
   p.M = M;
   p.H = H;
   p.Hkv = Hkv;
   p.D = D;
+  p.kernel =
+      kernel == PrefillAttnKernel::Auto ? (D == 128 ? PrefillAttnKernel::Wgmma : PrefillAttnKernel::Mma) : kernel;
+  if (p.kernel == PrefillAttnKernel::Wgmma) {
+    p.tiles = CEIL_DIV(M * (H / Hkv), attention_prefill_wgmma_rows());
+    p.key_groups = 1;
+    p.threads = attention_prefill_wgmma_threads();
+    p.smem = attention_prefill_wgmma_smem();
+    return p;
+  }
   p.tiles = CEIL_DIV(M * (H / Hkv), kPfRows);
   p.key_groups = pf_key_groups(p.tiles * Hkv, sm_count);
   p.threads = kPfGroupThreads * p.key_groups;
@@ -341,6 +352,7 @@ PrefillAttnPlan plan_attention_prefill(int M, int H, int Hkv, int D, int sm_coun
 }
 
 std::string attention_prefill_name(const PrefillAttnPlan& p) {
+  if (p.kernel == PrefillAttnKernel::Wgmma) return "attention_prefill_wgmma<D=" + std::to_string(p.D) + ">";
   return "attention_prefill<D=" + std::to_string(p.D) + ", KG=" + std::to_string(p.key_groups) + ">";
 }
 
@@ -370,6 +382,10 @@ void attention_prefill(const PrefillAttnPlan& plan, const bf16* q, const bf16* k
                reinterpret_cast<uintptr_t>(v_cache) % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 4 == 0,
            "attention_prefill: q and the caches must be 16-byte aligned, out 4-byte aligned");
   const float q_scale = scale * 1.4426950408889634f;  // scores in log2 units: exp2f in the softmax
+  if (plan.kernel == PrefillAttnKernel::Wgmma) {
+    attention_prefill_wgmma(plan.tiles, q, k_cache, v_cache, pos, M, H, Hkv, max_context, q_scale, out, stream);
+    return;
+  }
   pf_for_head_dim(D, [&](auto d) {
     constexpr int Dc = decltype(d)::value;
     if (plan.key_groups == 2)

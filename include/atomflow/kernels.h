@@ -351,26 +351,34 @@ void attention_qkv(const AttnPlan& plan, const AttnQkvIn& in, bf16* k_cache, bf1
 
 // ---------------------------------------------------------------------------------------
 // attention_prefill.cu: the causal GQA attention of attention() for a prefill chunk of M query
-// tokens, on tensor cores (FlashAttention-2 style: mma.sync bf16, fp32 accumulation, online softmax).
-// Query m (at position *pos + m) attends to cache rows [0, *pos + m]; rows at or past *pos + M are
-// never read. q bf16 [M, H, D] (rotated), caches bf16 [max_context, Hkv, D], out bf16 [M, H, D].
-// One block per (tile of 64 packed (query token, head) rows of one kv head, kv head) walks all the
-// keys its rows see: no split, no scratch, nothing that grows with the context. D in {64, 80, 96,
-// 128}, H / Hkv in 1..16. The step plan picks it for chunks of at least prefill_attn_min_rows rows
+// tokens, on tensor cores. Query m (at position *pos + m) attends to cache rows [0, *pos + m]; rows at
+// or past *pos + M are never read. q bf16 [M, H, D] (rotated), caches bf16 [max_context, Hkv, D], out
+// bf16 [M, H, D]. One block per (tile of packed (query token, head) rows of one kv head, kv head) walks
+// all the keys its rows see: no split, no scratch, nothing that grows with the context. Two kernels:
+//  - Mma (attention_prefill.cu, FlashAttention-2 style: mma.sync bf16, fp32 accumulation, online
+//    softmax in registers): tiles of 64 rows; D in {64, 80, 96, 128};
+//  - Wgmma (attention_prefill_sm90.cu, warpgroup MMA on sm_90a): tiles of 128 rows, two warpgroups
+//    sharing 128-key tiles; D = 128 only.
+// H / Hkv in 1..16. The step plan picks it for chunks of at least prefill_attn_min_rows rows
 // (step_plan.h); decode (M = 1) keeps attention().
-constexpr int kMaxPrefillGroup = 16;  // query heads per kv head
+constexpr int kMaxPrefillGroup = 16;                // query heads per kv head
+enum class PrefillAttnKernel { Auto, Mma, Wgmma };  // Auto: Wgmma where it takes D, else Mma
 struct PrefillAttnPlan {
-  int M, H, Hkv, D;  // the call's shape
-  int tiles;         // grid.x: tiles of 64 packed rows per kv head (grid.y = Hkv)
-  int key_groups;    // groups of 4 warps per block, each taking every key_groups-th key tile (1 or 2)
-  int threads;       // 128 * key_groups
-  size_t smem;       // dynamic shared memory per block
+  int M, H, Hkv, D;          // the call's shape
+  PrefillAttnKernel kernel;  // never Auto
+  int tiles;                 // grid.x: tiles of packed rows per kv head (grid.y = Hkv): 64 (Mma) or 128 rows
+  int key_groups;            // Mma: groups of 4 warps per block, each taking every key_groups-th key tile (1 or 2)
+  int threads;               // Mma: 128 * key_groups; Wgmma: 256
+  size_t smem;               // dynamic shared memory per block
 };
-// sm_count: the SMs of the GPU that runs it (the step plan's); it picks the key groups (0: one group).
-PrefillAttnPlan plan_attention_prefill(int M, int H, int Hkv, int D, int sm_count);
+// sm_count: the SMs of the GPU that runs it (the step plan's); it picks the Mma kernel's key groups
+// (0: one group).
+PrefillAttnPlan plan_attention_prefill(int M, int H, int Hkv, int D, int sm_count,
+                                       PrefillAttnKernel kernel = PrefillAttnKernel::Auto);
 // Whether attention_prefill is built for this head_dim and query heads per KV head.
 bool attention_prefill_supported(int D, int group);
-std::string attention_prefill_name(const PrefillAttnPlan& plan);  // "attention_prefill<D=128, KG=2>"
+// "attention_prefill<D=128, KG=2>" or "attention_prefill_wgmma<D=128>"
+std::string attention_prefill_name(const PrefillAttnPlan& plan);
 void attention_prefill(const PrefillAttnPlan& plan, const bf16* q, const bf16* k_cache, const bf16* v_cache,
                        const int32_t* pos, int M, int H, int Hkv, int D, int max_context, float scale, bf16* out,
                        cudaStream_t stream);

@@ -86,6 +86,9 @@ struct StepPlan {
   static constexpr int kPrefillAttnMinRows = 32;
   static constexpr int kNever = 1 << 30;  // prefill_attn_min_rows of a shape attention_prefill does not take
   int prefill_attn_min_rows = kPrefillAttnMinRows;
+  // Which attention_prefill kernel such a chunk runs: the warpgroup-MMA one (attention_prefill_sm90.cu)
+  // on sm_90 at head_dim 128, the mma.sync one otherwise (docs/design/attention_prefill.md).
+  kernels::PrefillAttnKernel prefill_attn_kernel = kernels::PrefillAttnKernel::Mma;
   int head_dim = 0, num_heads = 0, num_kv_heads = 0;  // the attention shape prefill_attention plans
   // A prefill chunk's products: up to small_m_max_rows rows run the small-M GEMV (gemv_w8a16_m: each
   // weight byte read once for all rows, planned per call), more rows the tensor-core GEMM. Measured on

@@ -1,0 +1,18 @@
+// The warpgroup-MMA prefill attention (attention_prefill_sm90.cu, sm_90a, head_dim 128): what
+// attention_prefill.cu's plan and launcher need of it.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+#include "atomflow/common.h"
+
+namespace atomflow::kernels {
+
+int attention_prefill_wgmma_rows();     // packed rows per block (grid.x = ceil(M * G / rows))
+int attention_prefill_wgmma_threads();  // threads per block
+size_t attention_prefill_wgmma_smem();  // dynamic shared memory per block
+// q_scale: the softmax scale times log2(e). Grid (tiles, Hkv).
+void attention_prefill_wgmma(int tiles, const bf16* q, const bf16* k_cache, const bf16* v_cache, const int32_t* pos,
+                             int M, int H, int Hkv, int max_context, float q_scale, bf16* out, cudaStream_t stream);
+
+}  // namespace atomflow::kernels
