@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "atomflow/engine.h"
 #include "atomflow/spec.h"
 
 namespace py = pybind11;
@@ -97,13 +98,15 @@ py::dict plan_to_dict(const StepPlan& p) {
   attn.append(attention_row("decode", p.attn));
   if (p.short_keys > 0) attn.append(attention_row("decode, short steps", p.attn_short));
   d["attention"] = attn;
-  // Prefill chunks of at least min_rows rows: attention on tensor cores, one block per 64 packed
-  // (query, head) rows per kv head; shown for a chunk of min_rows and of 256 rows (the default chunk).
+  // Prefill chunks of at least min_rows rows: attention on tensor cores, one block per tile of packed
+  // (query, head) rows per kv head (the kernel's tile); shown for a chunk of min_rows rows, of 256 and of
+  // EngineOptions' default prefill_chunk.
   py::dict pre;
   const bool tc = p.prefill_attn_min_rows < StepPlan::kNever;
   pre["min_rows"] = tc ? py::object(py::int_(p.prefill_attn_min_rows)) : py::object(py::none());
   py::list chunks;
-  for (int rows : tc ? std::vector<int>{p.prefill_attn_min_rows, 256} : std::vector<int>{}) {
+  for (int rows :
+       tc ? std::vector<int>{p.prefill_attn_min_rows, 256, EngineOptions{}.prefill_chunk} : std::vector<int>{}) {
     const kernels::PrefillAttnPlan a = p.prefill_attention(rows);
     chunks.append(py::dict(py::arg("rows") = rows, py::arg("kernel") = kernels::attention_prefill_name(a),
                            py::arg("blocks") = a.tiles * a.Hkv, py::arg("warps") = a.threads / 32,

@@ -25,6 +25,7 @@
 
 #include "atomflow/kernels.h"
 #include "atomflow/pdl.cuh"
+#include "attention_prefill_block.cuh"
 #include "attention_prefill_sm90.h"
 
 namespace atomflow::kernels {
@@ -113,17 +114,8 @@ static __global__ void __launch_bounds__(kPfGroupThreads* KG, KG == 1 ? 2 : 1)
   const int g = lane / 4, c = lane % 4;
   bf16* const sKV = sQ + L::kQ + group * L::kGroup;  // stage st: K at st * 2 kTile, V after it
 
-  const int G = H / Hkv;
-  const int rows = M * G;  // packed rows of this kv head
-  const int tiles = CEIL_DIV(rows, kPfRows);
-  const int p0 = (tiles - 1 - static_cast<int>(blockIdx.x)) * kPfRows;  // the longest rows start first
-  const int h = blockIdx.y;
-
-  pdl_wait();  // q, *pos and the chunk's K / V rows are the previous kernels' output
-  // Coherent load (pdl.cuh); a bad position is clamped so that no row past the cache is read.
-  const int pos = min(max(__ldcg(pos_ptr), 0), capacity - M);
-  const int p_last = min(p0 + kPfRows, rows) - 1;
-  const int n_keys = pos + p_last / G + 1;  // keys the block's last row sees
+  const PrefillBlock b = prefill_block<kPfRows>(pos_ptr, M, H, Hkv, capacity);  // after the PDL wait
+  const int G = b.G, rows = b.rows, p0 = b.p0, h = b.h, pos = b.pos, n_keys = b.n_keys;
   const int n_kt = CEIL_DIV(n_keys, kPfKeys);
 
   // Q tile: packed row p = m * G + gh is q row (m, head h * G + gh); rows past M * G are zeros.

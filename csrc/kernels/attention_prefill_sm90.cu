@@ -20,6 +20,7 @@
 
 #include "atomflow/kernels.h"
 #include "atomflow/pdl.cuh"
+#include "attention_prefill_block.cuh"
 #include "attention_prefill_sm90.h"
 
 namespace atomflow::kernels {
@@ -207,16 +208,8 @@ __global__ void __launch_bounds__(kWgThreads, 1)
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int wg = warp / 4, wq = warp % 4, g = lane / 4, c = lane % 4;
-  const int G = H / Hkv;
-  const int rows = M * G;  // packed rows of this kv head
-  const int tiles = CEIL_DIV(rows, kWgTileRows);
-  const int p0 = (tiles - 1 - static_cast<int>(blockIdx.x)) * kWgTileRows;  // the longest rows start first
-  const int h = blockIdx.y;
-
-  pdl_wait();  // q, *pos and the chunk's K / V rows are the previous kernels' output
-  const int pos = min(max(__ldcg(pos_ptr), 0), capacity - M);
-  const int p_last = min(p0 + kWgTileRows, rows) - 1;
-  const int n_keys = pos + p_last / G + 1;  // keys the block's last row sees
+  const PrefillBlock b = prefill_block<kWgTileRows>(pos_ptr, M, H, Hkv, capacity);  // after the PDL wait
+  const int G = b.G, rows = b.rows, p0 = b.p0, h = b.h, pos = b.pos, n_keys = b.n_keys;
   const int n_kt = CEIL_DIV(n_keys, kWgKeys);
 
   // Q tile: packed row p = m * G + gh is q row (m, head h * G + gh); rows past M * G are zeros.
