@@ -4,8 +4,9 @@
 #   bash scripts/gpu_check.sh OUTDIR
 # Environment: PRESETS (default llama-3.2-3b,llama-3.1-8b), PYTEST_MARK (default gpu),
 # PYTEST_ARGS (extra pytest options, shell-quoted: PYTEST_ARGS='tests/x.py -k "a or b"'), PYTEST_WORKERS
-# (pytest-xdist workers, default 8), SKIP_TESTS=1,
-# SKIP_KERNEL_BENCH=1.
+# (pytest-xdist workers, default 8), PYTEST_SHARD=K/N (the K-th of N interleaved shares of the selected
+# tests: the whole GPU suite takes ~450 s on 14 workers, so one call builds and runs 1/2, a second call on
+# the still-warm machine 2/2), SKIP_TESTS=1, SKIP_KERNEL_BENCH=1.
 set -uo pipefail
 OUT=${1:?usage: scripts/gpu_check.sh OUTDIR}
 mkdir -p "$OUT"
@@ -30,6 +31,14 @@ tail -3 "$OUT/sass_check.log"
 if [ "${SKIP_TESTS:-0}" != "1" ]; then
   echo "== pytest -m gpu"
   eval "extra=(${PYTEST_ARGS:-})"  # word-split as the shell would, so a quoted -k expression stays one argument
+  if [ -n "${PYTEST_SHARD:-}" ]; then  # every N-th collected test id from the K-th: each share spans every file
+    k=${PYTEST_SHARD%/*} n=${PYTEST_SHARD#*/}
+    mapfile -t shard < <(python3 -m pytest -m "${PYTEST_MARK:-gpu}" --collect-only -q "${extra[@]}" 2>/dev/null |
+      grep "::" | awk -v k="$k" -v n="$n" 'NR % n == k % n')
+    [ ${#shard[@]} -gt 0 ] || { echo "gpu_check: shard $PYTEST_SHARD selects no tests"; exit 1; }
+    echo "shard $PYTEST_SHARD: ${#shard[@]} tests"
+    extra=("${shard[@]}")
+  fi
   # The GPU suite is ~1,400 tests, most of them CPU-bound numpy references: spread over workers where
   # pytest-xdist is installed (PYTEST_WORKERS, default 8; 0 runs them in one process).
   workers=()
