@@ -228,7 +228,7 @@ def test_engine_prefill_small_chunks_keep_decode_kernel(tiny):
 
 
 def test_engine_prefill_past_8192(tiny):
-    """8300 tokens in two calls (the second crosses position 8192; the default chunks of 1024 rows): every
+    """8300 tokens in two calls (the second crosses position 8192; the default chunks of 2048 rows): every
     key tile of a long context."""
     _engine_case(tiny, _prompt(8300, tiny.spec.vocab_size, 1), [5000], 8448)
 

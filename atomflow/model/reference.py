@@ -10,7 +10,7 @@ layer ([M, ...] rows for the M tokens of the current call); the validator uses t
 Prefill recipes (atomflow/model/recipe.py): "w8a16", the default, multiplies the dequantized weights
 by the activations as they are; "w8a8" emulates the CUDA engine's FP8 prefill recipe: in a call of at
 least W8A8_MIN_ROWS tokens (as the engine's chunks of that many rows, for calls of up to one
-1024-row chunk) each linear's input is quantized per token per 128 columns to e4m3 first.
+2048-row chunk) each linear's input is quantized per token per 128 columns to e4m3 first.
 """
 
 from __future__ import annotations
