@@ -83,7 +83,8 @@ def test_prefill_attention_ratios(rng, M, pos, G, D, kernel):
 
 
 def test_prefill_attention_kernels_agree(rng):
-    """The two kernels on one chunk deep in the context: both near the reference, and near each other."""
+    """The two kernels on one chunk deep in the context agree within bf16 rounding (each is held to the
+    float64 reference by the tests above)."""
     M, pos, Hkv, G, D = 300, 2000, 2, 4, 128
     C = pos + M
     kc = bf16_bits(rng.standard_normal((C, Hkv, D)))

@@ -239,8 +239,8 @@ def main(argv=None) -> int:
         for name in ["3B", "8B"]:
             m = MODELS[name]
             H, Hkv, D = m["H"], m["Hkv"], m["D"]
-            for M in [32, 64, 128, 256, 512, 1024]:
-                for prior in [0, 4096, 16384] + ([32768] if M == 1024 else []):
+            for M in [32, 64, 128, 256, 512, 1024, 2048]:  # 2048: EngineOptions' default prefill_chunk
+                for prior in [0, 4096, 16384] + ([32768] if M >= 1024 else []):
                     flops = 4 * H * D * (M * prior + M * (M + 1) // 2)
                     plan = ops.attention_prefill_plan(M, H, Hkv, D)["kernel"]
                     us_w = ops.time_attention_prefill(M, prior, H, Hkv, D, iters=iters, kernel="wgmma")
