@@ -126,6 +126,16 @@ def test_small_prefill_chunk_matches_reference(tiny):
     assert_close(eng.prefill(ids), ref.prefill(ids), "prefill in 7-row chunks")
 
 
+def test_prefill_chunk_default_and_bound(tiny):
+    """The core's default chunk is the one the bench counts prompt bytes with, and never past max_context."""
+    from atomflow.bench.bandwidth import PREFILL_CHUNK
+
+    assert cuda(tiny, PREFILL_CHUNK + 64).prefill_chunk == PREFILL_CHUNK
+    gc.collect()
+    assert cuda(tiny, 300).prefill_chunk == 300
+    assert cuda(tiny, 300, prefill_chunk=7).prefill_chunk == 7
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", ["llama-3.2-1b", "llama-3.2-3b"])
 def test_logits_match_reference_presets(model_files, preset):

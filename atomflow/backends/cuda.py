@@ -82,7 +82,7 @@ class CudaBackend:
     """The _core engine over one .atomflow file: weights, KV cache for max_context tokens, one
     CUDA graph per decode step. eager runs the step without the graph; None (the default) takes it
     from the ATOMFLOW_EAGER environment variable. prefill_chunk: rows per prefill pass (default the
-    core's, 1024; at most max_context). plan: overrides of the step plan (PLAN_OPTIONS), e.g.
+    core's, 2048; at most max_context). plan: overrides of the step plan (PLAN_OPTIONS), e.g.
     f16_activations=False (default from ATOMFLOW_BF16_ACTS) or fused_tail=False."""
 
     name = "cuda"
@@ -134,6 +134,11 @@ class CudaBackend:
         return self.engine.step_plan
 
     # -- what the core reports about itself ------------------------------------------------------
+    @property
+    def prefill_chunk(self) -> int:
+        """Rows per prefill pass: the one asked for, or the core's default, at most max_context."""
+        return self.engine.prefill_chunk
+
     @property
     def load_seconds(self) -> float:
         """File -> device weight copy time (the arena plan and graph capture not included)."""

@@ -13,7 +13,9 @@ import numpy as np
 
 from atomflow.model.spec import ModelSpec
 
-PREFILL_CHUNK = 1024  # rows per prefill pass: the _core.Engine default, which CudaBackend keeps
+# Rows per prefill pass where the backend does not say (CudaBackend.prefill_chunk does): the _core.Engine
+# default, EngineOptions::prefill_chunk.
+PREFILL_CHUNK = 2048
 
 
 def read_bandwidth_gbs(n_bytes: int = 2 << 30, iters: int = 20) -> float:

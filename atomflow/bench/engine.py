@@ -139,7 +139,8 @@ def run_engine_tests(
         log(f"{engine}: {test.name}")
         if test.kind == "pp":
             s = time_pp(eng, test, opts)
-            nbytes = prompt_bytes_per_token(eng.spec, eng.model.weight_bytes, head_bytes(eng), test.n_prompt, PREFILL_CHUNK)
+            chunk = getattr(eng.backend, "prefill_chunk", PREFILL_CHUNK)
+            nbytes = prompt_bytes_per_token(eng.spec, eng.model.weight_bytes, head_bytes(eng), test.n_prompt, chunk)
         else:
             s = time_tg(eng, test, opts)
             nbytes = token_bytes(eng.spec, eng.model.weight_bytes, test.mean_context)

@@ -414,6 +414,7 @@ PYBIND11_MODULE(_core, m) {
           "wait for all device work; enqueued steps not yet waited for are dropped")
       .def_property_readonly("position", &Engine::position)
       .def_property_readonly("max_context", &Engine::max_context)
+      .def_property_readonly("prefill_chunk", &Engine::prefill_chunk)
       .def_property_readonly("vocab_size", [](const Engine& e) { return e.spec().vocab_size; })
       .def_property_readonly("in_flight", &Engine::in_flight)
       .def_property_readonly("short_grid_steps", &Engine::short_grid_steps,

@@ -125,6 +125,7 @@ class Engine {
 
   const ModelSpec& spec() const { return spec_; }
   int max_context() const { return opt_.max_context; }
+  int prefill_chunk() const { return opt_.prefill_chunk; }  // rows per prefill pass (at most max_context)
   int position() const { return host_pos_; }
   int in_flight() const { return in_flight_; }
   // Decode steps launched so far (the load's warm-up step included) with the attention grid planned
