@@ -25,6 +25,7 @@ from atomflow.model.recipe import PREFILL_RECIPES, W8A8_MIN_ROWS
 
 PREFILL_CHUNK = 256  # bounds the [heads, chunk, context] score matrix for long prompts
 FP8_GROUP = 128
+FP8_PRODUCTS = ("qkv", "o", "gate_up", "down")  # a layer's products, in order
 
 
 def quantize_fp8_rows(x: np.ndarray) -> np.ndarray:
@@ -70,6 +71,9 @@ class ReferenceModel:
         spec = self.spec = model.spec
         self.max_context = max_context
         self.prefill_recipe = prefill_recipe
+        # The products whose input the w8a8 recipe quantizes (all of them, as the engine does; a subset
+        # attributes the recipe's cost, tools/recipe_attribution.py).
+        self.fp8_products = frozenset(FP8_PRODUCTS)
         self.inv_freq = spec.rope_inv_freq()
         self.embed = model.array("embed")  # bf16 rows, converted on lookup
         self.layers = []
@@ -116,14 +120,17 @@ class ReferenceModel:
 
     def _forward_chunk(self, ids: np.ndarray, all_logits: bool = False, fp8: bool = False) -> np.ndarray:
         s = self.spec
-        a = quantize_fp8_rows if fp8 else (lambda v: v)  # what a linear's input is rounded to
+
+        def a(product: str, v: np.ndarray) -> np.ndarray:  # what a linear's input is rounded to
+            return quantize_fp8_rows(v) if fp8 and product in self.fp8_products else v
+
         m, p0 = len(ids), self.pos
         positions = np.arange(p0, p0 + m)
         x = self.embed[ids].astype(np.float32)  # [M, d] fp32 residual stream
         for i, L in enumerate(self.layers):
             h = rmsnorm(x, L["attn_norm"], s.rms_norm_eps)
             self._emit("attn_norm", i, h)
-            qkv = a(h) @ L["wqkv"].T
+            qkv = a("qkv", h) @ L["wqkv"].T
             if s.attention_bias:
                 qkv = qkv + L["bqkv"]
             q = qkv[:, : s.q_dim].reshape(m, s.num_heads, s.head_dim)
@@ -134,13 +141,13 @@ class ReferenceModel:
             self.k_cache[i, p0 : p0 + m] = rope(k, positions, self.inv_freq)
             self.v_cache[i, p0 : p0 + m] = v
             attn = self._attention(rope(q, positions, self.inv_freq), i, p0)
-            o = a(attn) @ L["wo"].T
+            o = a("o", attn) @ L["wo"].T
             self._emit("attn_out", i, o)
             x = x + o
             self._emit("resid_mid", i, x)
             h = rmsnorm(x, L["mlp_norm"], s.rms_norm_eps)
-            gu = a(h) @ L["w13"].T
-            mlp = a(silu(gu[:, : s.intermediate_size]) * gu[:, s.intermediate_size :]) @ L["w2"].T
+            gu = a("gate_up", h) @ L["w13"].T
+            mlp = a("down", silu(gu[:, : s.intermediate_size]) * gu[:, s.intermediate_size :]) @ L["w2"].T
             self._emit("mlp_out", i, mlp)
             x = x + mlp
             self._emit("layer_out", i, x)
