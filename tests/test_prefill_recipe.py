@@ -49,6 +49,29 @@ def test_reference_applies_the_fp8_recipe_to_long_calls(tiny_model_file):
         CpuBackend(model, 64, prefill_recipe="w4a8")
 
 
+def test_reference_fp8_products_attribute_the_recipe(tiny_model_file):
+    """tools/recipe_attribution.py's switch: no product quantized is w8a16's bits, all of them w8a8's, and
+    each product left out changes the logits (its input was quantized)."""
+    from atomflow.model.reference import FP8_PRODUCTS
+
+    model = AtomflowFile(tiny_model_file)
+    ids = np.random.default_rng(2).integers(0, model.spec.vocab_size, W8A8_MIN_ROWS + 8).astype(np.int32)
+    plain, fp8 = CpuBackend(model, 512), CpuBackend(model, 512, prefill_recipe="w8a8")
+
+    def run(products):
+        fp8.reset()
+        fp8.ref.fp8_products = frozenset(products)
+        return fp8.prefill(ids)
+
+    every = run(FP8_PRODUCTS)
+    np.testing.assert_array_equal(run(()), plain.prefill(ids))
+    for p in FP8_PRODUCTS:
+        assert not np.array_equal(run([q for q in FP8_PRODUCTS if q != p]), every), f"{p} left out changed nothing"
+    fp8.reset()
+    fp8.ref.fp8_products = frozenset(FP8_PRODUCTS)
+    np.testing.assert_array_equal(fp8.prefill(ids), every)
+
+
 def test_perplexity_cli_takes_the_recipe(tiny_model_file, tmp_path, capsys):
     from atomflow import cli
 
