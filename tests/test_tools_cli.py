@@ -41,6 +41,20 @@ def test_prefill_recipe_quality_checks_its_window():
     assert r.returncode == 2 and "--ctx" in r.stderr
 
 
+def test_recipe_tools_run_on_the_cpu_reference(tiny_model_file, tmp_path):
+    """tools/recipe_attribution.py and tools/recipe_smoothing.py (no GPU): every variant scored, the table
+    printed."""
+    text = tmp_path / "t.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 120)
+    common = ["--text", str(text), "--ctx", "256", "--max-windows", "1"]
+    r = run("recipe_attribution.py", str(tiny_model_file), *common)
+    assert r.returncode == 0, r.stderr
+    assert "| w8a16 | " in r.stdout and "| w8a8, down in 16 bits | " in r.stdout
+    r = run("recipe_smoothing.py", str(tiny_model_file), "--calib", str(text), *common)
+    assert r.returncode == 0, r.stderr
+    assert "| smoothed (alpha 0.5), w8a16 | " in r.stdout and "| smoothed (alpha 0.5), w8a8 | " in r.stdout
+
+
 def test_step_gaps_cuts_steps_at_the_sampler():
     """The trace's kernels cut into steps at each sampler (what ran before the first one is the prompt's):
     span = first kernel's start to the sampler's end, gap = the previous sampler's end to the first start."""
