@@ -33,7 +33,6 @@ namespace atomflow::kernels {
 constexpr int kPfRows = 64;           // packed (query, head) rows per block: 4 warps x m16
 constexpr int kPfKeys = 64;           // keys per K/V tile
 constexpr int kPfGroupThreads = 128;  // one key group: 4 warps
-constexpr float kPfNegInit = -1e30f;  // finite "no key yet": exp2(kPfNegInit - kPfNegInit) = 1, never NaN
 
 // Shared memory rows are D + 8 bf16 (16 B of padding): the 8 rows of an ldmatrix phase then start
 // in 8 different 16-byte bank groups for every D that is a multiple of 16 (64, 80, 96, 128).
@@ -47,9 +46,7 @@ struct PfLayout {
 };
 
 static __device__ __forceinline__ void pf_cp_async16(void* smem, const void* gmem, bool valid) {
-  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  const int src_bytes = valid ? 16 : 0;  // 0: zero-fill (rows past the keys or the queries)
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(gmem), "r"(src_bytes));
+  pf_cp_async16(static_cast<uint32_t>(__cvta_generic_to_shared(smem)), gmem, valid);
 }
 static __device__ __forceinline__ void pf_commit() { asm volatile("cp.async.commit_group;"); }
 template <int N>
@@ -84,14 +81,6 @@ static __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&
       "{%0, %1, %2, %3};"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-// Two probabilities -> bf16x2 bits (lo = the lower column), and their rounded sum (the row sum adds
-// exactly what the P V product multiplies, so the weights of a row sum to 1 after the division).
-static __device__ __forceinline__ uint32_t pack_p(float lo, float hi, float& sum) {
-  const __nv_bfloat162 b = __floats2bfloat162_rn(lo, hi);
-  const float2 f = __bfloat1622float2(b);
-  sum += f.x + f.y;
-  return *reinterpret_cast<const uint32_t*>(&b);
 }
 
 // Fragment layouts (PTX m16n8k16): lane = 4 g + c holds accumulator rows g and g + 8 at columns
@@ -221,10 +210,10 @@ static __global__ void __launch_bounds__(kPfGroupThreads* KG, KG == 1 ? 2 : 1)
 #pragma unroll
       for (int kk = 0; kk < NT / 2; ++kk) {
         uint32_t a[4];
-        a[0] = pack_p(exp2f(s[2 * kk][0] - m_run[0]), exp2f(s[2 * kk][1] - m_run[0]), l_run[0]);
-        a[1] = pack_p(exp2f(s[2 * kk][2] - m_run[1]), exp2f(s[2 * kk][3] - m_run[1]), l_run[1]);
-        a[2] = pack_p(exp2f(s[2 * kk + 1][0] - m_run[0]), exp2f(s[2 * kk + 1][1] - m_run[0]), l_run[0]);
-        a[3] = pack_p(exp2f(s[2 * kk + 1][2] - m_run[1]), exp2f(s[2 * kk + 1][3] - m_run[1]), l_run[1]);
+        a[0] = pf_pack_p(exp2f(s[2 * kk][0] - m_run[0]), exp2f(s[2 * kk][1] - m_run[0]), l_run[0]);
+        a[1] = pf_pack_p(exp2f(s[2 * kk][2] - m_run[1]), exp2f(s[2 * kk][3] - m_run[1]), l_run[1]);
+        a[2] = pf_pack_p(exp2f(s[2 * kk + 1][0] - m_run[0]), exp2f(s[2 * kk + 1][1] - m_run[0]), l_run[0]);
+        a[3] = pf_pack_p(exp2f(s[2 * kk + 1][2] - m_run[1]), exp2f(s[2 * kk + 1][3] - m_run[1]), l_run[1]);
 #pragma unroll
         for (int dn = 0; dn < KS; ++dn) {
           uint32_t b[4];

@@ -1,13 +1,34 @@
-// A prefill attention block's share of a chunk, as both kernels (attention_prefill.cu, mma.sync;
-// attention_prefill_sm90.cu, wgmma) cut it: blockIdx.y is the kv head, blockIdx.x a tile of kRows packed
-// (query token, head) rows p = m * G + g of it, the last tile first (the longest key ranges start first).
+// What both prefill attention kernels (attention_prefill.cu, mma.sync; attention_prefill_sm90.cu, wgmma)
+// share: how a block cuts its share of a chunk (blockIdx.y is the kv head, blockIdx.x a tile of kRows
+// packed (query token, head) rows p = m * G + g of it, the last tile first: the longest key ranges start
+// first), the zero-filling 16-byte copy of its loaders, and the packing of P.
 #pragma once
+#include <cuda_bf16.h>
+
 #include <cstdint>
 
 #include "atomflow/common.h"
 #include "atomflow/pdl.cuh"
 
 namespace atomflow::kernels {
+
+constexpr float kPfNegInit = -1e30f;  // finite "no key yet": exp2(kPfNegInit - kPfNegInit) = 1, never NaN
+
+// 16 bytes global -> shared (a shared-space address), asynchronously; !valid zero-fills them instead
+// (rows past the keys or the queries: an unwritten cache row never enters a sum).
+__device__ __forceinline__ void pf_cp_async16(uint32_t smem, const void* gmem, bool valid) {
+  const int src_bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem), "l"(gmem), "r"(src_bytes));
+}
+
+// Two probabilities -> bf16x2 bits (lo = the lower column), and their rounded sum (the row sum adds
+// exactly what the P V product multiplies, so the weights of a row sum to 1 after the division).
+__device__ __forceinline__ uint32_t pf_pack_p(float lo, float hi, float& sum) {
+  const __nv_bfloat162 b = __floats2bfloat162_rn(lo, hi);
+  const float2 f = __bfloat1622float2(b);
+  sum += f.x + f.y;
+  return *reinterpret_cast<const uint32_t*>(&b);
+}
 
 struct PrefillBlock {
   int G;       // query heads per kv head

@@ -36,7 +36,6 @@ constexpr int kWgTileRows = 128;            // rows of every shared tile (Q: kWg
 constexpr int kWgHalf = kWgTileRows * 128;  // one 64-column half of a tile: 128 rows of 128 bytes
 constexpr int kWgTile = 2 * kWgHalf;        // a 128 x 128 bf16 tile, 32 KB
 constexpr int kWgStages = 3;                // K/V stages: tile kt + 2 loads while tiles kt (V) and kt + 1 (K) are read
-constexpr float kWgNegInit = -1e30f;        // finite "no key yet": exp2(kWgNegInit - kWgNegInit) = 1, never NaN
 static_assert(kWgGroups * kWgRows == kWgTileRows && kWgKeys == kWgTileRows, "Q, K and V tiles share one layout");
 
 // Byte offset of 16-byte chunk ch (0..15) of row r in a tile: columns 64 a .. 64 a + 63 (a = ch / 8)
@@ -44,11 +43,6 @@ static_assert(kWgGroups * kWgRows == kWgTileRows && kWgKeys == kWgTileRows, "Q, 
 // swizzle, which wgmma applies to address bits 4-6 from bits 7-9: halves are 1024-byte aligned).
 __device__ __forceinline__ uint32_t wg_offset(int r, int ch) {
   return (ch / 8) * kWgHalf + r * 128 + (((ch % 8) ^ (r % 8)) << 4);
-}
-
-__device__ __forceinline__ void wg_cp_async16(uint32_t smem, const void* gmem, bool valid) {
-  const int src_bytes = valid ? 16 : 0;  // 0: zero-fill (rows past the keys or the queries)
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem), "l"(gmem), "r"(src_bytes));
 }
 
 // A shared-memory matrix descriptor with the 128-byte swizzle. lbo, sbo in bytes:
@@ -116,15 +110,6 @@ __device__ __forceinline__ void wg_fence_regs(uint32_t (&a)[kWgKeys / 16][4]) {
     for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(a[i][j])::"memory");
 }
 
-// Two probabilities -> bf16x2 bits (lo = the lower column), and their rounded sum (the row sum adds
-// exactly what the P V product multiplies).
-__device__ __forceinline__ uint32_t wg_pack_p(float lo, float hi, float& sum) {
-  const __nv_bfloat162 b = __floats2bfloat162_rn(lo, hi);
-  const float2 f = __bfloat1622float2(b);
-  sum += f.x + f.y;
-  return *reinterpret_cast<const uint32_t*>(&b);
-}
-
 // One tile's online softmax on S (64 fp32 accumulators of a thread, layout below), scores in log2
 // units after q_scale; the causal mask only where the tile crosses a row's limit of the warp. Updates
 // the running max, rescales the running sum, returns the factor O must be rescaled by, and leaves the
@@ -167,10 +152,10 @@ __device__ __forceinline__ void wg_pack_tile(const float (&s)[64], WgRows& r, ui
 #pragma unroll
   for (int kk = 0; kk < kWgKeys / 16; ++kk) {
     const float* t = s + 8 * kk;
-    p[kk][0] = wg_pack_p(t[0], t[1], r.l_run[0]);
-    p[kk][1] = wg_pack_p(t[2], t[3], r.l_run[1]);
-    p[kk][2] = wg_pack_p(t[4], t[5], r.l_run[0]);
-    p[kk][3] = wg_pack_p(t[6], t[7], r.l_run[1]);
+    p[kk][0] = pf_pack_p(t[0], t[1], r.l_run[0]);
+    p[kk][1] = pf_pack_p(t[2], t[3], r.l_run[1]);
+    p[kk][2] = pf_pack_p(t[4], t[5], r.l_run[0]);
+    p[kk][3] = pf_pack_p(t[6], t[7], r.l_run[1]);
   }
 }
 
@@ -218,7 +203,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     const int i = tid + n * kWgThreads, r = i / CH, ch = i % CH, p = p0 + r;
     const bool ok = p < rows;
     const int m = ok ? p / G : 0, gh = ok ? p % G : 0;
-    wg_cp_async16(sQ + wg_offset(r, ch), q + (static_cast<size_t>(m) * H + h * G + gh) * kWgD + ch * 8, ok);
+    pf_cp_async16(sQ + wg_offset(r, ch), q + (static_cast<size_t>(m) * H + h * G + gh) * kWgD + ch * 8, ok);
   }
   asm volatile("cp.async.commit_group;");
 
@@ -230,8 +215,8 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       const bool ok = key < n_keys;  // past the block's keys: zeros, never the (unwritten) cache row
       const size_t off = (ok ? key : 0) * key_stride + static_cast<size_t>(h) * kWgD + ch * 8;
       const uint32_t o = wg_offset(r, ch);
-      wg_cp_async16(sK(kt) + o, k_cache + off, ok);
-      wg_cp_async16(sV(kt) + o, v_cache + off, ok);
+      pf_cp_async16(sK(kt) + o, k_cache + off, ok);
+      pf_cp_async16(sV(kt) + o, v_cache + off, ok);
     }
     asm volatile("cp.async.commit_group;");
   };
@@ -263,7 +248,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   // warpgroup's highest. Rows past M * G take the last row's limit: finite scores, never written.
   const int r0 = wg * kWgRows + wq * 16 + g;
   auto limit = [&](int r) { return pos + min(p0 + r, rows - 1) / G; };
-  WgRows st{limit(r0), limit(r0 + 8), limit(wg * kWgRows + wq * 16), {kWgNegInit, kWgNegInit}, {0.f, 0.f}};
+  WgRows st{limit(r0), limit(r0 + 8), limit(wg * kWgRows + wq * 16), {kPfNegInit, kPfNegInit}, {0.f, 0.f}};
   const int wg_tiles = min(n_kt, limit(wg * kWgRows + kWgRows - 1) / kWgKeys + 1);  // tiles this warpgroup sees
 
   float o[64];
