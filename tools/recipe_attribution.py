@@ -23,10 +23,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-windows", type=int, default=None)
     a = ap.parse_args(argv)
 
-    from atomflow.model.fileformat import AtomflowFile
+    from atomflow.engine import Engine
     from atomflow.model.recipe import W8A8_MIN_ROWS
-    from atomflow.model.reference import FP8_PRODUCTS, ReferenceModel
-    from atomflow.perplexity import read_text, score
+    from atomflow.model.reference import FP8_PRODUCTS
+    from atomflow.perplexity import engine_logits_fn, read_text, score
 
     if a.ctx < W8A8_MIN_ROWS:
         ap.error(f"--ctx must be >= {W8A8_MIN_ROWS}: shorter calls keep 16 bits in the recipe")
@@ -34,14 +34,9 @@ def main(argv: list[str] | None = None) -> int:
         from atomflow.model.default import default_model
 
         a.model = default_model(progress=False)
-    model = AtomflowFile(a.model)
-    tok = model.tokenizer()
-    tokens = np.asarray(tok.encode(read_text(a.text), add_special_tokens=False), dtype=np.int64)
-    ref = ReferenceModel(model, a.ctx, "w8a8")
-
-    def logits_fn(ids: np.ndarray, first: int) -> np.ndarray:
-        ref.pos = 0  # each window from an empty cache
-        return ref.forward(ids, all_logits=True)[first - 1 : -1]
+    eng = Engine.load(a.model, backend="cpu", max_context=a.ctx, verbose=False, prefill_recipe="w8a8")
+    ref, logits_fn = eng.backend.ref, engine_logits_fn(eng)
+    tokens = np.asarray(eng.tokenizer.encode(read_text(a.text), add_special_tokens=False), dtype=np.int64)
 
     variants = [("w8a16", ()), ("w8a8", FP8_PRODUCTS)]
     variants += [(f"w8a8, {p} in 16 bits", tuple(q for q in FP8_PRODUCTS if q != p)) for p in FP8_PRODUCTS]

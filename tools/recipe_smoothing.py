@@ -30,19 +30,19 @@ def main(argv: list[str] | None = None) -> int:
 
     import ml_dtypes
 
+    from atomflow.engine import Engine
     from atomflow.model import reference as R
-    from atomflow.model.fileformat import AtomflowFile, dequantize_rows
+    from atomflow.model.fileformat import dequantize_rows
     from atomflow.model.quantize import quantize_rows
-    from atomflow.perplexity import read_text, score
+    from atomflow.perplexity import engine_logits_fn, read_text, score
 
     if a.model is None:
         from atomflow.model.default import default_model
 
         a.model = default_model(progress=False)
-    model = AtomflowFile(a.model)
-    spec = model.spec
-    tok = model.tokenizer()
-    ref = R.ReferenceModel(model, max(a.ctx, R.W8A8_MIN_ROWS), "w8a8")
+    ctx = max(a.ctx, R.W8A8_MIN_ROWS)
+    eng = Engine.load(a.model, backend="cpu", max_context=ctx, verbose=False, prefill_recipe="w8a8")
+    ref, logits_fn, tok, spec = eng.backend.ref, engine_logits_fn(eng), eng.tokenizer, eng.spec
     original = [dict(L) for L in ref.layers]
 
     # Per layer and product, each input channel's largest magnitude over the calibration text (the
@@ -61,9 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     ids = np.asarray(tok.encode(read_text([a.calib]), add_special_tokens=False), dtype=np.int64)
     R.quantize_fp8_rows = record
     try:
-        for s0 in range(0, len(ids) - R.W8A8_MIN_ROWS + 1, ref.max_context):
+        for s0 in range(0, len(ids) - R.W8A8_MIN_ROWS + 1, ctx):
             ref.pos = 0
-            ref.forward(ids[s0 : s0 + ref.max_context])
+            ref.forward(ids[s0 : s0 + ctx])
     finally:
         R.quantize_fp8_rows = quantize
 
@@ -83,16 +83,15 @@ def main(argv: list[str] | None = None) -> int:
     def smooth(alpha: float) -> None:
         for L0, L, st in zip(original, ref.layers, amax):
             s = factors(st["qkv"], L0["wqkv"], alpha)
-            L["attn_norm"], L["wqkv"] = bf16(L0["attn_norm"] / s), requant(L0["wqkv"] * s)
             # o's input channel (query head hq, dim j) comes from V's row (kv head hq // G, j): one s per
             # V row, the largest of its query heads' channels.
             xo = st["o"].reshape(spec.num_kv_heads, G, D).max(axis=1)
             wo = np.abs(L0["wo"]).max(axis=0).reshape(spec.num_kv_heads, G, D).max(axis=1)
             sv = factors(xo.reshape(-1), wo.reshape(1, -1), alpha)  # [kv_dim]
             so = np.repeat(sv.reshape(spec.num_kv_heads, 1, D), G, axis=1).reshape(-1)  # [q_dim]
-            wqkv = L["wqkv"].copy()
-            wqkv[qd + kvd :] = requant(L0["wqkv"][qd + kvd :] * s / sv[:, None])
-            L["wqkv"] = wqkv
+            wqkv = L0["wqkv"] * s
+            wqkv[qd + kvd :] /= sv[:, None]
+            L["attn_norm"], L["wqkv"] = bf16(L0["attn_norm"] / s), requant(wqkv)
             if "bqkv" in L0:
                 L["bqkv"] = L0["bqkv"].copy()
                 L["bqkv"][qd + kvd :] /= sv
@@ -104,10 +103,6 @@ def main(argv: list[str] | None = None) -> int:
             L["w13"], L["w2"] = requant(w13), requant(L0["w2"] * sd)
 
     tokens = np.asarray(tok.encode(read_text(a.text), add_special_tokens=False), dtype=np.int64)
-
-    def logits_fn(ids: np.ndarray, first: int) -> np.ndarray:
-        ref.pos = 0
-        return ref.forward(ids, all_logits=True)[first - 1 : -1]
 
     def run(name: str, products) -> float:
         ref.fp8_products = frozenset(products)
