@@ -92,8 +92,9 @@ StepPlan make_step_plan(const ModelSpec& s, int max_context, const PlanOptions& 
   // Head dims the tensor-core kernel is not built for (256) keep every chunk on the decode kernel.
   p.prefill_attn_min_rows =
       kernels::attention_prefill_supported(D, H / Hkv) ? StepPlan::kPrefillAttnMinRows : StepPlan::kNever;
-  p.prefill_attn_kernel =
-      p.cc_major == 9 && D == 128 ? kernels::PrefillAttnKernel::Wgmma : kernels::PrefillAttnKernel::Mma;
+  p.prefill_attn_kernel = p.cc_major == 9 && kernels::attention_prefill_wgmma_takes(D)
+                              ? kernels::PrefillAttnKernel::Wgmma
+                              : kernels::PrefillAttnKernel::Mma;
   // The Hopper GEMM takes a chunk's products only when every one of them is a shape it runs.
   const bool sm90_gemm =
       p.cc_major == 9 && kernels::gemm_w8a16_sm90_takes_layer(kernels::Sm90Layer{d, f, s.q_dim(), s.qkv_dim()});

@@ -305,19 +305,23 @@ bool attention_prefill_supported(int D, int group) {
   return group >= 1 && group <= kMaxPrefillGroup && (D == 64 || D == 80 || D == 96 || D == 128);
 }
 
+bool attention_prefill_wgmma_takes(int D) { return D == attention_prefill_wgmma_head_dim(); }
+
 PrefillAttnPlan plan_attention_prefill(int M, int H, int Hkv, int D, int sm_count, PrefillAttnKernel kernel) {
   AF_CHECK(M >= 1 && H >= 1 && Hkv >= 1 && H % Hkv == 0, "plan_attention_prefill: M, H, Hkv >= 1, H a multiple of Hkv");
   AF_CHECK(H / Hkv <= kMaxPrefillGroup, "attention_prefill: at most 16 query heads per kv head");
   AF_CHECK(D == 64 || D == 80 || D == 96 || D == 128, "attention_prefill: head_dim must be 64, 80, 96 or 128");
   AF_CHECK(sm_count >= 0, "plan_attention_prefill: sm_count must be >= 0");
-  AF_CHECK(kernel != PrefillAttnKernel::Wgmma || D == 128, "attention_prefill: the wgmma kernel takes head_dim 128");
+  AF_CHECK(kernel != PrefillAttnKernel::Wgmma || attention_prefill_wgmma_takes(D),
+           "attention_prefill: the wgmma kernel takes head_dim 128");
   PrefillAttnPlan p{};
   p.M = M;
   p.H = H;
   p.Hkv = Hkv;
   p.D = D;
-  p.kernel =
-      kernel == PrefillAttnKernel::Auto ? (D == 128 ? PrefillAttnKernel::Wgmma : PrefillAttnKernel::Mma) : kernel;
+  p.kernel = kernel != PrefillAttnKernel::Auto  ? kernel
+             : attention_prefill_wgmma_takes(D) ? PrefillAttnKernel::Wgmma
+                                                : PrefillAttnKernel::Mma;
   if (p.kernel == PrefillAttnKernel::Wgmma) {
     p.tiles = CEIL_DIV(M * (H / Hkv), attention_prefill_wgmma_rows());
     p.key_groups = 1;

@@ -316,6 +316,7 @@ constexpr size_t kWgSmem = static_cast<size_t>(kWgTile) * (1 + 2 * kWgStages) + 
 
 // ---- launcher ----
 
+int attention_prefill_wgmma_head_dim() { return kWgD; }
 int attention_prefill_wgmma_rows() { return kWgTileRows; }
 int attention_prefill_wgmma_threads() { return kWgThreads; }
 size_t attention_prefill_wgmma_smem() { return kWgSmem; }

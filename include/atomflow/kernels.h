@@ -375,8 +375,10 @@ struct PrefillAttnPlan {
 // (0: one group).
 PrefillAttnPlan plan_attention_prefill(int M, int H, int Hkv, int D, int sm_count,
                                        PrefillAttnKernel kernel = PrefillAttnKernel::Auto);
-// Whether attention_prefill is built for this head_dim and query heads per KV head.
+// Whether attention_prefill is built for this head_dim and query heads per KV head; whether its Wgmma
+// kernel takes this head_dim (Auto's rule).
 bool attention_prefill_supported(int D, int group);
+bool attention_prefill_wgmma_takes(int D);
 // "attention_prefill<D=128, KG=2>" or "attention_prefill_wgmma<D=128>"
 std::string attention_prefill_name(const PrefillAttnPlan& plan);
 void attention_prefill(const PrefillAttnPlan& plan, const bf16* q, const bf16* k_cache, const bf16* v_cache,
