@@ -5,8 +5,9 @@
 # Environment: PRESETS (default llama-3.2-3b,llama-3.1-8b), PYTEST_MARK (default gpu),
 # PYTEST_ARGS (extra pytest options, shell-quoted: PYTEST_ARGS='tests/x.py -k "a or b"'), PYTEST_WORKERS
 # (pytest-xdist workers, default 8), PYTEST_SHARD=K/N (the K-th of N interleaved shares of the selected
-# tests: the whole GPU suite takes ~450 s on 14 workers, so one call builds and runs 1/2, a second call on
-# the still-warm machine 2/2), SKIP_TESTS=1, SKIP_KERNEL_BENCH=1.
+# tests: the whole GPU suite, 2135 tests, takes ~730 s on 14 workers of an H100 machine (2026-11-27), so
+# one call builds (~200 s) and runs 1/3 (~220-270 s), the next calls on the still-warm machine 2/3 and 3/3),
+# SKIP_TESTS=1, SKIP_KERNEL_BENCH=1.
 set -uo pipefail
 OUT=${1:?usage: scripts/gpu_check.sh OUTDIR}
 mkdir -p "$OUT"
