@@ -7,8 +7,8 @@
 #include <string>
 #include <vector>
 
-#include "atomflow/engine.h"
 #include "atomflow/spec.h"
+#include "atomflow/step_plan.h"
 
 namespace py = pybind11;
 
@@ -100,13 +100,12 @@ py::dict plan_to_dict(const StepPlan& p) {
   d["attention"] = attn;
   // Prefill chunks of at least min_rows rows: attention on tensor cores, one block per tile of packed
   // (query, head) rows per kv head (the kernel's tile); shown for a chunk of min_rows rows, of 256 and of
-  // EngineOptions' default prefill_chunk.
+  // the default chunk (StepPlan::kPrefillChunk).
   py::dict pre;
   const bool tc = p.prefill_attn_min_rows < StepPlan::kNever;
   pre["min_rows"] = tc ? py::object(py::int_(p.prefill_attn_min_rows)) : py::object(py::none());
   py::list chunks;
-  for (int rows :
-       tc ? std::vector<int>{p.prefill_attn_min_rows, 256, EngineOptions{}.prefill_chunk} : std::vector<int>{}) {
+  for (int rows : tc ? std::vector<int>{p.prefill_attn_min_rows, 256, StepPlan::kPrefillChunk} : std::vector<int>{}) {
     const kernels::PrefillAttnPlan a = p.prefill_attention(rows);
     chunks.append(py::dict(py::arg("rows") = rows, py::arg("kernel") = kernels::attention_prefill_name(a),
                            py::arg("blocks") = a.tiles * a.Hkv, py::arg("warps") = a.threads / 32,

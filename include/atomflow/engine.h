@@ -33,10 +33,8 @@ namespace atomflow {
 
 struct EngineOptions {
   int max_context = 0;  // KV cache rows
-  // Rows per prefill pass (at most max_context); sizes the activation buffers. 2048: a long prompt's
-  // GEMMs and attention fill the SMs (H100, 3B pp8192: 162.8 ms in chunks of 1024, 142.4 in 2048, 142.7
-  // in 4096; the 8B 308.9 / 310.6 / 316.5; `tools/prefill_profile.py --chunk`, docs/PERF.md).
-  int prefill_chunk = 2048;
+  // Rows per prefill pass (at most max_context); sizes the activation buffers (StepPlan::kPrefillChunk).
+  int prefill_chunk = StepPlan::kPrefillChunk;
   bool verbose = true;  // print the arena plan and the load time to stderr
   PlanOptions plan;     // eager, activation precision and the schedule's overrides (step_plan.h)
 };

@@ -85,6 +85,10 @@ struct StepPlan {
   // guess at the crossover, to be measured (docs/design/attention_prefill.md).
   static constexpr int kPrefillAttnMinRows = 32;
   static constexpr int kNever = 1 << 30;  // prefill_attn_min_rows of a shape attention_prefill does not take
+  // The default rows per prefill pass (EngineOptions::prefill_chunk). 2048: a long prompt's GEMMs and
+  // attention fill the SMs (H100, 3B pp8192: 162.8 ms in chunks of 1024, 142.4 in 2048, 142.7 in 4096; the
+  // 8B 308.9 / 310.6 / 316.5; `tools/prefill_profile.py --chunk`, docs/PERF.md).
+  static constexpr int kPrefillChunk = 2048;
   int prefill_attn_min_rows = kPrefillAttnMinRows;
   // Which attention_prefill kernel such a chunk runs: the warpgroup-MMA one (attention_prefill_sm90.cu)
   // on sm_90 at head_dim 128, the mma.sync one otherwise (docs/design/attention_prefill.md).
