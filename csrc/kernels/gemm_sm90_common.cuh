@@ -35,10 +35,9 @@ void run_cutlass(const typename Gemm::Arguments& args, void* workspace, cudaStre
            std::string(what) + ": workspace initialization failed: " + cutlassGetStatusString(init));
   typename K::Params params = K::to_underlying_arguments(args, workspace);
   // Gemm::run reads cudaGetLastError() after its launch and reports anything found there as its own
-  // failure ("Error Internal"), an error some earlier runtime call of this thread left unread included.
-  // The GPU suite met this launch failing so in 3 of 2135 tests, each in a process that had run many
-  // prefills without it (the unread error's source is not found yet: docs/perf-log.md 2026-11-27 a).
-  // What is left unread is not this launch's: cleared here (a sticky error, a faulted kernel, stays).
+  // failure ("Error Internal"), an error an earlier runtime call of this thread left unread included: that
+  // one is not this launch's, so it is cleared first (a sticky error, a faulted kernel, stays). Why:
+  // docs/perf-log.md 2026-11-27 a.
   (void)cudaGetLastError();
   const cutlass::Status st = Gemm::run(params, stream);
   AF_CHECK(st == cutlass::Status::kSuccess, std::string(what) + ": launch failed: " + cutlassGetStatusString(st));
