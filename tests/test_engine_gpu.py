@@ -658,6 +658,7 @@ def test_info_plan_lists_every_product(tiny):
         staged_pair=True,
         tickets=True,
         prefill_fp8=False,
+        gemm_pdl=True,
         pdl=plan["options"]["pdl"],
     )
     # The engine's own plan is the same.
@@ -687,6 +688,7 @@ def test_plan_overrides_in_one_process(tiny):
         dict(cluster_merge=False),
         dict(staged_pair=False),
         dict(tickets=False),
+        dict(gemm_pdl=False),
         dict(fused_tail=False, short_steps=False, cluster_merge=False, staged_pair=False, tickets=False, eager=True),
     ):
         p, t, lg = run(**kw)

@@ -6,12 +6,14 @@ launches, device time, share of the kernel time, and for the GEMM families TFLOP
 layers' FLOPs (2 M N K per product, the head on the last row only). Needs torch (a tool, never the
 engine). Kernels launched with programmatic dependent launch count their wait for the previous one.
 
-    python tools/prefill_profile.py MODEL [-p 32,512,8192] [--chunk 1024] [--recipe w8a16,w8a8] [--reps 3] [--json OUT]
+    python tools/prefill_profile.py MODEL [-p 32,512,8192] [--chunk 1024] [--recipe w8a16,w8a8]
+        [--option NAME=0|1 ...] [--reps 3] [--json OUT]
 
 --chunk sets the engine's prefill chunk (rows per pass; the arena's activation buffers follow it),
 so chunk sizes can be compared in one run: --chunk 256,512,1024 loads the model once per value.
 --recipe w8a8 runs the sm90 chunks on the FP8 recipe (PlanOptions::prefill_fp8: activations quantized
-per token per 128 columns); w8a16 is the default recipe.
+per token per 128 columns); w8a16 is the default recipe. --option gemm_pdl=0 adds an engine with that plan
+option after the default one, per recipe and chunk (a schedule's A/B in one process).
 """
 
 from __future__ import annotations
@@ -69,6 +71,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-p", "--prompts", default="32,512,8192", help="prompt lengths, comma-separated")
     ap.add_argument("--chunk", default="1024", help="prefill chunk rows, comma-separated (one engine each)")
     ap.add_argument("--recipe", default="w8a16", help="w8a16 and/or w8a8, comma-separated (one engine each)")
+    ap.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="NAME=0|1",
+        help="a plan option (atomflow/backends/cuda.py PLAN_OPTIONS) for a second engine of each recipe and chunk, "
+        "run after the default one: a same-call A/B (repeat for more engines)",
+    )
     ap.add_argument("--reps", type=int, default=3, help="profiled prefills per prompt length (median per family)")
     ap.add_argument("--json", help="also write the rows here")
     a = ap.parse_args(argv)
@@ -77,6 +87,12 @@ def main(argv: list[str] | None = None) -> int:
     recipes = [r for r in a.recipe.split(",") if r]
     if set(recipes) - {"w8a16", "w8a8"}:
         ap.error(f"--recipe: w8a16 or w8a8, got {a.recipe}")
+    variants: list[dict[str, bool]] = [{}]
+    for o in a.option:
+        name, _, value = o.partition("=")
+        if value not in ("0", "1"):
+            ap.error(f"--option: NAME=0 or NAME=1, got {o!r}")
+        variants.append({name: value == "1"})
 
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -89,8 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     spec = model.spec
     torch.zeros(1, device="cuda")  # the primary context, shared with the engine
     out = []
-    for recipe, chunk in [(r, c) for r in recipes for c in chunks]:
+    for recipe, chunk, variant in [(r, c, v) for r in recipes for c in chunks for v in variants]:
         ctx = max(prompts) + 8
+        label = ",".join(f"{k}={int(v)}" for k, v in variant.items()) or "default plan"
         eng = core.Engine(
             str(model.path),
             spec.to_dict(),
@@ -99,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
             ctx,
             prefill_chunk=chunk,
             verbose=False,
-            **engine_options(prefill_fp8=recipe == "w8a8"),
+            **engine_options(prefill_fp8=recipe == "w8a8", **variant),
         )
         rng = np.random.default_rng(0)
         for p in prompts:
@@ -137,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
             flops = linear_flops(spec, p)
             gemm_us = sum(v for k, v in med.items() if k in ("gemm_sm90", "gemm_w8a16", "gemv_m", "gemv"))
             print(
-                f"\n{model.path.name} prefill {p} tokens, chunk {chunk}, {recipe}: "
+                f"\n{model.path.name} prefill {p} tokens, chunk {chunk}, {recipe}, {label}: "
                 f"wall {wall_plain:.2f} ms ({wall:.2f} profiled), "
                 f"kernels {total / 1e3:.2f} ms, "
                 f"linears {flops / 1e12:.2f} TFLOP -> {flops / (gemm_us * 1e6) if gemm_us else 0:.0f} TFLOP/s in the products"
@@ -150,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
                     prompt=p,
                     chunk=chunk,
                     recipe=recipe,
+                    options=variant,
                     wall_ms=wall_plain,
                     wall_profiled_ms=wall,
                     kernel_us=total,

@@ -24,7 +24,16 @@ IN_FLIGHT = 4  # decode steps enqueued ahead of the one being read (the engine's
 
 # The step plan's options (include/atomflow/step_plan.h): f16_activations is a user setting (default
 # from ATOMFLOW_BF16_ACTS); the others change the schedule, never the bits, and are for comparisons.
-PLAN_OPTIONS = ("f16_activations", "fused_tail", "short_steps", "cluster_merge", "staged_pair", "tickets", "prefill_fp8")
+PLAN_OPTIONS = (
+    "f16_activations",
+    "fused_tail",
+    "short_steps",
+    "cluster_merge",
+    "staged_pair",
+    "tickets",
+    "prefill_fp8",
+    "gemm_pdl",
+)
 
 
 def _flag(name: str) -> bool:

@@ -68,6 +68,7 @@ py::dict plan_to_dict(const StepPlan& p) {
   opt["staged_pair"] = o.staged_pair;
   opt["tickets"] = o.tickets;
   opt["prefill_fp8"] = o.prefill_fp8;
+  opt["gemm_pdl"] = o.gemm_pdl;
   opt["pdl"] = p.pdl;
   d["options"] = opt;
   d["max_context"] = p.max_context;
@@ -135,18 +136,19 @@ void register_plan(py::module_& m) {
   m.def(
       "plan_for",
       [](const py::dict& spec, int max_context, bool eager, bool f16_activations, bool fused_tail, bool short_steps,
-         bool cluster_merge, bool staged_pair, bool tickets, bool prefill_fp8) {
+         bool cluster_merge, bool staged_pair, bool tickets, bool prefill_fp8, bool gemm_pdl) {
         const ModelSpec s = spec_from_dict(spec);
         AF_CHECK(s.hidden_size > 0 && s.intermediate_size > 0 && s.num_heads > 0 && s.num_kv_heads > 0 &&
                      s.num_heads % s.num_kv_heads == 0 && s.vocab_size > 0,
                  "plan_for: a model spec with positive sizes, num_heads a multiple of num_kv_heads");
-        const PlanOptions o{eager,         f16_activations, fused_tail, short_steps,
-                            cluster_merge, staged_pair,     tickets,    prefill_fp8};
+        const PlanOptions o{eager,       f16_activations, fused_tail,  short_steps, cluster_merge,
+                            staged_pair, tickets,         prefill_fp8, gemm_pdl};
         return plan_to_dict(make_step_plan(s, max_context, o));
       },
       py::arg("spec"), py::arg("max_context"), py::arg("eager") = false, py::arg("f16_activations") = true,
       py::arg("fused_tail") = true, py::arg("short_steps") = true, py::arg("cluster_merge") = true,
       py::arg("staged_pair") = true, py::arg("tickets") = true, py::arg("prefill_fp8") = false,
+      py::arg("gemm_pdl") = true,
       "the step plan an Engine of this spec and options would make on the current GPU, without loading weights");
 }
 

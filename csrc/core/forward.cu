@@ -21,6 +21,7 @@ struct GemmRoute {
   int small_m;      // StepPlan::small_m_max_rows
   int sm90_min;     // StepPlan::sm90_gemm_min_rows
   int w8a8_min;     // StepPlan::w8a8_min_rows: from these rows on, gemm_w8a8_sm90
+  bool gemm_pdl;    // PlanOptions::gemm_pdl
   void* ws;         // the engine's gemm_ws
   size_t ws_bytes;  // its size
 };
@@ -42,7 +43,7 @@ void linear(const kernels::GemvPlan& plan, const GemmRoute& route, const uint8_t
     kernels::gemm_w8a8_sm90(w, scales, x, xt, rows, N, K, ep, out, route.ws, route.ws_bytes, stream);
   } else if (rows >= route.sm90_min) {
     kernels::gemm_w8a16_sm90(w, scales, x, xt, rows, N, K, ep, out, route.ws, route.ws_bytes, stream,
-                             kernels::Sm90Tile::Auto, scales_gn);
+                             kernels::Sm90Tile::Auto, scales_gn, route.gemm_pdl);
   } else {
     kernels::gemm_w8a16(w, scales, x, xt, rows, N, K, ep, out, stream);
   }
@@ -50,7 +51,8 @@ void linear(const kernels::GemvPlan& plan, const GemmRoute& route, const uint8_t
 
 // The route of this engine's chunks (its plan's thresholds, its workspace).
 GemmRoute route_of(const StepPlan& plan, void* ws, size_t ws_bytes) {
-  return GemmRoute{plan.small_m_max_rows, plan.sm90_gemm_min_rows, plan.w8a8_min_rows, ws, ws_bytes};
+  return GemmRoute{
+      plan.small_m_max_rows, plan.sm90_gemm_min_rows, plan.w8a8_min_rows, plan.options.gemm_pdl, ws, ws_bytes};
 }
 
 }  // namespace

@@ -5,9 +5,11 @@
 #include <string>
 
 #include "atomflow/common.h"
+#include "atomflow/pdl.cuh"
 
 #if ATOMFLOW_SM90_GEMM
 #include "cutlass/cutlass.h"
+#include "cute/int_tuple.hpp"
 #include "cutlass/device_kernel.h"
 #endif
 
@@ -20,9 +22,12 @@ inline size_t align_up(size_t n) { return (n + kWsAlign - 1) / kWsAlign * kWsAli
 #if ATOMFLOW_SM90_GEMM
 // One launch of CUTLASS kernel K on args: GemmUniversalAdapter::initialize's steps without its per-call
 // cudaFuncSetAttribute (a driver call on every launch): the kernel's shared-memory limit is raised once
-// per instance. `what` names the GEMM in errors.
+// per instance. `what` names the GEMM in errors. pdl: launch with the PDL attribute (when enabled,
+// pdl.cuh); only for kernels whose every warp that reads global memory first waits for the kernel before
+// (griddepcontrol.wait, CUTLASS_ENABLE_GDC_FOR_SM90).
 template <class K, class Gemm>
-void run_cutlass(const typename Gemm::Arguments& args, void* workspace, cudaStream_t stream, const char* what) {
+void run_cutlass(const typename Gemm::Arguments& args, void* workspace, cudaStream_t stream, const char* what,
+                 bool pdl) {
   AF_CHECK(K::can_implement(args), std::string(what) + ": CUTLASS cannot run this shape");
   static const bool smem_set = [] {
     AF_CUDA_CHECK(cudaFuncSetAttribute(cutlass::device_kernel<K>, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -34,13 +39,32 @@ void run_cutlass(const typename Gemm::Arguments& args, void* workspace, cudaStre
   AF_CHECK(init == cutlass::Status::kSuccess,
            std::string(what) + ": workspace initialization failed: " + cutlassGetStatusString(init));
   typename K::Params params = K::to_underlying_arguments(args, workspace);
-  // Gemm::run reads cudaGetLastError() after its launch and reports anything found there as its own
-  // failure ("Error Internal"), an error an earlier runtime call of this thread left unread included: that
-  // one is not this launch's, so it is cleared first (a sticky error, a faulted kernel, stays). Why:
-  // docs/perf-log.md 2026-11-27 a.
-  (void)cudaGetLastError();
-  const cutlass::Status st = Gemm::run(params, stream);
-  AF_CHECK(st == cutlass::Status::kSuccess, std::string(what) + ": launch failed: " + cutlassGetStatusString(st));
+  // Launched here rather than by Gemm::run, which reports any failure as "Error Internal" (it reads
+  // cudaGetLastError() after its launch: an error an earlier call left unread included): this launch's
+  // own error, by name, or none.
+  using Cluster = typename K::DispatchPolicy::ClusterShape;
+  cudaLaunchAttribute attr[2];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = cute::size<0>(Cluster{});
+  attr[0].val.clusterDim.y = cute::size<1>(Cluster{});
+  attr[0].val.clusterDim.z = cute::size<2>(Cluster{});
+  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[1].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = Gemm::get_grid_shape(params);
+  cfg.blockDim = K::get_block_shape();
+  cfg.dynamicSmemBytes = K::SharedStorageSize;
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl && pdl_enabled() ? 2 : 1;
+  const cudaError_t e = cudaLaunchKernelEx(&cfg, cutlass::device_kernel<K>, params);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();  // this launch's error, reported here: not left for the next check
+    const dim3 g = cfg.gridDim;
+    throw CudaError(std::string(what) + ": launch failed: " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) +
+                    "), grid " + std::to_string(g.x) + "x" + std::to_string(g.y) + "x" + std::to_string(g.z) + ", " +
+                    std::to_string(K::SharedStorageSize) + " bytes of shared memory");
+  }
 }
 #endif
 

@@ -165,9 +165,9 @@ struct Sm90Gemm {
 
   // y = x w^T (beta 0) or out += x w^T (beta 1, c = d = out).
   static void run(const uint8_t* w, const float* scales_gn, const void* x, int M, int N, int K, float beta, float* out,
-                  void* workspace, cudaStream_t stream) {
+                  void* workspace, cudaStream_t stream, bool pdl) {
     sm90::run_cutlass<K_, Gemm>(arguments(w, scales_gn, x, M, N, K, beta, out, out), workspace, stream,
-                                "gemm_w8a16_sm90");
+                                "gemm_w8a16_sm90", pdl);
   }
 };
 
@@ -278,7 +278,7 @@ void gemm_w8a16_sm90_transpose_scales(const float* scales, int N, int K, float* 
 
 void gemm_w8a16_sm90(const uint8_t* w, const float* scales, const void* x, Act x_type, int M, int N, int K, Epilogue ep,
                      void* out, void* workspace, size_t workspace_bytes, cudaStream_t stream, Sm90Tile tile,
-                     const float* scales_pre) {
+                     const float* scales_pre, bool pdl) {
   AF_CHECK(gemm_w8a16_sm90_built(), "gemm_w8a16_sm90: this build has no sm90 GEMM (nvidia-cutlass was not found)");
   AF_CHECK(gemm_w8a16_sm90_supported(ep, M, N, K),
            "gemm_w8a16_sm90: needs M >= 1, N % 8 == 0, K % 64 == 0 and the Store, AddResidual or SwiGLU epilogue");
@@ -300,7 +300,7 @@ void gemm_w8a16_sm90(const uint8_t* w, const float* scales, const void* x, Act x
 #if ATOMFLOW_SM90_GEMM
   float* y = ep == Epilogue::SwiGLU ? y_swiglu : static_cast<float*>(out);
   const float beta = ep == Epilogue::AddResidual ? 1.f : 0.f;
-  dispatch(x_type, tile, [&](auto g) { decltype(g)::run(w, scales_gn, x, M, N, K, beta, y, cutlass_ws, stream); });
+  dispatch(x_type, tile, [&](auto g) { decltype(g)::run(w, scales_gn, x, M, N, K, beta, y, cutlass_ws, stream, pdl); });
   AF_CUDA_CHECK(cudaGetLastError());
 #else
   (void)y_swiglu;

@@ -149,7 +149,10 @@ struct W8A8Gemm {
 
   static void run(const uint8_t* w, const float* sw, const void* x8, const float* sx, int M, int N, int K, float beta,
                   float* out, void* workspace, cudaStream_t stream) {
-    sm90::run_cutlass<K_, Gemm>(arguments(w, sw, x8, sx, M, N, K, beta, out, out), workspace, stream, "gemm_w8a8_sm90");
+    // Never under PDL: the blockwise mainloop's auxiliary load warp reads the activation scales (sx,
+    // quantize_rows' output) without CUTLASS's wait for the kernel before.
+    sm90::run_cutlass<K_, Gemm>(arguments(w, sw, x8, sx, M, N, K, beta, out, out), workspace, stream, "gemm_w8a8_sm90",
+                                /*pdl=*/false);
   }
 };
 

@@ -174,10 +174,12 @@ bool gemm_w8a16_sm90_built();  // false: nvidia-cutlass was missing at build tim
 bool gemm_w8a16_sm90_supported(Epilogue ep, int M, int N, int K);
 size_t gemm_w8a16_sm90_workspace_bytes(Epilogue ep, int M, int N, int K, Sm90Tile tile = Sm90Tile::Auto);
 // scales_gn (may be null): the scales already transposed by gemm_w8a16_sm90_transpose_scales (the engine
-// does it once at load); null: the launcher transposes them into the workspace first.
+// does it once at load); null: the launcher transposes them into the workspace first. pdl: the GEMM launches
+// under PDL (when enabled, pdl.cuh), its loads after its wait for the kernel before; off, it starts after
+// that kernel ends (the same bits either way).
 void gemm_w8a16_sm90(const uint8_t* w, const float* scales, const void* x, Act x_type, int M, int N, int K, Epilogue ep,
                      void* out, void* workspace, size_t workspace_bytes, cudaStream_t stream,
-                     Sm90Tile tile = Sm90Tile::Auto, const float* scales_gn = nullptr);
+                     Sm90Tile tile = Sm90Tile::Auto, const float* scales_gn = nullptr, bool pdl = true);
 // A Llama layer's four products as a prefill chunk runs them: qkv [qkv_dim, d] (Store), o [d, q_dim] and
 // down [d, f] (AddResidual), gate/up [2 f, d] (SwiGLU). Whether this build's sm90 GEMM takes every one of
 // them (the caller checks the device is sm_90), and the workspace that serves any chunk of min_rows..

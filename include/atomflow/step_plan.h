@@ -29,6 +29,9 @@ struct PlanOptions {
   // quantize their activations to FP8 per token per 128 columns (gemm_w8a8_sm90) instead of W8A16.
   // Off by default (docs/design/gemm_w8a8_sm90.md: its quality on real text).
   bool prefill_fp8 = false;
+  // Prompt chunks' sm90 W8A16 GEMM launches under PDL (CUTLASS built with its grid-dependency control):
+  // its prologue overlaps the kernel before it, and the kernel after it launches at its last tile.
+  bool gemm_pdl = true;
 };
 
 struct StepPlan {
