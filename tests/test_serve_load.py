@@ -4,8 +4,11 @@ waited too long); nothing hangs, the server's memory stays flat, and it is healt
 
 import asyncio
 import collections
+import http.client
+import json
 import random
 import time
+import urllib.parse
 
 import httpx
 import pytest
@@ -73,6 +76,23 @@ def test_64_clients(server):
     assert h["status"] == "ok" and not h["busy"] and h["queued"] == 0
     metrics = server.get("/metrics").text
     assert "atomflow_queue_depth 0.0" in metrics and "atomflow_running 0.0" in metrics
+
+
+def test_an_idle_connection_outlives_the_client_pools(server):
+    """A keep-alive connection idle for longer than a client pool keeps one (httpx: 5 s) still takes the
+    next request: the server must not close it first (a close racing the client's reuse fails that
+    request with a read error on the client's side)."""
+    u = urllib.parse.urlsplit(server.url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=10)
+    try:
+        for i in range(2):
+            if i:
+                time.sleep(6)
+            conn.request("GET", "/health")
+            r = conn.getresponse()
+            assert r.status == 200 and json.loads(r.read())["status"] == "ok"
+    finally:
+        conn.close()
 
 
 def test_waiting_past_the_timeout_is_504(server):

@@ -52,10 +52,9 @@ def family(name: str) -> str:
 
 def device_us(e) -> float:
     """A kernel event's device time (the attribute's name changed across torch versions)."""
-    for name in ("device_time_total", "cuda_time_total", "device_time", "cuda_time"):
-        v = getattr(e, name, None)
-        if v:
-            return float(v)
+    for name in ("device_time_total", "cuda_time_total"):  # the first this torch has (the other warns)
+        if hasattr(type(e), name) or hasattr(e, name):
+            return float(getattr(e, name) or 0.0)
     return 0.0
 
 

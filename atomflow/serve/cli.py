@@ -8,6 +8,11 @@ from pathlib import Path
 
 from atomflow.model.recipe import PREFILL_RECIPE_HELP, PREFILL_RECIPES
 
+# How long an idle keep-alive connection stays open. Longer than the client pools' expiry (httpx, and so
+# the openai client: 5 s): a server that closes first races a client reusing the connection at that
+# instant, and the request fails on the client's side (a ReadError), not here. uvicorn's default is 5 s.
+KEEP_ALIVE_S = 30
+
 
 def register(subparsers) -> None:
     s = subparsers.add_parser(
@@ -107,6 +112,7 @@ def cmd_serve(a) -> int:
             log_level=a.log_level,
             access_log=a.log_level == "debug",
             timeout_graceful_shutdown=5,
+            timeout_keep_alive=KEEP_ALIVE_S,
             limit_concurrency=1024,
             h11_max_incomplete_event_size=64 << 10,
         )
