@@ -22,9 +22,10 @@ inline size_t align_up(size_t n) { return (n + kWsAlign - 1) / kWsAlign * kWsAli
 #if ATOMFLOW_SM90_GEMM
 // One launch of CUTLASS kernel K on args: GemmUniversalAdapter::initialize's steps without its per-call
 // cudaFuncSetAttribute (a driver call on every launch): the kernel's shared-memory limit is raised once
-// per instance. `what` names the GEMM in errors. pdl: launch with the PDL attribute (when enabled,
-// pdl.cuh); only for kernels whose every warp that reads global memory first waits for the kernel before
-// (griddepcontrol.wait, CUTLASS_ENABLE_GDC_FOR_SM90).
+// per instance and module (the flag is module-local: every symbol is hidden, CMakeLists.txt). `what`
+// names the GEMM in errors. pdl: launch with the PDL attribute (when enabled, pdl.cuh); only for kernels
+// whose every warp that reads global memory first waits for the kernel before (griddepcontrol.wait,
+// CUTLASS_GDC_ENABLED).
 template <class K, class Gemm>
 void run_cutlass(const typename Gemm::Arguments& args, void* workspace, cudaStream_t stream, const char* what,
                  bool pdl) {
