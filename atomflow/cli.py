@@ -84,6 +84,9 @@ def _print_plan(p: dict) -> None:
         if sm90:
             tiles = ", ".join(f"{kind} up to {rows}" if rows else f"{kind} past that" for rows, kind in p["prefill_sm90_tiles"])
             longer = f"gemm_w8a16_sm90 (CUTLASS wgmma) from {sm90} ({tiles})"
+            skinny = p.get("prefill_skinny_max_rows")
+            if skinny:
+                longer = f"gemm_w8a16_skinny for {sm90}..{skinny} rows, " + longer.replace(f"from {sm90}", f"past {skinny}")
             if sm90 > p["prefill_small_m_max_rows"] + 1:
                 longer = f"gemm_w8a16 (tensor cores) up to {sm90 - 1} rows, " + longer
         fused = " (QKV with RoPE + KV append fused)" if p.get("prefill_small_m_rope") else ""

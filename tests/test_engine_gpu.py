@@ -86,12 +86,25 @@ def test_logits_match_reference_tiny(model_files, lm_head, untied):
     compare_run(model, prompt(64, model.spec.vocab_size), steps=64, max_context=256)
 
 
-@pytest.mark.parametrize("n", [1, 2, 16, 17, 31, 32, 255, 256, 257, 300, 513])
+@pytest.mark.parametrize("n", [1, 2, 16, 17, 31, 32, 33, 64, 65, 255, 256, 257, 300, 513])
 def test_prefill_lengths_match_reference(tiny, n):
-    """Chunk edges: a one-row chunk takes the GEMV path, 2..16 rows the small-M GEMV, more the GEMM
-    (StepPlan::small_m_max_rows), 32 rows and more attention on tensor cores; 257 leaves a one-row
-    last chunk."""
+    """Chunk edges: a one-row chunk takes the GEMV path, 2..16 rows the small-M GEMV
+    (StepPlan::small_m_max_rows), 17..32 the skinny GEMM (skinny_max_rows), more the sm90 GEMM; 32 rows
+    and more attention on tensor cores; 257 leaves a one-row last chunk."""
     compare_run(tiny, prompt(n, tiny.spec.vocab_size, seed=n), steps=2, max_context=1024)
+
+
+@pytest.mark.parametrize("n", [17, 24, 32])
+def test_skinny_gemm_off_takes_the_sm90_gemm(tiny, n):
+    """skinny_gemm=False sends chunks of 17..32 rows to the sm90 GEMM (another rounding of w * s): the plan
+    says which, and both engines match the reference."""
+    ids = prompt(n, tiny.spec.vocab_size, seed=60 + n)
+    on, off = cuda(tiny, 256), cuda(tiny, 256, skinny_gemm=False)
+    assert on.step_plan["prefill_skinny_max_rows"] == 32 and off.step_plan["prefill_skinny_max_rows"] is None
+    assert not off.step_plan["options"]["skinny_gemm"]
+    want = cpu(tiny, 256).prefill(ids)
+    assert_close(on.prefill(ids), want, "skinny GEMM")
+    assert_close(off.prefill(ids), want, "sm90 GEMM")
 
 
 @pytest.mark.parametrize("n", [2, 7, 16])
@@ -659,6 +672,7 @@ def test_info_plan_lists_every_product(tiny):
         tickets=True,
         prefill_fp8=False,
         gemm_pdl=True,
+        skinny_gemm=True,
         pdl=plan["options"]["pdl"],
     )
     # The engine's own plan is the same.

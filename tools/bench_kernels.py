@@ -28,6 +28,7 @@ SECTIONS = (
     "gemm",
     "gemm_sm90",
     "gemm_w8a8",
+    "gemm_skinny",
     "sample",
 )
 
@@ -367,6 +368,54 @@ def main(argv=None) -> int:
                 ["model", "M", "product", "w8a16 us", "w8a8 us", "w8a8 stream-K us", "TFLOP/s", "speedup"],
                 rows,
             )
+
+    if "gemm_skinny" in run:
+        # The skinny GEMM (gemm_w8a16_skinny) on the chunk sizes between the small-M GEMV and the sm90 GEMM,
+        # per product with the epilogue and input type the engine gives it, and per layer; the decode GEMV
+        # (M = 1, bf16 x) for reference. Bytes: weights + scales + x + out; GB/s and the ceiling's fraction
+        # are the skinny GEMM's. Every kernel streams rotated weights (each launch reads them from DRAM).
+        rows, results["gemm_skinny"] = [], []
+        kinds = ("skinny", "gemv_m", "sm90") if ops.gemm_sm90_built() else ("skinny", "gemv_m")
+        x_of = {"qkv": "f16", "o": "bf16", "gate_up": "f16", "down": "bf16"}
+        fmt = lambda us, k: f"{us[k]:.1f}" if k in us else "-"
+        for model in ("3B", "8B"):
+            layer = linear_shapes(MODELS[model])[:4]
+            m1 = {name: ops.time_gemv(N, K, iters=args.iters, epilogue=ep) for name, N, K, ep in layer}
+            for M in (17, 24, 32, 48, 64):
+                it = max(5, args.iters // 5)
+                total = dict.fromkeys((*kinds, "m1"), 0.0)
+                total_bytes = 0
+                for name, N, K, ep in layer:
+                    x = x_of[name]
+                    us = {
+                        "skinny": ops.time_gemm_skinny(M, N, K, iters=args.iters, epilogue=ep, x_dtype=x),
+                        "gemv_m": ops.time_gemv_m(M, N, K, iters=args.iters, epilogue=ep, x_in=x),
+                    }
+                    if "sm90" in kinds:
+                        us["sm90"] = ops.time_gemm_sm90(M, N, K, iters=it, epilogue=ep, x_dtype=x, rotate=True)
+                    us["m1"] = m1[name]
+                    out = {STORE: 4 * N, ADD: 8 * N, SWIGLU: 2 * (N // 2)}[ep] * M
+                    nbytes = N * K + N * (-(-K // 128)) * 4 + 2 * K * M + out
+                    gbs = nbytes / us["skinny"] / 1e3
+                    plan = ops.gemm_skinny_plan(M, N, K, ep, x)
+                    for k, v in us.items():
+                        total[k] += v
+                    total_bytes += nbytes
+                    rows.append([model, str(M), name, x, f"{N}x{K}", f"{us['skinny']:.1f}", f"{gbs:.0f}", pct(gbs)])
+                    rows[-1] += [f"{plan['splits']}x{plan['kg']}", fmt(us, "gemv_m"), fmt(us, "sm90"), fmt(us, "m1")]
+                    rows[-1] += [min(kinds, key=lambda k: us[k])]
+                    results["gemm_skinny"].append(
+                        dict(model=model, M=M, layer=name, x=x, N=N, K=K, bytes=nbytes, GBps=gbs, plan=plan, us=us)
+                    )
+                gbs = total_bytes / total["skinny"] / 1e3
+                rows.append([model, str(M), "layer", "", "", f"{total['skinny']:.1f}", f"{gbs:.0f}", pct(gbs), ""])
+                rows[-1] += [fmt(total, "gemv_m"), fmt(total, "sm90"), fmt(total, "m1"), min(kinds, key=lambda k: total[k])]
+        table(
+            "gemm_w8a16_skinny vs gemv_w8a16_m and gemm_w8a16_sm90 (us per launch, weights rotated past L2)",
+            ["model", "M", "product", "x", "N x K", "skinny us", "GB/s", "of ceiling", "splits x kg", "gemv_m us"]
+            + ["sm90 us", "M=1 gemv us", "fastest"],
+            rows,
+        )
 
     if "sample" in run:
         # Sampling over the Llama 3 vocabulary.

@@ -32,6 +32,7 @@ FAMILIES = [
     ("act_quant", r"quantize_rows"),
     ("scale_transpose", r"scale_transpose"),
     ("swiglu_rows", r"swiglu_rows"),
+    ("gemm_skinny", r"gemm_skinny"),
     ("gemm_w8a16", r"gemm_w8a16|gemm_kernel"),
     ("gemv_m", r"gemv_w8a16_m|gemv_m"),
     ("gemv", r"gemv"),
@@ -151,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
             wall = 1e3 * float(np.median(walls))
             wall_plain = 1e3 * float(np.median(plain))
             flops = linear_flops(spec, p)
-            gemm_us = sum(v for k, v in med.items() if k in ("gemm_sm90", "gemm_w8a16", "gemv_m", "gemv"))
+            gemm_us = sum(v for k, v in med.items() if k in ("gemm_sm90", "gemm_skinny", "gemm_w8a16", "gemv_m", "gemv"))
             print(
                 f"\n{model.path.name} prefill {p} tokens, chunk {chunk}, {recipe}, {label}: "
                 f"wall {wall_plain:.2f} ms ({wall:.2f} profiled), "

@@ -23,7 +23,8 @@ IN_FLIGHT = 4  # decode steps enqueued ahead of the one being read (the engine's
 
 
 # The step plan's options (include/atomflow/step_plan.h): f16_activations is a user setting (default
-# from ATOMFLOW_BF16_ACTS); the others change the schedule, never the bits, and are for comparisons.
+# from ATOMFLOW_BF16_ACTS) and prefill_fp8 a recipe; skinny_gemm changes a prompt chunk's rounding (step_plan.h);
+# the others change the schedule, never the bits. All but f16_activations are for comparisons.
 PLAN_OPTIONS = (
     "f16_activations",
     "fused_tail",
@@ -33,6 +34,7 @@ PLAN_OPTIONS = (
     "tickets",
     "prefill_fp8",
     "gemm_pdl",
+    "skinny_gemm",
 )
 
 

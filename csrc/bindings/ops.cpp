@@ -15,6 +15,7 @@ void register_ops(pybind11::module_& m) {
   ops::register_gemv(m);               // ops_gemv.cpp
   ops::register_gemv_m(m);             // ops_gemv_m.cpp
   ops::register_gemm_sm90(m);          // ops_gemm_sm90.cpp
+  ops::register_gemm_skinny(m);        // ops_gemm_skinny.cpp
   ops::register_attention(m);          // ops_attention.cpp
   ops::register_attention_prefill(m);  // ops_attention_prefill.cpp
   ops::register_sampling(m);           // ops_sampling.cpp

@@ -194,6 +194,7 @@ struct DeviceExtras {
 void register_gemv(py::module_& m);
 void register_gemv_m(py::module_& m);
 void register_gemm_sm90(py::module_& m);
+void register_gemm_skinny(py::module_& m);
 void register_attention(py::module_& m);
 void register_attention_prefill(py::module_& m);
 void register_small(py::module_& m);

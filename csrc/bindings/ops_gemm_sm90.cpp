@@ -75,8 +75,10 @@ py::object gemm_sm90(const py::array& w_, const py::array& s_, const py::array& 
 }
 
 // us per launch (scale transpose + GEMM (+ SwiGLU)), median of iters batches; compute-bound, so the
-// weights are not rotated (as time_gemm).
-double time_gemm_sm90(int M, int N, int K, int iters, int ep_, const std::string& x_dtype, const std::string& tile) {
+// weights are not rotated (as time_gemm), unless rotate: then each launch reads its weights and scales from
+// DRAM (a short chunk, bound by the weight stream; as time_gemv_m).
+double time_gemm_sm90(int M, int N, int K, int iters, int ep_, const std::string& x_dtype, const std::string& tile,
+                      bool rotate) {
   const k::Act xt = act_arg(x_dtype);
   const k::Epilogue ep = epilogue_arg(ep_);
   const k::Sm90Tile kind = tile_arg(tile);
@@ -84,6 +86,17 @@ double time_gemm_sm90(int M, int N, int K, int iters, int ep_, const std::string
   const size_t ws_bytes = k::gemm_w8a16_sm90_workspace_bytes(ep, M, N, K, kind);
   GemmOperands o(M, N, K);
   DeviceBuffer ws(ws_bytes);
+  if (rotate) {
+    const size_t wbytes = static_cast<size_t>(N) * K, sbytes = static_cast<size_t>(N) * scale_groups(K) * sizeof(float);
+    Rotating r(wbytes + sbytes);
+    r.buf.fill(0x38);
+    return median_us(
+        [&](int i) {
+          k::gemm_w8a16_sm90(r.at<uint8_t>(i), r.at<float>(i, wbytes), o.x.get(), xt, M, N, K, ep, o.out.get(),
+                             ws.get(), ws_bytes, nullptr, kind);
+        },
+        iters, std::min(r.copies, 32));
+  }
   return median_us(
       [&](int) {
         k::gemm_w8a16_sm90(o.w.get<uint8_t>(), o.s.get<float>(), o.x.get(), xt, M, N, K, ep, o.out.get(), ws.get(),
@@ -143,8 +156,8 @@ void register_gemm_sm90(py::module_& m) {
       [](int ep, int M, int N, int K) { return k::gemm_w8a16_sm90_workspace_bytes(epilogue_arg(ep), M, N, K); },
       py::arg("epilogue"), py::arg("M"), py::arg("N"), py::arg("K"));
   m.def("time_gemm_sm90", &time_gemm_sm90, py::arg("M"), py::arg("N"), py::arg("K"), py::arg("iters") = 20,
-        py::arg("epilogue") = 0, py::arg("x_dtype") = "bf16", py::arg("tile") = "auto",
-        "us per gemm_w8a16_sm90 launch (median of iters batches)");
+        py::arg("epilogue") = 0, py::arg("x_dtype") = "bf16", py::arg("tile") = "auto", py::arg("rotate") = false,
+        "us per gemm_w8a16_sm90 launch (median of iters batches); rotate: weights and scales rotated past L2");
 }
 
 }  // namespace atomflow::bindings::ops

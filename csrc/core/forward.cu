@@ -21,6 +21,7 @@ struct GemmRoute {
   int small_m;      // StepPlan::small_m_max_rows
   int sm90_min;     // StepPlan::sm90_gemm_min_rows
   int w8a8_min;     // StepPlan::w8a8_min_rows: from these rows on, gemm_w8a8_sm90
+  int skinny_max;   // StepPlan::skinny_max_rows: up to these rows, gemm_w8a16_skinny
   bool gemm_pdl;    // PlanOptions::gemm_pdl
   void* ws;         // the engine's gemm_ws
   size_t ws_bytes;  // its size
@@ -28,7 +29,8 @@ struct GemmRoute {
 
 // One row streams the weights once through the decode GEMV (as `plan` says); up to small_m rows
 // (StepPlan::small_m_max_rows) through the small-M GEMV, which also reads each weight byte once; more
-// rows go to the tensor-core GEMM, from sm90_min rows on to the Hopper one (gemm_w8a16_sm90).
+// rows go to the tensor-core GEMM: up to skinny_max rows the one that streams the weights as the GEMV does
+// (gemm_w8a16_skinny), from sm90_min rows on the Hopper one (gemm_w8a16_sm90).
 // tickets: the engine's counters for SwiGLU GEMVs; f16_overflow: SwiGLU's fp16 output (kernels.h).
 // scales_gn: the scales transposed for the sm90 GEMM at load (LayerPtrs), or null.
 void linear(const kernels::GemvPlan& plan, const GemmRoute& route, const uint8_t* w, const float* scales,
@@ -39,6 +41,8 @@ void linear(const kernels::GemvPlan& plan, const GemmRoute& route, const uint8_t
   } else if (rows <= route.small_m) {
     const kernels::GemvIn in = xt == kernels::Act::F16 ? kernels::GemvIn::F16 : kernels::GemvIn::BF16;
     kernels::gemv_w8a16_m(kernels::plan_gemv_m(ep, in, rows, N, K), w, scales, x, xt, rows, N, K, ep, out, stream);
+  } else if (rows <= route.skinny_max) {
+    kernels::gemm_w8a16_skinny(kernels::plan_gemm_skinny(ep, xt, rows, N, K), w, scales, x, out, stream);
   } else if (rows >= route.w8a8_min) {
     kernels::gemm_w8a8_sm90(w, scales, x, xt, rows, N, K, ep, out, route.ws, route.ws_bytes, stream);
   } else if (rows >= route.sm90_min) {
@@ -51,8 +55,13 @@ void linear(const kernels::GemvPlan& plan, const GemmRoute& route, const uint8_t
 
 // The route of this engine's chunks (its plan's thresholds, its workspace).
 GemmRoute route_of(const StepPlan& plan, void* ws, size_t ws_bytes) {
-  return GemmRoute{
-      plan.small_m_max_rows, plan.sm90_gemm_min_rows, plan.w8a8_min_rows, plan.options.gemm_pdl, ws, ws_bytes};
+  return GemmRoute{plan.small_m_max_rows,
+                   plan.sm90_gemm_min_rows,
+                   plan.w8a8_min_rows,
+                   plan.skinny_max_rows,
+                   plan.options.gemm_pdl,
+                   ws,
+                   ws_bytes};
 }
 
 }  // namespace

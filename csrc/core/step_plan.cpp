@@ -100,6 +100,13 @@ StepPlan make_step_plan(const ModelSpec& s, int max_context, const PlanOptions& 
       p.cc_major == 9 && kernels::gemm_w8a16_sm90_takes_layer(kernels::Sm90Layer{d, f, s.q_dim(), s.qkv_dim()});
   p.sm90_gemm_min_rows = sm90_gemm ? StepPlan::kSm90GemmMinRows : StepPlan::kNever;
   p.w8a8_min_rows = sm90_gemm && options.prefill_fp8 ? StepPlan::kW8A8MinRows : StepPlan::kNever;
+  const int M = StepPlan::kSkinnyMaxRows;
+  const bool skinny = p.cc_major == 9 && options.skinny_gemm &&
+                      kernels::gemm_w8a16_skinny_supported(kernels::Epilogue::Store, M, s.qkv_dim(), d) &&
+                      kernels::gemm_w8a16_skinny_supported(kernels::Epilogue::AddResidual, M, d, s.q_dim()) &&
+                      kernels::gemm_w8a16_skinny_supported(kernels::Epilogue::SwiGLU, M, 2 * f, d) &&
+                      kernels::gemm_w8a16_skinny_supported(kernels::Epilogue::AddResidual, M, d, f);
+  p.skinny_max_rows = skinny ? StepPlan::kSkinnyMaxRows : 0;
   return p;
 }
 

@@ -25,11 +25,9 @@
 //  Before its PDL wait nothing: pdl_prologue() lets the next kernel launch, then waits.
 //  Writes   Store: out fp32 [M, N]; AddResidual: out += y; SwiGLU: out 16-bit [M, N / 2]. Each element once.
 //  Leaves   nothing else; no scratch.
-#include <cuda_fp16.h>
-#include <cuda_fp8.h>
-
 #include "atomflow/kernels.h"
 #include "atomflow/pdl.cuh"
+#include "mma_w8a16.cuh"
 
 namespace atomflow::kernels {
 
@@ -48,42 +46,6 @@ constexpr int kBBytes = kBN * kBStride;
 constexpr int kStageBytes = kABytes + kBBytes;
 constexpr int kStages = 2;
 constexpr int kGemmSmem = kStages * kStageBytes;  // 100 KB: two blocks per SM
-
-static __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
-  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  const int src_bytes = valid ? 16 : 0;  // 0: zero-fill (rows past M or N)
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(gmem), "r"(src_bytes));
-}
-
-// Two e4m3 bytes (low = lower k) -> the activation's 16-bit type, exactly (e4m3 fits both):
-// fp16 directly (cvt.rn.f16x2.e4m3x2), bf16 through f32.
-template <Act A>
-static __device__ __forceinline__ uint32_t fp8x2_to_16x2(uint32_t two_bytes) {
-  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(two_bytes, __NV_E4M3);
-  if constexpr (A == Act::F16) {
-    return *reinterpret_cast<const uint32_t*>(&h);
-  } else {
-    const float2 f = __half22float2(__half2(h));
-    const __nv_bfloat162 b = __floats2bfloat162_rn(f.x, f.y);
-    return *reinterpret_cast<const uint32_t*>(&b);
-  }
-}
-
-template <Act A>
-static __device__ __forceinline__ void mma16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                             uint32_t b0, uint32_t b1) {
-  if constexpr (A == Act::F16) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  } else {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  }
-}
 
 // Block-local column j (0..63) -> weight row, or -1 past the end. SwiGLU: j = 32 wn + 16 t + q is
 // gate (t = 0) or up (t = 1) of output i = i0 + 16 wn + q.
@@ -134,14 +96,14 @@ static __global__ void __launch_bounds__(kGemmThreads, 2)
       const int r = a_row0 + 8 * i;
       const bool ok = m0 + r < M;
       const uint16_t* src = x + static_cast<size_t>(ok ? m0 + r : 0) * K + kt * kBK + a_col * 8;
-      cp_async16(sA + r * kAStride + a_col * 16, a_in ? src : x, ok && a_in);
+      cp_async16_zfill(sA + r * kAStride + a_col * 16, a_in ? src : x, ok && a_in);
     }
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int r = b_row0 + 16 * i;
       const bool ok = b_wrow[i] >= 0;
       const uint8_t* src = w + static_cast<size_t>(ok ? b_wrow[i] : 0) * K + kt * kBK + b_col * 16;
-      cp_async16(sB + r * kBStride + b_col * 16, b_in ? src : w, ok && b_in);
+      cp_async16_zfill(sB + r * kBStride + b_col * 16, b_in ? src : w, ok && b_in);
     }
     asm volatile("cp.async.commit_group;");
   };

@@ -206,6 +206,35 @@ void gemm_w8a8_sm90(const uint8_t* w, const float* scales, const void* x, Act x_
 void gemm_w8a16_sm90_transpose_scales(const float* scales, int N, int K, float* out, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------
+// gemm_w8a16_skinny.cu: the same product for prompt chunks of up to kSkinnyMaxRows rows, streamed as the
+// decode GEMV streams its weights (16-byte loads, long runs of each row, all SMs) into mma.sync with the
+// tokens on its 8-wide side; products with fewer 128-row blocks than SMs split their scale groups over a
+// thread-block cluster whose blocks add each other's partial sums in rank order (deterministic). Weights
+// exact in the activation's 16-bit type, the group scales applied to fp32 partial sums (gemm_w8a16's
+// recipe, not the sm90 GEMM's rounding of w * s). Epilogues Store, AddResidual (fp32 [M, N]) and SwiGLU
+// (N = 2F, bf16 [M, F]); under PDL (its weights and scales load before its wait). No workspace.
+// Shapes: 1 <= M <= kSkinnyMaxRows, N % 16 == 0 (SwiGLU: N % 32 == 0), K % 64 == 0, at most
+// kSkinnyMaxSplits x kSkinnyMaxGroups scale groups (K <= 24576).
+constexpr int kSkinnyMaxRows = 64, kSkinnyMaxSplits = 8, kSkinnyMaxGroups = 24;
+struct SkinnyPlan {
+  Epilogue ep;
+  Act xt;
+  int M, N, K;
+  int nt;          // token tiles of 8: 4 (M <= 32) or 8
+  int splits;      // blocks of a cluster: each takes kg scale groups of every row of its row group
+  int kg;          // scale groups (128 columns) per split
+  int row_groups;  // blocks per split: 128 weight rows each (SwiGLU: 64 gate rows and their 64 up rows)
+  int threads;     // per block (256)
+  size_t smem;     // dynamic shared memory per block
+};
+bool gemm_w8a16_skinny_supported(Epilogue ep, int M, int N, int K);
+// Needs the device (SM count): call with the GPU that will run the launch current. splits > 0 overrides
+// the plan's choice (the tests and benches; 1..kSkinnyMaxSplits, at most the scale groups).
+SkinnyPlan plan_gemm_skinny(Epilogue ep, Act xt, int M, int N, int K, int splits = 0);
+void gemm_w8a16_skinny(const SkinnyPlan& plan, const uint8_t* w, const float* scales, const void* x, void* out,
+                       cudaStream_t stream);
+
+// ---------------------------------------------------------------------------------------
 // gemv_w8a16_m.cu: the GEMV for small M (1 <= M <= 64 rows of x: short prompts, a chunked prompt's
 // tail, speculative verification, batched decode). Each weight byte is read once for all M rows;
 // row m of the result is bit-identical to gemv_w8a16 (M = 1) on x[m] (the decode GEMV's products, k

@@ -14,9 +14,10 @@
 namespace atomflow {
 
 // What a caller may choose (EngineOptions::plan; the Python front fills it from its arguments and
-// the environment, atomflow/backends/cuda.py). eager and f16_activations are user settings; the
-// others change the schedule, never the bits, and exist so that tests compare both ways in one
-// process (tests/test_engine_gpu.py, tests/test_kernels_gpu.py).
+// the environment, atomflow/backends/cuda.py). eager and f16_activations are user settings; prefill_fp8
+// and skinny_gemm change a prompt's rounding (below); the others change the schedule, never the bits.
+// All but the user settings exist so that tests compare both ways in one process
+// (tests/test_engine_gpu.py, tests/test_kernels_gpu.py).
 struct PlanOptions {
   bool eager = false;           // run the decode step's launches directly instead of a CUDA graph
   bool f16_activations = true;  // decode steps write attention's and SwiGLU's outputs in fp16 (engine.h)
@@ -32,6 +33,10 @@ struct PlanOptions {
   // Prompt chunks' sm90 W8A16 GEMM launches under PDL (CUTLASS built with its grid-dependency control):
   // its prologue overlaps the kernel before it, and the kernel after it launches at its last tile.
   bool gemm_pdl = true;
+  // Prompt chunks of up to StepPlan::skinny_max_rows rows past the small-M range run gemm_w8a16_skinny (the
+  // weights streamed as the decode GEMV streams them) instead of the sm90 GEMM. Other bits (its recipe keeps
+  // w * s exact, the sm90 GEMM rounds it to 16 bits): off only for comparisons.
+  bool skinny_gemm = true;
 };
 
 struct StepPlan {
@@ -120,6 +125,14 @@ struct StepPlan {
   // 16 rows (143 us), so every chunk past the small-M range takes it.
   static constexpr int kSm90GemmMinRows = kSmallMMaxRows + 1;
   int sm90_gemm_min_rows = kSm90GemmMinRows;
+  // Chunks of sm90_gemm_min_rows..skinny_max_rows rows run their products on gemm_w8a16_skinny instead
+  // (0: never; PlanOptions::skinny_gemm, sm_90, every product a shape it takes). Measured on an H100
+  // (bench_kernels.py --sections gemm_skinny, one layer, weights from DRAM): 3B 17 / 32 rows 67 / 73 us
+  // against the sm90 GEMM's 116, 48 rows 160 against 116 (its 8 token tiles: one block an SM); 8B 32 rows
+  // 134 against 168.
+  static constexpr int kSkinnyMaxRows = 32;
+  static_assert(kSkinnyMaxRows <= kernels::kSkinnyMaxRows, "the skinny GEMM's rows");
+  int skinny_max_rows = 0;
   // With PlanOptions::prefill_fp8, chunks of at least w8a8_min_rows rows run their products on the FP8
   // recipe (gemm_w8a8_sm90), kNever otherwise. Measured on an H200 (bench_kernels.py --sections
   // gemm_w8a8, one layer against the W8A16 GEMM's kind for the rows, the activation quantizer

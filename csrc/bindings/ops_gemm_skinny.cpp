@@ -1,0 +1,117 @@
+// _core.ops: the skinny W8A16 GEMM for prompt chunks of up to 64 rows (gemm_w8a16_skinny.cu), its plan,
+// and its timer. splits overrides the plan's split of the scale groups (0: the plan's choice), so the
+// tests can run every cluster size and the benches sweep them.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "atomflow/timing.h"
+#include "ops_common.h"
+
+namespace atomflow::bindings::ops {
+
+namespace {
+
+using atomflow::median_us;
+
+k::Act act_arg(const std::string& x_dtype) {
+  require(x_dtype == "bf16" || x_dtype == "f16", "x_dtype must be 'bf16' or 'f16', got '" + x_dtype + "'");
+  return x_dtype == "f16" ? k::Act::F16 : k::Act::BF16;
+}
+
+// The shape checks every entry point shares, then plan_gemm_skinny: the shape within the kernel's
+// contract (kernels.h); splits 0 (the plan's) or enough splits of at most kSkinnyMaxGroups scale groups
+// each to cover K, at most kSkinnyMaxSplits and at most the scale groups.
+k::SkinnyPlan plan_of(const char* what, k::Epilogue ep, k::Act xt, int M, int N, int K, int splits) {
+  require(k::gemm_w8a16_skinny_supported(ep, M, N, K),
+          std::string(what) + ": unsupported shape M = " + std::to_string(M) + ", N = " + std::to_string(N) +
+              ", K = " + std::to_string(K) + " (needs 1 <= M <= " + std::to_string(k::kSkinnyMaxRows) +
+              ", N % 16 == 0 (SwiGLU: N % 32 == 0), K % 64 == 0, at most " +
+              std::to_string(k::kSkinnyMaxSplits * k::kSkinnyMaxGroups) + " scale groups)");
+  const int groups = static_cast<int>(scale_groups(K));
+  const int least = (groups + k::kSkinnyMaxGroups - 1) / k::kSkinnyMaxGroups;
+  const int most = std::min(k::kSkinnyMaxSplits, groups);
+  require(splits == 0 || (splits >= least && splits <= most),
+          std::string(what) + ": splits must be 0 (the plan's) or " + std::to_string(least) + ".." +
+              std::to_string(most) + " for K = " + std::to_string(K) + ", got " + std::to_string(splits));
+  return k::plan_gemm_skinny(ep, xt, M, N, K, splits);
+}
+
+// w u8 [N, K], scales f32 [N, ceil(K / 128)], x u16 [M, K] (x_dtype bits); out_init: AddResidual's
+// starting values. The output poisoned (NaN) before the launch unless AddResidual.
+py::object gemm_skinny(const py::array& w_, const py::array& s_, const py::array& x_, int ep_,
+                       const py::object& out_init_, const std::string& x_dtype, int splits) {
+  const k::Act xt = act_arg(x_dtype);
+  const k::Epilogue ep = epilogue_arg(ep_);
+  auto w = arg<uint8_t>(w_, "w", {-1, -1});
+  const int N = static_cast<int>(w.shape(0)), K = static_cast<int>(w.shape(1));
+  auto s = arg<float>(s_, "scales", {N, scale_groups(K)});
+  auto x = arg<uint16_t>(x_, "x", {-1, K});
+  const int M = static_cast<int>(x.shape(0));
+  const k::SkinnyPlan plan = plan_of("gemm_skinny", ep, xt, M, N, K, splits);
+  const bool add = ep == k::Epilogue::AddResidual;
+  require(add == !out_init_.is_none(), "out_init is required with AddResidual and only with it");
+  DeviceBuffer dw = to_device(w), ds = to_device(s), dx = to_device(x);
+  DeviceBuffer out =
+      add ? to_device(arg<float>(out_init_.cast<py::array>(), "out_init", {M, N}))
+          : DeviceBuffer::poisoned(ep == k::Epilogue::SwiGLU ? sizeof(bf16) * M * (N / 2) : sizeof(float) * M * N);
+  k::gemm_w8a16_skinny(plan, dw.get<uint8_t>(), ds.get<float>(), dx.get(), out.get(), nullptr);
+  sync();
+  if (ep == k::Epilogue::SwiGLU) return to_host<uint16_t>(out, {M, N / 2});
+  return to_host<float>(out, {M, N});
+}
+
+// The plan's fields for a shape, as the tests and `bench_kernels.py` print them.
+py::dict gemm_skinny_plan(int M, int N, int K, int ep_, const std::string& x_dtype, int splits) {
+  const k::SkinnyPlan p = plan_of("gemm_skinny_plan", epilogue_arg(ep_), act_arg(x_dtype), M, N, K, splits);
+  py::dict d;
+  d["nt"] = p.nt;
+  d["splits"] = p.splits;
+  d["kg"] = p.kg;
+  d["row_groups"] = p.row_groups;
+  d["threads"] = p.threads;
+  d["smem"] = p.smem;
+  return d;
+}
+
+// us per launch on x [M, K] of x_dtype, weights and scales rotated so L2 cannot serve them (time_gemv_m's
+// method: the kernel streams its weights, so an L2-resident copy would time another kernel).
+double time_gemm_skinny(int M, int N, int K, int iters, int ep_, const std::string& x_dtype, int splits) {
+  const k::Act xt = act_arg(x_dtype);
+  const k::Epilogue ep = epilogue_arg(ep_);
+  const k::SkinnyPlan plan = plan_of("time_gemm_skinny", ep, xt, M, N, K, splits);
+  const size_t wbytes = static_cast<size_t>(N) * K, sbytes = static_cast<size_t>(N) * scale_groups(K) * sizeof(float);
+  Rotating ws(wbytes + sbytes);
+  ws.buf.fill(0x38);
+  DeviceBuffer x(sizeof(bf16) * M * K), out(sizeof(float) * M * N);
+  x.fill(0);
+  out.fill(0);
+  return median_us(
+      [&](int i) {
+        k::gemm_w8a16_skinny(plan, ws.at<uint8_t>(i), ws.at<float>(i, wbytes), x.get(), out.get(), nullptr);
+      },
+      iters, std::min(ws.copies, 32));
+}
+
+}  // namespace
+
+void register_gemm_skinny(py::module_& m) {
+  m.def("gemm_skinny", &gemm_skinny, py::arg("w"), py::arg("scales"), py::arg("x"), py::arg("epilogue") = 0,
+        py::arg("out_init") = py::none(), py::arg("x_dtype") = "bf16", py::arg("splits") = 0,
+        "gemm_w8a16_skinny: w u8 [N, K] (N % 16 == 0, K % 64 == 0), scales f32 [N, ceil(K/128)], x u16 [M, K] "
+        "(1 <= M <= 64; bf16 or f16 bits, x_dtype); epilogue 0 Store -> f32 [M, N], 1 AddResidual (out_init f32 "
+        "[M, N]) -> f32 [M, N], 2 SwiGLU (N % 32 == 0) -> u16 [M, N/2] (bf16); splits: the cluster's split of the "
+        "scale groups (0: the plan's)");
+  m.def("gemm_skinny_plan", &gemm_skinny_plan, py::arg("M"), py::arg("N"), py::arg("K"), py::arg("epilogue") = 0,
+        py::arg("x_dtype") = "bf16", py::arg("splits") = 0,
+        "plan_gemm_skinny's choices for a shape: {nt, splits, kg, row_groups, threads, smem}");
+  m.def("time_gemm_skinny", &time_gemm_skinny, py::arg("M"), py::arg("N"), py::arg("K"), py::arg("iters") = 50,
+        py::arg("epilogue") = 0, py::arg("x_dtype") = "bf16", py::arg("splits") = 0,
+        "us per gemm_w8a16_skinny launch on x [M, K] (median of iters batches), weights and scales rotated past L2");
+}
+
+}  // namespace atomflow::bindings::ops

@@ -1,0 +1,449 @@
+// W8A16 product for prompt chunks of up to 64 rows: y[m, n] = sum_k x[m, k] * fp8[n, k] * scale[n, k / 128].
+//
+// Such a chunk is bound by the weight stream (64 rows: 128 FLOPs a weight byte, under the tensor cores'
+// ridge), so the kernel streams the weights as the decode GEMV does and keeps the tensor cores out of the
+// way:
+//  - A block is 8 warps on 128 weight rows, each warp a 16-row tile. A warp copies its rows' weights a
+//    slab (256 columns) at a time into shared memory, 256 contiguous bytes a row and 16 lanes (cp.async;
+//    runs as long as the decode GEMV's, not the 64 bytes a row that loading the MMA fragments directly
+//    would give), two slabs in flight a warp at 4 token tiles, four at 8 (64 KB a block, two blocks an
+//    SM / 128 KB, one); the first ones before the PDL wait (weights are immutable). Lane (g = lane / 4,
+//    q = lane % 4) then reads 16 bytes of rows g and g + 8 at column 16 q of each 64-column iteration,
+//    which feed four m16n8k16 steps: k is permuted within the iteration so that step j takes physical
+//    columns 16 q + 4 j .. + 3 in the slots 2q, 2q + 1, 2q + 8, 2q + 9; x (the B operand, tokens on the
+//    8-wide side, nt tiles of 8) is read with the same permutation, 32 contiguous bytes a lane and token.
+//  - Weights are converted exactly to x's type; each 128-column scale group's partial sums start from
+//    zero and are added to the fp32 accumulator times the row's scale (gemm_w8a16's recipe).
+//  - x streams through shared memory in slabs of 256 columns, one bulk copy a token row (TMA, on an
+//    mbarrier; rows past M stay zero), two slabs: one read while the next lands, one block barrier a
+//    slab. The split's scales are staged once, before the PDL wait.
+//  - A product with fewer 128-row blocks than SMs splits its scale groups over a cluster of up to 8
+//    blocks (portable size). Every block leaves its partial sums in shared memory; after a cluster
+//    barrier, block r adds the slice r of the rows from every block in rank order (the same sum
+//    whatever the schedule) and runs the epilogue on it: no workspace, no second launch.
+//  - SwiGLU: a block's rows are 64 gate rows and their 64 up rows (warps 0..3 gate, 4..7 up), so one
+//    block holds both inputs of each of its 64 outputs.
+//
+// Contract of gemm_w8a16_skinny (launcher at the end; plan_gemm_skinny: kernels.h):
+//  Inputs   w fp8 e4m3 [N, K] row-major, scales fp32 [N, ceil(K / 128)], x 16-bit [M, K] of the plan's type;
+//           1 <= M <= 64, N % 16 == 0 (SwiGLU N % 32 == 0), K % 64 == 0 (a last group of 64 columns
+//           when K % 128 == 64); 16-byte aligned.
+//  Before its PDL wait: lets the next kernel launch, loads weights and scales (nothing an earlier kernel
+//           writes).
+//  Writes   Store: out fp32 [M, N] = y; AddResidual: out += y; SwiGLU (N = 2F): out bf16 [M, F] =
+//           bf16(silu(y[:, :F]) * y[:, F:]). Each element once, by one block.
+//  Leaves   nothing else; no scratch.
+#include <cooperative_groups.h>
+
+#include <algorithm>
+
+#include "atomflow/kernels.h"
+#include "atomflow/pdl.cuh"
+#include "mma_w8a16.cuh"
+
+namespace atomflow::kernels {
+
+namespace {
+
+namespace cg = cooperative_groups;
+
+constexpr int kSkThreads = 256;                  // 8 warps of one 16-row tile each
+constexpr int kSkRows = 128;                     // weight rows a block
+constexpr int kSkIter = 64;                      // columns an iteration: 4 lanes x 16 bytes
+constexpr int kSkSlab = 4 * kSkIter;             // x columns a slab (256)
+constexpr int kSkSlabStride = kSkSlab * 2 + 16;  // bytes a token row of a slab: 16 mod 128, conflict-free LDS.128
+constexpr int kSkRedStride = kSkRows + 4;        // floats a token row of the partial sums: conflict-free stores
+constexpr int kGroup = 128;                      // columns a scale group
+constexpr int kStageBytes = 16 * kSkSlab;        // a warp's weights a slab: 16 rows x 256 bytes
+
+// NT token tiles of 8; a warp keeps kRing slabs of its weights in shared memory (one read, the others
+// landing): 64 KB a block at NT = 4 (two blocks an SM), 128 KB at NT = 8 (one).
+template <int NT>
+struct SkTile {
+  static constexpr int kTokens = 8 * NT;
+  static constexpr int kRing = NT <= 4 ? 2 : 4;
+  static constexpr int kBlocksPerSm = NT <= 4 ? 2 : 1;
+  static constexpr int kSlabBytes = kTokens * kSkSlabStride;
+  static constexpr int kXBytes = 2 * kSlabBytes;  // two slabs: one read, one landing
+  static constexpr int kWBytes = (kSkThreads / 32) * kRing * kStageBytes;
+  static constexpr int kRedBytes = kTokens * kSkRedStride * 4;
+  static constexpr int kMainBytes = kXBytes + kWBytes;  // the partial sums reuse it after the main loop
+  static_assert(kRedBytes <= kMainBytes, "the partial sums fit where x and the weights were");
+};
+
+// Scale rows in shared memory: kg groups padded to an odd stride (8 lanes read 8 rows of one group).
+__host__ __device__ constexpr int scale_stride(int kg) { return kg | 1; }
+
+template <int NT>
+size_t skinny_smem(int kg) {
+  return static_cast<size_t>(SkTile<NT>::kMainBytes) + sizeof(float) * kSkRows * scale_stride(kg) +
+         2 * sizeof(uint64_t);
+}
+
+struct SkArgs {
+  const uint8_t* w;
+  const float* scales;
+  const uint16_t* x;
+  void* out;
+  int M, N, K;
+  int kg;  // scale groups a split
+};
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(smem_addr(smem)), "l"(gmem));
+}
+// 16 bytes of streamed weights. No L2 evict-first hint: ptxas 13.0 puts that copy's 64-bit cache policy in
+// an odd uniform register pair here (desc[UR1]), an illegal instruction on the GPU.
+__device__ __forceinline__ void cp_async16_weights(void* smem, const void* gmem) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(smem)), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred p;\nLAB_WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      "@p bra LAB_DONE;\nbra LAB_WAIT;\nLAB_DONE:\n}\n" ::"r"(smem_addr(bar)),
+      "r"(parity)
+      : "memory");
+}
+// size bytes (a multiple of 16, both ends 16-byte aligned) global -> shared, counted on bar.
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t size, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(smem_addr(dst)),
+      "l"(src), "r"(size), "r"(smem_addr(bar))
+      : "memory");
+}
+
+__device__ __forceinline__ uint32_t word(const uint4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+// Local row lr (0..127) of row group rg -> weight row, or -1 past the end. SwiGLU: lr < 64 gate row
+// i = 64 rg + lr, else up row F + i of i = 64 rg + lr - 64.
+template <Epilogue EP>
+__device__ __forceinline__ int weight_row(int lr, int rg, int N) {
+  if constexpr (EP == Epilogue::SwiGLU) {
+    const int F = N / 2, i = rg * (kSkRows / 2) + lr % (kSkRows / 2);
+    return i >= F ? -1 : lr < kSkRows / 2 ? i : F + i;
+  } else {
+    const int n = rg * kSkRows + lr;
+    return n < N ? n : -1;
+  }
+}
+
+template <int NT, Epilogue EP, Act A>
+__global__ void __launch_bounds__(kSkThreads, SkTile<NT>::kBlocksPerSm) gemm_skinny_kernel(const SkArgs a) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using T = SkTile<NT>;
+  constexpr int R = T::kRing;
+  extern __shared__ __align__(128) uint8_t smem[];
+  uint8_t* const xring = smem;
+  uint8_t* const wring = smem + T::kXBytes;
+  float* const red = reinterpret_cast<float*>(smem);  // after the main loop
+  float* const ssc = reinterpret_cast<float*>(smem + T::kMainBytes);
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int g = lane / 4, q = lane % 4;
+  const int split = blockIdx.x, splits = gridDim.x, rg = blockIdx.y;
+  const int G = (a.K + kGroup - 1) / kGroup;
+  const int g0 = split * a.kg;
+  const int ng = min(a.kg, G - g0);  // this split's scale groups (>= 1: the plan drops empty splits)
+  const int kgp = scale_stride(a.kg);
+  uint64_t* const xbar = reinterpret_cast<uint64_t*>(ssc + kSkRows * kgp);
+  const int k0 = g0 * kGroup, k1 = min(a.K, (g0 + ng) * kGroup);
+  const int n_it = (k1 - k0) / kSkIter;
+  const int n_slab = (n_it + 3) / 4;
+
+  const int lr0 = 16 * warp + g, lr1 = lr0 + 8;
+  // The warp's slab s of weights (its 16 rows x 256 columns) into stage s % R, one commit group a slab:
+  // copy i takes rows 2i and 2i + 1, 256 contiguous bytes each (16 lanes a row). Row r's 16-byte chunk c
+  // sits at chunk c ^ 4 (r & 1): the fragment reads (rows g and g + 1 of a quarter warp, chunks 4 j + q)
+  // meet no bank twice.
+  uint8_t* const stages = wring + warp * (R * kStageBytes);
+  const int cr = lane / 16, cc = lane % 16;
+  auto fetch = [&](int s) {
+    const int kc = k0 + s * kSkSlab + 16 * cc;
+    if (s < n_slab && kc < k1) {
+      uint8_t* dst = stages + (s % R) * kStageBytes;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const int r = 2 * i + cr;
+        const int row = max(weight_row<EP>(16 * warp + r, rg, a.N), 0);
+        // Rows past the end stream row 0 (their sums are never stored).
+        cp_async16_weights(dst + r * kSkSlab + 16 * (cc ^ (4 * (r & 1))), a.w + static_cast<size_t>(row) * a.K + kc);
+      }
+    }
+    cp_async_commit();
+  };
+
+  pdl_launch_dependents();
+  // Before the wait: what is immutable (the split's scales, then the first R slabs of weights).
+  for (int i = tid; i < kSkRows * ng; i += kSkThreads) {
+    const int lr = i / ng, gi = i % ng;
+    const int row = weight_row<EP>(lr, rg, a.N);
+    cp_async4(ssc + lr * kgp + gi, a.scales + static_cast<size_t>(max(row, 0)) * G + g0 + gi);
+  }
+  cp_async_commit();
+#pragma unroll 1
+  for (int s = 0; s < R; ++s) fetch(s);
+  // x's token rows past M stay zero in both slabs (the bulk copies fill rows < M only).
+  for (int i = tid; i < 2 * (T::kTokens - a.M) * (kSkSlabStride / 16); i += kSkThreads) {
+    const int b = i / ((T::kTokens - a.M) * (kSkSlabStride / 16)), r = i % ((T::kTokens - a.M) * (kSkSlabStride / 16));
+    const int m = a.M + r / (kSkSlabStride / 16), c = r % (kSkSlabStride / 16);
+    *reinterpret_cast<uint4*>(xring + b * T::kSlabBytes + m * kSkSlabStride + 16 * c) = make_uint4(0, 0, 0, 0);
+  }
+  if (tid == 0) {
+    mbar_init(&xbar[0]);
+    mbar_init(&xbar[1]);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  pdl_wait();
+  // Slab s: x[0 .. M)[k0 + 256 s, + 256) into slab buffer s % 2, counted on xbar[s % 2]: one bulk copy a
+  // token row, token m by lane m / 8 of warp m % 8 (a warp issues its lanes' copies one at a time).
+  auto stage = [&](int s) {
+    const int kc = k0 + s * kSkSlab;
+    const uint32_t bytes = static_cast<uint32_t>(min(kSkSlab, k1 - kc)) * 2;
+    uint8_t* dst = xring + (s % 2) * T::kSlabBytes;
+    if (tid == 0) mbar_expect_tx(&xbar[s % 2], bytes * a.M);
+    const int m = warp + 8 * lane;
+    if (m < a.M) bulk_load(dst + m * kSkSlabStride, a.x + static_cast<size_t>(m) * a.K + kc, bytes, &xbar[s % 2]);
+  };
+  stage(0);
+  if (n_slab > 1) stage(1);
+
+  float acc[NT][4], part[NT][4];
+#pragma unroll
+  for (int t = 0; t < NT; ++t)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[t][e] = part[t][e] = 0.f;
+
+#pragma unroll 1
+  for (int s = 0; s < n_slab; ++s) {
+    mbar_wait(&xbar[s % 2], (s / 2) & 1);  // slab s of x landed
+    cp_async_wait<R - 1>();                // this lane's copies of the warp's slab s (and, first, the scales)
+    if (s == 0)
+      __syncthreads();  // everyone's scales
+    else
+      __syncwarp();  // the warp's copies
+    const uint8_t* xs = xring + (s % 2) * T::kSlabBytes + g * kSkSlabStride + 32 * q;
+    const uint8_t* ws = stages + (s % R) * kStageBytes + g * kSkSlab;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int it = s * 4 + j;
+      if (it < n_it) {
+        const int c = (4 * j + q) ^ (4 * (g & 1));  // rows g and g + 8 have g's parity
+        const uint4 wa = *reinterpret_cast<const uint4*>(ws + 16 * c);
+        const uint4 wb = *reinterpret_cast<const uint4*>(ws + 8 * kSkSlab + 16 * c);
+        uint32_t af[4][4];  // step st: a0 (row g, slots 2q, 2q+1), a1 (row g + 8), a2, a3 (slots 2q+8, 2q+9)
+#pragma unroll
+        for (int st = 0; st < 4; ++st) {
+          const uint32_t lo = word(wa, st), hi = word(wb, st);
+          af[st][0] = fp8x2_to_16x2<A>(lo & 0xFFFFu);
+          af[st][1] = fp8x2_to_16x2<A>(hi & 0xFFFFu);
+          af[st][2] = fp8x2_to_16x2<A>(lo >> 16);
+          af[st][3] = fp8x2_to_16x2<A>(hi >> 16);
+        }
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+          const uint8_t* xr = xs + t * 8 * kSkSlabStride + j * kSkIter * 2;
+          const uint4 x0 = *reinterpret_cast<const uint4*>(xr);
+          const uint4 x1 = *reinterpret_cast<const uint4*>(xr + 16);
+          mma16<A>(part[t], af[0][0], af[0][1], af[0][2], af[0][3], x0.x, x0.y);
+          mma16<A>(part[t], af[1][0], af[1][1], af[1][2], af[1][3], x0.z, x0.w);
+          mma16<A>(part[t], af[2][0], af[2][1], af[2][2], af[2][3], x1.x, x1.y);
+          mma16<A>(part[t], af[3][0], af[3][1], af[3][2], af[3][3], x1.z, x1.w);
+        }
+        // A scale group ends after every second iteration (k0 is a group boundary), and at a row's
+        // 64-column tail group.
+        if ((it & 1) || it + 1 == n_it) {
+          const float s0 = ssc[lr0 * kgp + it / 2], s1 = ssc[lr1 * kgp + it / 2];
+#pragma unroll
+          for (int t = 0; t < NT; ++t) {
+            acc[t][0] = fmaf(part[t][0], s0, acc[t][0]);
+            acc[t][1] = fmaf(part[t][1], s0, acc[t][1]);
+            acc[t][2] = fmaf(part[t][2], s1, acc[t][2]);
+            acc[t][3] = fmaf(part[t][3], s1, acc[t][3]);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) part[t][e] = 0.f;
+          }
+        }
+      }
+    }
+    __syncwarp();  // the warp is past its slab s of weights: the stage takes slab s + R
+    fetch(s + R);
+    // Everyone is past slab s of x: its buffer takes slab s + 2.
+    __syncthreads();
+    if (s + 2 < n_slab) stage(s + 2);
+  }
+
+  // The partial sums, [token][local row], over x and the weight slots (every copy has landed: the last
+  // commit groups are empty, every slab was waited for).
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+    const int m = 8 * t + 2 * q;  // c0, c1: row g, tokens m, m + 1; c2, c3: row g + 8
+    red[m * kSkRedStride + lr0] = acc[t][0];
+    red[(m + 1) * kSkRedStride + lr0] = acc[t][1];
+    red[m * kSkRedStride + lr1] = acc[t][2];
+    red[(m + 1) * kSkRedStride + lr1] = acc[t][3];
+  }
+  cg::cluster_group cluster = cg::this_cluster();
+  if (splits > 1)
+    cluster.sync();  // every block's sums are in its shared memory
+  else
+    __syncthreads();
+
+  // This block's slice of the outputs, 4 consecutive rows a thread: the sums of every split in rank order.
+  constexpr int kOuts = EP == Epilogue::SwiGLU ? kSkRows / 2 : kSkRows;
+  const int per = (CEIL_DIV(kOuts, splits) + 3) / 4 * 4;
+  const int o0 = split * per, o1 = min(kOuts, o0 + per);
+  const int quads = max(0, (o1 - o0) / 4);
+  for (int i = tid; i < a.M * quads; i += kSkThreads) {
+    const int m = i / quads, o = o0 + 4 * (i % quads);
+    float4 y = make_float4(0.f, 0.f, 0.f, 0.f), u = y;
+    for (int r = 0; r < splits; ++r) {
+      const float* src = splits > 1 ? cluster.map_shared_rank(red, r) : red;
+      const float4 v = *reinterpret_cast<const float4*>(src + m * kSkRedStride + o);
+      if (r == 0) {
+        y = v;
+      } else {
+        y.x += v.x, y.y += v.y, y.z += v.z, y.w += v.w;
+      }
+      if constexpr (EP == Epilogue::SwiGLU) {
+        const float4 w = *reinterpret_cast<const float4*>(src + m * kSkRedStride + kSkRows / 2 + o);
+        if (r == 0) {
+          u = w;
+        } else {
+          u.x += w.x, u.y += w.y, u.z += w.z, u.w += w.w;
+        }
+      }
+    }
+    if constexpr (EP == Epilogue::SwiGLU) {
+      const int F = a.N / 2, n = rg * (kSkRows / 2) + o;
+      if (n >= F) continue;
+      auto act = [](float gate, float up) { return gate / (1.f + expf(-gate)) * up; };
+      const __nv_bfloat162 lo = __floats2bfloat162_rn(act(y.x, u.x), act(y.y, u.y));
+      const __nv_bfloat162 hi = __floats2bfloat162_rn(act(y.z, u.z), act(y.w, u.w));
+      uint2 bits;
+      bits.x = *reinterpret_cast<const uint32_t*>(&lo);
+      bits.y = *reinterpret_cast<const uint32_t*>(&hi);
+      *reinterpret_cast<uint2*>(static_cast<bf16*>(a.out) + static_cast<size_t>(m) * F + n) = bits;
+    } else {
+      const int n = rg * kSkRows + o;
+      if (n >= a.N) continue;
+      float4* dst = reinterpret_cast<float4*>(static_cast<float*>(a.out) + static_cast<size_t>(m) * a.N + n);
+      if constexpr (EP == Epilogue::AddResidual) {
+        const float4 r = *dst;
+        y.x += r.x, y.y += r.y, y.z += r.z, y.w += r.w;
+      }
+      *dst = y;
+    }
+  }
+  if (splits > 1) cluster.sync();  // no block leaves while another reads its shared memory
+#endif
+}
+
+template <int NT, Epilogue EP, Act A>
+void launch_skinny(const SkinnyPlan& p, const SkArgs& a, cudaStream_t stream) {
+  static const bool configured = [] {
+    AF_CUDA_CHECK(cudaFuncSetAttribute(gemm_skinny_kernel<NT, EP, A>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       static_cast<int>(skinny_smem<NT>(kSkinnyMaxGroups))));
+    return true;
+  }();
+  (void)configured;
+  af_launch_clusters(gemm_skinny_kernel<NT, EP, A>, dim3(p.splits, p.row_groups), dim3(kSkThreads),
+                     dim3(p.splits, 1, 1), p.smem, stream, a);
+}
+
+template <int NT, Act A>
+void dispatch_ep(const SkinnyPlan& p, const SkArgs& a, cudaStream_t stream) {
+  switch (p.ep) {
+    case Epilogue::Store: launch_skinny<NT, Epilogue::Store, A>(p, a, stream); break;
+    case Epilogue::AddResidual: launch_skinny<NT, Epilogue::AddResidual, A>(p, a, stream); break;
+    case Epilogue::SwiGLU: launch_skinny<NT, Epilogue::SwiGLU, A>(p, a, stream); break;
+    default: AF_CHECK(false, "gemm_w8a16_skinny: unknown epilogue");
+  }
+}
+
+}  // namespace
+
+bool gemm_w8a16_skinny_supported(Epilogue ep, int M, int N, int K) {
+  const bool ep_ok = ep == Epilogue::Store || ep == Epilogue::AddResidual || (ep == Epilogue::SwiGLU && N % 32 == 0);
+  return ep_ok && M >= 1 && M <= kSkinnyMaxRows && N >= 16 && N % 16 == 0 && K >= kSkIter && K % kSkIter == 0 &&
+         CEIL_DIV(K, kGroup) <= kSkinnyMaxSplits * kSkinnyMaxGroups;
+}
+
+// Splits by a cost in scale groups a block streams: a wave of resident blocks takes its blocks' groups plus
+// one for the fixed part (x's first slabs, the reduction), and the whole product at least its groups over
+// one block an SM (the DRAM stream saturates near 64 KB in flight an SM). The cheapest, then the
+// fewest splits; then as many groups a split as that leaves (no empty split).
+static int skinny_splits(int nt, int row_groups, int G, int sms) {
+  const int cap = sms * (nt == 4 ? SkTile<4>::kBlocksPerSm : SkTile<8>::kBlocksPerSm);
+  const double floor = static_cast<double>(row_groups) * G / sms;
+  int best = 0;
+  double best_cost = 0;
+  for (int s = CEIL_DIV(G, kSkinnyMaxGroups); s <= std::min(kSkinnyMaxSplits, G); ++s) {
+    const int kg = CEIL_DIV(G, s);
+    const double cost = std::max(static_cast<double>(CEIL_DIV(row_groups * s, cap)) * (kg + 1), floor);
+    if (best == 0 || cost < best_cost) best = s, best_cost = cost;
+  }
+  return best;
+}
+
+SkinnyPlan plan_gemm_skinny(Epilogue ep, Act xt, int M, int N, int K, int splits) {
+  AF_CHECK(gemm_w8a16_skinny_supported(ep, M, N, K),
+           "gemm_w8a16_skinny: unsupported shape (needs 1 <= M <= 64, N % 16 == 0 (SwiGLU N % 32 == 0), K % 64 == 0, "
+           "K <= 24576)");
+  const int G = CEIL_DIV(K, kGroup);
+  SkinnyPlan p{};
+  p.ep = ep, p.xt = xt, p.M = M, p.N = N, p.K = K;
+  p.nt = M <= 32 ? 4 : 8;
+  p.row_groups = ep == Epilogue::SwiGLU ? CEIL_DIV(N / 2, kSkRows / 2) : CEIL_DIV(N, kSkRows);
+  AF_CHECK(p.row_groups <= 65535, "gemm_w8a16_skinny: N too large for the grid");
+  int s = splits;
+  if (s == 0) {
+    int device = 0, sms = 0;
+    AF_CUDA_CHECK(cudaGetDevice(&device));
+    AF_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    s = skinny_splits(p.nt, p.row_groups, G, sms);
+  }
+  AF_CHECK(s >= 1 && s <= kSkinnyMaxSplits, "gemm_w8a16_skinny: splits must be 1..8");
+  s = std::min(s, G);
+  p.kg = CEIL_DIV(G, s);
+  AF_CHECK(p.kg <= kSkinnyMaxGroups, "gemm_w8a16_skinny: too few splits for K (at most 24 scale groups a split)");
+  p.splits = CEIL_DIV(G, p.kg);
+  p.threads = kSkThreads;
+  p.smem = p.nt == 4 ? skinny_smem<4>(p.kg) : skinny_smem<8>(p.kg);
+  return p;
+}
+
+void gemm_w8a16_skinny(const SkinnyPlan& p, const uint8_t* w, const float* scales, const void* x, void* out,
+                       cudaStream_t stream) {
+  AF_CHECK(gemm_w8a16_skinny_supported(p.ep, p.M, p.N, p.K) && (p.nt == 4 || p.nt == 8) && p.nt * 8 >= p.M &&
+               p.splits >= 1 && p.splits <= kSkinnyMaxSplits && p.kg >= 1 && p.kg <= kSkinnyMaxGroups &&
+               (p.splits - 1) * p.kg < CEIL_DIV(p.K, kGroup) && p.splits * p.kg >= CEIL_DIV(p.K, kGroup),
+           "gemm_w8a16_skinny: the plan is not one plan_gemm_skinny makes");
+  AF_CHECK(reinterpret_cast<uintptr_t>(w) % 16 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
+               reinterpret_cast<uintptr_t>(out) % 16 == 0,
+           "gemm_w8a16_skinny: w, x and out must be 16-byte aligned");
+  const SkArgs a{w, scales, static_cast<const uint16_t*>(x), out, p.M, p.N, p.K, p.kg};
+  if (p.xt == Act::F16)
+    p.nt == 4 ? dispatch_ep<4, Act::F16>(p, a, stream) : dispatch_ep<8, Act::F16>(p, a, stream);
+  else
+    p.nt == 4 ? dispatch_ep<4, Act::BF16>(p, a, stream) : dispatch_ep<8, Act::BF16>(p, a, stream);
+}
+
+}  // namespace atomflow::kernels

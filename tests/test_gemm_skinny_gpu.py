@@ -1,0 +1,254 @@
+"""The skinny W8A16 GEMM (gemm_w8a16_skinny.cu, _core.ops.gemm_skinny: prompt chunks of 1..64 rows)
+against a float64 numpy reference, on fresh random inputs with every output poisoned (NaN) before the
+launch: awkward M (token tiles of 8, the 4 / 8 tile switch at 32), tail row groups and a 64-column tail
+scale group (K % 128 == 64), every linear layer of the target models, every split of the scale groups
+over a cluster, and the same bits on a second run. Skipped cleanly without the CUDA core or a GPU.
+
+Precision (kernels.h): gemm_w8a16's recipe. The weights enter the tensor cores exactly (fp8 e4m3 is
+exact in bf16 and fp16) and each group scale multiplies an fp32 partial sum, so against the exact
+dequantized weights the error is fp32 accumulation's: rel-L2 < 1e-5, whatever the split (a split only
+reorders fp32 sums). SwiGLU's output is rounded once to bf16 (4e-3, as tests/test_kernels_gpu.py).
+An AddResidual error is relative to the terms of the sum, not to a sum that may nearly cancel."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+ml_dtypes = pytest.importorskip("ml_dtypes")
+FP8 = ml_dtypes.float8_e4m3fn
+from numerics import bf16_bits, f16_bits, from_bf16, from_f16, load_ops  # noqa: E402
+
+ops, WHY_NOT = load_ops("gemm_skinny", "gemm_skinny_plan", "time_gemm_skinny")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(ops is None, reason=f"gpu: {WHY_NOT}")]
+
+STORE, ADD, SWIGLU = 0, 1, 2
+EPILOGUES = {STORE: "Store", ADD: "AddResidual", SWIGLU: "SwiGLU"}
+FP32_REL, BF16_REL = 1e-5, 4e-3
+BF16_TINY = 2.0**-126
+FP8_TO_F64 = np.arange(256, dtype=np.uint8).view(FP8).astype(np.float64)
+MAX_ROWS, MAX_SPLITS, MAX_GROUPS = 64, 8, 24  # kernels.h: kSkinnyMaxRows, kSkinnyMaxSplits, kSkinnyMaxGroups
+MAX_SMEM = 227 * 1024  # an sm_90 block's dynamic shared memory
+
+M_AWKWARD = [1, 2, 7, 8, 9, 16, 17, 24, 31, 32, 33, 48, 63, 64]
+
+# Every linear layer of the target models (the heads left out: the decode GEMV serves them). K = 576
+# ends in a 64-column scale group.
+MODELS = {
+    "llama-3.2-3b": dict(d=3072, ffn=8192, H=24, Hkv=8, D=128),
+    "llama-3.1-8b": dict(d=4096, ffn=14336, H=32, Hkv=8, D=128),
+    "qwen2.5-7b": dict(d=3584, ffn=18944, H=28, Hkv=4, D=128),
+    "smollm2-135m": dict(d=576, ffn=1536, H=9, Hkv=3, D=64),
+}
+
+
+def model_shapes():
+    """(N, K, epilogue, x_dtype) of each product, with the epilogue and input type the engine uses."""
+    for name, m in MODELS.items():
+        d, ffn, qkv = m["d"], m["ffn"], (m["H"] + 2 * m["Hkv"]) * m["D"]
+        marks = [pytest.mark.slow] if d >= 3584 else []
+        yield pytest.param(qkv, d, STORE, "f16", id=f"{name}-qkv", marks=marks)
+        yield pytest.param(d, m["H"] * m["D"], ADD, "bf16", id=f"{name}-o", marks=marks)
+        yield pytest.param(2 * ffn, d, SWIGLU, "f16", id=f"{name}-gate_up", marks=marks)
+        yield pytest.param(d, ffn, ADD, "bf16", id=f"{name}-down", marks=marks)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def random_fp8(rng, shape) -> np.ndarray:
+    """Uniformly random e4m3 codes (zeros, subnormals and +-448 included), NaN codes excluded."""
+    b = rng.integers(0, 256, size=shape, dtype=np.uint8)
+    b[(b & 0x7F) == 0x7F] ^= 1  # 0x7F / 0xFF (NaN) -> +-448
+    return b
+
+
+def random_scales(rng, n, k) -> np.ndarray:
+    """[n, ceil(k / 128)], spread over 8 binades so a scale applied to the wrong group or row shows."""
+    return (2.0 ** rng.uniform(-12, -4, size=(n, -(-k // 128)))).astype(np.float32)
+
+
+def reference_linear(w: np.ndarray, scales: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """float64 x [M, K] @ (fp8 w [N, K] * scale).T, dequantized exactly, the last scale group possibly
+    64 wide; in row chunks, so the dequantized weights of a large product never sit in memory at once."""
+    n, k = w.shape
+    col_scale = np.repeat(np.arange(scales.shape[1]), 128)[:k]
+    y = np.empty((x.shape[0], n))
+    step = max(1, (1 << 24) // k)
+    for r in range(0, n, step):
+        wd = FP8_TO_F64[w[r : r + step]] * scales[r : r + step][:, col_scale]
+        y[:, r : r + step] = x @ wd.T
+    return y
+
+
+def silu_mul(gate, up):
+    with np.errstate(over="ignore"):
+        return gate / (1.0 + np.exp(-gate)) * up
+
+
+def assert_close(got, want, tol, what, scale=None) -> float:
+    """rel-L2 of got against want below tol (relative to `scale` when given); names the unwritten
+    (poisoned) outputs where there are any."""
+    got = np.asarray(got, np.float64)
+    assert got.shape == want.shape, f"{what}: shape {got.shape}, expected {want.shape}"
+    bad = ~np.isfinite(got)
+    if bad.any():
+        rows, cols = np.nonzero(bad)
+        pytest.fail(
+            f"{what}: {int(bad.sum())} non-finite outputs (unwritten: poisoned NaN), rows {rows.min()}..{rows.max()}, "
+            f"columns {cols.min()}..{cols.max()}, first at {(int(rows[0]), int(cols[0]))}"
+        )
+    den = np.linalg.norm(want) if scale is None else scale
+    err = float(np.linalg.norm(got - want) / max(den, 1e-300))
+    if err >= tol:
+        e = np.abs(got - want)
+        i = np.unravel_index(int(np.argmax(e)), e.shape)
+        pytest.fail(f"{what}: rel-L2 {err:.3e} >= {tol:.0e}; worst at (m={i[0]}, n={i[1]}): got {got[i]:.6g}, want {want[i]:.6g}")
+    return err
+
+
+class Case:
+    """One random product: w u8 [N, K], scales, x [M, K] (x_dtype bits), its float64 reference y and
+    an AddResidual starting value of the reference's magnitude."""
+
+    def __init__(self, rng, M, N, K, x_dtype):
+        self.M, self.N, self.K, self.x_dtype = M, N, K, x_dtype
+        self.w, self.s = random_fp8(rng, (N, K)), random_scales(rng, N, K)
+        to_bits, from_bits = (bf16_bits, from_bf16) if x_dtype == "bf16" else (f16_bits, from_f16)
+        self.x = to_bits(rng.standard_normal((M, K)))
+        self.y = reference_linear(self.w, self.s, from_bits(self.x))
+        self.init = (rng.standard_normal((M, N)) * (np.sqrt(np.mean(self.y**2)) + 1.0)).astype(np.float32)
+
+    def run(self, ep, splits=0):
+        return ops.gemm_skinny(self.w, self.s, self.x, ep, self.init if ep == ADD else None, self.x_dtype, splits)
+
+    def check(self, got, ep, what) -> float:
+        """got (the result of run(ep)) against the reference, at the epilogue's tolerance."""
+        what = f"{what} {EPILOGUES[ep]}"
+        if ep == STORE:
+            return assert_close(got, self.y, FP32_REL, what)
+        if ep == ADD:
+            scale = float(np.linalg.norm(self.init.astype(np.float64)) + np.linalg.norm(self.y))
+            return assert_close(got, self.init + self.y, FP32_REL, what, scale=scale)
+        F = self.N // 2
+        want = silu_mul(self.y[:, :F], self.y[:, F:])
+        assert got.dtype == np.uint16, f"{what}: SwiGLU returns bf16 bits, got {got.dtype}"
+        return assert_close(from_bf16(got), want, BF16_REL, what, scale=max(float(np.linalg.norm(want)), BF16_TINY))
+
+
+def ceil_div(a, b):
+    return -(-a // b)
+
+
+# ----------------------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize("x_dtype", ["bf16", "f16"])
+@pytest.mark.parametrize("M", M_AWKWARD)
+@pytest.mark.parametrize("N,K", [(384, 640), (384, 576), (416, 640), (416, 576)])
+def test_gemm_skinny_awkward_rows(rng, M, N, K, x_dtype):
+    """Every epilogue on M around the token tiles of 8 and the 4 / 8 tile switch at 32; N = 416 ends in a
+    partial 128-row group (SwiGLU: a partial 64-row gate group), K = 576 in a 64-column scale group."""
+    c = Case(rng, M, N, K, x_dtype)
+    for ep in (STORE, ADD, SWIGLU):
+        c.check(c.run(ep), ep, f"gemm_skinny M={M} N={N} K={K} x {x_dtype}")
+
+
+@pytest.mark.parametrize("M", [17, 32, 64])
+@pytest.mark.parametrize("N,K,ep,x_dtype", list(model_shapes()))
+def test_gemm_skinny_model_shapes(rng, M, N, K, ep, x_dtype):
+    """Each product of the four models with its epilogue, on the plan's split; a second run gives the
+    same bits (the cluster's partial sums are added in rank order)."""
+    c = Case(rng, M, N, K, x_dtype)
+    plan = ops.gemm_skinny_plan(M, N, K, ep, x_dtype)
+    what = f"gemm_skinny M={M} N={N} K={K} x {x_dtype} (splits {plan['splits']})"
+    got = c.run(ep)
+    c.check(got, ep, what)
+    np.testing.assert_array_equal(got, c.run(ep), err_msg=f"{what}: a second run gave other bits")
+
+
+@pytest.mark.parametrize("M,N,K", [(33, 512, 1088), (5, 2 * 208, 576), (64, 1024, 2048)])
+def test_gemm_skinny_every_split(rng, M, N, K):
+    """Every split of the scale groups over a cluster asked for (1..8, at most the groups; K = 1088 has 9
+    groups, the last 64 wide): each within fp32 accumulation of the reference, every epilogue, and each
+    the same bits on a second run."""
+    splits = range(1, min(MAX_SPLITS, ceil_div(K, 128)) + 1)
+    for x_dtype in ("bf16", "f16"):
+        c = Case(rng, M, N, K, x_dtype)
+        for s in splits:
+            plan = ops.gemm_skinny_plan(M, N, K, STORE, x_dtype, s)
+            for ep in (STORE, ADD, SWIGLU):
+                what = f"gemm_skinny M={M} N={N} K={K} x {x_dtype} splits={s} ({plan['splits']} x {plan['kg']} groups)"
+                got = c.run(ep, s)
+                c.check(got, ep, what)
+                np.testing.assert_array_equal(got, c.run(ep, s), err_msg=f"{what} {EPILOGUES[ep]}: a second run gave other bits")
+
+
+PLAN_SHAPES = [(N, K, ep) for N, K, ep, _ in (p.values for p in model_shapes())] + [(416, 576, SWIGLU), (384, 640, STORE)]
+
+
+@pytest.mark.parametrize("N,K,ep", PLAN_SHAPES)
+def test_gemm_skinny_plan(N, K, ep):
+    """The plan's fields: token tiles 4 up to 32 rows and 8 past; its splits cover every scale group
+    with none left empty (splits x kg >= groups > (splits - 1) x kg, kg within the kernel's limit); one
+    block per 128 rows (SwiGLU: per 64 gate rows); 256 threads; shared memory within an SM's. An override
+    of splits (the fewest that cover K, the most) sets kg = ceil(groups / splits), and never more splits."""
+    groups = ceil_div(K, 128)
+    rows = ceil_div(N // 2, 64) if ep == SWIGLU else ceil_div(N, 128)
+    for M in (1, 8, 17, 32, 33, 64):
+        for x_dtype in ("bf16", "f16"):
+            for want_splits in (0, ceil_div(groups, MAX_GROUPS), min(MAX_SPLITS, groups)):
+                p = ops.gemm_skinny_plan(M, N, K, ep, x_dtype, want_splits)
+                what = f"plan M={M} N={N} K={K} {EPILOGUES[ep]} x {x_dtype} splits={want_splits}: {p}"
+                assert p["nt"] == (4 if M <= 32 else 8), what
+                assert 1 <= p["splits"] <= min(MAX_SPLITS, groups), what
+                assert want_splits == 0 or (p["splits"] <= want_splits and p["kg"] == ceil_div(groups, want_splits)), what
+                assert 1 <= p["kg"] <= MAX_GROUPS and p["splits"] * p["kg"] >= groups > (p["splits"] - 1) * p["kg"], what
+                assert p["row_groups"] == rows, what
+                assert p["threads"] == 256, what
+                assert 0 < p["smem"] <= MAX_SMEM, what
+
+
+def test_gemm_skinny_timer():
+    """The timer runs the plan's launch on a model shape and returns a time per launch."""
+    us = ops.time_gemm_skinny(32, 3072, 3072, iters=3, epilogue=ADD)
+    assert np.isfinite(us) and us > 0
+
+
+def test_gemm_skinny_rejects_bad_arguments():
+    def args(M, N, K):
+        return np.zeros((N, K), np.uint8), np.ones((N, ceil_div(K, 128)), np.float32), np.zeros((M, K), np.uint16)
+
+    with pytest.raises(ValueError, match="unsupported shape"):
+        ops.gemm_skinny(*args(MAX_ROWS + 1, 128, 128))  # M = 65
+    with pytest.raises(ValueError, match="unsupported shape"):
+        ops.gemm_skinny(*args(0, 128, 128))  # no rows
+    with pytest.raises(ValueError, match="unsupported shape"):
+        ops.gemm_skinny(*args(4, 24, 128))  # N % 16
+    with pytest.raises(ValueError, match="unsupported shape"):
+        ops.gemm_skinny(*args(4, 128, 96))  # K % 64
+    with pytest.raises(ValueError, match="unsupported shape"):
+        ops.gemm_skinny(*args(4, 48, 128), SWIGLU)  # SwiGLU: N % 32
+    with pytest.raises(ValueError, match="unsupported shape"):
+        ops.gemm_skinny_plan(MAX_ROWS + 1, 128, 128)
+    with pytest.raises(ValueError, match="unsupported shape"):
+        ops.time_gemm_skinny(4, 128, 96, iters=1)
+    with pytest.raises(ValueError, match="splits"):
+        ops.gemm_skinny(*args(4, 128, 256), splits=3)  # 2 scale groups
+    with pytest.raises(ValueError, match="splits"):
+        ops.gemm_skinny_plan(4, 128, 2048, splits=MAX_SPLITS + 1)
+    with pytest.raises(ValueError, match="splits"):
+        ops.gemm_skinny_plan(4, 128, 128 * (MAX_GROUPS + 1), splits=1)  # more groups than one split takes
+    w, s, x = args(4, 128, 256)
+    with pytest.raises(ValueError):
+        ops.gemm_skinny(w, s, x, ADD)  # AddResidual without out_init
+    with pytest.raises(ValueError):
+        ops.gemm_skinny(w, s, x, STORE, np.zeros((4, 128), np.float32))  # out_init without AddResidual
+    with pytest.raises(ValueError):
+        ops.gemm_skinny(w, s, x, ADD, np.zeros((4, 64), np.float32))  # out_init's shape
+    with pytest.raises(ValueError):
+        ops.gemm_skinny(w, s, x, STORE, None, "f32")
+    with pytest.raises(ValueError):
+        ops.gemm_skinny(w, s, x.astype(np.float32))  # x must be 16-bit bits
+    with pytest.raises(ValueError):
+        ops.gemm_skinny(w, s[:, :1].copy(), x)  # scales [N, ceil(K / 128)]
