@@ -1,10 +1,11 @@
-"""16-bit bit patterns as the kernel harnesses take and return them (uint16 arrays), shared by
-the GPU kernel tests."""
+"""16-bit bit patterns as the kernel harnesses take and return them (uint16 arrays), and the FP8
+linear layers' random operands and float64 reference, shared by the GPU kernel tests."""
 
 import ml_dtypes
 import numpy as np
 
 BF16 = ml_dtypes.bfloat16
+FP8_TO_F64 = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)  # e4m3 code -> value
 
 
 def bf16_bits(a) -> np.ndarray:
@@ -41,3 +42,34 @@ def load_ops(*needs: str):
     if missing:
         return None, "atomflow._core was built without ops." + ", ops.".join(missing)
     return _core.ops, ""
+
+
+def random_fp8(rng, shape) -> np.ndarray:
+    """Uniformly random e4m3 codes (zeros, subnormals and +-448 included), NaN codes excluded."""
+    b = rng.integers(0, 256, size=shape, dtype=np.uint8)
+    b[(b & 0x7F) == 0x7F] ^= 1  # 0x7F / 0xFF (NaN) -> +-448
+    return b
+
+
+def random_scales(rng, n, k) -> np.ndarray:
+    """[n, ceil(k / 128)], spread over 8 binades so a scale applied to the wrong group or row shows."""
+    return (2.0 ** rng.uniform(-12, -4, size=(n, -(-k // 128)))).astype(np.float32)
+
+
+def reference_linear(w: np.ndarray, scales: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """float64 x [M, K] @ (fp8 w [N, K] * scale).T, dequantized exactly, the last scale group possibly
+    64 wide; in row chunks, so the dequantized weights of a large product never sit in memory at once."""
+    n, k = w.shape
+    col_scale = np.repeat(np.arange(scales.shape[1]), 128)[:k]
+    y = np.empty((x.shape[0], n))
+    step = max(1, (1 << 24) // k)
+    for r in range(0, n, step):
+        wd = FP8_TO_F64[w[r : r + step]] * scales[r : r + step][:, col_scale]
+        y[:, r : r + step] = x @ wd.T
+    return y
+
+
+def silu_mul(gate, up):
+    """SwiGLU's silu(gate) * up as the kernels write it, gate / (1 + exp(-gate)) * up."""
+    with np.errstate(over="ignore"):
+        return gate / (1.0 + np.exp(-gate)) * up

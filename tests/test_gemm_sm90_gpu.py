@@ -21,8 +21,7 @@ import numpy as np
 import pytest
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
-FP8 = ml_dtypes.float8_e4m3fn
-from numerics import BF16, bf16_bits, f16_bits, from_bf16, from_f16, load_ops  # noqa: E402
+from numerics import BF16, FP8_TO_F64, bf16_bits, f16_bits, from_bf16, from_f16, load_ops, random_fp8, random_scales, silu_mul  # noqa: E402
 
 ops, WHY_NOT = load_ops()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(ops is None, reason=f"gpu: {WHY_NOT}")]
@@ -34,7 +33,6 @@ RECIPE_REL = 1e-4  # fp32 accumulation of K products, any order (the recipe's ro
 FP32_REL = 1e-5  # gemm_w8a16's own bound (tests/test_kernels_gpu.py)
 BF16_OUT_REL = 4e-3  # an output rounded once to bf16
 BF16_TINY = 2.0**-126
-FP8_TO_F64 = np.arange(256, dtype=np.uint8).view(FP8).astype(np.float64)
 FP8_TO_F32 = FP8_TO_F64.astype(np.float32)
 
 M_SWEEP = [1, 2, 17, 63, 64, 65, 100, 255, 256, 511, 512]
@@ -102,18 +100,6 @@ def check(got, want, tol: float, what: str, scale: float | None = None) -> float
     return err
 
 
-def random_fp8(rng, shape) -> np.ndarray:
-    """Uniformly random e4m3 codes (zeros, subnormals and +-448 included), NaN codes excluded."""
-    b = rng.integers(0, 256, size=shape, dtype=np.uint8)
-    b[(b & 0x7F) == 0x7F] ^= 1
-    return b
-
-
-def random_scales(rng, n, k) -> np.ndarray:
-    """Scales spread over 8 binades, so a scale applied to the wrong group or row shows."""
-    return (2.0 ** rng.uniform(-12, -4, size=(n, (k + 127) // 128))).astype(np.float32)
-
-
 def dequant(w: np.ndarray, s: np.ndarray, x_dtype: str | None) -> np.ndarray:
     """fp8 * scale per 128-column group (the last one 64 wide when K % 128 == 64): exact in float64
     (x_dtype None), or the kernel's recipe, type(float32(fp8) * float32(scale))."""
@@ -123,11 +109,6 @@ def dequant(w: np.ndarray, s: np.ndarray, x_dtype: str | None) -> np.ndarray:
         return FP8_TO_F64[w] * s_cols.astype(np.float64)
     prod = FP8_TO_F32[w] * s_cols  # float32 product, rounded once
     return prod.astype(BF16 if x_dtype == "bf16" else np.float16).astype(np.float64)
-
-
-def silu_mul(gate, up):
-    with np.errstate(over="ignore"):
-        return gate / (1.0 + np.exp(-gate)) * up
 
 
 def inputs(rng, M, N, K, x_dtype):

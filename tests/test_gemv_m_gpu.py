@@ -11,15 +11,13 @@ import numpy as np
 import pytest
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
-FP8 = ml_dtypes.float8_e4m3fn
-from numerics import bf16_bits, f16_bits, from_bf16, from_f16, load_ops  # noqa: E402
+from numerics import bf16_bits, f16_bits, from_bf16, from_f16, load_ops, random_fp8, random_scales, reference_linear, silu_mul  # noqa: E402
 
 ops, WHY_NOT = load_ops("gemv_m")
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(ops is None, reason=f"gpu: {WHY_NOT}")]
 
 FP32_REL, BF16_REL = 1e-5, 4e-3
 BF16_TINY = 2.0**-126
-FP8_TO_F64 = np.arange(256, dtype=np.uint8).view(FP8).astype(np.float64)
 STORE, ADD, SWIGLU = 0, 1, 2
 
 # (name, N, K) of every linear layer of the models the engine runs (the heads left out: the decode
@@ -44,35 +42,6 @@ def model_shapes():
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def random_fp8(rng, shape) -> np.ndarray:
-    """Uniformly random e4m3 codes (zeros, subnormals and +-448 included), NaN codes excluded."""
-    b = rng.integers(0, 256, size=shape, dtype=np.uint8)
-    b[(b & 0x7F) == 0x7F] ^= 1
-    return b
-
-
-def random_scales(rng, n, k) -> np.ndarray:
-    """[n, ceil(k / 128)], spread over 8 binades so a scale applied to the wrong group shows."""
-    return (2.0 ** rng.uniform(-12, -4, size=(n, -(-k // 128)))).astype(np.float32)
-
-
-def reference_linear(w: np.ndarray, scales: np.ndarray, x: np.ndarray) -> np.ndarray:
-    """float64 x [M, K] @ (fp8 w [N, K] * scale).T, the last scale group possibly 64 wide."""
-    n, k = w.shape
-    col_scale = np.repeat(np.arange(scales.shape[1]), 128)[:k]
-    y = np.empty((x.shape[0], n))
-    step = max(1, (1 << 24) // k)
-    for r in range(0, n, step):
-        wd = FP8_TO_F64[w[r : r + step]] * scales[r : r + step][:, col_scale]
-        y[:, r : r + step] = x @ wd.T
-    return y
-
-
-def silu_mul(gate, up):
-    with np.errstate(over="ignore"):
-        return gate / (1.0 + np.exp(-gate)) * up
 
 
 def assert_close(got, want, tol, what, scale=None):
