@@ -6,12 +6,13 @@
 //  - A block is 8 warps on 128 weight rows, each warp a 16-row tile. A warp copies its rows' weights a
 //    slab (256 columns) at a time into shared memory, 256 contiguous bytes a row and 16 lanes (cp.async;
 //    runs as long as the decode GEMV's, not the 64 bytes a row that loading the MMA fragments directly
-//    would give), two slabs in flight a warp at 4 token tiles, four at 8 (64 KB a block, two blocks an
-//    SM / 128 KB, one); the first ones before the PDL wait (weights are immutable). Lane (g = lane / 4,
-//    q = lane % 4) then reads 16 bytes of rows g and g + 8 at column 16 q of each 64-column iteration,
-//    which feed four m16n8k16 steps: k is permuted within the iteration so that step j takes physical
-//    columns 16 q + 4 j .. + 3 in the slots 2q, 2q + 1, 2q + 8, 2q + 9; x (the B operand, tokens on the
-//    8-wide side, nt tiles of 8) is read with the same permutation, 32 contiguous bytes a lane and token.
+//    would give), two slabs a warp at 4 token tiles (one read while the next lands), four at 8 (64 KB a
+//    block, two blocks an SM / 128 KB, one); the first ones before the PDL wait (weights are immutable).
+//    Lane (g = lane / 4, q = lane % 4) then reads 16 bytes of rows g and g + 8 at column 16 q of each
+//    64-column iteration, which feed four m16n8k16 steps: k is permuted within the iteration so that
+//    step j takes physical columns 16 q + 4 j .. + 3 in the slots 2q, 2q + 1, 2q + 8, 2q + 9; x (the B
+//    operand, tokens on the 8-wide side, nt tiles of 8) is read with the same permutation, 32 contiguous
+//    bytes a lane and token.
 //  - Weights are converted exactly to x's type; each 128-column scale group's partial sums start from
 //    zero and are added to the fp32 accumulator times the row's scale (gemm_w8a16's recipe).
 //  - x streams through shared memory in slabs of 256 columns, one bulk copy a token row (TMA, on an
