@@ -206,8 +206,8 @@ void gemm_w8a8_sm90(const uint8_t* w, const float* scales, const void* x, Act x_
 void gemm_w8a16_sm90_transpose_scales(const float* scales, int N, int K, float* out, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------
-// gemm_w8a16_skinny.cu: the same product for prompt chunks of up to kSkinnyMaxRows rows, streamed as the
-// decode GEMV streams its weights (16-byte loads, long runs of each row, all SMs) into mma.sync with the
+// gemm_w8a16_skinny.cu: the same product for prompt chunks of up to kSkinnyMaxRows rows, its weights
+// streamed in long runs of each row (256 bytes, through shared memory, on every SM) into mma.sync with the
 // tokens on its 8-wide side; products with fewer 128-row blocks than SMs split their scale groups over a
 // thread-block cluster whose blocks add each other's partial sums in rank order (deterministic). Weights
 // exact in the activation's 16-bit type, the group scales applied to fp32 partial sums (gemm_w8a16's
