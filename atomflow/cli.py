@@ -79,18 +79,22 @@ def _print_plan(p: dict) -> None:
     ]
     _table(head, rows)
     if p.get("prefill_small_m_max_rows"):
-        sm90 = p.get("prefill_sm90_gemm_min_rows")
-        longer = "gemm_w8a16 (tensor cores) for longer ones"
-        if sm90:
-            tiles = ", ".join(f"{kind} up to {rows}" if rows else f"{kind} past that" for rows, kind in p["prefill_sm90_tiles"])
-            longer = f"gemm_w8a16_sm90 (CUTLASS wgmma) from {sm90} ({tiles})"
-            skinny = p.get("prefill_skinny_max_rows")
-            if skinny:
-                longer = f"gemm_w8a16_skinny for {sm90}..{skinny} rows, " + longer.replace(f"from {sm90}", f"past {skinny}")
-            if sm90 > p["prefill_small_m_max_rows"] + 1:
-                longer = f"gemm_w8a16 (tensor cores) up to {sm90 - 1} rows, " + longer
+        # forward.cu's route by chunk rows: small-M GEMV, skinny GEMM, then the sm90 GEMM (else gemm_w8a16).
+        small, skinny, sm90 = p["prefill_small_m_max_rows"], p.get("prefill_skinny_max_rows"), p.get("prefill_sm90_gemm_min_rows")
         fused = " (QKV with RoPE + KV append fused)" if p.get("prefill_small_m_rope") else ""
-        print(f"  prefill products: gemv_w8a16_m for chunks of 2..{p['prefill_small_m_max_rows']} rows{fused}, {longer}")
+        parts = [f"gemv_w8a16_m for chunks of 2..{small} rows{fused}"]
+        start = small + 1
+        if skinny:
+            parts.append(f"gemm_w8a16_skinny for {start}..{skinny} rows")
+            start = skinny + 1
+        if sm90:
+            if sm90 > start:
+                parts.append(f"gemm_w8a16 (tensor cores) for {start}..{sm90 - 1} rows")
+            tiles = ", ".join(f"{kind} up to {rows}" if rows else f"{kind} past that" for rows, kind in p["prefill_sm90_tiles"])
+            parts.append(f"gemm_w8a16_sm90 (CUTLASS wgmma) from {max(sm90, start)} rows ({tiles})")
+        else:
+            parts.append(f"gemm_w8a16 (tensor cores) from {start} rows")
+        print(f"  prefill products: {', '.join(parts)}")
     pre = p.get("prefill_attention")
     if pre and pre["min_rows"] is None:
         print("  prefill attention: the decode kernel for every chunk (no tensor-core kernel for this head shape)")

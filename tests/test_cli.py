@@ -133,3 +133,41 @@ def test_info_plan_without_gpu_is_one_line(tiny_model_file):
         line = _error_line(r)
         assert "--plan needs the CUDA core and a GPU" in line and r.stdout == ""
         assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+SM90_TILES = [[64, "narrow-streamk"], [256, "wide-streamk"], [None, "wide"]]
+
+
+@pytest.mark.parametrize(
+    "skinny,sm90,route",
+    [
+        (32, 17, "gemm_w8a16_skinny for 17..32 rows, gemm_w8a16_sm90 (CUTLASS wgmma) from 33 rows (narrow-streamk up to 64"),
+        (None, 17, "2..16 rows, gemm_w8a16_sm90 (CUTLASS wgmma) from 17 rows"),
+        (32, None, "gemm_w8a16_skinny for 17..32 rows, gemm_w8a16 (tensor cores) from 33 rows"),
+        (None, None, "2..16 rows, gemm_w8a16 (tensor cores) from 17 rows"),
+    ],
+)
+def test_plan_table_names_the_prompt_route(capsys, skinny, sm90, route):
+    """`info --plan` says which kernel takes a prompt chunk of each size, as forward.cu routes it: the
+    small-M GEMV, the skinny GEMM (the plan's prefill_skinny_max_rows, None without it), then the sm90 GEMM
+    (None in a build without nvidia-cutlass: gemm_w8a16)."""
+    from atomflow.cli import _print_plan
+
+    plan = dict(
+        device=dict(name="GPU", sm_count=132, capability=[9, 0]),
+        options=dict(pdl=True),
+        max_context=2048,
+        graphs=[],
+        activations="f16",
+        tail="fused",
+        products=[],
+        attention=[],
+        prefill_small_m_max_rows=16,
+        prefill_small_m_rope=False,
+        prefill_skinny_max_rows=skinny,
+        prefill_sm90_gemm_min_rows=sm90,
+        prefill_sm90_tiles=SM90_TILES,
+    )
+    _print_plan(plan)
+    line = next(s for s in capsys.readouterr().out.splitlines() if "prefill products" in s)
+    assert line.startswith("  prefill products: gemv_w8a16_m for chunks of 2..16 rows") and route in line, line

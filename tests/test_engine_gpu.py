@@ -681,6 +681,10 @@ def test_info_plan_lists_every_product(tiny):
     table = info()
     for product, when in want:
         assert product in table and when in table
+    # The prompt chunks' products by rows (StepPlan: small_m_max_rows, skinny_max_rows, sm90_gemm_min_rows).
+    assert plan["prefill_small_m_max_rows"] == 16 and plan["prefill_skinny_max_rows"] == 32
+    if plan["prefill_sm90_gemm_min_rows"] is not None:  # a build with nvidia-cutlass
+        assert "gemm_w8a16_skinny for 17..32 rows, gemm_w8a16_sm90 (CUTLASS wgmma) from 33 rows" in table
 
 
 def test_plan_overrides_in_one_process(tiny):
