@@ -242,8 +242,9 @@ PYBIND11_MODULE(_core, m) {
            py::arg("short_steps") = true, py::arg("cluster_merge") = true, py::arg("staged_pair") = true,
            py::arg("tickets") = true, py::arg("prefill_fp8") = false, py::arg("gemm_pdl") = true,
            py::arg("skinny_gemm") = true,
-           "load the model and plan its decode step; eager and f16_activations are user settings, the other "
-           "options override the schedule (same bits) for comparisons (include/atomflow/step_plan.h)")
+           "load the model and plan its decode step; eager and f16_activations are user settings, prefill_fp8 and "
+           "skinny_gemm a prompt's rounding, the other options override the schedule (same bits) for comparisons "
+           "(include/atomflow/step_plan.h)")
       .def(
           "prefill",
           [](Engine& e, const py::array& ids) {

@@ -117,7 +117,7 @@ py::dict plan_to_dict(const StepPlan& p) {
   d["prefill_attention"] = pre;
   d["prefill_small_m_max_rows"] = p.small_m_max_rows;  // chunks of 2..this many rows: gemv_w8a16_m
   d["prefill_small_m_rope"] = p.small_m_rope;          // ... their QKV product with RoPE + KV append fused
-  // chunks of sm90 min rows .. this many rows: gemm_w8a16_skinny instead (None: never)
+  // chunks past the small-M GEMV's rows up to this many: gemm_w8a16_skinny (None: never)
   d["prefill_skinny_max_rows"] =
       p.skinny_max_rows > 0 ? py::object(py::int_(p.skinny_max_rows)) : py::object(py::none());
   // chunks of at least this many rows: gemm_w8a16_sm90 (None: never)
