@@ -20,6 +20,12 @@ namespace py = pybind11;
 namespace k = atomflow::kernels;
 using atomflow::DeviceBuffer;
 
+// A product's 16-bit input type by name ("bf16" or "f16").
+inline k::Act act_arg(const std::string& x_dtype) {
+  require(x_dtype == "bf16" || x_dtype == "f16", "x_dtype must be 'bf16' or 'f16', got '" + x_dtype + "'");
+  return x_dtype == "f16" ? k::Act::F16 : k::Act::BF16;
+}
+
 inline k::Epilogue epilogue_arg(int ep) {
   require(ep >= 0 && ep <= 2, "epilogue must be 0 (Store), 1 (AddResidual) or 2 (SwiGLU), got " + std::to_string(ep));
   return static_cast<k::Epilogue>(ep);
@@ -129,6 +135,22 @@ struct Rotating {
   T* at(int i, size_t offset = 0) const {
     return reinterpret_cast<T*>(buf.get<uint8_t>() + stride * static_cast<size_t>(i % copies) + offset);
   }
+};
+
+// What the timers of the kernels that stream their weights launch on: Rotating copies of an FP8 [N, K]
+// weight and its scales, so each launch reads them from DRAM. Random-looking bytes are not needed (no DRAM
+// compression on cudaMalloc memory): every byte 0x38 (1.0 in e4m3, and a finite fp32 scale) keeps every value
+// finite. Launch i takes w(i), s(i); batches(): median_us's rotation.
+struct RotatingWeights {
+  size_t wbytes;
+  Rotating copies;
+  RotatingWeights(int N, int K)
+      : wbytes(static_cast<size_t>(N) * K), copies(wbytes + static_cast<size_t>(N) * scale_groups(K) * sizeof(float)) {
+    copies.buf.fill(0x38);
+  }
+  uint8_t* w(int i) const { return copies.at<uint8_t>(i); }
+  float* s(int i) const { return copies.at<float>(i, wbytes); }
+  int batches() const { return std::min(copies.copies, 32); }
 };
 
 // A 16-bit activation output's type (out_dtype): "bf16", or "f16" with an overflow flag (kernels.h)

@@ -18,11 +18,6 @@ namespace {
 
 using atomflow::median_us;
 
-k::Act act_arg(const std::string& x_dtype) {
-  require(x_dtype == "bf16" || x_dtype == "f16", "x_dtype must be 'bf16' or 'f16', got '" + x_dtype + "'");
-  return x_dtype == "f16" ? k::Act::F16 : k::Act::BF16;
-}
-
 // The shape checks every entry point shares, then plan_gemm_skinny: the shape within the kernel's
 // contract (kernels.h); splits 0 (the plan's) or enough splits of at most kSkinnyMaxGroups scale groups
 // each to cover K, at most kSkinnyMaxSplits and at most the scale groups.
@@ -84,17 +79,12 @@ double time_gemm_skinny(int M, int N, int K, int iters, int ep_, const std::stri
   const k::Act xt = act_arg(x_dtype);
   const k::Epilogue ep = epilogue_arg(ep_);
   const k::SkinnyPlan plan = plan_of("time_gemm_skinny", ep, xt, M, N, K, splits);
-  const size_t wbytes = static_cast<size_t>(N) * K, sbytes = static_cast<size_t>(N) * scale_groups(K) * sizeof(float);
-  Rotating ws(wbytes + sbytes);
-  ws.buf.fill(0x38);
+  RotatingWeights ws(N, K);
   DeviceBuffer x(sizeof(bf16) * M * K), out(sizeof(float) * M * N);
   x.fill(0);
   out.fill(0);
-  return median_us(
-      [&](int i) {
-        k::gemm_w8a16_skinny(plan, ws.at<uint8_t>(i), ws.at<float>(i, wbytes), x.get(), out.get(), nullptr);
-      },
-      iters, std::min(ws.copies, 32));
+  return median_us([&](int i) { k::gemm_w8a16_skinny(plan, ws.w(i), ws.s(i), x.get(), out.get(), nullptr); }, iters,
+                   ws.batches());
 }
 
 }  // namespace

@@ -13,11 +13,6 @@ namespace atomflow::bindings::ops {
 
 namespace {
 
-k::Act act_arg(const std::string& x_dtype) {
-  require(x_dtype == "bf16" || x_dtype == "f16", "x_dtype must be 'bf16' or 'f16', got '" + x_dtype + "'");
-  return x_dtype == "f16" ? k::Act::F16 : k::Act::BF16;
-}
-
 k::Sm90Tile tile_arg(const std::string& tile) {
   for (k::Sm90Tile t : {k::Sm90Tile::Auto, k::Sm90Tile::Wide, k::Sm90Tile::Narrow, k::Sm90Tile::WideStreamK,
                         k::Sm90Tile::NarrowStreamK})
@@ -87,15 +82,13 @@ double time_gemm_sm90(int M, int N, int K, int iters, int ep_, const std::string
   GemmOperands o(M, N, K);
   DeviceBuffer ws(ws_bytes);
   if (rotate) {
-    const size_t wbytes = static_cast<size_t>(N) * K, sbytes = static_cast<size_t>(N) * scale_groups(K) * sizeof(float);
-    Rotating r(wbytes + sbytes);
-    r.buf.fill(0x38);
+    RotatingWeights r(N, K);
     return median_us(
         [&](int i) {
-          k::gemm_w8a16_sm90(r.at<uint8_t>(i), r.at<float>(i, wbytes), o.x.get(), xt, M, N, K, ep, o.out.get(),
-                             ws.get(), ws_bytes, nullptr, kind);
+          k::gemm_w8a16_sm90(r.w(i), r.s(i), o.x.get(), xt, M, N, K, ep, o.out.get(), ws.get(), ws_bytes, nullptr,
+                             kind);
         },
-        iters, std::min(r.copies, 32));
+        iters, r.batches());
   }
   return median_us(
       [&](int) {

@@ -144,9 +144,7 @@ double time_gemv_m(int M, int N, int K, int iters, int ep_, int nc, int slab, co
   require(K % 64 == 0, "K must be a multiple of 64");
   require(ep != k::Epilogue::RopeKV, "time_gemv_m: the Store, AddResidual and SwiGLU epilogues");
   const k::GemvIn in = in_arg(x_in);
-  const size_t wbytes = static_cast<size_t>(N) * K, sbytes = static_cast<size_t>(N) * scale_groups(K) * sizeof(float);
-  Rotating ws(wbytes + sbytes);
-  ws.buf.fill(0x38);
+  RotatingWeights ws(N, K);
   DeviceBuffer x((in == k::GemvIn::NORM ? sizeof(float) : sizeof(bf16)) * M * K), out(sizeof(float) * M * N),
       nw(sizeof(bf16) * K);
   x.fill(0);
@@ -156,13 +154,12 @@ double time_gemv_m(int M, int N, int K, int iters, int ep_, int nc, int slab, co
   return median_us(
       [&](int i) {
         if (in == k::GemvIn::NORM)
-          k::gemv_w8a16_m_rmsnorm(plan, ws.at<uint8_t>(i), ws.at<float>(i, wbytes), x.get<float>(), nw.get<bf16>(),
-                                  1e-5f, M, N, K, ep, out.get(), nullptr);
+          k::gemv_w8a16_m_rmsnorm(plan, ws.w(i), ws.s(i), x.get<float>(), nw.get<bf16>(), 1e-5f, M, N, K, ep, out.get(),
+                                  nullptr);
         else
-          k::gemv_w8a16_m(plan, ws.at<uint8_t>(i), ws.at<float>(i, wbytes), x.get(), static_cast<k::Act>(in), M, N, K,
-                          ep, out.get(), nullptr);
+          k::gemv_w8a16_m(plan, ws.w(i), ws.s(i), x.get(), static_cast<k::Act>(in), M, N, K, ep, out.get(), nullptr);
       },
-      iters, std::min(ws.copies, 32));
+      iters, ws.batches());
 }
 
 }  // namespace
