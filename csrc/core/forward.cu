@@ -22,6 +22,7 @@ struct GemmRoute {
   int sm90_min;     // StepPlan::sm90_gemm_min_rows
   int w8a8_min;     // StepPlan::w8a8_min_rows: from these rows on, gemm_w8a8_sm90
   int skinny_max;   // StepPlan::skinny_max_rows: up to these rows, gemm_w8a16_skinny
+  int sm_count;     // StepPlan::sm_count (the skinny GEMM's plan)
   bool gemm_pdl;    // PlanOptions::gemm_pdl
   void* ws;         // the engine's gemm_ws
   size_t ws_bytes;  // its size
@@ -42,7 +43,8 @@ void linear(const kernels::GemvPlan& plan, const GemmRoute& route, const uint8_t
     const kernels::GemvIn in = xt == kernels::Act::F16 ? kernels::GemvIn::F16 : kernels::GemvIn::BF16;
     kernels::gemv_w8a16_m(kernels::plan_gemv_m(ep, in, rows, N, K), w, scales, x, xt, rows, N, K, ep, out, stream);
   } else if (rows <= route.skinny_max) {
-    kernels::gemm_w8a16_skinny(kernels::plan_gemm_skinny(ep, xt, rows, N, K), w, scales, x, out, stream);
+    kernels::gemm_w8a16_skinny(kernels::plan_gemm_skinny(ep, xt, rows, N, K, 0, route.sm_count), w, scales, x, out,
+                               stream);
   } else if (rows >= route.w8a8_min) {
     kernels::gemm_w8a8_sm90(w, scales, x, xt, rows, N, K, ep, out, route.ws, route.ws_bytes, stream);
   } else if (rows >= route.sm90_min) {
@@ -59,6 +61,7 @@ GemmRoute route_of(const StepPlan& plan, void* ws, size_t ws_bytes) {
                    plan.sm90_gemm_min_rows,
                    plan.w8a8_min_rows,
                    plan.skinny_max_rows,
+                   plan.sm_count,
                    plan.options.gemm_pdl,
                    ws,
                    ws_bytes};

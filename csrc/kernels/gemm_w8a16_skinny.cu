@@ -404,7 +404,7 @@ static int skinny_splits(int nt, int row_groups, int G, int sms) {
   return best;
 }
 
-SkinnyPlan plan_gemm_skinny(Epilogue ep, Act xt, int M, int N, int K, int splits) {
+SkinnyPlan plan_gemm_skinny(Epilogue ep, Act xt, int M, int N, int K, int splits, int sm_count) {
   AF_CHECK(gemm_w8a16_skinny_supported(ep, M, N, K),
            "gemm_w8a16_skinny: unsupported shape (needs 1 <= M <= 64, N % 16 == 0 (SwiGLU N % 32 == 0), K % 64 == 0, "
            "K <= 24576)");
@@ -416,9 +416,12 @@ SkinnyPlan plan_gemm_skinny(Epilogue ep, Act xt, int M, int N, int K, int splits
   AF_CHECK(p.row_groups <= 65535, "gemm_w8a16_skinny: N too large for the grid");
   int s = splits;
   if (s == 0) {
-    int device = 0, sms = 0;
-    AF_CUDA_CHECK(cudaGetDevice(&device));
-    AF_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    int sms = sm_count;
+    if (sms == 0) {
+      int device = 0;
+      AF_CUDA_CHECK(cudaGetDevice(&device));
+      AF_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    }
     s = skinny_splits(p.nt, p.row_groups, G, sms);
   }
   AF_CHECK(s >= 1 && s <= kSkinnyMaxSplits, "gemm_w8a16_skinny: splits must be 1..8");

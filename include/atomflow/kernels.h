@@ -228,9 +228,10 @@ struct SkinnyPlan {
   size_t smem;     // dynamic shared memory per block
 };
 bool gemm_w8a16_skinny_supported(Epilogue ep, int M, int N, int K);
-// Needs the device (SM count): call with the GPU that will run the launch current. splits > 0 overrides
-// the plan's choice (the tests and benches; 1..kSkinnyMaxSplits, at most the scale groups).
-SkinnyPlan plan_gemm_skinny(Epilogue ep, Act xt, int M, int N, int K, int splits = 0);
+// splits > 0 overrides the plan's choice (the tests and benches; 1..kSkinnyMaxSplits, at most the scale
+// groups). sm_count: the device's SMs (the engine's step plan holds them: no driver query on the prompt
+// path); 0 asks the current device.
+SkinnyPlan plan_gemm_skinny(Epilogue ep, Act xt, int M, int N, int K, int splits = 0, int sm_count = 0);
 void gemm_w8a16_skinny(const SkinnyPlan& plan, const uint8_t* w, const float* scales, const void* x, void* out,
                        cudaStream_t stream);
 
