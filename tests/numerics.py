@@ -5,6 +5,27 @@ import ml_dtypes
 import numpy as np
 
 BF16 = ml_dtypes.bfloat16
+STORE, ADD, SWIGLU = 0, 1, 2  # kernels.h's Epilogue
+
+# The models whose linear layers the kernel tests run: hidden d, ffn, heads H, kv heads Hkv, head dim D.
+# d = 576 and 960 end in a 64-column scale group.
+MODEL_SHAPES = {
+    "llama-3.2-1b": dict(d=2048, ffn=8192, H=32, Hkv=8, D=64),
+    "llama-3.2-3b": dict(d=3072, ffn=8192, H=24, Hkv=8, D=128),
+    "llama-3.1-8b": dict(d=4096, ffn=14336, H=32, Hkv=8, D=128),
+    "smollm2-135m": dict(d=576, ffn=1536, H=9, Hkv=3, D=64),
+    "smollm2-360m": dict(d=960, ffn=2560, H=15, Hkv=5, D=64),
+    "qwen2.5-7b": dict(d=3584, ffn=18944, H=28, Hkv=4, D=128),
+}
+
+
+def linear_layers(model: str) -> list[tuple[str, int, int, int]]:
+    """(product, N, K, epilogue) of a model's four linear layers as a layer runs them (the head left out)."""
+    m = MODEL_SHAPES[model]
+    d, ffn, qkv = m["d"], m["ffn"], (m["H"] + 2 * m["Hkv"]) * m["D"]
+    return [("qkv", qkv, d, STORE), ("o", d, m["H"] * m["D"], ADD), ("gate_up", 2 * ffn, d, SWIGLU), ("down", d, ffn, ADD)]
+
+
 FP8_TO_F64 = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)  # e4m3 code -> value
 
 

@@ -16,12 +16,26 @@ import numpy as np
 import pytest
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
-from numerics import bf16_bits, f16_bits, from_bf16, from_f16, load_ops, random_fp8, random_scales, reference_linear, silu_mul  # noqa: E402
+from numerics import (  # noqa: E402
+    ADD,
+    MODEL_SHAPES,
+    STORE,
+    SWIGLU,
+    bf16_bits,
+    f16_bits,
+    from_bf16,
+    from_f16,
+    linear_layers,
+    load_ops,
+    random_fp8,
+    random_scales,
+    reference_linear,
+    silu_mul,
+)
 
 ops, WHY_NOT = load_ops("gemm_skinny", "gemm_skinny_plan", "time_gemm_skinny")
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(ops is None, reason=f"gpu: {WHY_NOT}")]
 
-STORE, ADD, SWIGLU = 0, 1, 2
 EPILOGUES = {STORE: "Store", ADD: "AddResidual", SWIGLU: "SwiGLU"}
 FP32_REL, BF16_REL = 1e-5, 4e-3
 BF16_TINY = 2.0**-126
@@ -30,25 +44,18 @@ MAX_SMEM = 227 * 1024  # an sm_90 block's dynamic shared memory
 
 M_AWKWARD = [1, 2, 7, 8, 9, 16, 17, 24, 31, 32, 33, 48, 63, 64]
 
-# Every linear layer of the target models (the heads left out: the decode GEMV serves them). K = 576
-# ends in a 64-column scale group.
-MODELS = {
-    "llama-3.2-3b": dict(d=3072, ffn=8192, H=24, Hkv=8, D=128),
-    "llama-3.1-8b": dict(d=4096, ffn=14336, H=32, Hkv=8, D=128),
-    "qwen2.5-7b": dict(d=3584, ffn=18944, H=28, Hkv=4, D=128),
-    "smollm2-135m": dict(d=576, ffn=1536, H=9, Hkv=3, D=64),
-}
+# Every linear layer of the target models (the heads left out: the decode GEMV serves them), with the
+# epilogue and input type the engine gives each; SmolLM2's K = 576 ends in a 64-column scale group.
+MODELS = ("llama-3.2-3b", "llama-3.1-8b", "qwen2.5-7b", "smollm2-135m")
+X_DTYPE = {"qkv": "f16", "o": "bf16", "gate_up": "f16", "down": "bf16"}
 
 
 def model_shapes():
-    """(N, K, epilogue, x_dtype) of each product, with the epilogue and input type the engine uses."""
-    for name, m in MODELS.items():
-        d, ffn, qkv = m["d"], m["ffn"], (m["H"] + 2 * m["Hkv"]) * m["D"]
-        marks = [pytest.mark.slow] if d >= 3584 else []
-        yield pytest.param(qkv, d, STORE, "f16", id=f"{name}-qkv", marks=marks)
-        yield pytest.param(d, m["H"] * m["D"], ADD, "bf16", id=f"{name}-o", marks=marks)
-        yield pytest.param(2 * ffn, d, SWIGLU, "f16", id=f"{name}-gate_up", marks=marks)
-        yield pytest.param(d, ffn, ADD, "bf16", id=f"{name}-down", marks=marks)
+    """(N, K, epilogue, x_dtype) of each product."""
+    for name in MODELS:
+        marks = [pytest.mark.slow] if MODEL_SHAPES[name]["d"] >= 3584 else []
+        for product, N, K, ep in linear_layers(name):
+            yield pytest.param(N, K, ep, X_DTYPE[product], id=f"{name}-{product}", marks=marks)
 
 
 # ----------------------------------------------------------------------------- helpers

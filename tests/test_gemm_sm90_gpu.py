@@ -21,12 +21,27 @@ import numpy as np
 import pytest
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
-from numerics import BF16, FP8_TO_F64, bf16_bits, f16_bits, from_bf16, from_f16, load_ops, random_fp8, random_scales, silu_mul  # noqa: E402
+from numerics import (  # noqa: E402
+    ADD,
+    BF16,
+    FP8_TO_F64,
+    MODEL_SHAPES,
+    STORE,
+    SWIGLU,
+    bf16_bits,
+    f16_bits,
+    from_bf16,
+    from_f16,
+    linear_layers,
+    load_ops,
+    random_fp8,
+    random_scales,
+    silu_mul,
+)
 
 ops, WHY_NOT = load_ops()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(ops is None, reason=f"gpu: {WHY_NOT}")]
 
-STORE, ADD, SWIGLU = 0, 1, 2
 UNIT = {"bf16": 2.0**-9, "f16": 2.0**-11}
 ROUND_REL = {t: 2 * u / np.sqrt(3) for t, u in UNIT.items()}  # bf16 2.3e-3, fp16 5.6e-4
 RECIPE_REL = 1e-4  # fp32 accumulation of K products, any order (the recipe's rounding is emulated exactly)
@@ -37,24 +52,15 @@ FP8_TO_F32 = FP8_TO_F64.astype(np.float32)
 
 M_SWEEP = [1, 2, 17, 63, 64, 65, 100, 255, 256, 511, 512]
 
-# (model, product, N, K) of every linear layer of the prefill shapes the engine runs.
-MODELS = {
-    "llama-3.2-3b": dict(d=3072, ffn=8192, H=24, Hkv=8, D=128),
-    "llama-3.1-8b": dict(d=4096, ffn=14336, H=32, Hkv=8, D=128),
-    "smollm2-135m": dict(d=576, ffn=1536, H=9, Hkv=3, D=64),  # K = 576: a 64-column tail group
-    "qwen2.5-7b": dict(d=3584, ffn=18944, H=28, Hkv=4, D=128),
-}
+# Every linear layer of the prefill shapes the engine runs (SmolLM2's K = 576: a 64-column tail group).
+MODELS = ("llama-3.2-3b", "llama-3.1-8b", "smollm2-135m", "qwen2.5-7b")
 
 
 def model_shapes():
-    for name, m in MODELS.items():
-        d, ffn, qkv = m["d"], m["ffn"], (m["H"] + 2 * m["Hkv"]) * m["D"]
-        big = d >= 3584
-        marks = [pytest.mark.slow] if big else []
-        yield pytest.param(qkv, d, STORE, id=f"{name}-qkv", marks=marks)
-        yield pytest.param(d, m["H"] * m["D"], ADD, id=f"{name}-o", marks=marks)
-        yield pytest.param(2 * ffn, d, SWIGLU, id=f"{name}-gate_up", marks=marks)
-        yield pytest.param(d, ffn, ADD, id=f"{name}-down", marks=marks)
+    for name in MODELS:
+        marks = [pytest.mark.slow] if MODEL_SHAPES[name]["d"] >= 3584 else []
+        for product, N, K, ep in linear_layers(name):
+            yield pytest.param(N, K, ep, id=f"{name}-{product}", marks=marks)
 
 
 # ----------------------------------------------------------------------------- helpers

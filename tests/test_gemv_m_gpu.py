@@ -11,34 +11,36 @@ import numpy as np
 import pytest
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
-from numerics import bf16_bits, f16_bits, from_bf16, from_f16, load_ops, random_fp8, random_scales, reference_linear, silu_mul  # noqa: E402
+from numerics import (  # noqa: E402
+    ADD,
+    STORE,
+    SWIGLU,
+    bf16_bits,
+    f16_bits,
+    from_bf16,
+    from_f16,
+    linear_layers,
+    load_ops,
+    random_fp8,
+    random_scales,
+    reference_linear,
+    silu_mul,
+)
 
 ops, WHY_NOT = load_ops("gemv_m")
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(ops is None, reason=f"gpu: {WHY_NOT}")]
 
 FP32_REL, BF16_REL = 1e-5, 4e-3
 BF16_TINY = 2.0**-126
-STORE, ADD, SWIGLU = 0, 1, 2
 
-# (name, N, K) of every linear layer of the models the engine runs (the heads left out: the decode
-# GEMV serves them); K = 576 and 960 end in a 64-column scale group.
-MODELS = {
-    "llama-3.2-1b": dict(d=2048, ffn=8192, H=32, Hkv=8, D=64),
-    "llama-3.2-3b": dict(d=3072, ffn=8192, H=24, Hkv=8, D=128),
-    "llama-3.1-8b": dict(d=4096, ffn=14336, H=32, Hkv=8, D=128),
-    "smollm2-135m": dict(d=576, ffn=1536, H=9, Hkv=3, D=64),
-    "smollm2-360m": dict(d=960, ffn=2560, H=15, Hkv=5, D=64),
-    "qwen2.5-7b": dict(d=3584, ffn=18944, H=28, Hkv=4, D=128),
-}
+# Every linear layer of the models the engine runs (the heads left out: the decode GEMV serves them).
+MODELS = ("llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b", "smollm2-135m", "smollm2-360m", "qwen2.5-7b")
 
 
 def model_shapes():
-    for name, m in MODELS.items():
-        d, ffn, qkv = m["d"], m["ffn"], (m["H"] + 2 * m["Hkv"]) * m["D"]
-        yield pytest.param(qkv, d, STORE, id=f"{name}-qkv")
-        yield pytest.param(d, m["H"] * m["D"], ADD, id=f"{name}-o")
-        yield pytest.param(2 * ffn, d, SWIGLU, id=f"{name}-gate_up")
-        yield pytest.param(d, ffn, ADD, id=f"{name}-down")
+    for name in MODELS:
+        for product, N, K, ep in linear_layers(name):
+            yield pytest.param(N, K, ep, id=f"{name}-{product}")
 
 
 # ----------------------------------------------------------------------------- helpers

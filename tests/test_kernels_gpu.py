@@ -18,7 +18,7 @@ import pytest
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 FP8 = ml_dtypes.float8_e4m3fn
-from numerics import bf16_bits, f16_bits, from_bf16, from_f16, load_ops  # noqa: E402
+from numerics import MODEL_SHAPES, bf16_bits, f16_bits, from_bf16, from_f16, linear_layers, load_ops  # noqa: E402
 
 ops, WHY_NOT = load_ops()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(ops is None, reason=f"gpu: {WHY_NOT}")]
@@ -115,23 +115,16 @@ def check_linear(rng, N: int, K: int, M: int | None, x_dtype: str = "bf16") -> N
         )
 
 
-# Every linear layer of the three target models: (name, N, K).
-MODELS = {
-    "llama-3.2-1b": dict(d=2048, ffn=8192, H=32, Hkv=8, D=64),
-    "llama-3.2-3b": dict(d=3072, ffn=8192, H=24, Hkv=8, D=128),
-    "llama-3.1-8b": dict(d=4096, ffn=14336, H=32, Hkv=8, D=128),
-}
+# Every linear layer of the three target models: (name, N, K), and their head.
+MODELS = ("llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b")
 VOCAB = 128256
 
 
 def model_shapes():
-    for name, m in MODELS.items():
-        d, ffn, qkv = m["d"], m["ffn"], (m["H"] + 2 * m["Hkv"]) * m["D"]
-        yield pytest.param(qkv, d, id=f"{name}-qkv")
-        yield pytest.param(d, m["H"] * m["D"], id=f"{name}-o")
-        yield pytest.param(2 * ffn, d, id=f"{name}-gate_up")
-        yield pytest.param(d, ffn, id=f"{name}-down")
-        yield pytest.param(VOCAB, d, id=f"{name}-lm_head", marks=pytest.mark.slow)
+    for name in MODELS:
+        for product, N, K, _ in linear_layers(name):
+            yield pytest.param(N, K, id=f"{name}-{product}")
+        yield pytest.param(VOCAB, MODEL_SHAPES[name]["d"], id=f"{name}-lm_head", marks=pytest.mark.slow)
 
 
 # (6, 12288): x staged in exactly 48 KB of shared memory, the default limit (static memory on top).
