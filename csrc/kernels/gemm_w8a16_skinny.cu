@@ -389,8 +389,8 @@ bool gemm_w8a16_skinny_supported(Epilogue ep, int M, int N, int K) {
 
 // Splits by a cost in scale groups a block streams: a wave of resident blocks takes its blocks' groups plus
 // one for the fixed part (x's first slabs, the reduction), and the whole product at least its groups over
-// one block an SM (the DRAM stream saturates near 64 KB in flight an SM). The cheapest, then the
-// fewest splits; then as many groups a split as that leaves (no empty split).
+// one block an SM (a model of the stream, not measured split by split). The cheapest, then the fewest splits;
+// then as many groups a split as that leaves (no empty split).
 static int skinny_splits(int nt, int row_groups, int G, int sms) {
   const int cap = sms * (nt == 4 ? SkTile<4>::kBlocksPerSm : SkTile<8>::kBlocksPerSm);
   const double floor = static_cast<double>(row_groups) * G / sms;
