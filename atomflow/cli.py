@@ -82,10 +82,12 @@ def _print_plan(p: dict) -> None:
         # forward.cu's route by chunk rows: small-M GEMV, skinny GEMM, then the sm90 GEMM (else gemm_w8a16).
         small, skinny, sm90 = p["prefill_small_m_max_rows"], p.get("prefill_skinny_max_rows"), p.get("prefill_sm90_gemm_min_rows")
         fused = " (QKV with RoPE + KV append fused)" if p.get("prefill_small_m_rope") else ""
-        parts = [f"gemv_w8a16_m for chunks of 2..{small} rows{fused}"]
-        start = small + 1
+        start = p.get("prefill_skinny_min_rows") or small + 1
+        verify = f" (verify chunks 2..{small})" if start <= small else ""
+        parts = [f"gemv_w8a16_m for chunks of 2..{start - 1} rows{verify}{fused}"]
         if skinny:
-            parts.append(f"gemm_w8a16_skinny for {start}..{skinny} rows")
+            roped = " (QKV with RoPE + KV append fused)" if p.get("prefill_skinny_rope") else ""
+            parts.append(f"gemm_w8a16_skinny for {start}..{skinny} rows{roped}")
             start = skinny + 1
         if sm90:
             if sm90 > start:

@@ -65,6 +65,11 @@ def load_ops(*needs: str):
     return _core.ops, ""
 
 
+def llama_inv_freq(D, theta=500000.0) -> np.ndarray:
+    """RoPE's inverse frequencies [D / 2] (float32), Llama 3's base."""
+    return (1.0 / theta ** (np.arange(0, D, 2, dtype=np.float64) / D)).astype(np.float32)
+
+
 def random_fp8(rng, shape) -> np.ndarray:
     """Uniformly random e4m3 codes (zeros, subnormals and +-448 included), NaN codes excluded."""
     b = rng.integers(0, 256, size=shape, dtype=np.uint8)

@@ -113,6 +113,8 @@ def test_plan_says_the_qkv_path(arch_files, preset, capsys):
     # a chunk of a few rows (a verify's) fuses RoPE + KV append into its small-M QKV product where the
     # decode step does
     assert plan["prefill_small_m_rope"] == (path == "fused")
+    # and so does a skinny chunk's (5..32 rows; no per-head q/k norm there either)
+    assert plan["prefill_skinny_rope"] == (path == "fused" and plan["prefill_skinny_max_rows"] is not None)
     eng = cuda(model, 1024)
     assert eng.step_plan["qkv_path"] == path
     assert main(["info", str(model.path), "--plan", "--max-context", "1024"]) == 0

@@ -141,9 +141,14 @@ SM90_TILES = [[64, "narrow-streamk"], [256, "wide-streamk"], [None, "wide"]]
 @pytest.mark.parametrize(
     "skinny,sm90,route",
     [
-        (32, 17, "gemm_w8a16_skinny for 17..32 rows, gemm_w8a16_sm90 (CUTLASS wgmma) from 33 rows (narrow-streamk up to 64"),
+        (
+            32,
+            17,
+            "2..4 rows (verify chunks 2..16), gemm_w8a16_skinny for 5..32 rows (QKV with RoPE + KV append fused), "
+            "gemm_w8a16_sm90 (CUTLASS wgmma) from 33",
+        ),
         (None, 17, "2..16 rows, gemm_w8a16_sm90 (CUTLASS wgmma) from 17 rows"),
-        (32, None, "gemm_w8a16_skinny for 17..32 rows, gemm_w8a16 (tensor cores) from 33 rows"),
+        (32, None, "gemm_w8a16_skinny for 5..32 rows (QKV with RoPE + KV append fused), gemm_w8a16 (tensor cores) from 33"),
         (None, None, "2..16 rows, gemm_w8a16 (tensor cores) from 17 rows"),
     ],
 )
@@ -165,9 +170,11 @@ def test_plan_table_names_the_prompt_route(capsys, skinny, sm90, route):
         prefill_small_m_max_rows=16,
         prefill_small_m_rope=False,
         prefill_skinny_max_rows=skinny,
+        prefill_skinny_min_rows=5 if skinny else None,
+        prefill_skinny_rope=skinny is not None,
         prefill_sm90_gemm_min_rows=sm90,
         prefill_sm90_tiles=SM90_TILES,
     )
     _print_plan(plan)
     line = next(s for s in capsys.readouterr().out.splitlines() if "prefill products" in s)
-    assert line.startswith("  prefill products: gemv_w8a16_m for chunks of 2..16 rows") and route in line, line
+    assert line.startswith("  prefill products: gemv_w8a16_m for chunks of 2..") and route in line, line

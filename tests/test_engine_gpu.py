@@ -86,11 +86,11 @@ def test_logits_match_reference_tiny(model_files, lm_head, untied):
     compare_run(model, prompt(64, model.spec.vocab_size), steps=64, max_context=256)
 
 
-@pytest.mark.parametrize("n", [1, 2, 16, 17, 31, 32, 33, 64, 65, 255, 256, 257, 300, 513])
+@pytest.mark.parametrize("n", [1, 2, 4, 5, 9, 16, 17, 31, 32, 33, 64, 65, 255, 256, 257, 300, 513])
 def test_prefill_lengths_match_reference(tiny, n):
-    """Chunk edges: a one-row chunk takes the GEMV path, 2..16 rows the small-M GEMV
-    (StepPlan::small_m_max_rows), 17..32 the skinny GEMM (skinny_max_rows), more the sm90 GEMM; 32 rows
-    and more attention on tensor cores; 257 leaves a one-row last chunk."""
+    """Chunk edges: a one-row chunk takes the GEMV path, 2..4 rows the small-M GEMV
+    (StepPlan::small_m_rows), 5..32 the skinny GEMM (skinny_min_rows, skinny_max_rows), more the sm90 GEMM;
+    32 rows and more attention on tensor cores; 257 leaves a one-row last chunk."""
     compare_run(tiny, prompt(n, tiny.spec.vocab_size, seed=n), steps=2, max_context=1024)
 
 
@@ -107,6 +107,31 @@ def test_skinny_gemm_off_takes_the_sm90_gemm(tiny, n):
     assert_close(off.prefill(ids), want, "sm90 GEMM")
 
 
+@pytest.mark.parametrize("model", ["tiny", "tiny-tail"])
+@pytest.mark.parametrize("n", [9, 20, 32])
+def test_skinny_rope_keeps_the_two_launches_bits(model_files, model, n):
+    """A skinny chunk's QKV product does RoPE + KV append in its epilogue (StepPlan::skinny_rope);
+    skinny_rope=False runs rope_kv_append after the Store product instead. The same bits: the prompt's logits,
+    the tokens generated after it and the logits of a step that reads the prompt's cache rows."""
+    m = model_files(model)
+    ids = prompt(n, m.spec.vocab_size, seed=80 + n)
+
+    def run(**kw):
+        eng = cuda(m, 256, **kw)
+        last = eng.prefill(ids)
+        eng.rollback(0)
+        tokens = list(eng.generate_ids(ids, greedy(6)))
+        eng.rollback(n)
+        return eng.step_plan, last, tokens, eng.decode(tokens[0])
+
+    on, off = run(), run(skinny_rope=False)
+    assert on[0]["prefill_skinny_rope"] and not off[0]["prefill_skinny_rope"]
+    assert not off[0]["options"]["skinny_rope"]
+    np.testing.assert_array_equal(on[1], off[1])
+    assert on[2] == off[2]
+    np.testing.assert_array_equal(on[3], off[3])
+
+
 @pytest.mark.parametrize("n", [2, 7, 16])
 def test_small_m_prefill_equals_decode_steps(tiny, n):
     """A chunk of 2..16 rows runs its products through the small-M GEMV, whose row m is the decode
@@ -116,7 +141,7 @@ def test_small_m_prefill_equals_decode_steps(tiny, n):
     ids = prompt(n, tiny.spec.vocab_size, seed=40 + n)
     eng = cuda(tiny, 256, eager=True, f16_activations=False)
     assert 2 <= n <= eng.step_plan["prefill_small_m_max_rows"]
-    chunk = eng.prefill(ids)
+    chunk = eng.engine.prefill_rows(ids)[-1]  # a prompt chunk of skinny_min_rows+ rows takes the skinny GEMM
     eng.reset()
     eng.prefill(ids[:1])
     for t in ids[1:]:
@@ -673,6 +698,7 @@ def test_info_plan_lists_every_product(tiny):
         prefill_fp8=False,
         gemm_pdl=True,
         skinny_gemm=True,
+        skinny_rope=True,
         pdl=plan["options"]["pdl"],
     )
     # The engine's own plan is the same.
@@ -683,8 +709,9 @@ def test_info_plan_lists_every_product(tiny):
         assert product in table and when in table
     # The prompt chunks' products by rows (StepPlan: small_m_max_rows, skinny_max_rows, sm90_gemm_min_rows).
     assert plan["prefill_small_m_max_rows"] == 16 and plan["prefill_skinny_max_rows"] == 32
+    assert plan["prefill_skinny_min_rows"] == 5 and plan["prefill_skinny_rope"]
     if plan["prefill_sm90_gemm_min_rows"] is not None:  # a build with nvidia-cutlass
-        assert "gemm_w8a16_skinny for 17..32 rows, gemm_w8a16_sm90 (CUTLASS wgmma) from 33 rows" in table
+        assert "gemm_w8a16_skinny for 5..32 rows (QKV with RoPE + KV append fused), gemm_w8a16_sm90" in table
 
 
 def test_plan_overrides_in_one_process(tiny):

@@ -26,6 +26,7 @@ from numerics import (  # noqa: E402
     from_bf16,
     from_f16,
     linear_layers,
+    llama_inv_freq,
     load_ops,
     random_fp8,
     random_scales,
@@ -33,7 +34,7 @@ from numerics import (  # noqa: E402
     silu_mul,
 )
 
-ops, WHY_NOT = load_ops("gemm_skinny", "gemm_skinny_plan", "time_gemm_skinny")
+ops, WHY_NOT = load_ops("gemm_skinny", "gemm_skinny_rope", "gemm_skinny_plan", "time_gemm_skinny")
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(ops is None, reason=f"gpu: {WHY_NOT}")]
 
 EPILOGUES = {STORE: "Store", ADD: "AddResidual", SWIGLU: "SwiGLU"}
@@ -227,3 +228,60 @@ def test_gemm_skinny_rejects_bad_arguments():
         ops.gemm_skinny(w, s, x.astype(np.float32))  # x must be 16-bit bits
     with pytest.raises(ValueError):
         ops.gemm_skinny(w, s[:, :1].copy(), x)  # scales [N, ceil(K / 128)]
+
+
+@pytest.mark.parametrize(
+    "H,Hkv,D,K,bias",
+    [
+        (24, 8, 128, 3072, False),  # Llama-3.2-3B
+        (32, 8, 128, 4096, False),  # Llama-3.1-8B
+        (9, 3, 64, 576, False),  # SmolLM2-135M: two heads a block, a 64-column tail scale group, a half last block
+        (28, 4, 128, 3584, True),  # Qwen2.5-7B: q/k/v biases
+        (4, 2, 32, 256, True),  # four heads a block
+    ],
+)
+@pytest.mark.parametrize("M,splits", [(1, 0), (9, 0), (17, 0), (32, 0), (33, 0), (64, 0), (17, 1), (32, 2)])
+@pytest.mark.parametrize("pos,C", [(0, 80), (4093, 4100)])  # the second: the last rows past the cache
+def test_gemm_skinny_rope_equals_store_then_rope(rng, H, Hkv, D, K, bias, M, splits, pos, C):
+    """The QKV product with RoPE + KV append in its epilogue writes exactly what the Store product followed by
+    rope_kv_append writes, bit for bit: q of every row, the K / V rows of the positions inside the cache, and
+    nothing else of the caches."""
+    N = (H + 2 * Hkv) * D
+    w, s = random_fp8(rng, (N, K)), random_scales(rng, N, K)
+    x = f16_bits(rng.standard_normal((M, K)))
+    b = (rng.standard_normal(N) * 0.5).astype(np.float32) if bias else None
+    inv_freq = llama_inv_freq(D)
+    kc0 = bf16_bits(rng.standard_normal((C, Hkv, D)))  # random rows everywhere, so a stray write shows
+    vc0 = bf16_bits(rng.standard_normal((C, Hkv, D)))
+    groups = -(-K // 128)
+    sp = 0 if splits == 0 else min(max(splits, -(-groups // MAX_GROUPS)), groups)  # a split the shape takes
+    q, kc, vc = ops.gemm_skinny_rope(w, s, x, inv_freq, pos, H, Hkv, D, kc0.copy(), vc0.copy(), b, "f16", sp)
+    qkv = ops.gemm_skinny(w, s, x, STORE, None, "f16", sp)
+    q_ref, kc_ref, vc_ref = ops.rope_kv_append(qkv, inv_freq, pos, H, Hkv, D, kc0.copy(), vc0.copy(), bias=b)
+    np.testing.assert_array_equal(q, q_ref)
+    np.testing.assert_array_equal(kc, kc_ref)
+    np.testing.assert_array_equal(vc, vc_ref)
+    inside = max(0, min(M, C - pos))
+    assert np.array_equal(kc[:pos], kc0[:pos]) and np.array_equal(vc[:pos], vc0[:pos])
+    assert np.array_equal(kc[pos + inside :], kc0[pos + inside :]) and np.array_equal(vc[pos + inside :], vc0[pos + inside :])
+    assert not np.array_equal(kc[pos : pos + inside], kc0[pos : pos + inside])  # the chunk's rows were written
+
+
+def test_gemm_skinny_rope_rejects_bad_arguments(rng):
+    K = 256
+    x = f16_bits(np.ones((4, K)))
+    for H, Hkv, D in ((2, 1, 256), (2, 1, 48), (3, 1, 12)):  # head_dim must divide 128 and be a multiple of 8
+        N = (H + 2 * Hkv) * D
+        kc = bf16_bits(np.zeros((8, Hkv, D)))
+        w, s = random_fp8(rng, (N, K)), random_scales(rng, N, K)
+        with pytest.raises(ValueError, match="head_dim"):
+            ops.gemm_skinny_rope(w, s, x, llama_inv_freq(D), 0, H, Hkv, D, kc, kc.copy(), None, "f16")
+    H, Hkv, D = 2, 1, 64
+    w, s = random_fp8(rng, (4 * D, K)), random_scales(rng, 4 * D, K)
+    kc = bf16_bits(np.zeros((8, Hkv, D)))
+    with pytest.raises(ValueError):  # w's rows are not (H + 2 Hkv) D
+        ops.gemm_skinny_rope(w[: 3 * D], s[: 3 * D], x, llama_inv_freq(D), 0, H, Hkv, D, kc, kc.copy(), None, "f16")
+    with pytest.raises(ValueError):  # the caches' head_dim
+        ops.gemm_skinny_rope(w, s, x, llama_inv_freq(D), 0, H, Hkv, D, kc[:, :, :32].copy(), kc.copy(), None, "f16")
+    with pytest.raises(ValueError):  # epilogue 3 (RopeKV) is gemm_skinny_rope's, not gemm_skinny's
+        ops.gemm_skinny(w, s, x, 3)

@@ -20,6 +20,7 @@ from numerics import (  # noqa: E402
     from_bf16,
     from_f16,
     linear_layers,
+    llama_inv_freq,
     load_ops,
     random_fp8,
     random_scales,
@@ -210,10 +211,6 @@ def test_gemv_m_swiglu_f16_output(rng):
     big = np.full_like(s, 2.0**20)
     _, flag = ops.gemv_m(w, big, x, SWIGLU, None, "f16", out_dtype="f16")
     assert flag == 1
-
-
-def llama_inv_freq(D, theta=500000.0):
-    return (1.0 / theta ** (np.arange(0, D, 2, dtype=np.float64) / D)).astype(np.float32)
 
 
 @pytest.mark.parametrize(

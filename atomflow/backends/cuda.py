@@ -35,6 +35,7 @@ PLAN_OPTIONS = (
     "prefill_fp8",
     "gemm_pdl",
     "skinny_gemm",
+    "skinny_rope",
 )
 
 

@@ -1,6 +1,6 @@
-// _core.ops: the skinny W8A16 GEMM for prompt chunks of up to 64 rows (gemm_w8a16_skinny.cu), its plan,
-// and its timer. splits overrides the plan's split of the scale groups (0: the plan's choice), so the
-// tests can run every cluster size and the benches sweep them.
+// _core.ops: the skinny W8A16 GEMM for prompt chunks of up to 64 rows (gemm_w8a16_skinny.cu), its QKV
+// product with RoPE + KV append, its plan, and its timer. splits overrides the plan's split of the scale groups (0: the
+// plan's choice), so the tests can run every cluster size and the benches sweep them.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
@@ -60,6 +60,32 @@ py::object gemm_skinny(const py::array& w_, const py::array& s_, const py::array
   return to_host<float>(out, {M, N});
 }
 
+// The QKV product with RoPE + KV append in its epilogue: w u8 [(H + 2 Hkv) D, K], scales, x u16 [M, K]
+// (x_dtype bits), tokens at positions pos .. pos + M - 1, caches u16 [C, Hkv, D] (initial contents), bias f32
+// [(H + 2 Hkv) D] or None -> (q u16 [M, H, D] (poisoned before the launch), k_cache, v_cache).
+py::tuple gemm_skinny_rope(const py::array& w_, const py::array& s_, const py::array& x_, const py::array& inv_freq_,
+                           int pos, int H, int Hkv, int D, const py::array& k_cache_, const py::array& v_cache_,
+                           const py::object& bias_, const std::string& x_dtype, int splits) {
+  const k::Act xt = act_arg(x_dtype);
+  require(H >= 1 && Hkv >= 1 && D >= 2 && D % 2 == 0, "need H, Hkv >= 1 and an even D");
+  const int N = (H + 2 * Hkv) * D;
+  auto w = arg<uint8_t>(w_, "w", {N, -1});
+  const int K = static_cast<int>(w.shape(1));
+  auto s = arg<float>(s_, "scales", {N, scale_groups(K)});
+  auto x = arg<uint16_t>(x_, "x", {-1, K});
+  const int M = static_cast<int>(x.shape(0));
+  require(k::gemm_w8a16_skinny_rope_supported(N, H, Hkv, D),
+          "gemm_skinny_rope: head_dim must be a multiple of 8 that divides 128, got " + std::to_string(D));
+  const k::SkinnyPlan plan = plan_of("gemm_skinny_rope", k::Epilogue::RopeKV, xt, M, N, K, splits);
+  const RopeInputs r =
+      rope_inputs(inv_freq_, pos, Hkv, D, k_cache_, v_cache_, bias_, N, static_cast<size_t>(M) * H * D);
+  DeviceBuffer dw = to_device(w), ds = to_device(s), dx = to_device(x);
+  k::gemm_w8a16_skinny_rope(plan, dw.get<uint8_t>(), ds.get<float>(), dx.get(), r.args(H, Hkv, D), nullptr);
+  sync();
+  return py::make_tuple(to_host<uint16_t>(r.q, {M, H, D}), to_host<uint16_t>(r.kc, {r.C, Hkv, D}),
+                        to_host<uint16_t>(r.vc, {r.C, Hkv, D}));
+}
+
 // The plan's fields for a shape, as the tests and `bench_kernels.py` print them.
 py::dict gemm_skinny_plan(int M, int N, int K, int ep_, const std::string& x_dtype, int splits) {
   const k::SkinnyPlan p = plan_of("gemm_skinny_plan", epilogue_arg(ep_), act_arg(x_dtype), M, N, K, splits);
@@ -96,6 +122,11 @@ void register_gemm_skinny(py::module_& m) {
         "(1 <= M <= 64; bf16 or f16 bits, x_dtype); epilogue 0 Store -> f32 [M, N], 1 AddResidual (out_init f32 "
         "[M, N]) -> f32 [M, N], 2 SwiGLU (N % 32 == 0) -> u16 [M, N/2] (bf16); splits: the cluster's split of the "
         "scale groups (0: the plan's)");
+  m.def("gemm_skinny_rope", &gemm_skinny_rope, py::arg("w"), py::arg("scales"), py::arg("x"), py::arg("inv_freq"),
+        py::arg("pos"), py::arg("H"), py::arg("Hkv"), py::arg("D"), py::arg("k_cache"), py::arg("v_cache"),
+        py::arg("bias") = py::none(), py::arg("x_dtype") = "bf16", py::arg("splits") = 0,
+        "gemm_w8a16_skinny_rope: the QKV product of x u16 [M, K] at positions pos.. with RoPE + KV append in its "
+        "epilogue -> (q u16 [M, H, D], k_cache, v_cache); the same bits as gemm_skinny (Store) then rope_kv_append");
   m.def("gemm_skinny_plan", &gemm_skinny_plan, py::arg("M"), py::arg("N"), py::arg("K"), py::arg("epilogue") = 0,
         py::arg("x_dtype") = "bf16", py::arg("splits") = 0,
         "plan_gemm_skinny's choices for a shape: {nt, splits, kg, row_groups, threads, smem}");

@@ -18,7 +18,7 @@ using kernels::Epilogue;
 
 // Where a chunk's product runs (the step plan's thresholds) and the sm90 GEMM's workspace.
 struct GemmRoute {
-  int small_m;      // StepPlan::small_m_max_rows
+  int small_m;      // StepPlan::small_m_rows: up to these rows, the small-M GEMV
   int sm90_min;     // StepPlan::sm90_gemm_min_rows
   int w8a8_min;     // StepPlan::w8a8_min_rows: from these rows on, gemm_w8a8_sm90
   int skinny_max;   // StepPlan::skinny_max_rows: up to these rows, gemm_w8a16_skinny
@@ -29,7 +29,7 @@ struct GemmRoute {
 };
 
 // One row streams the weights once through the decode GEMV (as `plan` says); up to small_m rows
-// (StepPlan::small_m_max_rows) through the small-M GEMV, which also reads each weight byte once; more
+// (StepPlan::small_m_rows) through the small-M GEMV, which also reads each weight byte once; more
 // rows go to the tensor-core GEMM: up to skinny_max rows the one that streams the weights as the GEMV does
 // (gemm_w8a16_skinny), from sm90_min rows on the Hopper one (gemm_w8a16_sm90).
 // tickets: the engine's counters for SwiGLU GEMVs; f16_overflow: SwiGLU's fp16 output (kernels.h).
@@ -55,9 +55,10 @@ void linear(const kernels::GemvPlan& plan, const GemmRoute& route, const uint8_t
   }
 }
 
-// The route of this engine's chunks (its plan's thresholds, its workspace).
-GemmRoute route_of(const StepPlan& plan, void* ws, size_t ws_bytes) {
-  return GemmRoute{plan.small_m_max_rows,
+// The route of this engine's chunks (its plan's thresholds, its workspace); step_rows: a chunk whose rows are
+// decode steps (StepPlan::small_m_rows).
+GemmRoute route_of(const StepPlan& plan, void* ws, size_t ws_bytes, bool step_rows) {
+  return GemmRoute{plan.small_m_rows(step_rows),
                    plan.sm90_gemm_min_rows,
                    plan.w8a8_min_rows,
                    plan.skinny_max_rows,
@@ -83,14 +84,18 @@ void Engine::enqueue_layers(int rows, int attn_keys) {
   // The other decode steps outside the probes hand attention the product's raw row (attention_qkv).
   const bool qkv_in = rows == 1 && !probe_ && !step_plan_.fused_qkv;
   // A small-M chunk's QKV product does RoPE + KV append in its epilogue where the plan says so.
-  const bool small_m_rope = rows > 1 && rows <= step_plan_.small_m_max_rows && !probe_ && step_plan_.small_m_rope;
+  const StepPlan& plan = step_plan_;
+  const GemmRoute route = route_of(plan, buf_.gemm_ws, buf_.gemm_ws_bytes, step_rows_);
+  // A chunk on the small-M GEMV (its rows decode steps', or a short prompt's: StepPlan::small_m_rows).
+  const bool small_m = rows > 1 && rows <= route.small_m;
+  const bool small_m_rope = small_m && !probe_ && plan.small_m_rope;
+  // A chunk on the skinny GEMM: the same, with the RMSNorm apart (StepPlan::skinny_rope).
+  const bool skinny_rope = rows > route.small_m && rows <= route.skinny_max && !probe_ && plan.skinny_rope;
   // A decode step's attention and SwiGLU outputs are fp16 (kernels.h), flagged when they overflow;
   // the o and down GEMVs then take x as it is. A chunk whose rows run as decode steps (step_rows_): the same.
   const bool half = (rows == 1 || step_rows_) && f16_acts_;
   const kernels::Act act = half ? kernels::Act::F16 : kernels::Act::BF16;
   int* const overflow = half ? buf_.f16_overflow : nullptr;
-  const StepPlan& plan = step_plan_;
-  const GemmRoute route = route_of(plan, buf_.gemm_ws, buf_.gemm_ws_bytes);
   const kernels::GemvPlan& o_plan = half ? plan.o_f16 : plan.o_bf16;
   const kernels::GemvPlan& down_plan = half ? plan.down_f16 : plan.down_bf16;
   // A decode step's attention grid is the plan's for attn_keys; a prefill chunk's is planned for its
@@ -105,7 +110,7 @@ void Engine::enqueue_layers(int rows, int attn_keys) {
     prefill_plan = plan.prefill_attention(rows);
   else  // the small-M GEMV's chunks (the decode step's bits) run their rows as decode steps
     attn_plan = kernels::plan_attention(rows, H, Hkv, D, attn_keys, plan.options.cluster_merge,
-                                        /*rows_as_steps=*/rows <= plan.small_m_max_rows, false, plan.attn_halved);
+                                        /*rows_as_steps=*/small_m, false, plan.attn_halved);
   for (size_t i = 0; i < buf_.layers.size(); ++i) {
     const LayerPtrs& L = buf_.layers[i];
     const int li = static_cast<int>(i);
@@ -126,6 +131,14 @@ void Engine::enqueue_layers(int rows, int attn_keys) {
             kernels::plan_gemv_m(Epilogue::RopeKV, kernels::GemvIn::NORM, rows, s.qkv_dim(), d), L.wqkv, L.wqkv_scale,
             buf_.x, L.attn_norm, s.rms_norm_eps, rows, d, rope, stream_);
         mark("gemv_qkv+norm+rope", li);
+      } else if (skinny_rope) {
+        // RMSNorm, then the QKV product with RoPE + KV append (bit-identical to its Store and rope_kv_append).
+        const kernels::RopeKVArgs rope{buf_.inv_freq, buf_.pos, H, Hkv, D, C, buf_.q, L.k_cache, L.v_cache, L.bqkv};
+        kernels::rmsnorm(buf_.x, L.attn_norm, rows, d, s.rms_norm_eps, buf_.xn, stream_);
+        kernels::gemm_w8a16_skinny_rope(
+            kernels::plan_gemm_skinny(Epilogue::RopeKV, kernels::Act::F16, rows, s.qkv_dim(), d, 0, route.sm_count),
+            L.wqkv, L.wqkv_scale, buf_.xn, rope, stream_);
+        mark("gemm_qkv+rope", li);
       } else {
         // Prefill chunks, probed steps, and the decode steps of a split-QKV plan (plan.qkv: Store, NORM;
         // a fused plan never reaches here with one unprobed row).
@@ -190,14 +203,14 @@ void Engine::normed_linear(const bf16* norm, const char* probe_name, int layer, 
                                 buf_.gemv_tickets, f16_overflow);
     return;
   }
-  if (rows <= step_plan_.small_m_max_rows && !probe_) {
+  const GemmRoute route = route_of(step_plan_, buf_.gemm_ws, buf_.gemm_ws_bytes, step_rows_);
+  if (rows <= route.small_m && !probe_) {
     kernels::gemv_w8a16_m_rmsnorm(kernels::plan_gemv_m(ep, kernels::GemvIn::NORM, rows, N, d), w, scales, buf_.x, norm,
                                   spec_.rms_norm_eps, rows, N, d, ep, out, stream_, f16_overflow);
     return;
   }
   kernels::rmsnorm(buf_.x, norm, rows, d, spec_.rms_norm_eps, buf_.xn, stream_);
   if (probe_ && probe_name) probe_point(probe_name, layer, ProbeSrc::XN, rows);
-  const GemmRoute route = route_of(step_plan_, buf_.gemm_ws, buf_.gemm_ws_bytes);
   linear(probed, route, w, scales, scales_gn, buf_.xn, kernels::Act::F16, rows, N, d, ep, out, stream_,
          buf_.gemv_tickets, f16_overflow);
 }

@@ -107,6 +107,8 @@ StepPlan make_step_plan(const ModelSpec& s, int max_context, const PlanOptions& 
                       kernels::gemm_w8a16_skinny_supported(kernels::Epilogue::SwiGLU, M, 2 * f, d) &&
                       kernels::gemm_w8a16_skinny_supported(kernels::Epilogue::AddResidual, M, d, f);
   p.skinny_max_rows = skinny ? StepPlan::kSkinnyMaxRows : 0;
+  p.skinny_rope = skinny && options.skinny_rope && !s.qk_norm &&
+                  kernels::gemm_w8a16_skinny_rope_supported(s.qkv_dim(), s.num_heads, s.num_kv_heads, s.head_dim);
   return p;
 }
 

@@ -24,6 +24,9 @@
 //    whatever the schedule) and runs the epilogue on it: no workspace, no second launch.
 //  - SwiGLU: a block's rows are 64 gate rows and their 64 up rows (warps 0..3 gate, 4..7 up), so one
 //    block holds both inputs of each of its 64 outputs.
+//  - RopeKV: a block's 128 rows are whole heads (head_dim divides 128), so it holds both halves of each
+//    rotation pair; a split's slice of the outputs is a range of pairs (i, i + D / 2), rotated and stored
+//    with rope.cuh's arithmetic: the bits of Store and then rope_kv_append.
 //
 // Contract of gemm_w8a16_skinny (launcher at the end; plan_gemm_skinny: kernels.h):
 //  Inputs   w fp8 e4m3 [N, K] row-major, scales fp32 [N, ceil(K / 128)], x 16-bit [M, K] of the plan's type;
@@ -32,7 +35,9 @@
 //  Before its PDL wait: lets the next kernel launch, loads weights and scales (nothing an earlier kernel
 //           writes).
 //  Writes   Store: out fp32 [M, N] = y; AddResidual: out += y; SwiGLU (N = 2F): out bf16 [M, F] =
-//           bf16(silu(y[:, :F]) * y[:, F:]). Each element once, by one block.
+//           bf16(silu(y[:, :F]) * y[:, F:]); RopeKV (N = (H + 2 Hkv) D, 128 % D == 0): q_out bf16 [M, H, D]
+//           and the K / V cache rows of positions *pos + m below max_context, as rope_kv_append writes them
+//           from y (+ bias). Each element once, by one block.
 //  Leaves   nothing else; no scratch.
 #include <cooperative_groups.h>
 
@@ -40,6 +45,7 @@
 
 #include "atomflow/kernels.h"
 #include "atomflow/pdl.cuh"
+#include "atomflow/rope.cuh"
 #include "mma_w8a16.cuh"
 
 namespace atomflow::kernels {
@@ -87,7 +93,8 @@ struct SkArgs {
   const uint16_t* x;
   void* out;
   int M, N, K;
-  int kg;  // scale groups a split
+  int kg;           // scale groups a split
+  RopeKVArgs rope;  // RopeKV: where the rotated q and the K / V rows go (out unused)
 };
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -307,24 +314,28 @@ __global__ void __launch_bounds__(kSkThreads, SkTile<NT>::kBlocksPerSm) gemm_ski
   else
     __syncthreads();
 
-  // This block's slice of the outputs, 4 consecutive rows a thread: the sums of every split in rank order.
-  constexpr int kOuts = EP == Epilogue::SwiGLU ? kSkRows / 2 : kSkRows;
+  // This block's slice of the outputs, 4 consecutive a thread: the sums of every split in rank order. SwiGLU
+  // and RopeKV own pairs of rows (lo, lo + half): gate and up rows, the two halves of a rotation.
+  constexpr bool kPairs = EP == Epilogue::SwiGLU || EP == Epilogue::RopeKV;
+  constexpr int kOuts = kPairs ? kSkRows / 2 : kSkRows;
+  const int half = EP == Epilogue::RopeKV ? a.rope.D / 2 : kSkRows / 2;
   const int per = (CEIL_DIV(kOuts, splits) + 3) / 4 * 4;
   const int o0 = split * per, o1 = min(kOuts, o0 + per);
   const int quads = max(0, (o1 - o0) / 4);
   for (int i = tid; i < a.M * quads; i += kSkThreads) {
     const int m = i / quads, o = o0 + 4 * (i % quads);
+    const int lo = kPairs ? o / half * (2 * half) + o % half : o;  // pair o's first row (half % 4 == 0)
     float4 y = make_float4(0.f, 0.f, 0.f, 0.f), u = y;
     for (int r = 0; r < splits; ++r) {
       const float* src = splits > 1 ? cluster.map_shared_rank(red, r) : red;
-      const float4 v = *reinterpret_cast<const float4*>(src + m * kSkRedStride + o);
+      const float4 v = *reinterpret_cast<const float4*>(src + m * kSkRedStride + lo);
       if (r == 0) {
         y = v;
       } else {
         y.x += v.x, y.y += v.y, y.z += v.z, y.w += v.w;
       }
-      if constexpr (EP == Epilogue::SwiGLU) {
-        const float4 w = *reinterpret_cast<const float4*>(src + m * kSkRedStride + kSkRows / 2 + o);
+      if constexpr (kPairs) {
+        const float4 w = *reinterpret_cast<const float4*>(src + m * kSkRedStride + lo + half);
         if (r == 0) {
           u = w;
         } else {
@@ -336,12 +347,49 @@ __global__ void __launch_bounds__(kSkThreads, SkTile<NT>::kBlocksPerSm) gemm_ski
       const int F = a.N / 2, n = rg * (kSkRows / 2) + o;
       if (n >= F) continue;
       auto act = [](float gate, float up) { return gate / (1.f + expf(-gate)) * up; };
-      const __nv_bfloat162 lo = __floats2bfloat162_rn(act(y.x, u.x), act(y.y, u.y));
-      const __nv_bfloat162 hi = __floats2bfloat162_rn(act(y.z, u.z), act(y.w, u.w));
+      const __nv_bfloat162 lo2 = __floats2bfloat162_rn(act(y.x, u.x), act(y.y, u.y));
+      const __nv_bfloat162 hi2 = __floats2bfloat162_rn(act(y.z, u.z), act(y.w, u.w));
       uint2 bits;
-      bits.x = *reinterpret_cast<const uint32_t*>(&lo);
-      bits.y = *reinterpret_cast<const uint32_t*>(&hi);
+      bits.x = *reinterpret_cast<const uint32_t*>(&lo2);
+      bits.y = *reinterpret_cast<const uint32_t*>(&hi2);
       *reinterpret_cast<uint2*>(static_cast<bf16*>(a.out) + static_cast<size_t>(m) * F + n) = bits;
+    } else if constexpr (EP == Epilogue::RopeKV) {
+      const RopeKVArgs& R = a.rope;
+      const int n = rg * kSkRows + lo;  // the pairs' first column: head n / D, frequencies n % D ..
+      if (n >= a.N) continue;
+      const int head = n / R.D, f = n % R.D;
+      float x1[4] = {y.x, y.y, y.z, y.w}, x2[4] = {u.x, u.y, u.z, u.w};
+      if (R.bias != nullptr) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          x1[e] = __fadd_rn(x1[e], R.bias[n + e]);
+          x2[e] = __fadd_rn(x2[e], R.bias[n + half + e]);
+        }
+      }
+      const int p = *R.pos + m;
+      bf16* dst;
+      if (head < R.H)
+        dst = R.q_out + (static_cast<size_t>(m) * R.H + head) * R.D + f;
+      else if (p >= R.max_context)
+        continue;  // a token past the cache: its key and value are not kept
+      else if (head < R.H + R.Hkv)
+        dst = R.k_cache + (static_cast<size_t>(p) * R.Hkv + head - R.H) * R.D + f;
+      else
+        dst = R.v_cache + (static_cast<size_t>(p) * R.Hkv + head - R.H - R.Hkv) * R.D + f;
+      if (head < R.H + R.Hkv) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float c, sn;
+          rope_cos_sin(p, R.inv_freq[f + e], c, sn);
+          rope_rotate(x1[e], x2[e], c, sn, x1[e], x2[e]);
+        }
+      }
+      const __nv_bfloat162 a01 = __floats2bfloat162_rn(x1[0], x1[1]), a23 = __floats2bfloat162_rn(x1[2], x1[3]);
+      const __nv_bfloat162 b01 = __floats2bfloat162_rn(x2[0], x2[1]), b23 = __floats2bfloat162_rn(x2[2], x2[3]);
+      *reinterpret_cast<uint2*>(dst) =
+          make_uint2(*reinterpret_cast<const uint32_t*>(&a01), *reinterpret_cast<const uint32_t*>(&a23));
+      *reinterpret_cast<uint2*>(dst + half) =
+          make_uint2(*reinterpret_cast<const uint32_t*>(&b01), *reinterpret_cast<const uint32_t*>(&b23));
     } else {
       const int n = rg * kSkRows + o;
       if (n >= a.N) continue;
@@ -375,6 +423,7 @@ void dispatch_ep(const SkinnyPlan& p, const SkArgs& a, cudaStream_t stream) {
     case Epilogue::Store: launch_skinny<NT, Epilogue::Store, A>(p, a, stream); break;
     case Epilogue::AddResidual: launch_skinny<NT, Epilogue::AddResidual, A>(p, a, stream); break;
     case Epilogue::SwiGLU: launch_skinny<NT, Epilogue::SwiGLU, A>(p, a, stream); break;
+    case Epilogue::RopeKV: launch_skinny<NT, Epilogue::RopeKV, A>(p, a, stream); break;
     default: AF_CHECK(false, "gemm_w8a16_skinny: unknown epilogue");
   }
 }
@@ -382,7 +431,8 @@ void dispatch_ep(const SkinnyPlan& p, const SkArgs& a, cudaStream_t stream) {
 }  // namespace
 
 bool gemm_w8a16_skinny_supported(Epilogue ep, int M, int N, int K) {
-  const bool ep_ok = ep == Epilogue::Store || ep == Epilogue::AddResidual || (ep == Epilogue::SwiGLU && N % 32 == 0);
+  const bool ep_ok = ep == Epilogue::Store || ep == Epilogue::AddResidual || ep == Epilogue::RopeKV ||
+                     (ep == Epilogue::SwiGLU && N % 32 == 0);
   return ep_ok && M >= 1 && M <= kSkinnyMaxRows && N >= 16 && N % 16 == 0 && K >= kSkIter && K % kSkIter == 0 &&
          CEIL_DIV(K, kGroup) <= kSkinnyMaxSplits * kSkinnyMaxGroups;
 }
@@ -434,20 +484,45 @@ SkinnyPlan plan_gemm_skinny(Epilogue ep, Act xt, int M, int N, int K, int splits
   return p;
 }
 
-void gemm_w8a16_skinny(const SkinnyPlan& p, const uint8_t* w, const float* scales, const void* x, void* out,
-                       cudaStream_t stream) {
+static void run_skinny(const SkinnyPlan& p, const uint8_t* w, const float* scales, const void* x, void* out,
+                       const RopeKVArgs& rope, cudaStream_t stream) {
   AF_CHECK(gemm_w8a16_skinny_supported(p.ep, p.M, p.N, p.K) && (p.nt == 4 || p.nt == 8) && p.nt * 8 >= p.M &&
                p.splits >= 1 && p.splits <= kSkinnyMaxSplits && p.kg >= 1 && p.kg <= kSkinnyMaxGroups &&
                (p.splits - 1) * p.kg < CEIL_DIV(p.K, kGroup) && p.splits * p.kg >= CEIL_DIV(p.K, kGroup),
            "gemm_w8a16_skinny: the plan is not one plan_gemm_skinny makes");
   AF_CHECK(reinterpret_cast<uintptr_t>(w) % 16 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
-               reinterpret_cast<uintptr_t>(out) % 16 == 0,
+               (p.ep == Epilogue::RopeKV || (out != nullptr && reinterpret_cast<uintptr_t>(out) % 16 == 0)),
            "gemm_w8a16_skinny: w, x and out must be 16-byte aligned");
-  const SkArgs a{w, scales, static_cast<const uint16_t*>(x), out, p.M, p.N, p.K, p.kg};
+  const SkArgs a{w, scales, static_cast<const uint16_t*>(x), out, p.M, p.N, p.K, p.kg, rope};
   if (p.xt == Act::F16)
     p.nt == 4 ? dispatch_ep<4, Act::F16>(p, a, stream) : dispatch_ep<8, Act::F16>(p, a, stream);
   else
     p.nt == 4 ? dispatch_ep<4, Act::BF16>(p, a, stream) : dispatch_ep<8, Act::BF16>(p, a, stream);
+}
+
+bool gemm_w8a16_skinny_rope_supported(int N, int H, int Hkv, int D) {
+  return H >= 1 && Hkv >= 1 && D >= 8 && D % 8 == 0 && kSkRows % D == 0 && N == (H + 2 * Hkv) * D;
+}
+
+void gemm_w8a16_skinny(const SkinnyPlan& p, const uint8_t* w, const float* scales, const void* x, void* out,
+                       cudaStream_t stream) {
+  AF_CHECK(p.ep != Epilogue::RopeKV, "gemm_w8a16_skinny: RopeKV is gemm_w8a16_skinny_rope's");
+  run_skinny(p, w, scales, x, out, RopeKVArgs{}, stream);
+}
+
+void gemm_w8a16_skinny_rope(const SkinnyPlan& p, const uint8_t* w, const float* scales, const void* x,
+                            const RopeKVArgs& rope, cudaStream_t stream) {
+  AF_CHECK(p.ep == Epilogue::RopeKV, "gemm_w8a16_skinny_rope: the plan must be RopeKV's");
+  AF_CHECK(gemm_w8a16_skinny_rope_supported(p.N, rope.H, rope.Hkv, rope.D) && rope.max_context >= 1,
+           "gemm_w8a16_skinny_rope: needs N = (H + 2 Hkv) head_dim, head_dim a multiple of 8 dividing 128, "
+           "max_context >= 1");
+  AF_CHECK(rope.inv_freq != nullptr && rope.pos != nullptr && rope.q_out != nullptr && rope.k_cache != nullptr &&
+               rope.v_cache != nullptr,
+           "gemm_w8a16_skinny_rope: needs inv_freq, pos, q_out and the caches");
+  AF_CHECK(reinterpret_cast<uintptr_t>(rope.q_out) % 8 == 0 && reinterpret_cast<uintptr_t>(rope.k_cache) % 8 == 0 &&
+               reinterpret_cast<uintptr_t>(rope.v_cache) % 8 == 0,
+           "gemm_w8a16_skinny_rope: q_out and the caches must be 8-byte aligned");
+  run_skinny(p, w, scales, x, nullptr, rope, stream);
 }
 
 }  // namespace atomflow::kernels

@@ -211,8 +211,9 @@ void gemm_w8a16_sm90_transpose_scales(const float* scales, int N, int K, float* 
 // tokens on its 8-wide side; products with fewer 128-row blocks than SMs split their scale groups over a
 // thread-block cluster whose blocks add each other's partial sums in rank order (deterministic). Weights
 // exact in the activation's 16-bit type, the group scales applied to fp32 partial sums (gemm_w8a16's
-// recipe, not the sm90 GEMM's rounding of w * s). Epilogues Store, AddResidual (fp32 [M, N]) and SwiGLU
-// (N = 2F, bf16 [M, F]); under PDL (its weights and scales load before its wait). No workspace.
+// recipe, not the sm90 GEMM's rounding of w * s). Epilogues Store, AddResidual (fp32 [M, N]), SwiGLU
+// (N = 2F, bf16 [M, F]) and RopeKV (gemm_w8a16_skinny_rope); under PDL (its weights and scales load before
+// its wait). No workspace.
 // Shapes: 1 <= M <= kSkinnyMaxRows, N % 16 == 0 (SwiGLU: N % 32 == 0), K % 64 == 0, at most
 // kSkinnyMaxSplits x kSkinnyMaxGroups scale groups (K <= 24576).
 constexpr int kSkinnyMaxRows = 64, kSkinnyMaxSplits = 8, kSkinnyMaxGroups = 24;
@@ -234,6 +235,12 @@ bool gemm_w8a16_skinny_supported(Epilogue ep, int M, int N, int K);
 SkinnyPlan plan_gemm_skinny(Epilogue ep, Act xt, int M, int N, int K, int splits = 0, int sm_count = 0);
 void gemm_w8a16_skinny(const SkinnyPlan& plan, const uint8_t* w, const float* scales, const void* x, void* out,
                        cudaStream_t stream);
+// The QKV product with RoPE + KV append in its epilogue: the bits of gemm_w8a16_skinny(Store) then
+// rope_kv_append(extras: the bias only) in one launch. Needs N = (H + 2 Hkv) D with D a multiple of 8 that
+// divides 128 (a block's rows are whole heads); no per-head q/k norm. plan: plan_gemm_skinny(RopeKV, ...).
+bool gemm_w8a16_skinny_rope_supported(int N, int H, int Hkv, int D);
+void gemm_w8a16_skinny_rope(const SkinnyPlan& plan, const uint8_t* w, const float* scales, const void* x,
+                            const RopeKVArgs& rope, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------
 // gemv_w8a16_m.cu: the GEMV for small M (1 <= M <= 64 rows of x: short prompts, a chunked prompt's

@@ -6,6 +6,7 @@
 // row threshold below); this struct holds
 // their answers for the shapes one model's decode step has.
 #pragma once
+#include <algorithm>
 #include <string>
 
 #include "atomflow/kernels.h"
@@ -37,6 +38,9 @@ struct PlanOptions {
   // weights streamed as the decode GEMV streams them) instead of the sm90 GEMM. Other bits (its recipe keeps
   // w * s exact, the sm90 GEMM rounds it to 16 bits): off only for comparisons.
   bool skinny_gemm = true;
+  // Those chunks' QKV product does RoPE + KV append in its epilogue where StepPlan::skinny_rope says it can
+  // (same bits as the two launches).
+  bool skinny_rope = true;
 };
 
 struct StepPlan {
@@ -133,6 +137,22 @@ struct StepPlan {
   static constexpr int kSkinnyMaxRows = 32;
   static_assert(kSkinnyMaxRows <= kernels::kSkinnyMaxRows, "the skinny GEMM's rows");
   int skinny_max_rows = 0;
+  // Their QKV product with RoPE + KV append in its epilogue (gemm_w8a16_skinny_rope, the bits of the Store
+  // product and rope_kv_append): PlanOptions::skinny_rope, no per-head q/k norm, head_dim dividing 128.
+  bool skinny_rope = false;
+  // A prompt chunk (not a verify chunk nor prefill_rows' rows, which must be decode steps' bits) of
+  // skinny_min_rows..small_m_max_rows rows takes the skinny GEMM too (RMSNorm apart), where skinny_max_rows says
+  // it runs. Measured (H100, `tools/prefill_profile.py MODEL -p 2,3,4,5,6,8,... --option skinny_gemm=0`, the
+  // skinny GEMM from 2 rows against the small-M GEMV, Engine.prefill wall): 3B 2 / 3 / 4 / 5 / 6 / 8 rows 2.50 /
+  // 2.48 / 2.48 / 2.50 / 2.48 / 2.47 ms against 2.21 / 2.37 / 2.48 / 2.61 / 2.62 / 2.75; 8B 2 / 4 / 6 rows 4.56 /
+  // 4.63 / 4.54 against 4.02 / 4.52 / 5.05: the skinny GEMM from 5 rows.
+  static constexpr int kSkinnyMinRows = 5;
+  int skinny_min_rows = kSkinnyMinRows;
+  // The most rows of a chunk that runs on the small-M GEMV: every chunk of up to small_m_max_rows whose rows
+  // are decode steps; a prompt chunk below skinny_min_rows where the skinny GEMM runs.
+  int small_m_rows(bool step_rows) const {
+    return step_rows || skinny_max_rows == 0 ? small_m_max_rows : std::min(small_m_max_rows, skinny_min_rows - 1);
+  }
   // With PlanOptions::prefill_fp8, chunks of at least w8a8_min_rows rows run their products on the FP8
   // recipe (gemm_w8a8_sm90), kNever otherwise. Measured on an H200 (bench_kernels.py --sections
   // gemm_w8a8, one layer against the W8A16 GEMM's kind for the rows, the activation quantizer
