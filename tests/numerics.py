@@ -70,6 +70,18 @@ def llama_inv_freq(D, theta=500000.0) -> np.ndarray:
     return (1.0 / theta ** (np.arange(0, D, 2, dtype=np.float64) / D)).astype(np.float32)
 
 
+def assert_rope_writes(got, want, k_cache0, v_cache0, pos: int, rows: int) -> None:
+    """A fused QKV launch's (q, k_cache, v_cache) equal the Store product + rope_kv_append's `want` bit for bit,
+    the rows of the chunk's positions inside the cache were written, and no other cache row was touched."""
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+    kc, vc = got[1], got[2]
+    inside = max(0, min(rows, len(k_cache0) - pos))
+    for c, c0 in ((kc, k_cache0), (vc, v_cache0)):
+        assert np.array_equal(c[:pos], c0[:pos]) and np.array_equal(c[pos + inside :], c0[pos + inside :])
+    assert inside == 0 or not np.array_equal(kc[pos : pos + inside], k_cache0[pos : pos + inside])
+
+
 def random_fp8(rng, shape) -> np.ndarray:
     """Uniformly random e4m3 codes (zeros, subnormals and +-448 included), NaN codes excluded."""
     b = rng.integers(0, 256, size=shape, dtype=np.uint8)
