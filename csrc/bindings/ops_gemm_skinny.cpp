@@ -1,6 +1,6 @@
 // _core.ops: the skinny W8A16 GEMM for prompt chunks of up to 64 rows (gemm_w8a16_skinny.cu), its QKV
-// product with RoPE + KV append, its plan, and its timer. splits overrides the plan's split of the scale groups (0: the
-// plan's choice), so the tests can run every cluster size and the benches sweep them.
+// product with RoPE + KV append, its plan, and its timer. splits overrides the plan's split of the scale
+// groups (0: the plan's choice), so the tests can run every cluster size and the benches sweep them.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 

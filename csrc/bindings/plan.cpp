@@ -118,8 +118,8 @@ py::dict plan_to_dict(const StepPlan& p) {
   d["prefill_attention"] = pre;
   d["prefill_small_m_max_rows"] = p.small_m_max_rows;  // chunks of 2..this many rows: gemv_w8a16_m
   d["prefill_small_m_rope"] = p.small_m_rope;          // ... their QKV product with RoPE + KV append fused
-  // prompt chunks of skinny_min..skinny_max rows (verify chunks and prefill_rows' past 16): gemm_w8a16_skinny
-  // (None: never)
+  // prompt chunks of skinny_min..skinny_max rows: gemm_w8a16_skinny (None: never); verify chunks and
+  // prefill_rows' rows take it only past prefill_small_m_max_rows (StepPlan::small_m_rows)
   d["prefill_skinny_min_rows"] =
       p.skinny_max_rows > 0 ? py::object(py::int_(p.small_m_rows(false) + 1)) : py::object(py::none());
   d["prefill_skinny_max_rows"] =

@@ -192,7 +192,7 @@ void Engine::enqueue_layers(int rows, int attn_keys) {
 
 // RMSNorm of the residual stream, then a linear layer. At M = 1 the norm is fused into the GEMV's
 // prologue (bit-identical to the two kernels, as the plan `fused` says), and so it is on the small-M
-// GEMV (2..small_m_max_rows rows: gemv_w8a16_m_rmsnorm, bit-identical to rmsnorm + gemv_w8a16_m); probe
+// GEMV (2..StepPlan::small_m_rows rows: gemv_w8a16_m_rmsnorm, bit-identical to rmsnorm + gemv_w8a16_m); probe
 // mode keeps them apart to see the norm (the GEMV as the plan `probed` says).
 void Engine::normed_linear(const bf16* norm, const char* probe_name, int layer, const kernels::GemvPlan& fused,
                            const kernels::GemvPlan& probed, const uint8_t* w, const float* scales,
