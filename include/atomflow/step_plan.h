@@ -141,17 +141,16 @@ struct StepPlan {
   // product and rope_kv_append): PlanOptions::skinny_rope, no per-head q/k norm, head_dim dividing 128.
   bool skinny_rope = false;
   // A prompt chunk (not a verify chunk nor prefill_rows' rows, which must be decode steps' bits) of
-  // skinny_min_rows..small_m_max_rows rows takes the skinny GEMM too (RMSNorm apart), where skinny_max_rows says
+  // kSkinnyMinRows..small_m_max_rows rows takes the skinny GEMM too (RMSNorm apart), where skinny_max_rows says
   // it runs. Measured (H100, `tools/prefill_profile.py MODEL -p 2,3,4,5,6,8,... --option skinny_gemm=0`, the
   // skinny GEMM from 2 rows against the small-M GEMV, Engine.prefill wall): 3B 2 / 3 / 4 / 5 / 6 / 8 rows 2.50 /
   // 2.48 / 2.48 / 2.50 / 2.48 / 2.47 ms against 2.21 / 2.37 / 2.48 / 2.61 / 2.62 / 2.75; 8B 2 / 4 / 6 rows 4.56 /
   // 4.63 / 4.54 against 4.02 / 4.52 / 5.05: the skinny GEMM from 5 rows.
   static constexpr int kSkinnyMinRows = 5;
-  int skinny_min_rows = kSkinnyMinRows;
   // The most rows of a chunk that runs on the small-M GEMV: every chunk of up to small_m_max_rows whose rows
-  // are decode steps; a prompt chunk below skinny_min_rows where the skinny GEMM runs.
+  // are decode steps; a prompt chunk below kSkinnyMinRows where the skinny GEMM runs.
   int small_m_rows(bool step_rows) const {
-    return step_rows || skinny_max_rows == 0 ? small_m_max_rows : std::min(small_m_max_rows, skinny_min_rows - 1);
+    return step_rows || skinny_max_rows == 0 ? small_m_max_rows : std::min(small_m_max_rows, kSkinnyMinRows - 1);
   }
   // With PlanOptions::prefill_fp8, chunks of at least w8a8_min_rows rows run their products on the FP8
   // recipe (gemm_w8a8_sm90), kNever otherwise. Measured on an H200 (bench_kernels.py --sections
