@@ -186,6 +186,31 @@ def test_gemm_skinny_plan(N, K, ep):
                 assert 0 < p["smem"] <= MAX_SMEM, what
 
 
+# Splits measured fastest on an H100 (every split of every product timed at 8 / 16 / 32 rows,
+# docs/design/gemm_w8a16_skinny.md): down needs the clusters the device really holds at once (a cluster
+# sits in one GPC), not the SMs' block slots: 3B 8 splits (15.4-17.9 us against 7's 17.6-19.6), 8B 7
+# (28.7-31.6 against 5's 33.0-35.5; 8 splits do not fit at once, 35.7). 3B o 8, both gate_ups 2.
+MEASURED_SPLITS = [
+    ("3B down", 3072, 8192, ADD, "bf16", 8),
+    ("8B down", 4096, 14336, ADD, "bf16", 7),
+    ("3B o", 3072, 3072, ADD, "bf16", 8),
+    ("3B gate_up", 16384, 3072, SWIGLU, "f16", 2),
+    ("8B gate_up", 28672, 4096, SWIGLU, "f16", 2),
+]
+
+
+@pytest.mark.parametrize("what,N,K,ep,x_dtype,splits", MEASURED_SPLITS, ids=[m[0] for m in MEASURED_SPLITS])
+def test_gemm_skinny_plan_takes_the_measured_splits(what, N, K, ep, x_dtype, splits):
+    """On a 132-SM Hopper part (H100 SXM, H200) the plan's split of each product is the one measured
+    fastest, at every row count the prompt path gives it."""
+    from atomflow import _core
+
+    if _core.device_info()["sm_count"] != 132:
+        pytest.skip("the splits were measured on 132-SM parts")
+    for M in (5, 8, 16, 32):
+        assert ops.gemm_skinny_plan(M, N, K, ep, x_dtype)["splits"] == splits, f"{what} at {M} rows"
+
+
 def test_gemm_skinny_timer():
     """The timer runs the plan's launch on a model shape and returns a time per launch."""
     us = ops.time_gemm_skinny(32, 3072, 3072, iters=3, epilogue=ADD)

@@ -22,7 +22,6 @@ struct GemmRoute {
   int sm90_min;     // StepPlan::sm90_gemm_min_rows
   int w8a8_min;     // StepPlan::w8a8_min_rows: from these rows on, gemm_w8a8_sm90
   int skinny_max;   // StepPlan::skinny_max_rows: up to these rows, gemm_w8a16_skinny
-  int sm_count;     // StepPlan::sm_count (the skinny GEMM's plan)
   bool gemm_pdl;    // PlanOptions::gemm_pdl
   void* ws;         // the engine's gemm_ws
   size_t ws_bytes;  // its size
@@ -43,8 +42,7 @@ void linear(const kernels::GemvPlan& plan, const GemmRoute& route, const uint8_t
     const kernels::GemvIn in = xt == kernels::Act::F16 ? kernels::GemvIn::F16 : kernels::GemvIn::BF16;
     kernels::gemv_w8a16_m(kernels::plan_gemv_m(ep, in, rows, N, K), w, scales, x, xt, rows, N, K, ep, out, stream);
   } else if (rows <= route.skinny_max) {
-    kernels::gemm_w8a16_skinny(kernels::plan_gemm_skinny(ep, xt, rows, N, K, 0, route.sm_count), w, scales, x, out,
-                               stream);
+    kernels::gemm_w8a16_skinny(kernels::plan_gemm_skinny(ep, xt, rows, N, K), w, scales, x, out, stream);
   } else if (rows >= route.w8a8_min) {
     kernels::gemm_w8a8_sm90(w, scales, x, xt, rows, N, K, ep, out, route.ws, route.ws_bytes, stream);
   } else if (rows >= route.sm90_min) {
@@ -62,7 +60,6 @@ GemmRoute route_of(const StepPlan& plan, void* ws, size_t ws_bytes, bool step_ro
                    plan.sm90_gemm_min_rows,
                    plan.w8a8_min_rows,
                    plan.skinny_max_rows,
-                   plan.sm_count,
                    plan.options.gemm_pdl,
                    ws,
                    ws_bytes};
@@ -136,8 +133,8 @@ void Engine::enqueue_layers(int rows, int attn_keys) {
         const kernels::RopeKVArgs rope{buf_.inv_freq, buf_.pos, H, Hkv, D, C, buf_.q, L.k_cache, L.v_cache, L.bqkv};
         kernels::rmsnorm(buf_.x, L.attn_norm, rows, d, s.rms_norm_eps, buf_.xn, stream_);
         kernels::gemm_w8a16_skinny_rope(
-            kernels::plan_gemm_skinny(Epilogue::RopeKV, kernels::Act::F16, rows, s.qkv_dim(), d, 0, route.sm_count),
-            L.wqkv, L.wqkv_scale, buf_.xn, rope, stream_);
+            kernels::plan_gemm_skinny(Epilogue::RopeKV, kernels::Act::F16, rows, s.qkv_dim(), d), L.wqkv, L.wqkv_scale,
+            buf_.xn, rope, stream_);
         mark("gemm_qkv+rope", li);
       } else {
         // Prefill chunks, probed steps, and the decode steps of a split-QKV plan (plan.qkv: Store, NORM;

@@ -42,6 +42,9 @@
 #include <cooperative_groups.h>
 
 #include <algorithm>
+#include <map>
+#include <mutex>
+#include <tuple>
 
 #include "atomflow/kernels.h"
 #include "atomflow/pdl.cuh"
@@ -405,27 +408,64 @@ __global__ void __launch_bounds__(kSkThreads, SkTile<NT>::kBlocksPerSm) gemm_ski
 #endif
 }
 
+using SkKernel = void (*)(SkArgs);
+
+// The instance, its shared-memory limit raised once (to the most any plan asks).
 template <int NT, Epilogue EP, Act A>
-void launch_skinny(const SkinnyPlan& p, const SkArgs& a, cudaStream_t stream) {
+SkKernel skinny_kernel() {
   static const bool configured = [] {
     AF_CUDA_CHECK(cudaFuncSetAttribute(gemm_skinny_kernel<NT, EP, A>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        static_cast<int>(skinny_smem<NT>(kSkinnyMaxGroups))));
     return true;
   }();
   (void)configured;
-  af_launch_clusters(gemm_skinny_kernel<NT, EP, A>, dim3(p.splits, p.row_groups), dim3(kSkThreads),
-                     dim3(p.splits, 1, 1), p.smem, stream, a);
+  return gemm_skinny_kernel<NT, EP, A>;
 }
 
 template <int NT, Act A>
-void dispatch_ep(const SkinnyPlan& p, const SkArgs& a, cudaStream_t stream) {
-  switch (p.ep) {
-    case Epilogue::Store: launch_skinny<NT, Epilogue::Store, A>(p, a, stream); break;
-    case Epilogue::AddResidual: launch_skinny<NT, Epilogue::AddResidual, A>(p, a, stream); break;
-    case Epilogue::SwiGLU: launch_skinny<NT, Epilogue::SwiGLU, A>(p, a, stream); break;
-    case Epilogue::RopeKV: launch_skinny<NT, Epilogue::RopeKV, A>(p, a, stream); break;
+SkKernel kernel_for_ep(Epilogue ep) {
+  switch (ep) {
+    case Epilogue::Store: return skinny_kernel<NT, Epilogue::Store, A>();
+    case Epilogue::AddResidual: return skinny_kernel<NT, Epilogue::AddResidual, A>();
+    case Epilogue::SwiGLU: return skinny_kernel<NT, Epilogue::SwiGLU, A>();
+    case Epilogue::RopeKV: return skinny_kernel<NT, Epilogue::RopeKV, A>();
     default: AF_CHECK(false, "gemm_w8a16_skinny: unknown epilogue");
   }
+  return nullptr;
+}
+
+SkKernel kernel_of(int nt, Epilogue ep, Act xt) {
+  if (xt == Act::F16) return nt == 4 ? kernel_for_ep<4, Act::F16>(ep) : kernel_for_ep<8, Act::F16>(ep);
+  return nt == 4 ? kernel_for_ep<4, Act::BF16>(ep) : kernel_for_ep<8, Act::BF16>(ep);
+}
+
+// Clusters of `splits` blocks of this instance at `smem` bytes each that the current device holds at once
+// (cudaOccupancyMaxActiveClusters: a cluster sits in one GPC, so fewer than the SMs' block slots suggest);
+// asked once per device, instance, cluster size and shared memory.
+int resident_clusters(SkKernel k, int splits, size_t smem) {
+  static std::mutex mu;
+  static std::map<std::tuple<int, SkKernel, int, size_t>, int> known;
+  int device = 0;
+  AF_CUDA_CHECK(cudaGetDevice(&device));
+  const auto key = std::make_tuple(device, k, splits, smem);
+  std::lock_guard<std::mutex> lock(mu);
+  const auto it = known.find(key);
+  if (it != known.end()) return it->second;
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = splits;
+  attr.val.clusterDim.y = 1;
+  attr.val.clusterDim.z = 1;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(splits, 1, 1);
+  cfg.blockDim = dim3(kSkThreads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  int n = 0;
+  AF_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&n, k, &cfg));
+  known.emplace(key, n);
+  return n;
 }
 
 }  // namespace
@@ -437,24 +477,27 @@ bool gemm_w8a16_skinny_supported(Epilogue ep, int M, int N, int K) {
          CEIL_DIV(K, kGroup) <= kSkinnyMaxSplits * kSkinnyMaxGroups;
 }
 
-// Splits by a cost in scale groups a block streams: a wave of resident blocks takes its blocks' groups plus
-// one for the fixed part (x's first slabs, the reduction), and the whole product at least its groups over
-// one block an SM (a model of the stream, not measured split by split). The cheapest, then the fewest splits;
-// then as many groups a split as that leaves (no empty split).
-static int skinny_splits(int nt, int row_groups, int G, int sms) {
-  const int cap = sms * (nt == 4 ? SkTile<4>::kBlocksPerSm : SkTile<8>::kBlocksPerSm);
-  const double floor = static_cast<double>(row_groups) * G / sms;
-  int best = 0;
-  double best_cost = 0;
+// Splits by a cost in scale groups a block streams: the blocks of a wave stream at once, each its kg groups
+// plus one for the fixed part (x's first slabs, the reduction), and a wave is the clusters the device holds
+// at once (resident_clusters). A block alone on its SM streams slower than two blocks on one do, so a tie
+// goes to the most splits (measured: log 2026-11-27 d, every split of the 3B and 8B products); then as many
+// groups a split as that leaves (no empty split).
+static int skinny_splits(int nt, Epilogue ep, Act xt, int row_groups, int G) {
+  const SkKernel k = kernel_of(nt, ep, xt);
+  int best = 0, best_cost = 0;
   for (int s = CEIL_DIV(G, kSkinnyMaxGroups); s <= std::min(kSkinnyMaxSplits, G); ++s) {
     const int kg = CEIL_DIV(G, s);
-    const double cost = std::max(static_cast<double>(CEIL_DIV(row_groups * s, cap)) * (kg + 1), floor);
-    if (best == 0 || cost < best_cost) best = s, best_cost = cost;
+    if (CEIL_DIV(G, kg) != s) continue;  // the same split as a smaller s
+    const int clusters = resident_clusters(k, s, nt == 4 ? skinny_smem<4>(kg) : skinny_smem<8>(kg));
+    if (clusters == 0) continue;
+    const int cost = CEIL_DIV(row_groups, clusters) * (kg + 1);
+    if (best == 0 || cost <= best_cost) best = s, best_cost = cost;
   }
+  AF_CHECK(best > 0, "gemm_w8a16_skinny: no split of the scale groups fits the device");
   return best;
 }
 
-SkinnyPlan plan_gemm_skinny(Epilogue ep, Act xt, int M, int N, int K, int splits, int sm_count) {
+SkinnyPlan plan_gemm_skinny(Epilogue ep, Act xt, int M, int N, int K, int splits) {
   AF_CHECK(gemm_w8a16_skinny_supported(ep, M, N, K),
            "gemm_w8a16_skinny: unsupported shape (needs 1 <= M <= 64, N % 16 == 0 (SwiGLU N % 32 == 0), K % 64 == 0, "
            "K <= 24576)");
@@ -464,19 +507,9 @@ SkinnyPlan plan_gemm_skinny(Epilogue ep, Act xt, int M, int N, int K, int splits
   p.nt = M <= 32 ? 4 : 8;
   p.row_groups = ep == Epilogue::SwiGLU ? CEIL_DIV(N / 2, kSkRows / 2) : CEIL_DIV(N, kSkRows);
   AF_CHECK(p.row_groups <= 65535, "gemm_w8a16_skinny: N too large for the grid");
-  int s = splits;
-  if (s == 0) {
-    int sms = sm_count;
-    if (sms == 0) {
-      int device = 0;
-      AF_CUDA_CHECK(cudaGetDevice(&device));
-      AF_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    }
-    s = skinny_splits(p.nt, p.row_groups, G, sms);
-  }
+  const int s = splits == 0 ? skinny_splits(p.nt, ep, xt, p.row_groups, G) : splits;
   AF_CHECK(s >= 1 && s <= kSkinnyMaxSplits, "gemm_w8a16_skinny: splits must be 1..8");
-  s = std::min(s, G);
-  p.kg = CEIL_DIV(G, s);
+  p.kg = CEIL_DIV(G, std::min(s, G));
   AF_CHECK(p.kg <= kSkinnyMaxGroups, "gemm_w8a16_skinny: too few splits for K (at most 24 scale groups a split)");
   p.splits = CEIL_DIV(G, p.kg);
   p.threads = kSkThreads;
@@ -494,10 +527,8 @@ static void run_skinny(const SkinnyPlan& p, const uint8_t* w, const float* scale
                (p.ep == Epilogue::RopeKV || (out != nullptr && reinterpret_cast<uintptr_t>(out) % 16 == 0)),
            "gemm_w8a16_skinny: w, x and out must be 16-byte aligned");
   const SkArgs a{w, scales, static_cast<const uint16_t*>(x), out, p.M, p.N, p.K, p.kg, rope};
-  if (p.xt == Act::F16)
-    p.nt == 4 ? dispatch_ep<4, Act::F16>(p, a, stream) : dispatch_ep<8, Act::F16>(p, a, stream);
-  else
-    p.nt == 4 ? dispatch_ep<4, Act::BF16>(p, a, stream) : dispatch_ep<8, Act::BF16>(p, a, stream);
+  af_launch_clusters(kernel_of(p.nt, p.ep, p.xt), dim3(p.splits, p.row_groups), dim3(kSkThreads), dim3(p.splits, 1, 1),
+                     p.smem, stream, a);
 }
 
 bool gemm_w8a16_skinny_rope_supported(int N, int H, int Hkv, int D) {
