@@ -35,3 +35,18 @@ def test_labels():
     assert timeline.label(bias, 0) == "gemv qkv+norm+rope"
     assert timeline.label(ADD, 0) == "gemv o" and timeline.label(ADD, 1) == "gemv down"
     assert timeline.label("void atomflow::kernels::sample_kernel<(int)1>(float const*)", 0) == "sample_kernel"
+
+
+def skinny(ep: int) -> str:
+    return (
+        "void atomflow::kernels::(anonymous namespace)::gemm_skinny_kernel<4, (atomflow::kernels::Epilogue)"
+        f"{ep}, (atomflow::kernels::Act)1, false>(atomflow::kernels::(anonymous namespace)::SkArgs)"
+    )
+
+
+def test_a_prompt_chunks_skinny_products_are_named_by_their_place():
+    # Two layers of a prompt chunk: qkv+rope, attention, o, norm, gate_up, down each.
+    layer = [skinny(3), ATTN, skinny(1), "void atomflow::kernels::rmsnorm_kernel<256>(...)", skinny(2), skinny(1)]
+    step = [(float(i), float(i + 1), name) for i, name in enumerate(layer + layer)]
+    want = ["skinny qkv+rope", "attention_kernel", "skinny o", "rmsnorm_kernel", "skinny gate_up", "skinny down"]
+    assert [r["label"] for r in timeline.charge(step)] == want + want

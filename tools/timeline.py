@@ -13,9 +13,12 @@ With --verify K each step is a speculative verify of K + 1 rows instead (the bac
 small-M chunk, its attention rows, the head once for every row, greedy tokens on the device), rolled
 back after it, on an engine loaded for speculation (as speculative decoding runs);
 the small-M GEMV's launches are named by their place in the layer (qkv, o, gate_up, down; the last
-odd one the head).
+odd one the head). With --prefill N each step is a prompt of N tokens from an empty cache
+(Engine.prefill, as `atomflow bench`'s ppN runs it, the host's launches included); the skinny GEMM's
+launches are named by their epilogue (qkv+rope, o / down, gate_up).
 
-    python tools/timeline.py MODEL [--steps 16] [--context 128] [--max-context N] [--verify K] [--json out.json]
+    python tools/timeline.py MODEL [--steps 16] [--context 128] [--max-context N] [--verify K | --prefill N]
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import json
 import re
 import statistics
 import sys
+import time
 
 import numpy as np
 
@@ -52,6 +56,8 @@ def label(name: str, seen_add: int) -> str:
 
 
 GEMV_M_PRODUCTS = ("gemv_m qkv", "gemv_m o", "gemv_m gate_up", "gemv_m down")
+# gemm_skinny_kernel<NT, Epilogue, ...>: Epilogue 0 Store, 1 AddResidual (o, then down), 2 SwiGLU, 3 RopeKV.
+SKINNY = re.compile(r"gemm_skinny_kernel<\d+, \(atomflow::kernels::Epilogue\)(\d)")
 
 
 def charge(kernels: list[tuple[float, float, str]]) -> list[dict]:
@@ -59,10 +65,18 @@ def charge(kernels: list[tuple[float, float, str]]) -> list[dict]:
     rows, frontier, prev_end, adds = [], None, None, 0
     n_m = sum("gemv_w8a16_m_kernel" in k[2] for k in kernels)
     seen_m = 0
+    skinny_adds = 0
     for start, end, name in sorted(kernels):
         lab = label(name, adds)
         if lab in ("gemv o", "gemv down"):
             adds += 1
+        m = SKINNY.search(name)
+        if m:
+            ep = int(m.group(1))
+            lab = {0: "skinny store", 1: "skinny o" if skinny_adds % 2 == 0 else "skinny down", 2: "skinny gate_up"}.get(
+                ep, "skinny qkv+rope"
+            )
+            skinny_adds += ep == 1
         if "gemv_w8a16_m_kernel" in name:  # a layer's four products in order; an odd last one is the head
             lab = "gemv_m head" if n_m % 4 == 1 and seen_m == n_m - 1 else GEMV_M_PRODUCTS[seen_m % 4]
             seen_m += 1
@@ -86,10 +100,15 @@ def main(argv: list[str] | None = None) -> int:
         help="KV cache length (default: just what the steps need; `atomflow run` uses 8192)",
     )
     ap.add_argument("--verify", type=int, default=0, metavar="K", help="time a verify of K + 1 rows, not a decode step")
+    ap.add_argument("--prefill", type=int, default=0, metavar="N", help="time a prompt of N tokens, not a decode step")
     ap.add_argument("--json", help="also write the per-label table here")
     a = ap.parse_args(argv)
-    if a.steps < 1 or a.context < 0 or a.verify < 0:
-        ap.error("--steps must be >= 1, --context and --verify >= 0")
+    if a.steps < 1 or a.context < 0 or a.verify < 0 or a.prefill < 0:
+        ap.error("--steps must be >= 1, --context, --verify and --prefill >= 0")
+    if a.prefill and a.verify:
+        ap.error("--prefill and --verify time different steps: give one")
+    if a.prefill:
+        a.context = 0  # a prompt from an empty cache
     try:
         import torch
         from torch.profiler import ProfilerActivity, profile
@@ -103,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from atomflow import Engine
 
-    need = a.context + (a.verify + 1 if a.verify else a.steps) + 8
+    need = a.context + (a.verify + 1 if a.verify else a.prefill or a.steps) + 8
     if a.max_context is not None and a.max_context < need:
         ap.error(f"--max-context must be >= {need} (context + the steps' rows + 8)")
     extra = dict(speculate="ngram") if a.verify else {}
@@ -114,7 +133,14 @@ def main(argv: list[str] | None = None) -> int:
     if a.context:
         eng.prefill(ids[: a.context])
     token = int(ids[a.context])
-    if a.verify:
+    if a.prefill:
+        prompt = rng.integers(0, eng.spec.vocab_size, a.prefill).astype(np.int32)
+
+        def step() -> None:
+            eng.reset()
+            eng.prefill(prompt)  # returns once the last row's logits are on the host
+            time.sleep(0.002)  # an idle gap the split below finds: the host's launches may leave shorter ones
+    elif a.verify:
         be = eng.backend
         if a.verify + 1 > be.verify_rows:
             ap.error(f"--verify: this engine verifies at most {be.verify_rows - 1} drafts")
@@ -145,9 +171,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in events)
     # Split into steps where the GPU went idle: the host waits for each step before the next.
+    idle_us = 1000.0 if a.prefill else 20.0
     steps, cur = [], []
     for k in kernels:
-        if cur and k[0] - max(c[1] for c in cur) > 20.0:
+        if cur and k[0] - max(c[1] for c in cur) > idle_us:
             steps.append(cur)
             cur = []
         cur.append(k)
@@ -182,11 +209,14 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
     table.sort(key=lambda r: -r["charged_us"])
-    print(
-        f"timeline: {len(steps)} graph {f'verify steps of {a.verify + 1} rows' if a.verify else 'decode steps'} "
-        f"at context {a.context} (max_context {eng.max_context}), "
-        f"step span p50 {span:.1f} us"
+    what = (
+        f"prompts of {a.prefill} tokens"
+        if a.prefill
+        else f"graph verify steps of {a.verify + 1} rows"
+        if a.verify
+        else "graph decode steps"
     )
+    print(f"timeline: {len(steps)} {what} at context {a.context} (max_context {eng.max_context}), step span p50 {span:.1f} us")
     print(f"{'kernel':<24}{'per step':>9}{'charged us':>12}{'share':>8}{'each us':>9}{'own us':>8}{'gap us':>8}")
     for r in table:
         print(
