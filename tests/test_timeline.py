@@ -35,6 +35,8 @@ def test_labels():
     assert timeline.label(bias, 0) == "gemv qkv+norm+rope"
     assert timeline.label(ADD, 0) == "gemv o" and timeline.label(ADD, 1) == "gemv down"
     assert timeline.label("void atomflow::kernels::sample_kernel<(int)1>(float const*)", 0) == "sample_kernel"
+    anon = "void atomflow::kernels::(anonymous namespace)::attention_prefill_kernel<128, 2>(atomflow::kernels::PfArgs)"
+    assert timeline.label(anon, 0) == "attention_prefill_kernel"
 
 
 def skinny(ep: int) -> str:

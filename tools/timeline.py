@@ -51,7 +51,7 @@ def label(name: str, seen_add: int) -> str:
             0: "lm_head" if inp == 2 else "gemv store",
             1: "gemv o" if seen_add % 2 == 0 else "gemv down",
         }[ep]
-    short = re.sub(r"^void |\(.*$|<.*$", "", name).split("::")[-1]
+    short = re.sub(r"^void |\(.*$|<.*$", "", name.replace("(anonymous namespace)::", "")).split("::")[-1]
     return short
 
 
