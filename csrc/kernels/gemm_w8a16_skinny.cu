@@ -440,17 +440,8 @@ SkKernel kernel_of(int nt, Epilogue ep, Act xt) {
 }
 
 // Clusters of `splits` blocks of this instance at `smem` bytes each that the current device holds at once
-// (cudaOccupancyMaxActiveClusters: a cluster sits in one GPC, so fewer than the SMs' block slots suggest);
-// asked once per device, instance, cluster size and shared memory.
+// (cudaOccupancyMaxActiveClusters: a cluster sits in one GPC, so fewer than the SMs' block slots suggest).
 int resident_clusters(SkKernel k, int splits, size_t smem) {
-  static std::mutex mu;
-  static std::map<std::tuple<int, SkKernel, int, size_t>, int> known;
-  int device = 0;
-  AF_CUDA_CHECK(cudaGetDevice(&device));
-  const auto key = std::make_tuple(device, k, splits, smem);
-  std::lock_guard<std::mutex> lock(mu);
-  const auto it = known.find(key);
-  if (it != known.end()) return it->second;
   cudaLaunchAttribute attr{};
   attr.id = cudaLaunchAttributeClusterDimension;
   attr.val.clusterDim.x = splits;
@@ -464,7 +455,6 @@ int resident_clusters(SkKernel k, int splits, size_t smem) {
   cfg.numAttrs = 1;
   int n = 0;
   AF_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&n, k, &cfg));
-  known.emplace(key, n);
   return n;
 }
 
@@ -480,9 +470,9 @@ bool gemm_w8a16_skinny_supported(Epilogue ep, int M, int N, int K) {
 // Splits by a cost in scale groups a block streams: the blocks of a wave stream at once, each its kg groups
 // plus one for the fixed part (x's first slabs, the reduction), and a wave is the clusters the device holds
 // at once (resident_clusters). A block alone on its SM streams slower than two blocks on one do, so a tie
-// goes to the most splits (measured: log 2026-11-27 d, every split of the 3B and 8B products); then as many
-// groups a split as that leaves (no empty split).
-static int skinny_splits(int nt, Epilogue ep, Act xt, int row_groups, int G) {
+// goes to the most splits (measured: docs/design/gemm_w8a16_skinny.md, every split of the 3B and 8B
+// products); then as many groups a split as that leaves (no empty split).
+static int choose_splits(int nt, Epilogue ep, Act xt, int row_groups, int G) {
   const SkKernel k = kernel_of(nt, ep, xt);
   int best = 0, best_cost = 0;
   for (int s = CEIL_DIV(G, kSkinnyMaxGroups); s <= std::min(kSkinnyMaxSplits, G); ++s) {
@@ -495,6 +485,24 @@ static int skinny_splits(int nt, Epilogue ep, Act xt, int row_groups, int G) {
   }
   AF_CHECK(best > 0, "gemm_w8a16_skinny: no split of the scale groups fits the device");
   return best;
+}
+
+// choose_splits, asked once per device and shape (a prompt chunk plans every product it launches).
+static int skinny_splits(int nt, Epilogue ep, Act xt, int row_groups, int G) {
+  static std::mutex mu;
+  static std::map<std::tuple<int, int, int, int, int, int>, int> known;
+  int device = 0;
+  AF_CUDA_CHECK(cudaGetDevice(&device));
+  const auto key = std::make_tuple(device, nt, static_cast<int>(ep), static_cast<int>(xt), row_groups, G);
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    const auto it = known.find(key);
+    if (it != known.end()) return it->second;
+  }
+  const int s = choose_splits(nt, ep, xt, row_groups, G);
+  std::lock_guard<std::mutex> lock(mu);
+  known.emplace(key, s);
+  return s;
 }
 
 SkinnyPlan plan_gemm_skinny(Epilogue ep, Act xt, int M, int N, int K, int splits) {
