@@ -186,10 +186,11 @@ def test_gemm_skinny_plan(N, K, ep):
                 assert 0 < p["smem"] <= MAX_SMEM, what
 
 
-# Splits measured fastest on an H100 (every split of every product timed at 8 / 16 / 32 rows,
-# docs/design/gemm_w8a16_skinny.md): down needs the clusters the device really holds at once (a cluster
-# sits in one GPC), not the SMs' block slots: 3B 8 splits (15.4-17.9 us against 7's 17.6-19.6), 8B 7
-# (28.7-31.6 against 5's 33.0-35.5; 8 splits do not fit at once, 35.7). 3B o 8, both gate_ups 2.
+# Splits measured fastest on an H100 (every split of every product timed at 8 / 16 / 32 rows: `python
+# tools/bench_kernels.py --sections gemm_skinny_splits`, docs/design/gemm_w8a16_skinny.md): down needs the
+# clusters the device really holds at once (a cluster sits in one GPC), not the SMs' block slots: 3B 8 splits
+# (15.4-17.9 us against 7's 17.6-19.6), 8B 7 (28.7-31.6 against 5's 33.0-35.5; 8 splits do not fit at once,
+# 35.7). 3B o 8, both gate_ups 2.
 MEASURED_SPLITS = [
     ("3B down", 3072, 8192, ADD, "bf16", 8),
     ("8B down", 4096, 14336, ADD, "bf16", 7),

@@ -29,6 +29,7 @@ SECTIONS = (
     "gemm_sm90",
     "gemm_w8a8",
     "gemm_skinny",
+    "gemm_skinny_splits",
     "sample",
 )
 
@@ -414,6 +415,28 @@ def main(argv=None) -> int:
             "gemm_w8a16_skinny vs gemv_w8a16_m and gemm_w8a16_sm90 (us per launch, weights rotated past L2)",
             ["model", "M", "product", "x", "N x K", "skinny us", "GB/s", "of ceiling", "splits x kg", "gemv_m us"]
             + ["sm90 us", "M=1 gemv us", "fastest"],
+            rows,
+        )
+
+    if "gemm_skinny_splits" in run:
+        # Every split of the scale groups the skinny GEMM takes for each 3B / 8B product (its clusters of 1..8
+        # blocks), at the rows of a prompt chunk: the plan's choice (plan_gemm_skinny) marked, the fastest named.
+        rows, results["gemm_skinny_splits"] = [], []
+        x_of = {"qkv": "f16", "o": "bf16", "gate_up": "f16", "down": "bf16"}
+        for model in ("3B", "8B"):
+            for M in (8, 16, 32):
+                for name, N, K, ep in linear_shapes(MODELS[model])[:4]:
+                    x, G = x_of[name], -(-K // 128)
+                    splits = sorted({-(-G // -(-G // s)) for s in range(-(-G // 24), min(8, G) + 1)})
+                    us = {s: ops.time_gemm_skinny(M, N, K, iters=args.iters, epilogue=ep, x_dtype=x, splits=s) for s in splits}
+                    plan = ops.gemm_skinny_plan(M, N, K, ep, x)["splits"]
+                    best = min(us, key=us.get)
+                    cells = " ".join(f"s{s} {t:.1f}{'*' if s == plan else ''}" for s, t in us.items())
+                    rows.append([model, str(M), name, f"s{plan} {us[plan]:.1f}", f"s{best} {us[best]:.1f}", cells])
+                    results["gemm_skinny_splits"].append(dict(model=model, M=M, layer=name, plan=plan, us=us))
+        table(
+            "gemm_w8a16_skinny by split (us per launch, weights rotated past L2; * the plan's)",
+            ["model", "M", "product", "plan", "fastest", "every split"],
             rows,
         )
 

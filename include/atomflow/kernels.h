@@ -231,7 +231,7 @@ struct SkinnyPlan {
 bool gemm_w8a16_skinny_supported(Epilogue ep, int M, int N, int K);
 // splits > 0 overrides the plan's choice (the tests and benches; 1..kSkinnyMaxSplits, at most the scale
 // groups). The choice asks the current device how many clusters of each size it holds at once, once per
-// instance and size (cached: no driver query on the prompt path after the first chunk of a shape).
+// device and shape (cached: no driver query on the prompt path after the first chunk of a shape).
 SkinnyPlan plan_gemm_skinny(Epilogue ep, Act xt, int M, int N, int K, int splits = 0);
 void gemm_w8a16_skinny(const SkinnyPlan& plan, const uint8_t* w, const float* scales, const void* x, void* out,
                        cudaStream_t stream);
