@@ -86,8 +86,15 @@ def _print_plan(p: dict) -> None:
         verify = f" (verify chunks 2..{small})" if start <= small else ""
         parts = [f"gemv_w8a16_m for chunks of 2..{start - 1} rows{verify}{fused}"]
         if skinny:
-            roped = " (QKV with RoPE + KV append fused)" if p.get("prefill_skinny_rope") else ""
-            parts.append(f"gemm_w8a16_skinny for {start}..{skinny} rows{roped}")
+            fusions = [
+                what
+                for key, what in (
+                    ("prefill_skinny_rope", "QKV with RoPE + KV append fused"),
+                    ("prefill_skinny_norm", "RMSNorm split between the products around it"),
+                )
+                if p.get(key)
+            ]
+            parts.append(f"gemm_w8a16_skinny for {start}..{skinny} rows" + (f" ({'; '.join(fusions)})" if fusions else ""))
             start = skinny + 1
         if sm90:
             if sm90 > start:

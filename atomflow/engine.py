@@ -69,6 +69,7 @@ class Engine:
         verbose: bool = False,
         speculate: str | SpecConfig | None = None,
         prefill_recipe: str = "w8a16",
+        plan: dict[str, bool] | None = None,
     ) -> Engine:
         """backend: auto (cuda when usable, else cpu) | cuda | cpu. max_context: KV cache length
         (default min(8192, the model's max_position_embeddings)). eager: run CUDA without the
@@ -79,7 +80,8 @@ class Engine:
         equals plain greedy decoding's on the same engine.
         prefill_recipe: "w8a16" (default) or "w8a8": prompt chunks of 256+ rows quantize their activations
         to FP8 per token per 128 columns (FP8 tensor cores, ~1.2x the products' speed; other bits, its
-        quality in docs/design/gemm_w8a8_sm90.md); the CPU backend emulates it."""
+        quality in docs/design/gemm_w8a8_sm90.md); the CPU backend emulates it.
+        plan: step plan options of the CUDA backend (atomflow/backends/cuda.py PLAN_OPTIONS), for A/B runs."""
         t0 = time.perf_counter()
         spec = parse_speculate(speculate)
         model = AtomflowFile(path, verify=verify)
@@ -94,7 +96,9 @@ class Engine:
             )
             raise ValueError(f"max_context must be an integer in [1, {limit}] ({what}), got {max_context!r}")
         tok = model.tokenizer()  # checked before the (slow) backend load: parses, fits the vocab, template renders
-        be = make_backend(backend, model, max_context, eager=eager, verbose=verbose, prefill_recipe=prefill_recipe)
+        be = make_backend(
+            backend, model, max_context, eager=eager, verbose=verbose, prefill_recipe=prefill_recipe, **(plan or {})
+        )
         return cls(model, be, tok, time.perf_counter() - t0, speculate=spec)
 
     # -- low level: logits ---------------------------------------------------------------------

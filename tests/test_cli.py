@@ -144,11 +144,16 @@ SM90_TILES = [[64, "narrow-streamk"], [256, "wide-streamk"], [None, "wide"]]
         (
             32,
             17,
-            "2..4 rows (verify chunks 2..16), gemm_w8a16_skinny for 5..32 rows (QKV with RoPE + KV append fused), "
-            "gemm_w8a16_sm90 (CUTLASS wgmma) from 33",
+            "2..4 rows (verify chunks 2..16), gemm_w8a16_skinny for 5..32 rows (QKV with RoPE + KV append fused; RMSNorm "
+            "split between the products around it), gemm_w8a16_sm90 (CUTLASS wgmma) from 33",
         ),
         (None, 17, "2..16 rows, gemm_w8a16_sm90 (CUTLASS wgmma) from 17 rows"),
-        (32, None, "gemm_w8a16_skinny for 5..32 rows (QKV with RoPE + KV append fused), gemm_w8a16 (tensor cores) from 33"),
+        (
+            32,
+            None,
+            "gemm_w8a16_skinny for 5..32 rows (QKV with RoPE + KV append fused; RMSNorm split between the products "
+            "around it), gemm_w8a16",
+        ),
         (None, None, "2..16 rows, gemm_w8a16 (tensor cores) from 17 rows"),
     ],
 )
@@ -172,6 +177,7 @@ def test_plan_table_names_the_prompt_route(capsys, skinny, sm90, route):
         prefill_skinny_max_rows=skinny,
         prefill_skinny_min_rows=5 if skinny else None,
         prefill_skinny_rope=skinny is not None,
+        prefill_skinny_norm=skinny is not None,
         prefill_sm90_gemm_min_rows=sm90,
         prefill_sm90_tiles=SM90_TILES,
     )

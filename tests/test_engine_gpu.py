@@ -132,6 +132,41 @@ def test_skinny_rope_keeps_the_two_launches_bits(model_files, model, n):
     np.testing.assert_array_equal(on[3], off[3])
 
 
+@pytest.mark.parametrize("n", [5, 20, 32])
+def test_skinny_norm_split_matches_the_rmsnorm_launches(model_files, n):
+    """A skinny chunk's RMSNorms (but layer 0's first) split between the products around them
+    (StepPlan::skinny_norm): o and down leave bf16(x * w) and their sums of squares, qkv and gate_up normalize
+    their sums. Another rounding than the rmsnorm launches (skinny_norm=False), both close to the reference; the
+    decode step after the prompt reads the prompt's cache rows either way."""
+    m = model_files("tiny-3072")  # a width the plan splits the norm at (StepPlan::kSkinnyNormHidden)
+    ids = prompt(n, m.spec.vocab_size, seed=90 + n)
+    on, off = cuda(m, 256), cuda(m, 256, skinny_norm=False)
+    assert on.step_plan["prefill_skinny_norm"] and not off.step_plan["prefill_skinny_norm"]
+    assert not off.step_plan["options"]["skinny_norm"]
+    ref = cpu(m, 256)
+    want = ref.prefill(ids)
+    got_on, got_off = on.prefill(ids), off.prefill(ids)
+    assert_close(got_on, want, "split RMSNorm")
+    assert_close(got_off, want, "rmsnorm launches")
+    assert_close(got_on, got_off, "split RMSNorm against the launches")
+    token = int(np.argmax(want))
+    assert_close(on.decode(token), ref.decode(token), "the step after a split-norm prompt")
+
+
+@pytest.mark.parametrize("hidden,ffn,heads,on", [(2048, 8192, 32, False), (3072, 8192, 24, True), (4096, 14336, 32, False)])
+def test_skinny_norm_split_where_it_was_measured_to_pay(tiny, hidden, ffn, heads, on):
+    """The plan splits a skinny chunk's RMSNorms at the hidden sizes where that was measured to pay
+    (StepPlan::kSkinnyNormHidden: the 3B's, not the 1B's nor the 8B's), and only with the skinny GEMM."""
+    from atomflow import _core
+
+    spec = dict(tiny.spec.to_dict(), hidden_size=hidden, intermediate_size=ffn, num_heads=heads, num_kv_heads=8)
+    spec["head_dim"] = 128
+    plan = _core.plan_for(spec, 1024)
+    assert plan["prefill_skinny_max_rows"] == 32
+    assert plan["prefill_skinny_norm"] == on
+    assert not _core.plan_for(spec, 1024, skinny_gemm=False)["prefill_skinny_norm"]
+
+
 @pytest.mark.parametrize("n", [2, 7, 16])
 def test_small_m_prefill_equals_decode_steps(tiny, n):
     """A chunk of 2..16 rows runs its products through the small-M GEMV, whose row m is the decode
@@ -699,6 +734,7 @@ def test_info_plan_lists_every_product(tiny):
         gemm_pdl=True,
         skinny_gemm=True,
         skinny_rope=True,
+        skinny_norm=True,
         pdl=plan["options"]["pdl"],
     )
     # The engine's own plan is the same.
@@ -709,7 +745,7 @@ def test_info_plan_lists_every_product(tiny):
         assert product in table and when in table
     # The prompt chunks' products by rows (StepPlan: small_m_max_rows, skinny_max_rows, sm90_gemm_min_rows).
     assert plan["prefill_small_m_max_rows"] == 16 and plan["prefill_skinny_max_rows"] == 32
-    assert plan["prefill_skinny_min_rows"] == 5 and plan["prefill_skinny_rope"]
+    assert plan["prefill_skinny_min_rows"] == 5 and plan["prefill_skinny_rope"] and not plan["prefill_skinny_norm"]
     if plan["prefill_sm90_gemm_min_rows"] is not None:  # a build with nvidia-cutlass
         assert "gemm_w8a16_skinny for 5..32 rows (QKV with RoPE + KV append fused), gemm_w8a16_sm90" in table
 

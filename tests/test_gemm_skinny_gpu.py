@@ -35,7 +35,7 @@ from numerics import (  # noqa: E402
     silu_mul,
 )
 
-ops, WHY_NOT = load_ops("gemm_skinny", "gemm_skinny_rope", "gemm_skinny_plan", "time_gemm_skinny")
+ops, WHY_NOT = load_ops("gemm_skinny", "gemm_skinny_rope", "gemm_skinny_norm_out", "gemm_skinny_plan", "time_gemm_skinny")
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(ops is None, reason=f"gpu: {WHY_NOT}")]
 
 EPILOGUES = {STORE: "Store", ADD: "AddResidual", SWIGLU: "SwiGLU"}
@@ -306,3 +306,105 @@ def test_gemm_skinny_rope_rejects_bad_arguments(rng):
         ops.gemm_skinny_rope(w, s, x, llama_inv_freq(D), 0, H, Hkv, D, kc[:, :, :32].copy(), kc.copy(), None, "f16")
     with pytest.raises(ValueError):  # epilogue 3 (RopeKV) is gemm_skinny_rope's, not gemm_skinny's
         ops.gemm_skinny(w, s, x, 3)
+
+
+# ------------------------------------------------------------------------------ the split RMSNorm
+NORM_OUT_SHAPES = [
+    pytest.param(3072, 3072, id="3b-o"),
+    pytest.param(3072, 8192, id="3b-down"),
+    pytest.param(576, 1536, id="smollm2-down"),  # N = 576: a row group half past the end
+    pytest.param(4096, 14336, id="8b-down", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("N,K", NORM_OUT_SHAPES)
+@pytest.mark.parametrize("M", [1, 5, 17, 32, 64])
+def test_gemm_skinny_norm_out(rng, N, K, M):
+    """The AddResidual product with a split RMSNorm's first half: out is the plain product's, bit for bit;
+    xw = bf16(out * norm_w) (fp32 product, rounded to nearest even); ss holds, per row, the sum of squares of
+    each row group's 128 columns (the cluster's blocks added in split order)."""
+    w, s = random_fp8(rng, (N, K)), random_scales(rng, N, K)
+    x = bf16_bits(rng.standard_normal((M, K)))
+    out0 = (rng.standard_normal((M, N)) * 4).astype(np.float32)
+    nw = bf16_bits(rng.uniform(0.2, 2.0, N))
+    out, xw, ss = ops.gemm_skinny_norm_out(w, s, x, out0, nw, "bf16")
+    np.testing.assert_array_equal(out, ops.gemm_skinny(w, s, x, ADD, out0, "bf16"))
+    np.testing.assert_array_equal(xw, bf16_bits(out * from_bf16(nw).astype(np.float32)[None, :]))
+    plan = ops.gemm_skinny_plan(M, N, K, ADD, "bf16")
+    assert ss.shape == (M, plan["row_groups"]) == (M, -(-N // 128))
+    sq = out.astype(np.float64) ** 2
+    for rg in range(ss.shape[1]):
+        want = sq[:, rg * 128 : (rg + 1) * 128].sum(axis=1)
+        np.testing.assert_allclose(ss[:, rg], want, rtol=FP32_REL, atol=0, err_msg=f"row group {rg}")
+
+
+@pytest.mark.parametrize("splits", [1, 3, 8])
+def test_gemm_skinny_norm_out_any_split(rng, splits):
+    """Whatever the cluster's split, a row group's sum of squares covers its 128 columns once."""
+    N, K, M = 640, 3072, 9
+    w, s = random_fp8(rng, (N, K)), random_scales(rng, N, K)
+    x = bf16_bits(rng.standard_normal((M, K)))
+    out0 = np.zeros((M, N), np.float32)
+    out, _, ss = ops.gemm_skinny_norm_out(w, s, x, out0, bf16_bits(np.ones(N)), "bf16", splits)
+    want = (out.astype(np.float64) ** 2).reshape(M, N // 128, 128).sum(axis=2)
+    np.testing.assert_allclose(ss, want, rtol=FP32_REL, atol=0)
+
+
+NORM_IN_SHAPES = [
+    pytest.param(5120, 3072, STORE, id="3b-qkv-store"),
+    pytest.param(16384, 3072, SWIGLU, id="3b-gate_up"),
+    pytest.param(3072, 576, SWIGLU, id="smollm2-gate_up"),
+]
+
+
+@pytest.mark.parametrize("N,K,ep", NORM_IN_SHAPES)
+@pytest.mark.parametrize("M", [1, 5, 17, 32])
+def test_gemm_skinny_norm_in(rng, N, K, ep, M):
+    """A split RMSNorm's second half: each row's sums times rsqrt(sum of its P sums of squares / d + eps),
+    before the epilogue (SwiGLU's gate and up both), against the plain product scaled in float64."""
+    w, s = random_fp8(rng, (N, K)), random_scales(rng, N, K)
+    x = bf16_bits(rng.standard_normal((M, K)))
+    d, eps, P = K, 1e-5, 24 if M % 2 else 72  # 72: past the 64 sums a warp's lanes load at once
+    ss = (rng.uniform(0.0, 2.0, (M, P)) * d / P).astype(np.float32)
+    r = 1.0 / np.sqrt(ss.astype(np.float64).sum(axis=1) / d + eps)
+    got = ops.gemm_skinny(w, s, x, ep, None, "bf16", norm_ss=ss, norm_d=d, norm_eps=eps)
+    y = reference_linear(w, s, from_bf16(x)) * r[:, None]
+    if ep == SWIGLU:
+        assert_close(from_bf16(got), silu_mul(y[:, : N // 2], y[:, N // 2 :]), BF16_REL, "norm_in SwiGLU")
+    else:
+        plain = ops.gemm_skinny(w, s, x, ep, None, "bf16")
+        np.testing.assert_allclose(got, plain * r[:, None].astype(np.float32), rtol=FP32_REL, atol=0)
+        assert_close(got, y, FP32_REL, "norm_in Store")
+
+
+@pytest.mark.parametrize("M", [5, 32])
+def test_gemm_skinny_rope_norm_in(rng, M):
+    """The QKV product with RoPE + KV append normalizes its sums first: q and the cache rows are r times the
+    plain product's, up to bf16's rounding (the rotation is linear; no bias)."""
+    H, Hkv, D, K, pos, C = 4, 2, 64, 1024, 3, 64
+    N = (H + 2 * Hkv) * D
+    w, s = random_fp8(rng, (N, K)), random_scales(rng, N, K)
+    x = bf16_bits(rng.standard_normal((M, K)))
+    ss = rng.uniform(0.5, 4.0, (M, 40)).astype(np.float32)
+    r = 1.0 / np.sqrt(ss.astype(np.float64).sum(axis=1) / K + 1e-5)
+    kc0 = bf16_bits(np.zeros((C, Hkv, D)))
+    got = ops.gemm_skinny_rope(
+        w, s, x, llama_inv_freq(D), pos, H, Hkv, D, kc0.copy(), kc0.copy(), None, "bf16", norm_ss=ss, norm_d=K, norm_eps=1e-5
+    )
+    plain = ops.gemm_skinny_rope(w, s, x, llama_inv_freq(D), pos, H, Hkv, D, kc0.copy(), kc0.copy(), None, "bf16")
+    scale = r[:, None, None]
+    assert_close(from_bf16(got[0]), from_bf16(plain[0]) * scale, 2 * BF16_REL, "norm_in q")
+    rows = slice(pos, pos + M)
+    for name, c_got, c_plain in zip(("k", "v"), got[1:], plain[1:]):
+        assert_close(from_bf16(c_got[rows]), from_bf16(c_plain[rows]) * scale, 2 * BF16_REL, f"norm_in {name} cache")
+        np.testing.assert_array_equal(c_got[:pos], c_plain[:pos])  # no other row written
+
+
+def test_gemm_skinny_norm_in_needs_bf16_x(rng):
+    N, K, M = 256, 256, 4
+    w, s = random_fp8(rng, (N, K)), random_scales(rng, N, K)
+    ss = np.ones((M, 8), np.float32)
+    with pytest.raises((ValueError, RuntimeError), match="norm_in"):
+        ops.gemm_skinny(w, s, f16_bits(np.ones((M, K))), STORE, None, "f16", norm_ss=ss, norm_d=K)
+    with pytest.raises((ValueError, RuntimeError), match="norm_in"):  # AddResidual leaves a norm, not takes one
+        ops.gemm_skinny(w, s, bf16_bits(np.ones((M, K))), ADD, np.zeros((M, N), np.float32), "bf16", norm_ss=ss, norm_d=K)

@@ -3,6 +3,8 @@
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import timeline  # noqa: E402
 
@@ -52,3 +54,11 @@ def test_a_prompt_chunks_skinny_products_are_named_by_their_place():
     step = [(float(i), float(i + 1), name) for i, name in enumerate(layer + layer)]
     want = ["skinny qkv+rope", "attention_kernel", "skinny o", "rmsnorm_kernel", "skinny gate_up", "skinny down"]
     assert [r["label"] for r in timeline.charge(step)] == want + want
+
+
+def test_timeline_rejects_a_bad_option(capsys):
+    """--option takes NAME=0|1 and says so before it needs a GPU."""
+    with pytest.raises(SystemExit) as e:
+        timeline.main(["model.atomflow", "--prefill", "32", "--option", "skinny_norm"])
+    assert e.value.code == 2
+    assert "NAME=0 or NAME=1" in capsys.readouterr().err

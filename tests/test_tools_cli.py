@@ -122,3 +122,30 @@ def test_speculate_sim_fits_costs_to_a_bench_run(tmp_path):
     (tmp_path / "none.json").write_text(json.dumps(dict(runs=runs[-1:])))
     with pytest.raises(ValueError, match="no run made a verify step"):
         costs_from_bench(str(tmp_path / "none.json"))
+
+
+def test_split_norm_quality_roundings():
+    """tools/split_norm_quality.py's emulated roundings: f16 / bf16 of the norm's output, and the split norm's
+    bf16(x * w) scaled by 1 / rms; fp32 and the skipped norms untouched."""
+    import ml_dtypes
+
+    sys.path.insert(0, str(TOOLS))
+    import split_norm_quality as q
+
+    from atomflow.model.reference import rmsnorm
+
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((3, 64)) * 7).astype(np.float32)
+    w = rng.uniform(0.5, 2.0, 64).astype(np.float32)
+    plain = rmsnorm(x, w, 1e-5)
+    never = lambda x, w: False  # noqa: E731
+    np.testing.assert_array_equal(q.rounding("fp32", rmsnorm, never)(x, w, 1e-5), plain)
+    np.testing.assert_array_equal(q.rounding("f16", rmsnorm, never)(x, w, 1e-5), plain.astype(np.float16).astype(np.float32))
+    bf = q.rounding("bf16", rmsnorm, never)(x, w, 1e-5)
+    np.testing.assert_array_equal(bf, plain.astype(ml_dtypes.bfloat16).astype(np.float32))
+    r = 1 / np.sqrt(np.mean(np.square(x), axis=-1, keepdims=True) + 1e-5)
+    split = q.rounding("split", rmsnorm, never)(x, w, 1e-5)
+    np.testing.assert_allclose(split, (x * w).astype(ml_dtypes.bfloat16).astype(np.float32) * r, rtol=1e-6)
+    assert not np.array_equal(split, plain)  # a rounding, not the fp32 norm
+    np.testing.assert_allclose(split, plain, rtol=2**-8)
+    np.testing.assert_array_equal(q.rounding("split", rmsnorm, lambda x, w: True)(x, w, 1e-5), plain)

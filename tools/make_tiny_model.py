@@ -1,7 +1,7 @@
 """Write a random Hugging Face Llama, Qwen2, Qwen3 or Mistral directory (config, sharded safetensors,
 tokenizer) with numpy only.
 
-    python tools/make_tiny_model.py OUT_DIR [--preset tiny|tiny-tail|llama-3.2-1b|llama-3.2-3b|llama-3.1-8b
+    python tools/make_tiny_model.py OUT_DIR [--preset tiny|tiny-tail|tiny-3072|llama-3.2-1b|llama-3.2-3b|llama-3.1-8b
         |qwen2.5-7b|qwen3-8b|mistral-7b] [--seed N] [--dtype bf16|fp16|fp32] [--untied] [--num-layers N]
         [--shard-size-mb N] [--transformers-version 4|5]
 
@@ -111,6 +111,8 @@ PRESETS = {
     # SmolLM2-135M's widths (hidden 576 = 4 x 128 + 64: tail FP8 groups; 9 query heads on 3 KV heads)
     # on the tiny vocabulary and two layers.
     "tiny-tail": Preset(576, 1536, 2, 9, 3, 64, None, 8.0, 64, 16384, True),
+    # Llama-3.2-3B's widths on the tiny vocabulary and two layers (the widths some plan choices are measured at).
+    "tiny-3072": Preset(3072, 8192, 2, 24, 8, 128, None, 32.0, 8192, 131072, True),
     "llama-3.2-1b": Preset(2048, 8192, 16, 32, 8, 64, 128256, 32.0, 8192, 131072, True),
     "llama-3.2-3b": Preset(3072, 8192, 28, 24, 8, 128, 128256, 32.0, 8192, 131072, True),
     "llama-3.1-8b": Preset(4096, 14336, 32, 32, 8, 128, 128256, 8.0, 8192, 131072, False),

@@ -18,7 +18,7 @@ odd one the head). With --prefill N each step is a prompt of N tokens from an em
 launches are named by their epilogue (qkv+rope, o / down, gate_up).
 
     python tools/timeline.py MODEL [--steps 16] [--context 128] [--max-context N] [--verify K | --prefill N]
-        [--json out.json]
+        [--option NAME=0|1 ...] [--json out.json]
 """
 
 from __future__ import annotations
@@ -102,6 +102,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--verify", type=int, default=0, metavar="K", help="time a verify of K + 1 rows, not a decode step")
     ap.add_argument("--prefill", type=int, default=0, metavar="N", help="time a prompt of N tokens, not a decode step")
     ap.add_argument("--json", help="also write the per-label table here")
+    ap.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="NAME=0|1",
+        help="a step plan option (atomflow/backends/cuda.py PLAN_OPTIONS) for the engine timed, e.g. skinny_norm=0",
+    )
     a = ap.parse_args(argv)
     if a.steps < 1 or a.context < 0 or a.verify < 0 or a.prefill < 0:
         ap.error("--steps must be >= 1, --context, --verify and --prefill >= 0")
@@ -109,6 +116,12 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--prefill and --verify time different steps: give one")
     if a.prefill:
         a.context = 0  # a prompt from an empty cache
+    plan = {}
+    for o in a.option:
+        name, _, value = o.partition("=")
+        if value not in ("0", "1"):
+            ap.error(f"--option: NAME=0 or NAME=1, got {o!r}")
+        plan[name] = value == "1"
     try:
         import torch
         from torch.profiler import ProfilerActivity, profile
@@ -126,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.max_context is not None and a.max_context < need:
         ap.error(f"--max-context must be >= {need} (context + the steps' rows + 8)")
     extra = dict(speculate="ngram") if a.verify else {}
-    eng = Engine.load(a.model, backend="cuda", max_context=a.max_context or need, **extra)
+    eng = Engine.load(a.model, backend="cuda", max_context=a.max_context or need, plan=plan, **extra)
     rng = np.random.default_rng(0)
     ids = rng.integers(0, eng.spec.vocab_size, a.context + 1).astype(np.int32)
     eng.reset()

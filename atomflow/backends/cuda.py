@@ -36,6 +36,7 @@ PLAN_OPTIONS = (
     "gemm_pdl",
     "skinny_gemm",
     "skinny_rope",
+    "skinny_norm",
 )
 
 

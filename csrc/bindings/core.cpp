@@ -222,7 +222,7 @@ PYBIND11_MODULE(_core, m) {
                        const py::array_t<float, py::array::c_style | py::array::forcecast>& inv_freq, int max_context,
                        int prefill_chunk, bool eager, bool verbose, bool f16_activations, bool fused_tail,
                        bool short_steps, bool cluster_merge, bool staged_pair, bool tickets, bool prefill_fp8,
-                       bool gemm_pdl, bool skinny_gemm, bool skinny_rope) {
+                       bool gemm_pdl, bool skinny_gemm, bool skinny_rope, bool skinny_norm) {
              ModelSpec s = spec_from_dict(spec);
              std::vector<TensorInfo> table = tensors_from_list(tensors);
              if (inv_freq.ndim() != 1) throw py::value_error("inv_freq must be a 1-D float32 array");
@@ -232,7 +232,7 @@ PYBIND11_MODULE(_core, m) {
              opt.prefill_chunk = prefill_chunk;
              opt.verbose = verbose;
              opt.plan = PlanOptions{eager,   f16_activations, fused_tail, short_steps, cluster_merge, staged_pair,
-                                    tickets, prefill_fp8,     gemm_pdl,   skinny_gemm, skinny_rope};
+                                    tickets, prefill_fp8,     gemm_pdl,   skinny_gemm, skinny_rope,   skinny_norm};
              py::gil_scoped_release nogil;
              return std::make_unique<Engine>(path, s, table, freq, opt);
            }),
@@ -241,10 +241,10 @@ PYBIND11_MODULE(_core, m) {
            py::arg("verbose") = true, py::arg("f16_activations") = true, py::arg("fused_tail") = true,
            py::arg("short_steps") = true, py::arg("cluster_merge") = true, py::arg("staged_pair") = true,
            py::arg("tickets") = true, py::arg("prefill_fp8") = false, py::arg("gemm_pdl") = true,
-           py::arg("skinny_gemm") = true, py::arg("skinny_rope") = true,
-           "load the model and plan its decode step; eager and f16_activations are user settings, prefill_fp8 and "
-           "skinny_gemm a prompt's rounding, the other options override the schedule (same bits) for comparisons "
-           "(include/atomflow/step_plan.h)")
+           py::arg("skinny_gemm") = true, py::arg("skinny_rope") = true, py::arg("skinny_norm") = true,
+           "load the model and plan its decode step; eager and f16_activations are user settings, prefill_fp8, "
+           "skinny_gemm and skinny_norm a prompt's rounding, the other options override the schedule (same bits) for "
+           "comparisons (include/atomflow/step_plan.h)")
       .def(
           "prefill",
           [](Engine& e, const py::array& ids) {

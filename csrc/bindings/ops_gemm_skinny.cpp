@@ -36,10 +36,28 @@ k::SkinnyPlan plan_of(const char* what, k::Epilogue ep, k::Act xt, int M, int N,
   return k::plan_gemm_skinny(ep, xt, M, N, K, splits);
 }
 
+// A split RMSNorm's second half (kernels.h, SkinnyNormIn): norm_ss f32 [M, P] on the device, or nothing for None.
+struct NormIn {
+  DeviceBuffer ss;
+  k::SkinnyNormIn in;
+  bool on = false;
+  NormIn(const py::object& ss_, int M, int d, float eps) {
+    if (ss_.is_none()) return;
+    auto a = arg<float>(ss_.cast<py::array>(), "norm_ss", {M, -1});
+    require(a.shape(1) >= 1 && d >= 1 && eps > 0.f, "norm_ss needs a column, norm_d >= 1 and norm_eps > 0");
+    ss = to_device(a);
+    in = k::SkinnyNormIn{ss.get<float>(), static_cast<int>(a.shape(1)), d, eps};
+    on = true;
+  }
+  const k::SkinnyNormIn* get() const { return on ? &in : nullptr; }
+};
+
 // w u8 [N, K], scales f32 [N, ceil(K / 128)], x u16 [M, K] (x_dtype bits); out_init: AddResidual's
-// starting values. The output poisoned (NaN) before the launch unless AddResidual.
+// starting values. The output poisoned (NaN) before the launch unless AddResidual. norm_ss (not AddResidual;
+// x bf16): a split RMSNorm's sums of squares [M, P], the rows' sums scaled by rsqrt(sum / norm_d + norm_eps).
 py::object gemm_skinny(const py::array& w_, const py::array& s_, const py::array& x_, int ep_,
-                       const py::object& out_init_, const std::string& x_dtype, int splits) {
+                       const py::object& out_init_, const std::string& x_dtype, int splits, const py::object& norm_ss,
+                       int norm_d, float norm_eps) {
   const k::Act xt = act_arg(x_dtype);
   const k::Epilogue ep = epilogue_arg(ep_);
   auto w = arg<uint8_t>(w_, "w", {-1, -1});
@@ -54,10 +72,36 @@ py::object gemm_skinny(const py::array& w_, const py::array& s_, const py::array
   DeviceBuffer out =
       add ? to_device(arg<float>(out_init_.cast<py::array>(), "out_init", {M, N}))
           : DeviceBuffer::poisoned(ep == k::Epilogue::SwiGLU ? sizeof(bf16) * M * (N / 2) : sizeof(float) * M * N);
-  k::gemm_w8a16_skinny(plan, dw.get<uint8_t>(), ds.get<float>(), dx.get(), out.get(), nullptr);
+  const NormIn nin(norm_ss, M, norm_d, norm_eps);
+  k::gemm_w8a16_skinny(plan, dw.get<uint8_t>(), ds.get<float>(), dx.get(), out.get(), nullptr, nullptr, nin.get());
   sync();
   if (ep == k::Epilogue::SwiGLU) return to_host<uint16_t>(out, {M, N / 2});
   return to_host<float>(out, {M, N});
+}
+
+// A split RMSNorm's first half: the AddResidual product out_init + x w^T that also leaves, for the norm of
+// weight norm_w u16 [N] (bf16), xw u16 [M, N] = bf16(out * norm_w) and each row group's sums of squares ->
+// (out f32 [M, N], xw u16 [M, N], ss f32 [M, row_groups]); xw and ss poisoned before the launch.
+py::tuple gemm_skinny_norm_out(const py::array& w_, const py::array& s_, const py::array& x_,
+                               const py::array& out_init_, const py::array& nw_, const std::string& x_dtype,
+                               int splits) {
+  const k::Act xt = act_arg(x_dtype);
+  auto w = arg<uint8_t>(w_, "w", {-1, -1});
+  const int N = static_cast<int>(w.shape(0)), K = static_cast<int>(w.shape(1));
+  auto s = arg<float>(s_, "scales", {N, scale_groups(K)});
+  auto x = arg<uint16_t>(x_, "x", {-1, K});
+  const int M = static_cast<int>(x.shape(0));
+  auto nw = arg<uint16_t>(nw_, "norm_w", {N});
+  const k::SkinnyPlan plan = plan_of("gemm_skinny_norm_out", k::Epilogue::AddResidual, xt, M, N, K, splits);
+  const int parts = k::skinny_norm_parts(N);
+  DeviceBuffer dw = to_device(w), ds = to_device(s), dx = to_device(x), dnw = to_device(nw);
+  DeviceBuffer out = to_device(arg<float>(out_init_, "out_init", {M, N}));
+  DeviceBuffer xw = DeviceBuffer::poisoned(sizeof(bf16) * M * N),
+               ss = DeviceBuffer::poisoned(sizeof(float) * M * parts);
+  const k::SkinnyNormOut nout{dnw.get<bf16>(), xw.get<bf16>(), ss.get<float>()};
+  k::gemm_w8a16_skinny(plan, dw.get<uint8_t>(), ds.get<float>(), dx.get(), out.get(), nullptr, &nout);
+  sync();
+  return py::make_tuple(to_host<float>(out, {M, N}), to_host<uint16_t>(xw, {M, N}), to_host<float>(ss, {M, parts}));
 }
 
 // The QKV product with RoPE + KV append in its epilogue: w u8 [(H + 2 Hkv) D, K], scales, x u16 [M, K]
@@ -65,7 +109,8 @@ py::object gemm_skinny(const py::array& w_, const py::array& s_, const py::array
 // [(H + 2 Hkv) D] or None -> (q u16 [M, H, D] (poisoned before the launch), k_cache, v_cache).
 py::tuple gemm_skinny_rope(const py::array& w_, const py::array& s_, const py::array& x_, const py::array& inv_freq_,
                            int pos, int H, int Hkv, int D, const py::array& k_cache_, const py::array& v_cache_,
-                           const py::object& bias_, const std::string& x_dtype, int splits) {
+                           const py::object& bias_, const std::string& x_dtype, int splits, const py::object& norm_ss,
+                           int norm_d, float norm_eps) {
   const k::Act xt = act_arg(x_dtype);
   require(H >= 1 && Hkv >= 1 && D >= 2 && D % 2 == 0, "need H, Hkv >= 1 and an even D");
   const int N = (H + 2 * Hkv) * D;
@@ -80,7 +125,8 @@ py::tuple gemm_skinny_rope(const py::array& w_, const py::array& s_, const py::a
   const RopeInputs r =
       rope_inputs(inv_freq_, pos, Hkv, D, k_cache_, v_cache_, bias_, N, static_cast<size_t>(M) * H * D);
   DeviceBuffer dw = to_device(w), ds = to_device(s), dx = to_device(x);
-  k::gemm_w8a16_skinny_rope(plan, dw.get<uint8_t>(), ds.get<float>(), dx.get(), r.args(H, Hkv, D), nullptr);
+  const NormIn nin(norm_ss, M, norm_d, norm_eps);
+  k::gemm_w8a16_skinny_rope(plan, dw.get<uint8_t>(), ds.get<float>(), dx.get(), r.args(H, Hkv, D), nullptr, nin.get());
   sync();
   return py::make_tuple(to_host<uint16_t>(r.q, {M, H, D}), to_host<uint16_t>(r.kc, {r.C, Hkv, D}),
                         to_host<uint16_t>(r.vc, {r.C, Hkv, D}));
@@ -118,13 +164,20 @@ double time_gemm_skinny(int M, int N, int K, int iters, int ep_, const std::stri
 void register_gemm_skinny(py::module_& m) {
   m.def("gemm_skinny", &gemm_skinny, py::arg("w"), py::arg("scales"), py::arg("x"), py::arg("epilogue") = 0,
         py::arg("out_init") = py::none(), py::arg("x_dtype") = "bf16", py::arg("splits") = 0,
+        py::arg("norm_ss") = py::none(), py::arg("norm_d") = 0, py::arg("norm_eps") = 1e-5f,
         "gemm_w8a16_skinny: w u8 [N, K] (N % 16 == 0, K % 64 == 0), scales f32 [N, ceil(K/128)], x u16 [M, K] "
         "(1 <= M <= 64; bf16 or f16 bits, x_dtype); epilogue 0 Store -> f32 [M, N], 1 AddResidual (out_init f32 "
         "[M, N]) -> f32 [M, N], 2 SwiGLU (N % 32 == 0) -> u16 [M, N/2] (bf16); splits: the cluster's split of the "
-        "scale groups (0: the plan's)");
+        "scale groups (0: the plan's); norm_ss f32 [M, P] (not AddResidual, bf16 x): each row's sums times "
+        "rsqrt(sum(norm_ss[m]) / norm_d + norm_eps)");
+  m.def("gemm_skinny_norm_out", &gemm_skinny_norm_out, py::arg("w"), py::arg("scales"), py::arg("x"),
+        py::arg("out_init"), py::arg("norm_w"), py::arg("x_dtype") = "bf16", py::arg("splits") = 0,
+        "gemm_w8a16_skinny's AddResidual with a split RMSNorm's first half -> (out f32 [M, N], xw u16 [M, N] = "
+        "bf16(out * norm_w), ss f32 [M, row_groups]: each row's sum of squares over each 128 columns of out)");
   m.def("gemm_skinny_rope", &gemm_skinny_rope, py::arg("w"), py::arg("scales"), py::arg("x"), py::arg("inv_freq"),
         py::arg("pos"), py::arg("H"), py::arg("Hkv"), py::arg("D"), py::arg("k_cache"), py::arg("v_cache"),
         py::arg("bias") = py::none(), py::arg("x_dtype") = "bf16", py::arg("splits") = 0,
+        py::arg("norm_ss") = py::none(), py::arg("norm_d") = 0, py::arg("norm_eps") = 1e-5f,
         "gemm_w8a16_skinny_rope: the QKV product of x u16 [M, K] at positions pos.. with RoPE + KV append in its "
         "epilogue -> (q u16 [M, H, D], k_cache, v_cache); the same bits as gemm_skinny (Store) then rope_kv_append");
   m.def("gemm_skinny_plan", &gemm_skinny_plan, py::arg("M"), py::arg("N"), py::arg("K"), py::arg("epilogue") = 0,

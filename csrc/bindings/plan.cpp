@@ -71,6 +71,7 @@ py::dict plan_to_dict(const StepPlan& p) {
   opt["gemm_pdl"] = o.gemm_pdl;
   opt["skinny_gemm"] = o.skinny_gemm;
   opt["skinny_rope"] = o.skinny_rope;
+  opt["skinny_norm"] = o.skinny_norm;
   opt["pdl"] = p.pdl;
   d["options"] = opt;
   d["max_context"] = p.max_context;
@@ -125,6 +126,7 @@ py::dict plan_to_dict(const StepPlan& p) {
   d["prefill_skinny_max_rows"] =
       p.skinny_max_rows > 0 ? py::object(py::int_(p.skinny_max_rows)) : py::object(py::none());
   d["prefill_skinny_rope"] = p.skinny_rope;  // ... their QKV product with RoPE + KV append fused
+  d["prefill_skinny_norm"] = p.skinny_norm;  // ... their RMSNorms split between the products around them
   // chunks of at least this many rows: gemm_w8a16_sm90 (None: never)
   d["prefill_sm90_gemm_min_rows"] =
       p.sm90_gemm_min_rows < StepPlan::kNever ? py::object(py::int_(p.sm90_gemm_min_rows)) : py::object(py::none());
@@ -146,19 +148,20 @@ void register_plan(py::module_& m) {
       "plan_for",
       [](const py::dict& spec, int max_context, bool eager, bool f16_activations, bool fused_tail, bool short_steps,
          bool cluster_merge, bool staged_pair, bool tickets, bool prefill_fp8, bool gemm_pdl, bool skinny_gemm,
-         bool skinny_rope) {
+         bool skinny_rope, bool skinny_norm) {
         const ModelSpec s = spec_from_dict(spec);
         AF_CHECK(s.hidden_size > 0 && s.intermediate_size > 0 && s.num_heads > 0 && s.num_kv_heads > 0 &&
                      s.num_heads % s.num_kv_heads == 0 && s.vocab_size > 0,
                  "plan_for: a model spec with positive sizes, num_heads a multiple of num_kv_heads");
         const PlanOptions o{eager,   f16_activations, fused_tail, short_steps, cluster_merge, staged_pair,
-                            tickets, prefill_fp8,     gemm_pdl,   skinny_gemm, skinny_rope};
+                            tickets, prefill_fp8,     gemm_pdl,   skinny_gemm, skinny_rope,   skinny_norm};
         return plan_to_dict(make_step_plan(s, max_context, o));
       },
       py::arg("spec"), py::arg("max_context"), py::arg("eager") = false, py::arg("f16_activations") = true,
       py::arg("fused_tail") = true, py::arg("short_steps") = true, py::arg("cluster_merge") = true,
       py::arg("staged_pair") = true, py::arg("tickets") = true, py::arg("prefill_fp8") = false,
       py::arg("gemm_pdl") = true, py::arg("skinny_gemm") = true, py::arg("skinny_rope") = true,
+      py::arg("skinny_norm") = true,
       "the step plan an Engine of this spec and options would make on the current GPU, without loading weights");
 }
 

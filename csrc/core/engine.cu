@@ -137,6 +137,7 @@ void Engine::init(const std::string& path, const std::vector<TensorInfo>& table,
   buf_.attn_scratch = arena_.at<void>(layout.attn_scratch);
   buf_.sample_scratch = arena_.at<void>(layout.sample_scratch);
   buf_.gemv_tickets = arena_.at<unsigned>(layout.gemv_tickets);
+  buf_.norm_ss = arena_.at<float>(layout.norm_ss);
   buf_.gemm_ws = arena_.at<void>(layout.gemm_ws);
   buf_.gemm_ws_bytes = layout.gemm_ws_bytes;
   buf_.head_best = arena_.at<uint64_t>(layout.head_best);

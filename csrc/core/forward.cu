@@ -32,17 +32,22 @@ struct GemmRoute {
 // rows go to the tensor-core GEMM: up to skinny_max rows the one that streams the weights as the GEMV does
 // (gemm_w8a16_skinny), from sm90_min rows on the Hopper one (gemm_w8a16_sm90).
 // tickets: the engine's counters for SwiGLU GEMVs; f16_overflow: SwiGLU's fp16 output (kernels.h).
-// scales_gn: the scales transposed for the sm90 GEMM at load (LayerPtrs), or null.
+// scales_gn: the scales transposed for the sm90 GEMM at load (LayerPtrs), or null. norm_out / norm_in: a
+// split RMSNorm's halves, on the skinny GEMM only (kernels.h).
 void linear(const kernels::GemvPlan& plan, const GemmRoute& route, const uint8_t* w, const float* scales,
             const float* scales_gn, const void* x, kernels::Act xt, int rows, int N, int K, Epilogue ep, void* out,
-            cudaStream_t stream, unsigned* tickets = nullptr, int* f16_overflow = nullptr) {
+            cudaStream_t stream, unsigned* tickets = nullptr, int* f16_overflow = nullptr,
+            const kernels::SkinnyNormOut* norm_out = nullptr, const kernels::SkinnyNormIn* norm_in = nullptr) {
+  const bool skinny = rows > route.small_m && rows <= route.skinny_max;
+  AF_CHECK(skinny || (norm_out == nullptr && norm_in == nullptr), "linear: a split RMSNorm off the skinny GEMM");
   if (rows == 1) {
     kernels::gemv_w8a16(plan, w, scales, x, xt, N, K, ep, out, stream, tickets, f16_overflow);
   } else if (rows <= route.small_m) {
     const kernels::GemvIn in = xt == kernels::Act::F16 ? kernels::GemvIn::F16 : kernels::GemvIn::BF16;
     kernels::gemv_w8a16_m(kernels::plan_gemv_m(ep, in, rows, N, K), w, scales, x, xt, rows, N, K, ep, out, stream);
   } else if (rows <= route.skinny_max) {
-    kernels::gemm_w8a16_skinny(kernels::plan_gemm_skinny(ep, xt, rows, N, K), w, scales, x, out, stream);
+    kernels::gemm_w8a16_skinny(kernels::plan_gemm_skinny(ep, xt, rows, N, K), w, scales, x, out, stream, norm_out,
+                               norm_in);
   } else if (rows >= route.w8a8_min) {
     kernels::gemm_w8a8_sm90(w, scales, x, xt, rows, N, K, ep, out, route.ws, route.ws_bytes, stream);
   } else if (rows >= route.sm90_min) {
@@ -87,7 +92,12 @@ void Engine::enqueue_layers(int rows, int attn_keys) {
   const bool small_m = rows > 1 && rows <= route.small_m;
   const bool small_m_rope = small_m && !probe_ && plan.small_m_rope;
   // A chunk on the skinny GEMM: the same, with the RMSNorm apart (StepPlan::skinny_rope).
-  const bool skinny_rope = rows > route.small_m && rows <= route.skinny_max && !probe_ && plan.skinny_rope;
+  const bool skinny = rows > route.small_m && rows <= route.skinny_max && !probe_;
+  const bool skinny_rope = skinny && plan.skinny_rope;
+  // Its RMSNorms but layer 0's first split between the products around them (StepPlan::skinny_norm): o and down
+  // leave bf16(x * the next norm's weight) in buf_.xn and their row groups' sums of squares in buf_.norm_ss, and
+  // the next product (qkv, gate_up) takes that x and scales its sums by each row's 1 / rms.
+  const bool skinny_norm = skinny && plan.skinny_norm;
   // A decode step's attention and SwiGLU outputs are fp16 (kernels.h), flagged when they overflow;
   // the o and down GEMVs then take x as it is. A chunk whose rows run as decode steps (step_rows_): the same.
   const bool half = (rows == 1 || step_rows_) && f16_acts_;
@@ -95,6 +105,9 @@ void Engine::enqueue_layers(int rows, int attn_keys) {
   int* const overflow = half ? buf_.f16_overflow : nullptr;
   const kernels::GemvPlan& o_plan = half ? plan.o_f16 : plan.o_bf16;
   const kernels::GemvPlan& down_plan = half ? plan.down_f16 : plan.down_bf16;
+  // A split RMSNorm's sums a row: its producer's row groups (kernels.h, SkinnyNormOut).
+  const kernels::SkinnyNormIn after_norm{buf_.norm_ss, kernels::skinny_norm_parts(d), d, s.rms_norm_eps};
+  bf16* const xw = reinterpret_cast<bf16*>(buf_.xn);  // a split RMSNorm's x: bf16(x * w), where xn was
   // A decode step's attention grid is the plan's for attn_keys; a prefill chunk's is planned for its
   // M: on tensor cores from the plan's threshold of rows on, else the decode kernel with the plan's
   // options.
@@ -131,16 +144,23 @@ void Engine::enqueue_layers(int rows, int attn_keys) {
       } else if (skinny_rope) {
         // RMSNorm, then the QKV product with RoPE + KV append (bit-identical to its Store and rope_kv_append).
         const kernels::RopeKVArgs rope{buf_.inv_freq, buf_.pos, H, Hkv, D, C, buf_.q, L.k_cache, L.v_cache, L.bqkv};
-        kernels::rmsnorm(buf_.x, L.attn_norm, rows, d, s.rms_norm_eps, buf_.xn, stream_);
-        kernels::gemm_w8a16_skinny_rope(
-            kernels::plan_gemm_skinny(Epilogue::RopeKV, kernels::Act::F16, rows, s.qkv_dim(), d), L.wqkv, L.wqkv_scale,
-            buf_.xn, rope, stream_);
+        if (skinny_norm && i > 0) {  // the norm's x and sums from the previous layer's down product
+          kernels::gemm_w8a16_skinny_rope(
+              kernels::plan_gemm_skinny(Epilogue::RopeKV, kernels::Act::BF16, rows, s.qkv_dim(), d), L.wqkv,
+              L.wqkv_scale, xw, rope, stream_, &after_norm);
+        } else {
+          kernels::rmsnorm(buf_.x, L.attn_norm, rows, d, s.rms_norm_eps, buf_.xn, stream_);
+          kernels::gemm_w8a16_skinny_rope(
+              kernels::plan_gemm_skinny(Epilogue::RopeKV, kernels::Act::F16, rows, s.qkv_dim(), d), L.wqkv,
+              L.wqkv_scale, buf_.xn, rope, stream_);
+        }
         mark("gemm_qkv+rope", li);
       } else {
         // Prefill chunks, probed steps, and the decode steps of a split-QKV plan (plan.qkv: Store, NORM;
         // a fused plan never reaches here with one unprobed row).
         normed_linear(L.attn_norm, "attn_norm", li, plan.qkv, plan.probe_qkv, L.wqkv, L.wqkv_scale, L.wqkv_scale_gn,
-                      rows, s.qkv_dim(), Epilogue::Store, buf_.qkv);
+                      rows, s.qkv_dim(), Epilogue::Store, buf_.qkv, nullptr,
+                      skinny_norm && i > 0 ? &after_norm : nullptr);
         mark("gemv_qkv+norm", li);
         if (!qkv_in) {
           kernels::rope_kv_append(buf_.qkv, buf_.inv_freq, buf_.pos, rows, H, Hkv, D, C, buf_.q, L.k_cache, L.v_cache,
@@ -162,8 +182,9 @@ void Engine::enqueue_layers(int rows, int attn_keys) {
                            buf_.attn_scratch, buf_.attn_out, stream_, /*early=*/fused_qkv, overflow);
       mark("attention", li);
       if (probe_) probe_snapshot(rows);
+      const kernels::SkinnyNormOut o_norm{L.mlp_norm, xw, buf_.norm_ss};  // the mlp_norm's half
       linear(o_plan, route, L.wo, L.wo_scale, L.wo_scale_gn, buf_.attn_out, act, rows, d, s.q_dim(),
-             Epilogue::AddResidual, buf_.x, stream_);
+             Epilogue::AddResidual, buf_.x, stream_, nullptr, nullptr, skinny_norm ? &o_norm : nullptr);
       mark("gemv_o", li);
     }
     if (probe_) {
@@ -173,11 +194,14 @@ void Engine::enqueue_layers(int rows, int attn_keys) {
     {
       NvtxRange r("mlp_block");
       normed_linear(L.mlp_norm, nullptr, li, plan.gate_up, plan.probe_gate_up, L.w13, L.w13_scale, L.w13_scale_gn, rows,
-                    2 * f, Epilogue::SwiGLU, buf_.ffn, overflow);
+                    2 * f, Epilogue::SwiGLU, buf_.ffn, overflow, skinny_norm ? &after_norm : nullptr);
       mark("gemv_gate_up+norm", li);
       if (probe_) probe_snapshot(rows);
+      // The next layer's attn_norm's half (the last layer's final norm is the head GEMV's).
+      const bool next = skinny_norm && i + 1 < buf_.layers.size();
+      const kernels::SkinnyNormOut down_norm{next ? buf_.layers[i + 1].attn_norm : nullptr, xw, buf_.norm_ss};
       linear(down_plan, route, L.w2, L.w2_scale, L.w2_scale_gn, buf_.ffn, act, rows, d, f, Epilogue::AddResidual,
-             buf_.x, stream_);
+             buf_.x, stream_, nullptr, nullptr, next ? &down_norm : nullptr);
       mark("gemv_down", li);
     }
     if (probe_) {
@@ -193,7 +217,8 @@ void Engine::enqueue_layers(int rows, int attn_keys) {
 // mode keeps them apart to see the norm (the GEMV as the plan `probed` says).
 void Engine::normed_linear(const bf16* norm, const char* probe_name, int layer, const kernels::GemvPlan& fused,
                            const kernels::GemvPlan& probed, const uint8_t* w, const float* scales,
-                           const float* scales_gn, int rows, int N, Epilogue ep, void* out, int* f16_overflow) {
+                           const float* scales_gn, int rows, int N, Epilogue ep, void* out, int* f16_overflow,
+                           const kernels::SkinnyNormIn* norm_in) {
   const int d = spec_.hidden_size;
   if (rows == 1 && !probe_) {
     kernels::gemv_w8a16_rmsnorm(fused, w, scales, buf_.x, norm, spec_.rms_norm_eps, N, d, ep, out, stream_,
@@ -204,6 +229,11 @@ void Engine::normed_linear(const bf16* norm, const char* probe_name, int layer, 
   if (rows <= route.small_m && !probe_) {
     kernels::gemv_w8a16_m_rmsnorm(kernels::plan_gemv_m(ep, kernels::GemvIn::NORM, rows, N, d), w, scales, buf_.x, norm,
                                   spec_.rms_norm_eps, rows, N, d, ep, out, stream_, f16_overflow);
+    return;
+  }
+  if (norm_in != nullptr) {  // buf_.xn holds bf16(x * norm): the product normalizes (a skinny chunk)
+    linear(probed, route, w, scales, scales_gn, buf_.xn, kernels::Act::BF16, rows, N, d, ep, out, stream_,
+           buf_.gemv_tickets, f16_overflow, nullptr, norm_in);
     return;
   }
   kernels::rmsnorm(buf_.x, norm, rows, d, spec_.rms_norm_eps, buf_.xn, stream_);

@@ -185,6 +185,10 @@ Layout plan_layout(const ModelSpec& s, const ModelTensors& t, int max_context, i
   L.attn_scratch = plan.reserve("scratch", attn_scratch);
   L.sample_scratch = plan.reserve("scratch", kernels::sampling_scratch_bytes(s.vocab_size));
   L.gemv_tickets = plan.reserve("scratch", kernels::kGemvTicketBytes);
+  // The skinny GEMM's sums of squares for a chunk's split RMSNorm (kernels.h, SkinnyNormOut): a row's slot per
+  // row group of a product of N = hidden_size.
+  L.norm_ss =
+      plan.reserve("scratch", sizeof(float) * kernels::kSkinnyMaxRows * kernels::skinny_norm_parts(s.hidden_size));
   // The sm90 GEMM's workspace: the products' transposed scales, and SwiGLU's fp32 y [chunk, 2 ffn].
   L.gemm_ws_bytes = 0;
   if (kernels::gemm_w8a16_sm90_built())

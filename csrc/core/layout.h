@@ -61,6 +61,7 @@ struct Layout {
   size_t ids;       // int32 [max_context]  prompt ids
   // Scratch and the small device state the decode graph reads.
   size_t attn_scratch, sample_scratch, gemv_tickets;
+  size_t norm_ss;  // fp32: the skinny GEMM's sums of squares of a split RMSNorm (kernels.h, SkinnyNormOut)
   size_t gemm_ws;  // the sm90 prefill GEMM's workspace (kernels.h), sized for a chunk's largest product
   size_t gemm_ws_bytes;
   size_t head_best;  // uint64 [head_best_n]: the FP8 head's per-block argmax keys (kernels.h)

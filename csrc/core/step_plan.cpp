@@ -1,6 +1,8 @@
 // make_step_plan: the engine's launch decisions for one model on this GPU (include/atomflow/step_plan.h).
 #include "atomflow/step_plan.h"
 
+#include <algorithm>
+#include <iterator>
 #include <stdexcept>
 
 #include "atomflow/pdl.cuh"
@@ -107,6 +109,9 @@ StepPlan make_step_plan(const ModelSpec& s, int max_context, const PlanOptions& 
                       kernels::gemm_w8a16_skinny_supported(kernels::Epilogue::SwiGLU, M, 2 * f, d) &&
                       kernels::gemm_w8a16_skinny_supported(kernels::Epilogue::AddResidual, M, d, f);
   p.skinny_max_rows = skinny ? StepPlan::kSkinnyMaxRows : 0;
+  p.skinny_norm = skinny && options.skinny_norm &&
+                  std::find(std::begin(StepPlan::kSkinnyNormHidden), std::end(StepPlan::kSkinnyNormHidden), d) !=
+                      std::end(StepPlan::kSkinnyNormHidden);
   p.skinny_rope = skinny && options.skinny_rope && !s.qk_norm &&
                   kernels::gemm_w8a16_skinny_rope_supported(s.qkv_dim(), s.num_heads, s.num_kv_heads, s.head_dim);
   return p;

@@ -37,7 +37,10 @@
 //  Writes   Store: out fp32 [M, N] = y; AddResidual: out += y; SwiGLU (N = 2F): out bf16 [M, F] =
 //           bf16(silu(y[:, :F]) * y[:, F:]); RopeKV (N = (H + 2 Hkv) D, 128 % D == 0): q_out bf16 [M, H, D]
 //           and the K / V cache rows of positions *pos + m below max_context, as rope_kv_append writes them
-//           from y (+ bias). Each element once, by one block.
+//           from y (+ bias). Each element once, by one block. With a SkinnyNormOut (AddResidual): also
+//           xw bf16 [M, N] = bf16(out * w) and ss [M, row_groups], each row group's sums of squares of out per
+//           row (a cluster's blocks add theirs over DSMEM, in split order); with a SkinnyNormIn: y of row m
+//           times rsqrt(sum of ss[m, :] / d + eps) before the epilogue (kernels.h).
 //  Leaves   nothing else; no scratch.
 #include <cooperative_groups.h>
 
@@ -78,16 +81,19 @@ struct SkTile {
   static constexpr int kWBytes = (kSkThreads / 32) * kRing * kStageBytes;
   static constexpr int kRedBytes = kTokens * kSkRedStride * 4;
   static constexpr int kMainBytes = kXBytes + kWBytes;  // the partial sums reuse it after the main loop
-  static_assert(kRedBytes <= kMainBytes, "the partial sums fit where x and the weights were");
+  static_assert(kRedBytes + 4 * kTokens * (kSkRows / 4) <= kMainBytes,
+                "the partial sums and a norm's squares fit where x and the weights were");
 };
 
 // Scale rows in shared memory: kg groups padded to an odd stride (8 lanes read 8 rows of one group).
 __host__ __device__ constexpr int scale_stride(int kg) { return kg | 1; }
 
+// Shared memory: the main loop's x slabs and weight stages (the partial sums and a norm's squares reuse them
+// after it), the split's scales, two mbarriers, and the rows' norm factors.
 template <int NT>
 size_t skinny_smem(int kg) {
   return static_cast<size_t>(SkTile<NT>::kMainBytes) + sizeof(float) * kSkRows * scale_stride(kg) +
-         2 * sizeof(uint64_t);
+         2 * sizeof(uint64_t) + sizeof(float) * kSkinnyMaxRows;
 }
 
 struct SkArgs {
@@ -96,8 +102,10 @@ struct SkArgs {
   const uint16_t* x;
   void* out;
   int M, N, K;
-  int kg;           // scale groups a split
-  RopeKVArgs rope;  // RopeKV: where the rotated q and the K / V rows go (out unused)
+  int kg;              // scale groups a split
+  RopeKVArgs rope;     // RopeKV: where the rotated q and the K / V rows go (out unused)
+  SkinnyNormOut nout;  // AddResidual: the next RMSNorm's half (ss null: none)
+  SkinnyNormIn nin;    // the other epilogues: the previous RMSNorm's half (ss null: none)
 };
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -174,6 +182,7 @@ __global__ void __launch_bounds__(kSkThreads, SkTile<NT>::kBlocksPerSm) gemm_ski
   const int ng = min(a.kg, G - g0);  // this split's scale groups (>= 1: the plan drops empty splits)
   const int kgp = scale_stride(a.kg);
   uint64_t* const xbar = reinterpret_cast<uint64_t*>(ssc + kSkRows * kgp);
+  float* const rsm = reinterpret_cast<float*>(xbar + 2);  // row m: SkinnyNormIn 1 / rms, SkinnyNormOut its sum
   const int k0 = g0 * kGroup, k1 = min(a.K, (g0 + ng) * kGroup);
   const int n_it = (k1 - k0) / kSkIter;
   const int n_slab = (n_it + 3) / 4;
@@ -235,6 +244,34 @@ __global__ void __launch_bounds__(kSkThreads, SkTile<NT>::kBlocksPerSm) gemm_ski
   };
   stage(0);
   if (n_slab > 1) stage(1);
+  // SkinnyNormIn: each row's 1 / rms from the P sums of squares the AddResidual product left, a warp a row
+  // (lane 0's order: its strided partial, then the butterfly). A warp's loads of 64 sums of each of its rows
+  // go out together (one trip to L2, under x's first slabs); the main loop's first barrier publishes rsm.
+  if (a.nin.ss != nullptr) {
+    constexpr int W = kSkThreads / 32, RW = kSkinnyMaxRows / W;
+    float t[RW];
+#pragma unroll
+    for (int j = 0; j < RW; ++j) t[j] = 0.f;
+    for (int p0 = 0; p0 < a.nin.parts; p0 += 64) {
+      float v[RW][2];
+#pragma unroll
+      for (int j = 0; j < RW; ++j)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int m = warp + W * j, p = p0 + lane + 32 * h;
+          v[j][h] = m < a.M && p < a.nin.parts ? __ldcg(a.nin.ss + static_cast<size_t>(m) * a.nin.parts + p) : 0.f;
+        }
+#pragma unroll
+      for (int j = 0; j < RW; ++j) t[j] = t[j] + v[j][0] + v[j][1];
+    }
+#pragma unroll
+    for (int j = 0; j < RW; ++j) {
+#pragma unroll
+      for (int off = 16; off > 0; off /= 2) t[j] += __shfl_xor_sync(0xffffffffu, t[j], off);
+      const int m = warp + W * j;
+      if (lane == 0 && m < a.M) rsm[m] = rsqrtf(t[j] / static_cast<float>(a.nin.d) + a.nin.eps);
+    }
+  }
 
   float acc[NT][4], part[NT][4];
 #pragma unroll
@@ -325,6 +362,8 @@ __global__ void __launch_bounds__(kSkThreads, SkTile<NT>::kBlocksPerSm) gemm_ski
   const int per = (CEIL_DIV(kOuts, splits) + 3) / 4 * 4;
   const int o0 = split * per, o1 = min(kOuts, o0 + per);
   const int quads = max(0, (o1 - o0) / 4);
+  float* const sq = reinterpret_cast<float*>(smem + SkTile<NT>::kRedBytes);  // SkinnyNormOut: [M][quads]
+  const bool norm_out = EP == Epilogue::AddResidual && a.nout.ss != nullptr;
   for (int i = tid; i < a.M * quads; i += kSkThreads) {
     const int m = i / quads, o = o0 + 4 * (i % quads);
     const int lo = kPairs ? o / half * (2 * half) + o % half : o;  // pair o's first row (half % 4 == 0)
@@ -345,6 +384,11 @@ __global__ void __launch_bounds__(kSkThreads, SkTile<NT>::kBlocksPerSm) gemm_ski
           u.x += w.x, u.y += w.y, u.z += w.z, u.w += w.w;
         }
       }
+    }
+    if (EP != Epilogue::AddResidual && a.nin.ss != nullptr) {  // the normalized x's product
+      const float r = rsm[m];
+      y.x *= r, y.y *= r, y.z *= r, y.w *= r;
+      u.x *= r, u.y *= r, u.z *= r, u.w *= r;
     }
     if constexpr (EP == Epilogue::SwiGLU) {
       const int F = a.N / 2, n = rg * (kSkRows / 2) + o;
@@ -395,13 +439,46 @@ __global__ void __launch_bounds__(kSkThreads, SkTile<NT>::kBlocksPerSm) gemm_ski
           make_uint2(*reinterpret_cast<const uint32_t*>(&b01), *reinterpret_cast<const uint32_t*>(&b23));
     } else {
       const int n = rg * kSkRows + o;
-      if (n >= a.N) continue;
+      if (n >= a.N) {
+        if (norm_out) sq[i] = 0.f;
+        continue;
+      }
       float4* dst = reinterpret_cast<float4*>(static_cast<float*>(a.out) + static_cast<size_t>(m) * a.N + n);
       if constexpr (EP == Epilogue::AddResidual) {
         const float4 r = *dst;
         y.x += r.x, y.y += r.y, y.z += r.z, y.w += r.w;
+        if (norm_out) {  // the next RMSNorm's half: bf16(out * w) and the squares of out
+          const bf16* wn = a.nout.w + n;
+          const __nv_bfloat162 lo2 =
+              __floats2bfloat162_rn(y.x * __bfloat162float(wn[0]), y.y * __bfloat162float(wn[1]));
+          const __nv_bfloat162 hi2 =
+              __floats2bfloat162_rn(y.z * __bfloat162float(wn[2]), y.w * __bfloat162float(wn[3]));
+          *reinterpret_cast<uint2*>(a.nout.xw + static_cast<size_t>(m) * a.N + n) =
+              make_uint2(*reinterpret_cast<const uint32_t*>(&lo2), *reinterpret_cast<const uint32_t*>(&hi2));
+          sq[i] = fmaf(y.w, y.w, fmaf(y.z, y.z, fmaf(y.y, y.y, y.x * y.x)));
+        }
       }
       *dst = y;
+    }
+  }
+  if (norm_out) {  // each row's sum over its row group's columns, in column order, into ss[m, rg]
+    __syncthreads();
+    for (int m = tid; m < a.M; m += kSkThreads) {  // this block's columns
+      float t = 0.f;
+      for (int j = 0; j < quads; ++j) t += sq[m * quads + j];
+      rsm[m] = t;
+    }
+    if (splits > 1) cluster.sync();
+    if (split == 0) {
+      for (int m = tid; m < a.M; m += kSkThreads) {  // the cluster's blocks, in split (= column) order
+        float v[kSkinnyMaxSplits];                   // the remote loads go out together
+#pragma unroll
+        for (int r = 0; r < kSkinnyMaxSplits; ++r) v[r] = r < splits ? cluster.map_shared_rank(rsm, r)[m] : 0.f;
+        float t = v[0];
+#pragma unroll
+        for (int r = 1; r < kSkinnyMaxSplits; ++r) t += v[r];
+        a.nout.ss[static_cast<size_t>(m) * gridDim.y + rg] = t;
+      }
     }
   }
   if (splits > 1) cluster.sync();  // no block leaves while another reads its shared memory
@@ -526,7 +603,8 @@ SkinnyPlan plan_gemm_skinny(Epilogue ep, Act xt, int M, int N, int K, int splits
 }
 
 static void run_skinny(const SkinnyPlan& p, const uint8_t* w, const float* scales, const void* x, void* out,
-                       const RopeKVArgs& rope, cudaStream_t stream) {
+                       const RopeKVArgs& rope, cudaStream_t stream, const SkinnyNormOut* nout,
+                       const SkinnyNormIn* nin) {
   AF_CHECK(gemm_w8a16_skinny_supported(p.ep, p.M, p.N, p.K) && (p.nt == 4 || p.nt == 8) && p.nt * 8 >= p.M &&
                p.splits >= 1 && p.splits <= kSkinnyMaxSplits && p.kg >= 1 && p.kg <= kSkinnyMaxGroups &&
                (p.splits - 1) * p.kg < CEIL_DIV(p.K, kGroup) && p.splits * p.kg >= CEIL_DIV(p.K, kGroup),
@@ -534,7 +612,26 @@ static void run_skinny(const SkinnyPlan& p, const uint8_t* w, const float* scale
   AF_CHECK(reinterpret_cast<uintptr_t>(w) % 16 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
                (p.ep == Epilogue::RopeKV || (out != nullptr && reinterpret_cast<uintptr_t>(out) % 16 == 0)),
            "gemm_w8a16_skinny: w, x and out must be 16-byte aligned");
-  const SkArgs a{w, scales, static_cast<const uint16_t*>(x), out, p.M, p.N, p.K, p.kg, rope};
+  if (nout != nullptr)
+    AF_CHECK(p.ep == Epilogue::AddResidual && p.row_groups == skinny_norm_parts(p.N) && nout->w != nullptr &&
+                 nout->xw != nullptr && nout->ss != nullptr && reinterpret_cast<uintptr_t>(nout->w) % 8 == 0 &&
+                 reinterpret_cast<uintptr_t>(nout->xw) % 8 == 0,
+             "gemm_w8a16_skinny: norm_out needs AddResidual, w and xw 8-byte aligned, and ss");
+  if (nin != nullptr)
+    AF_CHECK(p.ep != Epilogue::AddResidual && p.xt == Act::BF16 && nin->ss != nullptr && nin->parts >= 1 &&
+                 nin->d >= 1 && nin->eps > 0.f,
+             "gemm_w8a16_skinny: norm_in needs bf16 x (a norm_out's xw), not AddResidual, ss, parts, d and eps > 0");
+  const SkArgs a{w,
+                 scales,
+                 static_cast<const uint16_t*>(x),
+                 out,
+                 p.M,
+                 p.N,
+                 p.K,
+                 p.kg,
+                 rope,
+                 nout != nullptr ? *nout : SkinnyNormOut{},
+                 nin != nullptr ? *nin : SkinnyNormIn{}};
   af_launch_clusters(kernel_of(p.nt, p.ep, p.xt), dim3(p.splits, p.row_groups), dim3(kSkThreads), dim3(p.splits, 1, 1),
                      p.smem, stream, a);
 }
@@ -544,13 +641,13 @@ bool gemm_w8a16_skinny_rope_supported(int N, int H, int Hkv, int D) {
 }
 
 void gemm_w8a16_skinny(const SkinnyPlan& p, const uint8_t* w, const float* scales, const void* x, void* out,
-                       cudaStream_t stream) {
+                       cudaStream_t stream, const SkinnyNormOut* norm_out, const SkinnyNormIn* norm_in) {
   AF_CHECK(p.ep != Epilogue::RopeKV, "gemm_w8a16_skinny: RopeKV is gemm_w8a16_skinny_rope's");
-  run_skinny(p, w, scales, x, out, RopeKVArgs{}, stream);
+  run_skinny(p, w, scales, x, out, RopeKVArgs{}, stream, norm_out, norm_in);
 }
 
 void gemm_w8a16_skinny_rope(const SkinnyPlan& p, const uint8_t* w, const float* scales, const void* x,
-                            const RopeKVArgs& rope, cudaStream_t stream) {
+                            const RopeKVArgs& rope, cudaStream_t stream, const SkinnyNormIn* norm_in) {
   AF_CHECK(p.ep == Epilogue::RopeKV, "gemm_w8a16_skinny_rope: the plan must be RopeKV's");
   AF_CHECK(gemm_w8a16_skinny_rope_supported(p.N, rope.H, rope.Hkv, rope.D) && rope.max_context >= 1,
            "gemm_w8a16_skinny_rope: needs N = (H + 2 Hkv) head_dim, head_dim a multiple of 8 dividing 128, "
@@ -561,7 +658,7 @@ void gemm_w8a16_skinny_rope(const SkinnyPlan& p, const uint8_t* w, const float* 
   AF_CHECK(reinterpret_cast<uintptr_t>(rope.q_out) % 8 == 0 && reinterpret_cast<uintptr_t>(rope.k_cache) % 8 == 0 &&
                reinterpret_cast<uintptr_t>(rope.v_cache) % 8 == 0,
            "gemm_w8a16_skinny_rope: q_out and the caches must be 8-byte aligned");
-  run_skinny(p, w, scales, x, nullptr, rope, stream);
+  run_skinny(p, w, scales, x, nullptr, rope, stream, nullptr, norm_in);
 }
 
 }  // namespace atomflow::kernels

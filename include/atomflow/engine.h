@@ -187,6 +187,7 @@ class Engine {
     void* attn_scratch;
     void* sample_scratch;
     unsigned* gemv_tickets;  // the gate/up GEMV's counters (kernels.h), zeroed at load
+    float* norm_ss;          // a skinny chunk's split RMSNorm: the products' sums of squares (kernels.h)
     void* gemm_ws;           // the sm90 prefill GEMM's workspace (kernels.h), gemm_ws_bytes
     size_t gemm_ws_bytes;
     uint64_t* head_best;    // the FP8 head's per-block argmax keys, for the greedy sampler (kernels.h)
@@ -201,9 +202,12 @@ class Engine {
   // forward.cu: the launches, enqueued on stream_ (graph-capturable: no sync, no allocation).
   void enqueue_layers(int rows, int attn_keys);
   // scales_gn: the scales transposed for the sm90 GEMM (LayerPtrs), or null.
+  // norm_in: a skinny chunk's split RMSNorm (StepPlan::skinny_norm): buf_.xn holds bf16(x * norm) and the
+  // product normalizes its sums (kernels.h, SkinnyNormIn), no rmsnorm launch.
   void normed_linear(const bf16* norm, const char* probe_name, int layer, const kernels::GemvPlan& fused,
                      const kernels::GemvPlan& probed, const uint8_t* w, const float* scales, const float* scales_gn,
-                     int rows, int N, kernels::Epilogue ep, void* out, int* f16_overflow = nullptr);
+                     int rows, int N, kernels::Epilogue ep, void* out, int* f16_overflow = nullptr,
+                     const kernels::SkinnyNormIn* norm_in = nullptr);
   void enqueue_head(int row);
   void enqueue_decode_step(int attn_keys);                                // the keys its attention grid is planned for
   void enqueue_prefill_chunk(int offset, int rows, bool advance = true);  // advance: *pos += rows

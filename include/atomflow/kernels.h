@@ -233,14 +233,36 @@ bool gemm_w8a16_skinny_supported(Epilogue ep, int M, int N, int K);
 // groups). The choice asks the current device how many clusters of each size it holds at once, once per
 // device and shape (cached: no driver query on the prompt path after the first chunk of a shape).
 SkinnyPlan plan_gemm_skinny(Epilogue ep, Act xt, int M, int N, int K, int splits = 0);
+// A chunk's RMSNorm split between the products around it (prompt rows: not the rmsnorm kernel's bits). The
+// AddResidual product (norm_out) writes, beside out fp32 [M, N], xw bf16 [M, N] = bf16(out * w) and ss fp32
+// [M, P] (P = its plan's row_groups): entry rg of row m is the sum of squares of the row group's columns of out
+// (each split block adds its columns in order, the cluster's blocks in split order), so a row's P entries
+// cover its N columns once, in column order.
+// The next product takes xw as its bf16 x (norm_in) and multiplies each row's sums by rsqrt(the row's P entries,
+// added in a fixed order, / d + eps) before its epilogue (SwiGLU's gate and up, RopeKV's before the bias).
+struct SkinnyNormOut {
+  const bf16* w = nullptr;  // [N]: the next RMSNorm's weight
+  bf16* xw = nullptr;       // [M, N]
+  float* ss = nullptr;      // [M, P]
+};
+// A SkinnyNormOut's P for N columns: its row groups.
+constexpr int skinny_norm_parts(int N) { return (N + 127) / 128; }
+struct SkinnyNormIn {
+  const float* ss = nullptr;  // [M, parts], a SkinnyNormOut's
+  int parts = 0;              // P of the product that wrote it
+  int d = 0;                  // the row length of the normalized residual
+  float eps = 0.f;
+};
+// norm_out: only with AddResidual; norm_in: not with AddResidual (its x must be a SkinnyNormOut's xw, bf16).
 void gemm_w8a16_skinny(const SkinnyPlan& plan, const uint8_t* w, const float* scales, const void* x, void* out,
-                       cudaStream_t stream);
+                       cudaStream_t stream, const SkinnyNormOut* norm_out = nullptr,
+                       const SkinnyNormIn* norm_in = nullptr);
 // The QKV product with RoPE + KV append in its epilogue: the bits of gemm_w8a16_skinny(Store) then
 // rope_kv_append(extras: the bias only) in one launch. Needs N = (H + 2 Hkv) D with D a multiple of 8 that
 // divides 128 (a block's rows are whole heads); no per-head q/k norm. plan: plan_gemm_skinny(RopeKV, ...).
 bool gemm_w8a16_skinny_rope_supported(int N, int H, int Hkv, int D);
 void gemm_w8a16_skinny_rope(const SkinnyPlan& plan, const uint8_t* w, const float* scales, const void* x,
-                            const RopeKVArgs& rope, cudaStream_t stream);
+                            const RopeKVArgs& rope, cudaStream_t stream, const SkinnyNormIn* norm_in = nullptr);
 
 // ---------------------------------------------------------------------------------------
 // gemv_w8a16_m.cu: the GEMV for small M (1 <= M <= 64 rows of x: short prompts, a chunked prompt's

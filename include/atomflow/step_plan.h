@@ -41,6 +41,11 @@ struct PlanOptions {
   // Those chunks' QKV product does RoPE + KV append in its epilogue where StepPlan::skinny_rope says it can
   // (same bits as the two launches).
   bool skinny_rope = true;
+  // Those chunks' RMSNorms (but layer 0's first) split between the products around them instead of an rmsnorm
+  // launch, where StepPlan::skinny_norm says it pays: the AddResidual product leaves bf16(out * w) and its row
+  // groups' sums of squares, the next product scales its sums by each row's 1 / rms (kernels.h, SkinnyNormOut /
+  // SkinnyNormIn). A prompt's rounding: not the rmsnorm kernel's bits.
+  bool skinny_norm = true;
 };
 
 struct StepPlan {
@@ -140,6 +145,15 @@ struct StepPlan {
   // Their QKV product with RoPE + KV append in its epilogue (gemm_w8a16_skinny_rope, the bits of the Store
   // product and rope_kv_append): PlanOptions::skinny_rope, no per-head q/k norm, head_dim dividing 128.
   bool skinny_rope = false;
+  // Their RMSNorms split between the products around them (PlanOptions::skinny_norm), for the hidden sizes
+  // where it was measured to pay (kSkinnyNormHidden). It trades the norm launches (~7-8 us each, two a layer)
+  // for slower products: the next product no longer streams its first weights while a norm runs. Measured
+  // (H100, `tools/timeline.py MODEL --prefill 32 --option skinny_norm=0`, `tools/prefill_profile.py MODEL -p
+  // 8,16,24,32 --reps 5 --option skinny_norm=0`): 3B (hidden 3072) a 32-token prompt's span 2682 -> 2535 us,
+  // 8..32 rows 0.09-0.19 ms faster (three runs); 1B (2048) 0.01-0.05 ms slower; 8B (4096) the span unchanged
+  // (5020 / 5024 us), 24 rows 0.28-0.35 ms slower (three runs).
+  static constexpr int kSkinnyNormHidden[] = {3072};
+  bool skinny_norm = false;
   // A prompt chunk (not a verify chunk nor prefill_rows' rows, which must be decode steps' bits) of
   // kSkinnyMinRows..small_m_max_rows rows takes the skinny GEMM too (RMSNorm apart), where skinny_max_rows says
   // it runs. Measured (H100, `tools/prefill_profile.py MODEL -p 2,3,4,5,6,8,... --option skinny_gemm=0`, the
