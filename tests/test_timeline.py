@@ -62,3 +62,20 @@ def test_timeline_rejects_a_bad_option(capsys):
         timeline.main(["model.atomflow", "--prefill", "32", "--option", "skinny_norm"])
     assert e.value.code == 2
     assert "NAME=0 or NAME=1" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # a name the plan does not have, before loading anything
+        timeline.main(["model.atomflow", "--prefill", "32", "--option", "skiny_norm=0"])
+    assert e.value.code == 2
+    assert "unknown plan option 'skiny_norm'" in capsys.readouterr().err
+
+
+def test_plan_option_parses_the_tools_flag():
+    """`--option NAME=0|1` (timeline.py, prefill_profile.py, prefill_recipe_quality.py) -> (NAME, on), NAME one
+    of the CUDA backend's plan options."""
+    from atomflow.backends.cuda import PLAN_OPTIONS, plan_option
+
+    assert plan_option("skinny_norm=0") == ("skinny_norm", False)
+    assert plan_option("gemm_pdl=1") == ("gemm_pdl", True)
+    assert all(plan_option(f"{n}=1") == (n, True) for n in PLAN_OPTIONS)
+    for bad in ("skinny_norm", "skinny_norm=2", "skinny_norm=true", "=1", "nope=1"):
+        with pytest.raises(ValueError, match="--option"):
+            plan_option(bad)

@@ -87,12 +87,14 @@ def main(argv: list[str] | None = None) -> int:
     recipes = [r for r in a.recipe.split(",") if r]
     if set(recipes) - {"w8a16", "w8a8"}:
         ap.error(f"--recipe: w8a16 or w8a8, got {a.recipe}")
+    from atomflow.backends.cuda import plan_option
+
     variants: list[dict[str, bool]] = [{}]
     for o in a.option:
-        name, _, value = o.partition("=")
-        if value not in ("0", "1"):
-            ap.error(f"--option: NAME=0 or NAME=1, got {o!r}")
-        variants.append({name: value == "1"})
+        try:
+            variants.append(dict([plan_option(o)]))
+        except ValueError as e:
+            ap.error(str(e))
 
     import torch
     from torch.profiler import ProfilerActivity, profile

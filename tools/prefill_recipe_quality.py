@@ -32,12 +32,14 @@ def main(argv: list[str] | None = None) -> int:
     chunk = a.chunk or a.ctx
     if not 1 <= chunk <= a.ctx:
         ap.error("--chunk must be in [1, ctx]")
+    from atomflow.backends.cuda import plan_option
+
     variants = [("w8a16", {}), ("w8a8", {"prefill_fp8": True})]
     for o in a.option:
-        name, _, value = o.partition("=")
-        if value not in ("0", "1"):
-            ap.error(f"--option: NAME=0 or NAME=1, got {o!r}")
-        variants.append((f"w8a16 {o}", {name: value == "1"}))
+        try:
+            variants.append((f"w8a16 {o}", dict([plan_option(o)])))
+        except ValueError as e:
+            ap.error(str(e))
 
     from atomflow.backends.cuda import CudaBackend
     from atomflow.model.fileformat import AtomflowFile

@@ -116,12 +116,14 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--prefill and --verify time different steps: give one")
     if a.prefill:
         a.context = 0  # a prompt from an empty cache
+    from atomflow.backends.cuda import plan_option
+
     plan = {}
     for o in a.option:
-        name, _, value = o.partition("=")
-        if value not in ("0", "1"):
-            ap.error(f"--option: NAME=0 or NAME=1, got {o!r}")
-        plan[name] = value == "1"
+        try:
+            plan.update([plan_option(o)])
+        except ValueError as e:
+            ap.error(str(e))
     try:
         import torch
         from torch.profiler import ProfilerActivity, profile

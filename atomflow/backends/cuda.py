@@ -52,6 +52,16 @@ def options_from_env() -> dict[str, bool]:
     return {"eager": _flag("ATOMFLOW_EAGER"), "f16_activations": not _flag("ATOMFLOW_BF16_ACTS")}
 
 
+def plan_option(text: str) -> tuple[str, bool]:
+    """A tool's `--option NAME=0|1` -> (NAME, on); ValueError unless NAME is one of PLAN_OPTIONS."""
+    name, _, value = text.partition("=")
+    if value not in ("0", "1"):
+        raise ValueError(f"--option: NAME=0 or NAME=1, got {text!r}")
+    if name not in PLAN_OPTIONS:
+        raise ValueError(f"--option: unknown plan option {name!r}; known: {', '.join(PLAN_OPTIONS)}")
+    return name, value == "1"
+
+
 def engine_options(eager: bool | None = None, **plan) -> dict[str, bool]:
     """options_from_env() with the explicit arguments on top: eager (None: from the environment) and
     any of PLAN_OPTIONS; anything else is a ValueError."""
