@@ -175,7 +175,9 @@ def test_gemv_rmsnorm_argmax_tail(rng, N, K):
     out, best = ops.gemv_rmsnorm_argmax(w, s, x, nw, 1e-5)
     np.testing.assert_array_equal(out, ops.gemv_rmsnorm(w, s, x, nw, 1e-5, 0))
     xn = from_f16(ops.rmsnorm(x[None], nw, 1e-5)[0])
-    assert_close(out, reference_linear(w, s, xn.reshape(1, K))[0], FP32_REL, f"head N={N} K={K}")
+    # The error of a sum is relative to its terms: one logit (N = 1) may nearly cancel.
+    terms = float(np.linalg.norm(reference_linear(w & 0x7F, s, np.abs(xn).reshape(1, K))))
+    assert_close(out, reference_linear(w, s, xn.reshape(1, K))[0], FP32_REL, f"head N={N} K={K}", scale=terms)
     blocks = ops.gemv_argmax_blocks(N, K)
     assert best.shape == (blocks,)
     want = np.zeros(blocks, np.uint64)
