@@ -124,6 +124,7 @@ void Engine::enqueue_layers(int rows, int attn_keys) {
   for (size_t i = 0; i < buf_.layers.size(); ++i) {
     const LayerPtrs& L = buf_.layers[i];
     const int li = static_cast<int>(i);
+    const bool attn_split = skinny_norm && i > 0;  // this layer's attn_norm split (layer 0's stays a launch)
     NvtxRange layer_range(layer_names_[i].c_str());
     const kernels::QkvExtras extras{L.bqkv, L.q_norm, L.k_norm, s.rms_norm_eps};  // the split QKV path's
     {
@@ -144,23 +145,18 @@ void Engine::enqueue_layers(int rows, int attn_keys) {
       } else if (skinny_rope) {
         // RMSNorm, then the QKV product with RoPE + KV append (bit-identical to its Store and rope_kv_append).
         const kernels::RopeKVArgs rope{buf_.inv_freq, buf_.pos, H, Hkv, D, C, buf_.q, L.k_cache, L.v_cache, L.bqkv};
-        if (skinny_norm && i > 0) {  // the norm's x and sums from the previous layer's down product
-          kernels::gemm_w8a16_skinny_rope(
-              kernels::plan_gemm_skinny(Epilogue::RopeKV, kernels::Act::BF16, rows, s.qkv_dim(), d), L.wqkv,
-              L.wqkv_scale, xw, rope, stream_, &after_norm);
-        } else {
-          kernels::rmsnorm(buf_.x, L.attn_norm, rows, d, s.rms_norm_eps, buf_.xn, stream_);
-          kernels::gemm_w8a16_skinny_rope(
-              kernels::plan_gemm_skinny(Epilogue::RopeKV, kernels::Act::F16, rows, s.qkv_dim(), d), L.wqkv,
-              L.wqkv_scale, buf_.xn, rope, stream_);
-        }
+        // Split norm: xn already holds bf16(x * attn_norm) and norm_ss the sums, from the last down product.
+        if (!attn_split) kernels::rmsnorm(buf_.x, L.attn_norm, rows, d, s.rms_norm_eps, buf_.xn, stream_);
+        kernels::gemm_w8a16_skinny_rope(
+            kernels::plan_gemm_skinny(Epilogue::RopeKV, attn_split ? kernels::Act::BF16 : kernels::Act::F16, rows,
+                                      s.qkv_dim(), d),
+            L.wqkv, L.wqkv_scale, buf_.xn, rope, stream_, attn_split ? &after_norm : nullptr);
         mark("gemm_qkv+rope", li);
       } else {
         // Prefill chunks, probed steps, and the decode steps of a split-QKV plan (plan.qkv: Store, NORM;
         // a fused plan never reaches here with one unprobed row).
         normed_linear(L.attn_norm, "attn_norm", li, plan.qkv, plan.probe_qkv, L.wqkv, L.wqkv_scale, L.wqkv_scale_gn,
-                      rows, s.qkv_dim(), Epilogue::Store, buf_.qkv, nullptr,
-                      skinny_norm && i > 0 ? &after_norm : nullptr);
+                      rows, s.qkv_dim(), Epilogue::Store, buf_.qkv, nullptr, attn_split ? &after_norm : nullptr);
         mark("gemv_qkv+norm", li);
         if (!qkv_in) {
           kernels::rope_kv_append(buf_.qkv, buf_.inv_freq, buf_.pos, rows, H, Hkv, D, C, buf_.q, L.k_cache, L.v_cache,
@@ -231,15 +227,13 @@ void Engine::normed_linear(const bf16* norm, const char* probe_name, int layer, 
                                   spec_.rms_norm_eps, rows, N, d, ep, out, stream_, f16_overflow);
     return;
   }
-  if (norm_in != nullptr) {  // buf_.xn holds bf16(x * norm): the product normalizes (a skinny chunk)
-    linear(probed, route, w, scales, scales_gn, buf_.xn, kernels::Act::BF16, rows, N, d, ep, out, stream_,
-           buf_.gemv_tickets, f16_overflow, nullptr, norm_in);
-    return;
+  // With norm_in (a skinny chunk's split norm) buf_.xn already holds bf16(x * norm) and the product normalizes.
+  if (norm_in == nullptr) {
+    kernels::rmsnorm(buf_.x, norm, rows, d, spec_.rms_norm_eps, buf_.xn, stream_);
+    if (probe_ && probe_name) probe_point(probe_name, layer, ProbeSrc::XN, rows);
   }
-  kernels::rmsnorm(buf_.x, norm, rows, d, spec_.rms_norm_eps, buf_.xn, stream_);
-  if (probe_ && probe_name) probe_point(probe_name, layer, ProbeSrc::XN, rows);
-  linear(probed, route, w, scales, scales_gn, buf_.xn, kernels::Act::F16, rows, N, d, ep, out, stream_,
-         buf_.gemv_tickets, f16_overflow);
+  linear(probed, route, w, scales, scales_gn, buf_.xn, norm_in ? kernels::Act::BF16 : kernels::Act::F16, rows, N, d, ep,
+         out, stream_, buf_.gemv_tickets, f16_overflow, nullptr, norm_in);
 }
 
 // Final norm and lm_head on one row of the residual stream -> buf_.logits fp32 [vocab].

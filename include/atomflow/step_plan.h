@@ -150,7 +150,7 @@ struct StepPlan {
   // for slower products: the next product no longer streams its first weights while a norm runs. Measured
   // (H100, `tools/timeline.py MODEL --prefill 32 --option skinny_norm=0`, `tools/prefill_profile.py MODEL -p
   // 8,16,24,32 --reps 5 --option skinny_norm=0`): 3B (hidden 3072) a 32-token prompt's span 2682 -> 2535 us,
-  // 8..32 rows 0.09-0.19 ms faster (three runs); 1B (2048) 0.01-0.05 ms slower; 8B (4096) the span unchanged
+  // 8..32 rows 0.08-0.21 ms faster (three runs); 1B (2048) 0.01-0.05 ms slower; 8B (4096) the span unchanged
   // (5020 / 5024 us), 24 rows 0.28-0.35 ms slower (three runs).
   static constexpr int kSkinnyNormHidden[] = {3072};
   bool skinny_norm = false;
