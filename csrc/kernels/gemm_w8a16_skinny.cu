@@ -81,19 +81,23 @@ struct SkTile {
   static constexpr int kWBytes = (kSkThreads / 32) * kRing * kStageBytes;
   static constexpr int kRedBytes = kTokens * kSkRedStride * 4;
   static constexpr int kMainBytes = kXBytes + kWBytes;  // the partial sums reuse it after the main loop
-  static_assert(kRedBytes + 4 * kTokens * (kSkRows / 4) <= kMainBytes,
-                "the partial sums and a norm's squares fit where x and the weights were");
+  static constexpr int kSqBytes = 4 * kTokens * (kSkRows / 4);      // a norm's squares, [M][quads]
+  static constexpr int kSlotBytes = 4 * kSkinnyMaxSplits * kTokens;  // rank 0's: each block's row sums
+  static_assert(kRedBytes + kSqBytes + kSlotBytes <= kMainBytes,
+                "the partial sums, a norm's squares and its slots fit where x and the weights were");
 };
 
 // Scale rows in shared memory: kg groups padded to an odd stride (8 lanes read 8 rows of one group).
 __host__ __device__ constexpr int scale_stride(int kg) { return kg | 1; }
 
+constexpr int kMaxRopeFreqs = kSkRows / 2;  // RopeKV: head_dim divides 128
+
 // Shared memory: the main loop's x slabs and weight stages (the partial sums and a norm's squares reuse them
-// after it), the split's scales, two mbarriers, and the rows' norm factors.
+// after it), the split's scales, two mbarriers, the rows' norm factors and RoPE's frequencies.
 template <int NT>
 size_t skinny_smem(int kg) {
   return static_cast<size_t>(SkTile<NT>::kMainBytes) + sizeof(float) * kSkRows * scale_stride(kg) +
-         2 * sizeof(uint64_t) + sizeof(float) * kSkinnyMaxRows;
+         2 * sizeof(uint64_t) + sizeof(float) * (kSkinnyMaxRows + kMaxRopeFreqs);
 }
 
 struct SkArgs {
@@ -182,7 +186,8 @@ __global__ void __launch_bounds__(kSkThreads, SkTile<NT>::kBlocksPerSm) gemm_ski
   const int ng = min(a.kg, G - g0);  // this split's scale groups (>= 1: the plan drops empty splits)
   const int kgp = scale_stride(a.kg);
   uint64_t* const xbar = reinterpret_cast<uint64_t*>(ssc + kSkRows * kgp);
-  float* const rsm = reinterpret_cast<float*>(xbar + 2);  // row m: SkinnyNormIn 1 / rms, SkinnyNormOut its sum
+  float* const rsm = reinterpret_cast<float*>(xbar + 2);  // row m: SkinnyNormIn 1 / rms
+  float* const freqs = rsm + kSkinnyMaxRows;               // RopeKV: inv_freq [D / 2]
   const int k0 = g0 * kGroup, k1 = min(a.K, (g0 + ng) * kGroup);
   const int n_it = (k1 - k0) / kSkIter;
   const int n_slab = (n_it + 3) / 4;
@@ -216,6 +221,8 @@ __global__ void __launch_bounds__(kSkThreads, SkTile<NT>::kBlocksPerSm) gemm_ski
     const int row = weight_row<EP>(lr, rg, a.N);
     cp_async4(ssc + lr * kgp + gi, a.scales + static_cast<size_t>(max(row, 0)) * G + g0 + gi);
   }
+  if constexpr (EP == Epilogue::RopeKV)
+    for (int i = tid; i < a.rope.D / 2; i += kSkThreads) cp_async4(freqs + i, a.rope.inv_freq + i);
   cp_async_commit();
 #pragma unroll 1
   for (int s = 0; s < R; ++s) fetch(s);
@@ -244,6 +251,7 @@ __global__ void __launch_bounds__(kSkThreads, SkTile<NT>::kBlocksPerSm) gemm_ski
   };
   stage(0);
   if (n_slab > 1) stage(1);
+  const int pos0 = EP == Epilogue::RopeKV ? __ldcg(a.rope.pos) : 0;  // RopeKV: the chunk's first position
   // SkinnyNormIn: each row's 1 / rms from the P sums of squares the AddResidual product left, a warp a row
   // (lane 0's order: its strided partial, then the butterfly). A warp's loads of 64 sums of each of its rows
   // go out together (one trip to L2, under x's first slabs); the main loop's first barrier publishes rsm.
@@ -270,6 +278,30 @@ __global__ void __launch_bounds__(kSkThreads, SkTile<NT>::kBlocksPerSm) gemm_ski
       for (int off = 16; off > 0; off /= 2) t[j] += __shfl_xor_sync(0xffffffffu, t[j], off);
       const int m = warp + W * j;
       if (lane == 0 && m < a.M) rsm[m] = rsqrtf(t[j] / static_cast<float>(a.nin.d) + a.nin.eps);
+    }
+  }
+
+  // The epilogue's slice (below), known from the start: the thread's first output quad. AddResidual loads its
+  // residual now (an L2 trip under the main loop instead of after the reduction; only this thread writes
+  // it), and a SkinnyNormOut its four weights.
+  constexpr bool kPairs = EP == Epilogue::SwiGLU || EP == Epilogue::RopeKV;
+  constexpr int kOuts = kPairs ? kSkRows / 2 : kSkRows;
+  const int per = (CEIL_DIV(kOuts, splits) + 3) / 4 * 4;
+  const int o0 = split * per, o1 = min(kOuts, o0 + per);
+  const int quads = max(0, (o1 - o0) / 4);
+  const bool norm_out = EP == Epilogue::AddResidual && a.nout.ss != nullptr;
+  float4 res0 = make_float4(0.f, 0.f, 0.f, 0.f), nw0 = res0;
+  if constexpr (EP == Epilogue::AddResidual) {
+    const int n = rg * kSkRows + o0 + 4 * (tid % max(quads, 1));
+    if (tid < a.M * quads && n < a.N) {
+      res0 = __ldcg(reinterpret_cast<const float4*>(static_cast<const float*>(a.out) +
+                                                    static_cast<size_t>(tid / quads) * a.N + n));
+      if (norm_out) {
+        const uint2 wb = *reinterpret_cast<const uint2*>(a.nout.w + n);
+        const __nv_bfloat162 lo2 = *reinterpret_cast<const __nv_bfloat162*>(&wb.x);
+        const __nv_bfloat162 hi2 = *reinterpret_cast<const __nv_bfloat162*>(&wb.y);
+        nw0 = make_float4(__low2float(lo2), __high2float(lo2), __low2float(hi2), __high2float(hi2));
+      }
     }
   }
 
@@ -354,35 +386,29 @@ __global__ void __launch_bounds__(kSkThreads, SkTile<NT>::kBlocksPerSm) gemm_ski
   else
     __syncthreads();
 
-  // This block's slice of the outputs, 4 consecutive a thread: the sums of every split in rank order. SwiGLU
-  // and RopeKV own pairs of rows (lo, lo + half): gate and up rows, the two halves of a rotation.
-  constexpr bool kPairs = EP == Epilogue::SwiGLU || EP == Epilogue::RopeKV;
-  constexpr int kOuts = kPairs ? kSkRows / 2 : kSkRows;
+  // This block's slice of the outputs (o0 .. o1, above), 4 consecutive a thread: the sums of every split in
+  // rank order, their loads issued together. SwiGLU and RopeKV own pairs of rows (lo, lo + half): gate and up
+  // rows, the two halves of a rotation.
   const int half = EP == Epilogue::RopeKV ? a.rope.D / 2 : kSkRows / 2;
-  const int per = (CEIL_DIV(kOuts, splits) + 3) / 4 * 4;
-  const int o0 = split * per, o1 = min(kOuts, o0 + per);
-  const int quads = max(0, (o1 - o0) / 4);
   float* const sq = reinterpret_cast<float*>(smem + SkTile<NT>::kRedBytes);  // SkinnyNormOut: [M][quads]
-  const bool norm_out = EP == Epilogue::AddResidual && a.nout.ss != nullptr;
   for (int i = tid; i < a.M * quads; i += kSkThreads) {
     const int m = i / quads, o = o0 + 4 * (i % quads);
     const int lo = kPairs ? o / half * (2 * half) + o % half : o;  // pair o's first row (half % 4 == 0)
-    float4 y = make_float4(0.f, 0.f, 0.f, 0.f), u = y;
-    for (int r = 0; r < splits; ++r) {
-      const float* src = splits > 1 ? cluster.map_shared_rank(red, r) : red;
-      const float4 v = *reinterpret_cast<const float4*>(src + m * kSkRedStride + lo);
-      if (r == 0) {
-        y = v;
-      } else {
-        y.x += v.x, y.y += v.y, y.z += v.z, y.w += v.w;
+    float4 vy[kSkinnyMaxSplits], vu[kSkinnyMaxSplits];
+#pragma unroll
+    for (int r = 0; r < kSkinnyMaxSplits; ++r) {
+      if (r < splits) {
+        const float* src = (splits > 1 ? cluster.map_shared_rank(red, r) : red) + m * kSkRedStride + lo;
+        vy[r] = *reinterpret_cast<const float4*>(src);
+        if constexpr (kPairs) vu[r] = *reinterpret_cast<const float4*>(src + half);
       }
-      if constexpr (kPairs) {
-        const float4 w = *reinterpret_cast<const float4*>(src + m * kSkRedStride + lo + half);
-        if (r == 0) {
-          u = w;
-        } else {
-          u.x += w.x, u.y += w.y, u.z += w.z, u.w += w.w;
-        }
+    }
+    float4 y = vy[0], u = kPairs ? vu[0] : y;
+#pragma unroll
+    for (int r = 1; r < kSkinnyMaxSplits; ++r) {
+      if (r < splits) {
+        y.x += vy[r].x, y.y += vy[r].y, y.z += vy[r].z, y.w += vy[r].w;
+        if constexpr (kPairs) u.x += vu[r].x, u.y += vu[r].y, u.z += vu[r].z, u.w += vu[r].w;
       }
     }
     if (EP != Epilogue::AddResidual && a.nin.ss != nullptr) {  // the normalized x's product
@@ -413,7 +439,7 @@ __global__ void __launch_bounds__(kSkThreads, SkTile<NT>::kBlocksPerSm) gemm_ski
           x2[e] = __fadd_rn(x2[e], R.bias[n + half + e]);
         }
       }
-      const int p = *R.pos + m;
+      const int p = pos0 + m;
       bf16* dst;
       if (head < R.H)
         dst = R.q_out + (static_cast<size_t>(m) * R.H + head) * R.D + f;
@@ -427,7 +453,7 @@ __global__ void __launch_bounds__(kSkThreads, SkTile<NT>::kBlocksPerSm) gemm_ski
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           float c, sn;
-          rope_cos_sin(p, R.inv_freq[f + e], c, sn);
+          rope_cos_sin(p, freqs[f + e], c, sn);
           rope_rotate(x1[e], x2[e], c, sn, x1[e], x2[e]);
         }
       }
@@ -445,14 +471,18 @@ __global__ void __launch_bounds__(kSkThreads, SkTile<NT>::kBlocksPerSm) gemm_ski
       }
       float4* dst = reinterpret_cast<float4*>(static_cast<float*>(a.out) + static_cast<size_t>(m) * a.N + n);
       if constexpr (EP == Epilogue::AddResidual) {
-        const float4 r = *dst;
+        const bool first = i == tid;  // loaded before the main loop
+        const float4 r = first ? res0 : __ldcg(dst);
         y.x += r.x, y.y += r.y, y.z += r.z, y.w += r.w;
         if (norm_out) {  // the next RMSNorm's half: bf16(out * w) and the squares of out
-          const bf16* wn = a.nout.w + n;
-          const __nv_bfloat162 lo2 =
-              __floats2bfloat162_rn(y.x * __bfloat162float(wn[0]), y.y * __bfloat162float(wn[1]));
-          const __nv_bfloat162 hi2 =
-              __floats2bfloat162_rn(y.z * __bfloat162float(wn[2]), y.w * __bfloat162float(wn[3]));
+          float4 w4 = nw0;
+          if (!first) {
+            const bf16* wn = a.nout.w + n;
+            w4 = make_float4(__bfloat162float(wn[0]), __bfloat162float(wn[1]), __bfloat162float(wn[2]),
+                             __bfloat162float(wn[3]));
+          }
+          const __nv_bfloat162 lo2 = __floats2bfloat162_rn(y.x * w4.x, y.y * w4.y);
+          const __nv_bfloat162 hi2 = __floats2bfloat162_rn(y.z * w4.z, y.w * w4.w);
           *reinterpret_cast<uint2*>(a.nout.xw + static_cast<size_t>(m) * a.N + n) =
               make_uint2(*reinterpret_cast<const uint32_t*>(&lo2), *reinterpret_cast<const uint32_t*>(&hi2));
           sq[i] = fmaf(y.w, y.w, fmaf(y.z, y.z, fmaf(y.y, y.y, y.x * y.x)));
@@ -462,26 +492,30 @@ __global__ void __launch_bounds__(kSkThreads, SkTile<NT>::kBlocksPerSm) gemm_ski
     }
   }
   if (norm_out) {  // each row's sum over its row group's columns, in column order, into ss[m, rg]
+    float* const slots = reinterpret_cast<float*>(smem + T::kRedBytes + T::kSqBytes);  // rank 0's: [split][m]
+    float* const dst = splits > 1 ? cluster.map_shared_rank(slots, 0) : slots;
     __syncthreads();
-    for (int m = tid; m < a.M; m += kSkThreads) {  // this block's columns
+    for (int m = tid; m < a.M; m += kSkThreads) {  // this block's columns, into rank 0's slot
       float t = 0.f;
       for (int j = 0; j < quads; ++j) t += sq[m * quads + j];
-      rsm[m] = t;
+      dst[split * T::kTokens + m] = t;
     }
-    if (splits > 1) cluster.sync();
+    // Every slot written and every remote read of the partial sums done: after this barrier no block touches
+    // another's shared memory, so none waits for the others to leave.
+    if (splits > 1)
+      cluster.sync();
+    else
+      __syncthreads();
     if (split == 0) {
       for (int m = tid; m < a.M; m += kSkThreads) {  // the cluster's blocks, in split (= column) order
-        float v[kSkinnyMaxSplits];                   // the remote loads go out together
-#pragma unroll
-        for (int r = 0; r < kSkinnyMaxSplits; ++r) v[r] = r < splits ? cluster.map_shared_rank(rsm, r)[m] : 0.f;
-        float t = v[0];
-#pragma unroll
-        for (int r = 1; r < kSkinnyMaxSplits; ++r) t += v[r];
+        float t = slots[m];
+        for (int r = 1; r < splits; ++r) t += slots[r * T::kTokens + m];
         a.nout.ss[static_cast<size_t>(m) * gridDim.y + rg] = t;
       }
     }
+  } else if (splits > 1) {
+    cluster.sync();  // no block leaves while another reads its shared memory
   }
-  if (splits > 1) cluster.sync();  // no block leaves while another reads its shared memory
 #endif
 }
 
