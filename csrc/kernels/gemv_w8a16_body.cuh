@@ -409,6 +409,7 @@ struct Prior {
   float r0, r1;
   int p0;
   int pos;
+  float freq = 0.f;  // RopeKV: the first pair's inv_freq (a q / k pair), loaded before the products
 };
 
 template <Ep EP, bool BIAS>
@@ -418,6 +419,7 @@ static __device__ __forceinline__ Prior load_prior(const Product& P, const RowPa
   if (threadIdx.x % 32 != 0) return pr;
   if constexpr (EP == Ep::RopeKV) {
     pr.pos = *rope.pos;  // plain (coherent) load: the previous step wrote it
+    if (p0 < pairs.qk_pairs) pr.freq = __ldg(rope.inv_freq + p0 % pairs.half);
     if constexpr (BIAS) {
       if (p0 < pairs.count()) {
         int r0, r1;
@@ -462,7 +464,7 @@ static __device__ __forceinline__ void store_pair(const Product& P, const RowPai
       // for the block before the products put a position load on the critical path).
       const int head = p / half, i = p % half;
       float c, sn, o1, o2;
-      rope_cos_sin(pos, rope.inv_freq[i], c, sn);
+      rope_cos_sin(pos, p == pr.p0 ? pr.freq : __ldg(rope.inv_freq + i), c, sn);
       rope_rotate(acc0, acc1, c, sn, o1, o2);
       bf16* dst = nullptr;
       if (head < rope.H)
