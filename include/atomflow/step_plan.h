@@ -151,7 +151,8 @@ struct StepPlan {
   // (H100, `tools/timeline.py MODEL --prefill 32 --option skinny_norm=0`, `tools/prefill_profile.py MODEL -p
   // 8,16,24,32 --reps 5 --option skinny_norm=0`): 3B (hidden 3072) a 32-token prompt's span 2682 -> 2535 us,
   // 8..32 rows 0.08-0.21 ms faster (three runs); 1B (2048) 0.01-0.05 ms slower; 8B (4096) the span unchanged
-  // (5020 / 5024 us), 24 rows 0.28-0.35 ms slower (three runs).
+  // (5020 / 5024 us), 24 rows 0.28-0.35 ms slower (three runs); again with 7bf8ce5's shorter tail: 1B even, 8B
+  // 0.12-0.23 ms slower at 24 and 32 rows.
   static constexpr int kSkinnyNormHidden[] = {3072};
   bool skinny_norm = false;
   // A prompt chunk (not a verify chunk nor prefill_rows' rows, which must be decode steps' bits) of
