@@ -80,8 +80,8 @@ struct SkTile {
   static constexpr int kXBytes = 2 * kSlabBytes;  // two slabs: one read, one landing
   static constexpr int kWBytes = (kSkThreads / 32) * kRing * kStageBytes;
   static constexpr int kRedBytes = kTokens * kSkRedStride * 4;
-  static constexpr int kMainBytes = kXBytes + kWBytes;  // the partial sums reuse it after the main loop
-  static constexpr int kSqBytes = 4 * kTokens * (kSkRows / 4);      // a norm's squares, [M][quads]
+  static constexpr int kMainBytes = kXBytes + kWBytes;               // the partial sums reuse it after the main loop
+  static constexpr int kSqBytes = 4 * kTokens * (kSkRows / 4);       // a norm's squares, [M][quads]
   static constexpr int kSlotBytes = 4 * kSkinnyMaxSplits * kTokens;  // rank 0's: each block's row sums
   static_assert(kRedBytes + kSqBytes + kSlotBytes <= kMainBytes,
                 "the partial sums, a norm's squares and its slots fit where x and the weights were");
@@ -187,7 +187,7 @@ __global__ void __launch_bounds__(kSkThreads, SkTile<NT>::kBlocksPerSm) gemm_ski
   const int kgp = scale_stride(a.kg);
   uint64_t* const xbar = reinterpret_cast<uint64_t*>(ssc + kSkRows * kgp);
   float* const rsm = reinterpret_cast<float*>(xbar + 2);  // row m: SkinnyNormIn 1 / rms
-  float* const freqs = rsm + kSkinnyMaxRows;               // RopeKV: inv_freq [D / 2]
+  float* const freqs = rsm + kSkinnyMaxRows;              // RopeKV: inv_freq [D / 2]
   const int k0 = g0 * kGroup, k1 = min(a.K, (g0 + ng) * kGroup);
   const int n_it = (k1 - k0) / kSkIter;
   const int n_slab = (n_it + 3) / 4;
