@@ -403,6 +403,7 @@ def test_begin_prompt_samples_the_last_row(tiny, n):
     core.begin_prompt(ids)
     assert core.in_flight == 1
     (token,) = core.wait(1)
+    assert core.prompt_finite()  # checked on the device
     logits = core.prompt_logits()
     assert core.position == n and core.in_flight == 0
     assert_close(logits, want, f"begin_prompt's last row, {n} ids")
@@ -414,6 +415,8 @@ def test_begin_prompt_samples_the_last_row(tiny, n):
     core.begin_prompt(ids)
     core.enqueue(3)
     piped = core.wait(4)
+    with pytest.raises(RuntimeError, match="overwritten"):
+        core.prompt_logits()  # the steps after it took the logits
     eng.reset()
     eng.prefill(ids)
     loop = [token]

@@ -831,6 +831,25 @@ def test_add_inplace(rng, n):
     assert np.array_equal(ops.add_inplace(x, y), x + y)
 
 
+@pytest.mark.parametrize("n", [1, 3, 4, 1000, 128256, 49155])
+def test_all_finite(rng, n):
+    """all_finite (begin_prompt's check of its row): 1 for finite values, 0 for one NaN, +Inf or -Inf
+    anywhere, on aligned and unaligned starts (the 16-byte loads and the scalar tail); the flag is
+    poisoned (7) before the launch."""
+    x = (rng.standard_normal(n) * 1e30).astype(np.float32)
+    x[rng.integers(0, n)] = np.finfo(np.float32).max  # large but finite
+    for offset in sorted({0, 1, 2, 3} & set(range(n))):
+        assert ops.all_finite(x, offset) == 1
+    for bad in (np.nan, np.inf, -np.inf):
+        for where in sorted({0, n // 2, n - 1, int(rng.integers(0, n))}):
+            y = x.copy()
+            y[where] = bad
+            for offset in sorted({0, 1, 3} & set(range(where + 1))):
+                assert ops.all_finite(y, offset) == 0, f"{bad} at {where}, offset {offset}"
+            if where > 0:
+                assert ops.all_finite(y[:where]) == 1  # the prefix before it
+
+
 def test_stream_read_bandwidth_is_sane():
     gbs = ops.stream_read_bandwidth(1 << 28, 5)
     assert np.isfinite(gbs) and 100 < gbs < 20000, f"{gbs} GB/s"

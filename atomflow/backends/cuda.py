@@ -260,10 +260,10 @@ class CudaBackend:
                     eng.enqueue(ahead)
                     enqueued += ahead
                 (sampled,) = eng.wait(1)
-                # NaN/Inf in the weights reaches every row. The decode steps' logits stay on the device:
-                # the prompt's row is checked here, and a step the sampler drew nothing from gives -1.
+                # NaN/Inf in the weights reaches every row. The logits stay on the device: the prompt's row
+                # is checked there (prompt_finite), and a step the sampler drew nothing from gives -1.
                 first_of_prompt = prompt is not None and yielded == 0
-                if sampled < 0 or (first_of_prompt and not np.isfinite(eng.prompt_logits()).all()):
+                if sampled < 0 or (first_of_prompt and not eng.prompt_finite()):
                     raise NonFiniteLogitsError(f"non-finite logits at position {run.keep}", run.keep)
                 yielded += 1
                 run.keep += 1

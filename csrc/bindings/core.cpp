@@ -389,7 +389,11 @@ PYBIND11_MODULE(_core, m) {
             e.prompt_logits(logits.mutable_data());
             return logits;
           },
-          "fp32 logits [vocab] of begin_prompt's last row, once its token was waited for")
+          "fp32 logits [vocab] of begin_prompt's last row, once its token was waited for and before a later "
+          "step overwrites them")
+      .def("prompt_finite", &Engine::prompt_finite,
+           "whether begin_prompt's last row holds no NaN or infinity (checked on the device), once its token was "
+           "waited for")
       .def(
           "enqueue",
           [](Engine& e, int n) {

@@ -1,4 +1,4 @@
-// _core.ops: the small kernels: embedding, rmsnorm, add_inplace, rope_kv_append, and the
+// _core.ops: the small kernels: embedding, rmsnorm, add_inplace, all_finite, rope_kv_append, and the
 // streaming-read ceiling.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
@@ -51,6 +51,21 @@ py::array_t<float> add_inplace(const py::array& x_, const py::array& y_) {
   return to_host<float>(dx, {n});
 }
 
+// x[offset:] holds no NaN and no infinity: the kernel's flag (poisoned with 7 before the launch).
+int all_finite(const py::array& x_, int offset) {
+  auto x = arg<float>(x_, "x", {-1});
+  const int n = static_cast<int>(x.shape(0));
+  require(offset >= 0 && offset < n, "offset must be in [0, len(x))");
+  DeviceBuffer dx = to_device(x), flag(sizeof(int32_t));
+  const int32_t seven = 7;
+  AF_CUDA_CHECK(cudaMemcpy(flag.get<int32_t>(), &seven, sizeof(seven), cudaMemcpyHostToDevice));
+  k::all_finite(dx.get<float>() + offset, n - offset, flag.get<int32_t>(), nullptr);
+  sync();
+  int32_t got = 0;
+  AF_CUDA_CHECK(cudaMemcpy(&got, flag.get<int32_t>(), sizeof(got), cudaMemcpyDeviceToHost));
+  return got;
+}
+
 py::tuple rope_kv_append(const py::array& qkv_, const py::array& inv_freq_, int pos, int H, int Hkv, int D,
                          const py::array& k_cache_, const py::array& v_cache_, const py::object& bias_,
                          const py::object& q_norm_, const py::object& k_norm_, float eps) {
@@ -91,6 +106,8 @@ void register_small(py::module_& m) {
   m.def("rmsnorm", &rmsnorm, py::arg("x"), py::arg("w"), py::arg("eps"),
         "x f32 [M, d], w u16 [d] (bf16) -> u16 [M, d] (f16)");
   m.def("add_inplace", &add_inplace, py::arg("x"), py::arg("y"), "x, y f32 [n] -> x + y");
+  m.def("all_finite", &all_finite, py::arg("x"), py::arg("offset") = 0,
+        "x f32 [n] -> the kernel's flag for x[offset:]: 1 when no value is a NaN or an infinity, else 0");
   m.def("rope_kv_append", &rope_kv_append, py::arg("qkv"), py::arg("inv_freq"), py::arg("pos"), py::arg("H"),
         py::arg("Hkv"), py::arg("D"), py::arg("k_cache"), py::arg("v_cache"), py::arg("bias") = py::none(),
         py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none(), py::arg("eps") = 1e-6f,

@@ -181,11 +181,11 @@ void Engine::init(const std::string& path, const std::vector<TensorInfo>& table,
   AF_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   for (cudaEvent_t& e : step_done_) AF_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
   // The ring (tokens and overflow flags, 2 x kRingSize), then kLogitRows tokens of a verify and its overflow
-  // flag (enqueue_verify).
-  AF_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&ring_host_), (2 * kRingSize + kLogitRows + 1) * sizeof(int32_t),
+  // flag (enqueue_verify), then begin_prompt's finite flag (kPromptFiniteSlot).
+  AF_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&ring_host_), (kPromptFiniteSlot + 1) * sizeof(int32_t),
                               cudaHostAllocMapped));
   ++allocations_;
-  std::memset(ring_host_, 0, (2 * kRingSize + kLogitRows + 1) * sizeof(int32_t));
+  std::memset(ring_host_, 0, (kPromptFiniteSlot + 1) * sizeof(int32_t));
   AF_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&ring_dev_), ring_host_, 0));
   AF_CUDA_CHECK(
       cudaHostAlloc(reinterpret_cast<void**>(&logits_host_), s.vocab_size * sizeof(float), cudaHostAllocDefault));
@@ -314,6 +314,7 @@ std::vector<std::pair<std::string, size_t>> Engine::plan() const { return plan_;
 // Eager steps plan their attention grid the same way, so both modes run the same kernels.
 // A probed step runs its launches (the graph holds no probe points).
 void Engine::launch_step() {
+  ++logits_writes_;
   const bool graph = graph_exec_ != nullptr && probe_ == nullptr;
   NvtxRange range(graph ? "decode_step (graph)" : "decode_step");
   const bool short_step = step_plan_.short_keys > 0 && host_pos_ < step_plan_.short_keys;
@@ -473,6 +474,7 @@ bool Engine::verify_greedy(const int32_t* ids, int n, int32_t* tokens) {
     throw std::invalid_argument("verify: " + std::to_string(n) + " rows do not fit one chunk of " +
                                 std::to_string(opt_.prefill_chunk));
   stage_prefill(ids, n);  // checks the ids and that no step is in flight
+  ++logits_writes_;       // its head's rows take buf_.logits, graph or not
   // A verify chunk's launches depend on its row count only (the ids, the position and the tokens' slots are
   // device memory): one graph per count, captured on its first use in the engine's activations.
   if (verify_graphs_[n] == nullptr && graph_exec_ != nullptr) {
@@ -590,8 +592,9 @@ void Engine::begin_prompt(const int32_t* ids, int n) {
     }
   }
   enqueue_sample();  // the last row's token into the ring, *pos past the prompt
-  AF_CUDA_CHECK(cudaMemcpyAsync(logits_host_, buf_.logits, static_cast<size_t>(spec_.vocab_size) * sizeof(float),
-                                cudaMemcpyDeviceToHost, stream_));
+  // Whether the row is all finite, into the mapped slot (a 4-byte answer instead of the row's copy).
+  kernels::all_finite(buf_.logits, spec_.vocab_size, ring_dev_ + kPromptFiniteSlot, stream_);
+  prompt_mark_ = logits_writes_;
   // The bookkeeping of one step at the last row's position whose input was ids[n - 1] (a rerun in
   // bf16 replays it as that decode step).
   host_pos_ += n - 1;
@@ -604,8 +607,18 @@ void Engine::begin_prompt(const int32_t* ids, int n) {
   ++host_pos_;
 }
 
-void Engine::prompt_logits(float* logits) const {
-  std::memcpy(logits, logits_host_, static_cast<size_t>(spec_.vocab_size) * sizeof(float));
+bool Engine::prompt_finite() const {
+  const volatile int32_t* slot = ring_host_ + kPromptFiniteSlot;  // written by the device (all_finite)
+  return *slot != 0;
+}
+
+void Engine::prompt_logits(float* logits) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (prompt_mark_ != logits_writes_)
+    throw std::logic_error("prompt_logits: no begin_prompt row to give (a later step has overwritten it)");
+  AF_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  AF_CUDA_CHECK(
+      cudaMemcpy(logits, buf_.logits, static_cast<size_t>(spec_.vocab_size) * sizeof(float), cudaMemcpyDeviceToHost));
 }
 
 void Engine::enqueue(int n) {

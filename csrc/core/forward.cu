@@ -239,6 +239,7 @@ void Engine::normed_linear(const bf16* norm, const char* probe_name, int layer, 
 // Final norm and lm_head on one row of the residual stream -> buf_.logits fp32 [vocab].
 void Engine::enqueue_head(int row) {
   NvtxRange range("lm_head");
+  ++logits_writes_;  // buf_.logits is this head's (prompt_logits)
   const int d = spec_.hidden_size, vocab = spec_.vocab_size;
   const float* xrow = buf_.x + static_cast<size_t>(row) * d;
   if (spec_.lm_head_fp8 && !probe_) {
@@ -263,6 +264,7 @@ void Engine::enqueue_head(int row) {
 // products per row), a bf16 head row by row (each row's logits moved down from row 0, last row first).
 void Engine::enqueue_head_rows(int first, int n) {
   NvtxRange range("lm_head rows");
+  ++logits_writes_;
   const int d = spec_.hidden_size, vocab = spec_.vocab_size;
   if (spec_.lm_head_fp8 && !probe_) {
     const kernels::GemvMPlan plan = kernels::plan_gemv_m(Epilogue::Store, kernels::GemvIn::NORM, n, vocab, d);

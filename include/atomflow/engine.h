@@ -83,10 +83,12 @@ class Engine {
   // the first step in flight, the sample of its last row (the decode step's sampler, RNG counter,
   // ring slot and fp16 overflow rule, as if that row had been fed to a decode step): wait(1) returns
   // that token, and on the device it is already the input of the next enqueued step. The prompt's
-  // last token needs no decode step of its own. prompt_logits() gives the row's logits once its
-  // token was waited for.
+  // last token needs no decode step of its own. Once its token was waited for, prompt_finite() says
+  // whether the row's logits are all finite (checked on the device: the row never crosses to the host on
+  // this path), and prompt_logits() copies the row, until a later step overwrites it (then it throws).
   void begin_prompt(const int32_t* ids, int n);
-  void prompt_logits(float* logits) const;  // fp32 [vocab]; valid after begin_prompt's token was waited for
+  bool prompt_finite() const;
+  void prompt_logits(float* logits);  // fp32 [vocab]
   void enqueue(int n);
   std::vector<int32_t> wait(int n);
   // Waits for all device work. Steps enqueued and not yet waited for are dropped (their tokens
@@ -283,6 +285,10 @@ class Engine {
   int32_t* ring_host_ = nullptr;
   int32_t* ring_dev_ = nullptr;   // the same memory as the device sees it
   float* logits_host_ = nullptr;  // pinned [vocab], for the D2H of the logits
+  // After the ring and the verify's slots: begin_prompt's row is all finite (all_finite writes it).
+  static constexpr int kPromptFiniteSlot = 2 * kRingSize + kLogitRows + 1;
+  // Heads enqueued (each overwrites buf_.logits); begin_prompt's count after its head, for prompt_logits().
+  long long logits_writes_ = 0, prompt_mark_ = -1;
 
   int host_pos_ = 0;     // position once every enqueued step has run
   int in_flight_ = 0;    // enqueued steps not yet waited for

@@ -480,6 +480,8 @@ void rope_kv_append_slots(const float* qkv, const float* inv_freq, const int32_t
 // ---------------------------------------------------------------------------------------
 // elementwise.cu: small ops the fused paths do not cover.
 void add_inplace(float* x, const float* y, int n, cudaStream_t stream);  // x += y
+// *flag = 1 when x[0, n) holds no NaN and no infinity, else 0 (one block; flag may be mapped host memory).
+void all_finite(const float* x, int n, int32_t* flag, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------
 // sampling.cu: one token from fp32 logits [vocab], entirely on the device.
