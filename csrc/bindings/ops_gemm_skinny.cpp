@@ -36,6 +36,21 @@ k::SkinnyPlan plan_of(const char* what, k::Epilogue ep, k::Act xt, int M, int N,
   return k::plan_gemm_skinny(ep, xt, M, N, K, splits);
 }
 
+// The operands every product entry point takes: w u8 [N, K] (N fixed when n >= 0), scales f32 [N, ceil(K /
+// 128)], x u16 [M, K]; checked in that order, then on the device.
+struct Operands {
+  int N = 0, K = 0, M = 0;
+  DeviceBuffer w, s, x;
+  Operands(const py::array& w_, const py::array& s_, const py::array& x_, py::ssize_t n = -1) {
+    auto wa = arg<uint8_t>(w_, "w", {n, -1});
+    N = static_cast<int>(wa.shape(0)), K = static_cast<int>(wa.shape(1));
+    auto sa = arg<float>(s_, "scales", {N, scale_groups(K)});
+    auto xa = arg<uint16_t>(x_, "x", {-1, K});
+    M = static_cast<int>(xa.shape(0));
+    w = to_device(wa), s = to_device(sa), x = to_device(xa);
+  }
+};
+
 // A split RMSNorm's second half (kernels.h, SkinnyNormIn): norm_ss f32 [M, P] on the device, or nothing for None.
 struct NormIn {
   DeviceBuffer ss;
@@ -60,20 +75,17 @@ py::object gemm_skinny(const py::array& w_, const py::array& s_, const py::array
                        int norm_d, float norm_eps) {
   const k::Act xt = act_arg(x_dtype);
   const k::Epilogue ep = epilogue_arg(ep_);
-  auto w = arg<uint8_t>(w_, "w", {-1, -1});
-  const int N = static_cast<int>(w.shape(0)), K = static_cast<int>(w.shape(1));
-  auto s = arg<float>(s_, "scales", {N, scale_groups(K)});
-  auto x = arg<uint16_t>(x_, "x", {-1, K});
-  const int M = static_cast<int>(x.shape(0));
+  const Operands op(w_, s_, x_);
+  const int N = op.N, K = op.K, M = op.M;
   const k::SkinnyPlan plan = plan_of("gemm_skinny", ep, xt, M, N, K, splits);
   const bool add = ep == k::Epilogue::AddResidual;
   require(add == !out_init_.is_none(), "out_init is required with AddResidual and only with it");
-  DeviceBuffer dw = to_device(w), ds = to_device(s), dx = to_device(x);
   DeviceBuffer out =
       add ? to_device(arg<float>(out_init_.cast<py::array>(), "out_init", {M, N}))
           : DeviceBuffer::poisoned(ep == k::Epilogue::SwiGLU ? sizeof(bf16) * M * (N / 2) : sizeof(float) * M * N);
   const NormIn nin(norm_ss, M, norm_d, norm_eps);
-  k::gemm_w8a16_skinny(plan, dw.get<uint8_t>(), ds.get<float>(), dx.get(), out.get(), nullptr, nullptr, nin.get());
+  k::gemm_w8a16_skinny(plan, op.w.get<uint8_t>(), op.s.get<float>(), op.x.get(), out.get(), nullptr, nullptr,
+                       nin.get());
   sync();
   if (ep == k::Epilogue::SwiGLU) return to_host<uint16_t>(out, {M, N / 2});
   return to_host<float>(out, {M, N});
@@ -86,20 +98,17 @@ py::tuple gemm_skinny_norm_out(const py::array& w_, const py::array& s_, const p
                                const py::array& out_init_, const py::array& nw_, const std::string& x_dtype,
                                int splits) {
   const k::Act xt = act_arg(x_dtype);
-  auto w = arg<uint8_t>(w_, "w", {-1, -1});
-  const int N = static_cast<int>(w.shape(0)), K = static_cast<int>(w.shape(1));
-  auto s = arg<float>(s_, "scales", {N, scale_groups(K)});
-  auto x = arg<uint16_t>(x_, "x", {-1, K});
-  const int M = static_cast<int>(x.shape(0));
+  const Operands op(w_, s_, x_);
+  const int N = op.N, K = op.K, M = op.M;
   auto nw = arg<uint16_t>(nw_, "norm_w", {N});
   const k::SkinnyPlan plan = plan_of("gemm_skinny_norm_out", k::Epilogue::AddResidual, xt, M, N, K, splits);
   const int parts = k::skinny_norm_parts(N);
-  DeviceBuffer dw = to_device(w), ds = to_device(s), dx = to_device(x), dnw = to_device(nw);
+  DeviceBuffer dnw = to_device(nw);
   DeviceBuffer out = to_device(arg<float>(out_init_, "out_init", {M, N}));
   DeviceBuffer xw = DeviceBuffer::poisoned(sizeof(bf16) * M * N),
                ss = DeviceBuffer::poisoned(sizeof(float) * M * parts);
   const k::SkinnyNormOut nout{dnw.get<bf16>(), xw.get<bf16>(), ss.get<float>()};
-  k::gemm_w8a16_skinny(plan, dw.get<uint8_t>(), ds.get<float>(), dx.get(), out.get(), nullptr, &nout);
+  k::gemm_w8a16_skinny(plan, op.w.get<uint8_t>(), op.s.get<float>(), op.x.get(), out.get(), nullptr, &nout);
   sync();
   return py::make_tuple(to_host<float>(out, {M, N}), to_host<uint16_t>(xw, {M, N}), to_host<float>(ss, {M, parts}));
 }
@@ -113,20 +122,16 @@ py::tuple gemm_skinny_rope(const py::array& w_, const py::array& s_, const py::a
                            int norm_d, float norm_eps) {
   const k::Act xt = act_arg(x_dtype);
   require(H >= 1 && Hkv >= 1 && D >= 2 && D % 2 == 0, "need H, Hkv >= 1 and an even D");
-  const int N = (H + 2 * Hkv) * D;
-  auto w = arg<uint8_t>(w_, "w", {N, -1});
-  const int K = static_cast<int>(w.shape(1));
-  auto s = arg<float>(s_, "scales", {N, scale_groups(K)});
-  auto x = arg<uint16_t>(x_, "x", {-1, K});
-  const int M = static_cast<int>(x.shape(0));
+  const Operands op(w_, s_, x_, (H + 2 * Hkv) * D);
+  const int N = op.N, K = op.K, M = op.M;
   require(k::gemm_w8a16_skinny_rope_supported(N, H, Hkv, D),
           "gemm_skinny_rope: head_dim must be a multiple of 8 that divides 128, got " + std::to_string(D));
   const k::SkinnyPlan plan = plan_of("gemm_skinny_rope", k::Epilogue::RopeKV, xt, M, N, K, splits);
   const RopeInputs r =
       rope_inputs(inv_freq_, pos, Hkv, D, k_cache_, v_cache_, bias_, N, static_cast<size_t>(M) * H * D);
-  DeviceBuffer dw = to_device(w), ds = to_device(s), dx = to_device(x);
   const NormIn nin(norm_ss, M, norm_d, norm_eps);
-  k::gemm_w8a16_skinny_rope(plan, dw.get<uint8_t>(), ds.get<float>(), dx.get(), r.args(H, Hkv, D), nullptr, nin.get());
+  k::gemm_w8a16_skinny_rope(plan, op.w.get<uint8_t>(), op.s.get<float>(), op.x.get(), r.args(H, Hkv, D), nullptr,
+                            nin.get());
   sync();
   return py::make_tuple(to_host<uint16_t>(r.q, {M, H, D}), to_host<uint16_t>(r.kc, {r.C, Hkv, D}),
                         to_host<uint16_t>(r.vc, {r.C, Hkv, D}));
