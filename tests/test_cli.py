@@ -135,7 +135,7 @@ def test_info_plan_without_gpu_is_one_line(tiny_model_file):
         assert len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
-SM90_TILES = [[64, "narrow-streamk"], [256, "wide-streamk"], [None, "wide"]]
+SM90_TILES = [[64, "narrow-streamk"], [256, "wide-streamk"], [None, "xwide or wide by tile waves"]]
 
 
 @pytest.mark.parametrize(

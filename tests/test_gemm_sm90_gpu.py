@@ -183,13 +183,13 @@ def test_gemm_sm90_model_shapes(rng, M, N, K, ep, x_dtype):
         check_epilogue(rng, w, s, x, y, ep, x_dtype, ROUND_REL[x_dtype], what)
 
 
-TILES = ["wide", "narrow", "wide-streamk", "narrow-streamk"]
+TILES = ["xwide", "wide", "narrow", "wide-streamk", "narrow-streamk"]
 
 
 @pytest.mark.parametrize("tile", TILES)
 @pytest.mark.parametrize("M,N,K", [(1, 3072, 8192), (17, 960, 576), (64, 3072, 3072), (300, 5120, 3072)])
 def test_gemm_sm90_every_tile_kind(rng, tile, M, N, K):
-    """Each tile kind (wide / narrow tokens per tile, with and without stream-K's split k-loops) on
+    """Each tile kind (xwide / wide / narrow tokens per tile, with and without stream-K's split k-loops) on
     few tiles and many, a deep K (o and down of a short chunk: stream-K splits them), every epilogue:
     the recipe reference, and the same bits on a second run (the split tiles' reduction is fixed)."""
     if not ops.gemm_sm90_built():

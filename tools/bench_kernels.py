@@ -64,9 +64,15 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iters", type=int, default=50, help="timed launches per shape (median reported)")
     ap.add_argument("--json", help="also write the results to this file")
+    ap.add_argument(
+        "--rows",
+        default="16,32,64,128,256,512,1024,2048",
+        help="chunk rows of the gemm_sm90 and gemm_w8a8 sections (comma-separated)",
+    )
     ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}")
     args = ap.parse_args(argv)
     run = set(args.sections.split(","))
+    chunk_rows = [int(r) for r in args.rows.split(",")]
     if run - set(SECTIONS):
         ap.error(f"unknown section(s) {','.join(sorted(run - set(SECTIONS)))}; known: {','.join(SECTIONS)}")
     try:
@@ -287,15 +293,15 @@ def main(argv=None) -> int:
     if "gemm_sm90" in run:
         # The Hopper GEMM (gemm_w8a16_sm90: scale transpose + CUTLASS TMA/wgmma GEMM (+ SwiGLU)) next to
         # gemm_w8a16, per layer product and per layer, at the chunk sizes the step plan may route to it.
-        # Each of its tile kinds is timed (wide / narrow tokens per tile, with and without stream-K) and
+        # Each of its tile kinds is timed (xwide / wide / narrow tokens per tile, with and without stream-K) and
         # the one its launcher picks by M (auto), so the table is the data behind sm90_tile_for.
-        kinds = ("wide", "narrow", "wide-streamk", "narrow-streamk", "auto")
+        kinds = ("xwide", "wide", "narrow", "wide-streamk", "narrow-streamk", "auto")
         rows, results["gemm_sm90"] = [], []
         if not ops.gemm_sm90_built():
             print("\ngemm_w8a16_sm90: not in this build (nvidia-cutlass missing at build time)")
         for model in ("3B", "8B") if ops.gemm_sm90_built() else ():
             m = MODELS[model]
-            for M in (16, 32, 64, 128, 256, 512, 1024, 2048):
+            for M in chunk_rows:
                 it = max(5, args.iters // 5)
                 layer = {k: 0.0 for k in ("gemm", *kinds)}
                 flops_layer = 0.0
@@ -307,7 +313,7 @@ def main(argv=None) -> int:
                     flops_layer += flops
                     for k, v in us.items():
                         layer[k] += v
-                    best = min(kinds[:4], key=lambda k: us[k])
+                    best = min(kinds[:-1], key=lambda k: us[k])
                     rows.append(
                         [
                             model,
@@ -321,7 +327,7 @@ def main(argv=None) -> int:
                     results["gemm_sm90"].append(
                         dict(model=model, M=M, layer=name, N=N, K=K, us=us, TFLOPs_auto=flops / us["auto"] / 1e6)
                     )
-                best = min(kinds[:4], key=lambda k: layer[k])
+                best = min(kinds[:-1], key=lambda k: layer[k])
                 rows.append(
                     [
                         model,
@@ -345,7 +351,7 @@ def main(argv=None) -> int:
         rows, results["gemm_w8a8"] = [], []
         for model in ("3B", "8B") if ops.gemm_sm90_built() else ():
             m = MODELS[model]
-            for M in (16, 32, 64, 128, 256, 512, 1024, 2048):
+            for M in chunk_rows:
                 it = max(5, args.iters // 5)
                 a16 = a8 = a8sk = flops_layer = 0.0
                 for name, N, K, ep in linear_shapes(m)[:4]:

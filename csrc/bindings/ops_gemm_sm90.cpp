@@ -15,10 +15,10 @@ namespace {
 
 k::Sm90Tile tile_arg(const std::string& tile) {
   for (k::Sm90Tile t : {k::Sm90Tile::Auto, k::Sm90Tile::Wide, k::Sm90Tile::Narrow, k::Sm90Tile::WideStreamK,
-                        k::Sm90Tile::NarrowStreamK})
+                        k::Sm90Tile::NarrowStreamK, k::Sm90Tile::XWide})
     if (tile == k::sm90_tile_name(t)) return t;
-  throw py::value_error("tile must be 'auto', 'wide', 'narrow', 'wide-streamk' or 'narrow-streamk', got '" + tile +
-                        "'");
+  throw py::value_error("tile must be 'auto', 'xwide', 'wide', 'narrow', 'wide-streamk' or 'narrow-streamk', got '" +
+                        tile + "'");
 }
 
 // One call of either sm90 GEMM on host arrays: w u8 [N, K], scales f32 [N, ceil(K / 128)], x u16 [M, K];
@@ -142,8 +142,17 @@ void register_gemm_sm90(py::module_& m) {
         py::arg("pretransposed") = false,
         "gemm_w8a16_sm90: w u8 [N, K] (N % 8 == 0, K % 64 == 0), scales f32 [N, ceil(K/128)], x u16 [M, K] (bf16 or "
         "f16 bits); epilogue 0 Store -> f32 [M, N], 1 AddResidual (out_init f32 [M, N]) -> f32 [M, N], 2 SwiGLU -> "
-        "u16 [M, N/2] (bf16); tile auto (by M), wide (128 tokens per tile) or narrow (64), -streamk; pretransposed: "
-        "the scales transposed first by gemm_w8a16_sm90_transpose_scales and passed as the engine passes them");
+        "u16 [M, N/2] (bf16); tile auto (sm90_tile_for), xwide (256 tokens per tile), wide (128) or narrow (64), "
+        "-streamk; pretransposed: the scales transposed first by gemm_w8a16_sm90_transpose_scales and passed as the "
+        "engine passes them");
+  m.def(
+      "sm90_tile_for",
+      [](int M, int N, int sms) {
+        require(M >= 1 && N >= 1 && sms >= 1, "sm90_tile_for: M, N and sms must be >= 1");
+        return std::string(k::sm90_tile_name(k::sm90_tile_for(M, N, sms)));
+      },
+      py::arg("M"), py::arg("N"), py::arg("sms"),
+      "the tile kind gemm_w8a16_sm90's auto takes for an M x N product on a GPU of sms SMs (kernels.h)");
   m.def(
       "gemm_sm90_workspace_bytes",
       [](int ep, int M, int N, int K) { return k::gemm_w8a16_sm90_workspace_bytes(epilogue_arg(ep), M, N, K); },

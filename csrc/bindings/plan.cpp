@@ -133,12 +133,13 @@ py::dict plan_to_dict(const StepPlan& p) {
   // chunks of at least this many rows: gemm_w8a8_sm90, the FP8 recipe (None: never; PlanOptions::prefill_fp8)
   d["prefill_w8a8_min_rows"] =
       p.w8a8_min_rows < StepPlan::kNever ? py::object(py::int_(p.w8a8_min_rows)) : py::object(py::none());
-  // its tile kind by chunk rows (kernels::sm90_tile_for): [(up to rows, kind)], the last for any more
+  // its tile kind by chunk rows (kernels::sm90_tile_for): [(up to rows, kind)], the last for any more (there
+  // the product's width decides between two kinds by their waves of tiles over the SMs)
   py::list tiles;
   for (int rows : {kernels::kSm90NarrowMaxRows, kernels::kSm90StreamKMaxRows})
-    tiles.append(py::make_tuple(rows, kernels::sm90_tile_name(kernels::sm90_tile_for(rows))));
-  tiles.append(
-      py::make_tuple(py::none(), kernels::sm90_tile_name(kernels::sm90_tile_for(kernels::kSm90StreamKMaxRows + 1))));
+    tiles.append(py::make_tuple(rows, kernels::sm90_tile_name(kernels::sm90_tile_for(rows, 1, 1))));
+  tiles.append(py::make_tuple(py::none(), std::string(kernels::sm90_tile_name(kernels::Sm90Tile::XWide)) + " or " +
+                                              kernels::sm90_tile_name(kernels::Sm90Tile::Wide) + " by tile waves"));
   d["prefill_sm90_tiles"] = tiles;
   return d;
 }

@@ -9,10 +9,10 @@
 //    one rounding of the exact dequantized weight (relative error <= 2^-9 for bf16, 2^-11 for fp16; fp16
 //    products below 2^-14 are subnormal, an absolute error <= 2^-25). gemm_w8a16 applies the scale to fp32
 //    partial sums instead (no rounding of w * s); tests/test_gemm_sm90_gpu.py states the difference.
-//  - Tile 128 (weight rows) x 128 (tokens) x 64 (k), or 128 x 64 x 64 for short chunks; cluster 1x1,
+//  - Tile 128 (weight rows) x 256, 128 or 64 (tokens) x 64 (k); cluster 1x1,
 //    cooperative schedule (two consumer warpgroups, one TMA producer warp), persistent blocks with the
 //    data-parallel or the stream-K tile scheduler (deterministic reduction of split tiles in the
-//    workspace); TMA epilogue. Which of the four kinds runs: kernels.h's sm90_tile_for(M).
+//    workspace); TMA epilogue. Which of the five kinds runs: kernels.h's sm90_tile_for(M, N, SMs).
 //  - Rows of x past M and weight rows past N are TMA's out-of-bounds zeros; their outputs are not stored.
 //    The scale group of k is k / 128 for every k (CUTLASS's group index of a 64-wide k-tile), so a
 //    64-column tail group (K % 128 == 64) needs nothing special.
@@ -101,9 +101,12 @@ using LayoutW = cutlass::layout::RowMajor;     // A [N, K], K-major
 using LayoutX = cutlass::layout::ColumnMajor;  // B [K, M] column-major = x [M, K] row-major
 using LayoutD = cutlass::layout::ColumnMajor;  // D' [N, M] column-major = y [M, N] row-major
 constexpr int kAlignW = 16, kAlignX = 8, kAlignD = 4;  // elements of 16 bytes
-using ClusterShape = Shape<_1, _1, _1>;
-// Two tile widths along the tokens: wide (128), and narrow (64) for short chunks, where a 128-token tile
-// would run half its MMAs or more on rows past M (kernels.h: sm90_tile_for picks one by M).
+using ClusterShape = Shape<_1, _1, _1>;                // 2 x 1 clusters (x tiles multicast) measured no faster
+// Three tile widths along the tokens: xwide (256: each weight converted serves twice the tokens of a wide
+// tile; ~10% less time per FLOP when the waves of tiles are full), wide (128), and narrow (64) for short
+// chunks, where a 128-token tile would run half its MMAs or more on rows past M (kernels.h: sm90_tile_for
+// picks one by M and N).
+using TileXWide = Shape<_128, _256, _64>;
 using TileWide = Shape<_128, _128, _64>;
 using TileNarrow = Shape<_128, _64, _64>;
 
@@ -180,6 +183,7 @@ void dispatch_tile(Sm90Tile tile, Fn&& fn) {
     case Sm90Tile::Wide: return fn(Sm90Gemm<T, TileWide, P>{});
     case Sm90Tile::Narrow: return fn(Sm90Gemm<T, TileNarrow, P>{});
     case Sm90Tile::WideStreamK: return fn(Sm90Gemm<T, TileWide, S>{});
+    case Sm90Tile::XWide: return fn(Sm90Gemm<T, TileXWide, P>{});
     default: return fn(Sm90Gemm<T, TileNarrow, S>{});
   }
 }
@@ -227,8 +231,12 @@ bool gemm_w8a16_sm90_supported(Epilogue ep, int M, int N, int K) {
 }
 
 size_t gemm_w8a16_sm90_workspace_bytes(Epilogue ep, int M, int N, int K, Sm90Tile tile) {
-  // The CUTLASS workspace does not depend on the activation type; take the larger to be sure.
-  if (tile == Sm90Tile::Auto) tile = sm90_tile_for(M);
+  // The CUTLASS workspace does not depend on the activation type; take the larger to be sure. Auto: any kind
+  // sm90_tile_for may pick for M (past the stream-K rows it depends on the GPU's SM count).
+  if (tile == Sm90Tile::Auto && M > kSm90StreamKMaxRows)
+    return std::max(gemm_w8a16_sm90_workspace_bytes(ep, M, N, K, Sm90Tile::Wide),
+                    gemm_w8a16_sm90_workspace_bytes(ep, M, N, K, Sm90Tile::XWide));
+  if (tile == Sm90Tile::Auto) tile = sm90_tile_for(M, N, 1);
   return std::max(carve(ep, Act::BF16, tile, M, N, K).total, carve(ep, Act::F16, tile, M, N, K).total);
 }
 
@@ -261,6 +269,7 @@ const char* sm90_tile_name(Sm90Tile tile) {
     case Sm90Tile::Narrow: return "narrow";
     case Sm90Tile::WideStreamK: return "wide-streamk";
     case Sm90Tile::NarrowStreamK: return "narrow-streamk";
+    case Sm90Tile::XWide: return "xwide";
     default: return "auto";
   }
 }
@@ -286,7 +295,7 @@ void gemm_w8a16_sm90(const uint8_t* w, const float* scales, const void* x, Act x
   for (const void* p :
        {static_cast<const void*>(w), static_cast<const void*>(scales), x, static_cast<const void*>(out)})
     AF_CHECK(reinterpret_cast<uintptr_t>(p) % 16 == 0, "gemm_w8a16_sm90: w, scales, x and out must be 16-byte aligned");
-  if (tile == Sm90Tile::Auto) tile = sm90_tile_for(M);
+  if (tile == Sm90Tile::Auto) tile = sm90_tile_for(M, N, current_sm_count());
   const Carve c = carve(ep, x_type, tile, M, N, K);
   AF_CHECK(workspace != nullptr && workspace_bytes >= c.total && reinterpret_cast<uintptr_t>(workspace) % kWsAlign == 0,
            "gemm_w8a16_sm90: the workspace must be gemm_w8a16_sm90_workspace_bytes() bytes, 256-byte aligned");

@@ -160,15 +160,22 @@ void gemm_w8a16(const uint8_t* w, const float* scales, const void* x, Act x_type
 // copy of y in the workspace). N % 8 == 0 (N % 16 == 0 for SwiGLU), K % 64 == 0, M >= 1.
 // workspace: gemm_w8a16_sm90_workspace_bytes(ep, M, N, K, tile) bytes (256-byte aligned), no initial value,
 // one stream at a time. Launches plain (no PDL): it starts after everything before it on the stream.
-// Tokens per tile: Wide 128, Narrow 64; the StreamK kinds split the k-loops of the tiles over all SMs
-// (CUTLASS's stream-K scheduler), so a product with fewer tiles than SMs still runs on every SM.
-// Auto: sm90_tile_for(M), the best kind per layer by M as measured (docs/design/gemm_w8a16_sm90.md).
-enum class Sm90Tile { Auto, Wide, Narrow, WideStreamK, NarrowStreamK };
+// Tokens per tile: XWide 256, Wide 128, Narrow 64; the StreamK kinds split the k-loops of the tiles over all
+// SMs (CUTLASS's stream-K scheduler), so a product with fewer tiles than SMs still runs on every SM.
+// Auto: sm90_tile_for(M, N, SMs), the best kind per product as measured (docs/design/gemm_w8a16_sm90.md).
+enum class Sm90Tile { Auto, Wide, Narrow, WideStreamK, NarrowStreamK, XWide };
 constexpr int kSm90NarrowMaxRows = 64, kSm90StreamKMaxRows = 256;
-constexpr Sm90Tile sm90_tile_for(int M) {
-  return M <= kSm90NarrowMaxRows    ? Sm90Tile::NarrowStreamK
-         : M <= kSm90StreamKMaxRows ? Sm90Tile::WideStreamK
-                                    : Sm90Tile::Wide;
+// Past kSm90StreamKMaxRows, XWide (256 tokens a tile) when its waves of tiles over the SMs take less time
+// than Wide's, an xwide tile costing kSm90XWideTileCost wide ones (measured: 1.76..1.9 pick the faster kind
+// of every 3B and 8B product at 512..2048 rows but one within 5%).
+constexpr double kSm90XWideTileCost = 1.8;
+constexpr Sm90Tile sm90_tile_for(int M, int N, int sms) {
+  if (M <= kSm90NarrowMaxRows) return Sm90Tile::NarrowStreamK;
+  if (M <= kSm90StreamKMaxRows) return Sm90Tile::WideStreamK;
+  const int row_tiles = (N + 127) / 128;
+  const int wide_waves = (row_tiles * ((M + 127) / 128) + sms - 1) / sms;
+  const int xwide_waves = (row_tiles * ((M + 255) / 256) + sms - 1) / sms;
+  return xwide_waves * kSm90XWideTileCost < wide_waves ? Sm90Tile::XWide : Sm90Tile::Wide;
 }
 bool gemm_w8a16_sm90_built();  // false: nvidia-cutlass was missing at build time (the launcher fails)
 bool gemm_w8a16_sm90_supported(Epilogue ep, int M, int N, int K);
