@@ -186,27 +186,28 @@ def test_gemm_sm90_model_shapes(rng, M, N, K, ep, x_dtype):
 TILES = ["xwide", "wide", "narrow", "wide-streamk", "narrow-streamk"]
 
 
+@pytest.mark.parametrize("x_dtype", ["bf16", "f16"])
 @pytest.mark.parametrize("tile", TILES)
 @pytest.mark.parametrize("M,N,K", [(1, 3072, 8192), (17, 960, 576), (64, 3072, 3072), (300, 5120, 3072)])
-def test_gemm_sm90_every_tile_kind(rng, tile, M, N, K):
+def test_gemm_sm90_every_tile_kind(rng, tile, M, N, K, x_dtype):
     """Each tile kind (xwide / wide / narrow tokens per tile, with and without stream-K's split k-loops) on
     few tiles and many, a deep K (o and down of a short chunk: stream-K splits them), every epilogue:
     the recipe reference, and the same bits on a second run (the split tiles' reduction is fixed)."""
     if not ops.gemm_sm90_built():
         pytest.skip("built without gemm_w8a16_sm90 (test_sm90_gemm_is_built says why)")
-    w, s, x, xf = inputs(rng, M, N, K, "bf16")
-    y = xf @ dequant(w, s, "bf16").T
-    what = f"gemm_sm90 tile={tile} M={M} N={N} K={K}"
-    check(ops.gemm_sm90(w, s, x, STORE, None, "bf16", tile), y, RECIPE_REL, f"{what} Store")
+    w, s, x, xf = inputs(rng, M, N, K, x_dtype)
+    y = xf @ dequant(w, s, x_dtype).T
+    what = f"gemm_sm90 tile={tile} M={M} N={N} K={K} x {x_dtype}"
+    check(ops.gemm_sm90(w, s, x, STORE, None, x_dtype, tile), y, RECIPE_REL, f"{what} Store")
     residual = rng.standard_normal(y.shape).astype(np.float32)
-    a = ops.gemm_sm90(w, s, x, ADD, residual, "bf16", tile)
-    np.testing.assert_array_equal(a, ops.gemm_sm90(w, s, x, ADD, residual, "bf16", tile))
+    a = ops.gemm_sm90(w, s, x, ADD, residual, x_dtype, tile)
+    np.testing.assert_array_equal(a, ops.gemm_sm90(w, s, x, ADD, residual, x_dtype, tile))
     scale = float(np.linalg.norm(residual.astype(np.float64)) + np.linalg.norm(y))
     check(a, residual + y, RECIPE_REL, f"{what} AddResidual", scale=scale)
     if N % 16 == 0:
         F = N // 2
         want = silu_mul(y[:, :F], y[:, F:])
-        got = from_bf16(ops.gemm_sm90(w, s, x, SWIGLU, None, "bf16", tile))
+        got = from_bf16(ops.gemm_sm90(w, s, x, SWIGLU, None, x_dtype, tile))
         check(got, want, RECIPE_REL + BF16_OUT_REL, f"{what} SwiGLU", scale=max(float(np.linalg.norm(want)), BF16_TINY))
 
 

@@ -9,13 +9,13 @@
 //    one rounding of the exact dequantized weight (relative error <= 2^-9 for bf16, 2^-11 for fp16; fp16
 //    products below 2^-14 are subnormal, an absolute error <= 2^-25). gemm_w8a16 applies the scale to fp32
 //    partial sums instead (no rounding of w * s); tests/test_gemm_sm90_gpu.py states the difference.
-//  - Tile 128 (weight rows) x 256, 128 or 64 (tokens) x 64 (k); cluster 1x1,
+//  - Tile 128 (weight rows) x 256, 128 or 64 (tokens) x 64 (k; 128 with 64 tokens); cluster 1x1,
 //    cooperative schedule (two consumer warpgroups, one TMA producer warp), persistent blocks with the
 //    data-parallel or the stream-K tile scheduler (deterministic reduction of split tiles in the
 //    workspace); TMA epilogue. Which of the five kinds runs: kernels.h's sm90_tile_for(M, N, SMs).
 //  - Rows of x past M and weight rows past N are TMA's out-of-bounds zeros; their outputs are not stored.
-//    The scale group of k is k / 128 for every k (CUTLASS's group index of a 64-wide k-tile), so a
-//    64-column tail group (K % 128 == 64) needs nothing special.
+//    The scale group of k is k / 128 for every k (CUTLASS's group index of a 64- or 128-wide k-tile), so
+//    a 64-column tail group (K % 128 == 64) needs nothing special.
 //
 // Contract of gemm_w8a16_sm90 (launcher at the end):
 //  Inputs   w fp8 e4m3 [N, K] row-major, scales fp32 [N, ceil(K / 128)], x 16-bit [M, K] row-major of
@@ -105,10 +105,11 @@ using ClusterShape = Shape<_1, _1, _1>;                // 2 x 1 clusters (x tile
 // Three tile widths along the tokens: xwide (256: each weight converted serves twice the tokens of a wide
 // tile; ~10% less time per FLOP when the waves of tiles are full), wide (128), and narrow (64) for short
 // chunks, where a 128-token tile would run half its MMAs or more on rows past M (kernels.h: sm90_tile_for
-// picks one by M and N).
+// picks one by M and N). The narrow tile takes 128 columns of k a stage (one scale group; 64 measured 3-7%
+// slower at 64 rows), the others 64 (128 measured even on wide; xwide's stages would not fit).
 using TileXWide = Shape<_128, _256, _64>;
 using TileWide = Shape<_128, _128, _64>;
-using TileNarrow = Shape<_128, _64, _64>;
+using TileNarrow = Shape<_128, _64, _128>;
 
 template <class Tile>
 using EpilogueOp = typename cutlass::epilogue::collective::CollectiveBuilder<
