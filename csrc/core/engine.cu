@@ -616,9 +616,7 @@ void Engine::prompt_logits(float* logits) {
   std::lock_guard<std::mutex> lock(mu_);
   if (prompt_mark_ != logits_writes_)
     throw std::logic_error("prompt_logits: no begin_prompt row to give (a later step has overwritten it)");
-  AF_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  AF_CUDA_CHECK(
-      cudaMemcpy(logits, buf_.logits, static_cast<size_t>(spec_.vocab_size) * sizeof(float), cudaMemcpyDeviceToHost));
+  copy_logits_out(logits);
 }
 
 void Engine::enqueue(int n) {

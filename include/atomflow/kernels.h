@@ -159,7 +159,7 @@ void gemm_w8a16(const uint8_t* w, const float* scales, const void* x, Act x_type
 // Epilogues Store and AddResidual (fp32 [M, N]) and SwiGLU (N = 2F, bf16 [M, F], through an fp32 [M, N]
 // copy of y in the workspace). N % 8 == 0 (N % 16 == 0 for SwiGLU), K % 64 == 0, M >= 1.
 // workspace: gemm_w8a16_sm90_workspace_bytes(ep, M, N, K, tile) bytes (256-byte aligned), no initial value,
-// one stream at a time. Launches plain (no PDL): it starts after everything before it on the stream.
+// one stream at a time. Under PDL or not as its pdl argument says (below).
 // Tokens per tile: XWide 256, Wide 128, Narrow 64; the StreamK kinds split the k-loops of the tiles over all
 // SMs (CUTLASS's stream-K scheduler), so a product with fewer tiles than SMs still runs on every SM.
 // Auto: sm90_tile_for(M, N, SMs), the best kind per product as measured (docs/design/gemm_w8a16_sm90.md).
