@@ -200,10 +200,18 @@ def test_small_prefill_chunk_matches_reference(tiny):
 
 
 def test_prefill_chunk_default_and_bound(tiny):
-    """The core's default chunk is the one the bench counts prompt bytes with, and never past max_context."""
-    from atomflow.bench.bandwidth import PREFILL_CHUNK
+    """The core's default chunk is the step plan's for the model's width (4096 rows up to hidden 3072), the
+    plan says it, and it never passes max_context."""
+    from atomflow import _core
 
-    assert cuda(tiny, PREFILL_CHUNK + 64).prefill_chunk == PREFILL_CHUNK
+    assert tiny.spec.hidden_size <= 3072
+    eng = cuda(tiny, 4096 + 64)
+    assert eng.prefill_chunk == 4096 and eng.step_plan["prefill_chunk"] == 4096
+    del eng
+    gc.collect()
+    wide = dict(tiny.spec.to_dict(), hidden_size=4096)
+    assert _core.plan_for(wide, 8192)["prefill_chunk"] == 2048
+    assert _core.plan_for(tiny.spec.to_dict(), 300)["prefill_chunk"] == 300
     gc.collect()
     assert cuda(tiny, 300).prefill_chunk == 300
     assert cuda(tiny, 300, prefill_chunk=7).prefill_chunk == 7

@@ -804,7 +804,7 @@ def test_gemv_rmsnorm_rope_rejects_bad_arguments(rng):
 # ----------------------------------------------------------------------------- small ops
 
 
-@pytest.mark.parametrize("M,d", [(1, 1), (1, 3072), (3, 7), (17, 4096), (2, 8193)])
+@pytest.mark.parametrize("M,d", [(1, 1), (1, 3072), (3, 7), (5, 576), (17, 4096), (2, 8193), (4, 8196)])
 def test_rmsnorm(rng, M, d):
     x = (rng.standard_normal((M, d)) * rng.uniform(0.1, 30, (M, 1))).astype(np.float32)
     w = bf16_bits(rng.standard_normal(d))

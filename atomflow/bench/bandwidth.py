@@ -13,8 +13,8 @@ import numpy as np
 
 from atomflow.model.spec import ModelSpec
 
-# Rows per prefill pass where the backend does not say (CudaBackend.prefill_chunk does): the _core.Engine
-# default, EngineOptions::prefill_chunk.
+# Rows per prefill pass where the backend does not say (CudaBackend.prefill_chunk does, the step plan's
+# default for the model, StepPlan::prefill_chunk_for): the CPU backend's byte counts.
 PREFILL_CHUNK = 2048
 
 

@@ -72,10 +72,9 @@ void Engine::init(const std::string& path, const std::vector<TensorInfo>& table,
   const ModelSpec& s = spec_;
   if (opt_.max_context < 1)
     throw std::invalid_argument("max_context must be >= 1, got " + std::to_string(opt_.max_context));
-  if (opt_.prefill_chunk < 1)
-    throw std::invalid_argument("prefill_chunk must be >= 1, got " + std::to_string(opt_.prefill_chunk));
-  // No chunk holds more rows than the cache: the activation buffers need no more.
-  opt_.prefill_chunk = std::min(opt_.prefill_chunk, opt_.max_context);
+  if (opt_.prefill_chunk < 0)
+    throw std::invalid_argument("prefill_chunk must be >= 1 (or 0: the model's default), got " +
+                                std::to_string(opt_.prefill_chunk));
   if (inv_freq.size() != static_cast<size_t>(s.head_dim / 2))
     throw std::invalid_argument("inv_freq must hold head_dim / 2 = " + std::to_string(s.head_dim / 2) +
                                 " values, got " + std::to_string(inv_freq.size()));
@@ -93,6 +92,9 @@ void Engine::init(const std::string& path, const std::vector<TensorInfo>& table,
 
   // Plan the launches, then the arena; check, allocate.
   step_plan_ = make_step_plan(s, opt_.max_context, opt_.plan);
+  if (opt_.prefill_chunk == 0) opt_.prefill_chunk = step_plan_.prefill_chunk;
+  // No chunk holds more rows than the cache: the activation buffers need no more.
+  opt_.prefill_chunk = std::min(opt_.prefill_chunk, opt_.max_context);
   const int head_blocks = step_plan_.fp8_head ? step_plan_.head.blocks : 0;
   MappedFile file(path);
   const ModelTensors tensors = resolve_tensors(s, table, file.size());

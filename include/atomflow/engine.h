@@ -33,8 +33,9 @@ namespace atomflow {
 
 struct EngineOptions {
   int max_context = 0;  // KV cache rows
-  // Rows per prefill pass (at most max_context); sizes the activation buffers (StepPlan::kPrefillChunk).
-  int prefill_chunk = StepPlan::kPrefillChunk;
+  // Rows per prefill pass (at most max_context); sizes the activation buffers. 0: the step plan's default
+  // for the model (StepPlan::prefill_chunk_for).
+  int prefill_chunk = 0;
   bool verbose = true;  // print the arena plan and the load time to stderr
   PlanOptions plan;     // eager, activation precision and the schedule's overrides (step_plan.h)
 };

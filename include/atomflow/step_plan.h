@@ -102,10 +102,17 @@ struct StepPlan {
   // guess at the crossover, to be measured (docs/design/attention_prefill.md).
   static constexpr int kPrefillAttnMinRows = 32;
   static constexpr int kNever = 1 << 30;  // prefill_attn_min_rows of a shape attention_prefill does not take
-  // The default rows per prefill pass (EngineOptions::prefill_chunk). 2048: a long prompt's GEMMs and
-  // attention fill the SMs (H100, 3B pp8192: 162.8 ms in chunks of 1024, 142.4 in 2048, 142.7 in 4096; the
-  // 8B 308.9 / 310.6 / 316.5; `tools/prefill_profile.py --chunk`, docs/PERF.md).
-  static constexpr int kPrefillChunk = 2048;
+  // The default rows per prefill pass (EngineOptions::prefill_chunk 0), by the model's width: enough rows
+  // that a long prompt's narrowest products fill their waves of GEMM tiles, no more (the activation buffers
+  // grow with the chunk). H100, `tools/prefill_profile.py MODEL -p 8192,32768 --chunk 2048,4096,8192`
+  // (docs/perf-log.md 2026-11-28 a): 3B (hidden 3072) pp8192 133.8 / 125.6 / 127.7 ms, pp32768 906 / 874 /
+  // 880; 8B (4096) pp8192 261.4 / 266.3 / 272.5, pp32768 1614 / 1625 / 1664. Widths up to
+  // kPrefillChunkNarrowMaxHidden take kPrefillChunkNarrow rows, wider ones kPrefillChunkWide.
+  static constexpr int kPrefillChunkNarrowMaxHidden = 3072, kPrefillChunkNarrow = 4096, kPrefillChunkWide = 2048;
+  static constexpr int prefill_chunk_for(int hidden_size) {
+    return hidden_size <= kPrefillChunkNarrowMaxHidden ? kPrefillChunkNarrow : kPrefillChunkWide;
+  }
+  int prefill_chunk = kPrefillChunkWide;  // this model's default (prefill_chunk_for), before max_context's bound
   int prefill_attn_min_rows = kPrefillAttnMinRows;
   // Which attention_prefill kernel such a chunk runs: the warpgroup-MMA one (attention_prefill_sm90.cu)
   // on sm_90 at head_dim 128, the mma.sync one otherwise (docs/design/attention_prefill.md).
