@@ -109,15 +109,14 @@ py::dict plan_to_dict(const StepPlan& p) {
   const bool tc = p.prefill_attn_min_rows < StepPlan::kNever;
   pre["min_rows"] = tc ? py::object(py::int_(p.prefill_attn_min_rows)) : py::object(py::none());
   py::list chunks;
-  for (int rows : tc ? std::vector<int>{p.prefill_attn_min_rows, 256, std::min(p.prefill_chunk, p.max_context)}
-                     : std::vector<int>{}) {
+  for (int rows : tc ? std::vector<int>{p.prefill_attn_min_rows, 256, p.prefill_chunk} : std::vector<int>{}) {
     const kernels::PrefillAttnPlan a = p.prefill_attention(rows);
     chunks.append(py::dict(py::arg("rows") = rows, py::arg("kernel") = kernels::attention_prefill_name(a),
                            py::arg("blocks") = a.tiles * a.Hkv, py::arg("warps") = a.threads / 32,
                            py::arg("smem") = a.smem));
   }
   pre["chunks"] = chunks;
-  d["prefill_chunk"] = std::min(p.prefill_chunk, p.max_context);  // rows per prefill pass by default
+  d["prefill_chunk"] = p.prefill_chunk;  // rows per prefill pass by default
   d["prefill_attention"] = pre;
   d["prefill_small_m_max_rows"] = p.small_m_max_rows;  // chunks of 2..this many rows: gemv_w8a16_m
   d["prefill_small_m_rope"] = p.small_m_rope;          // ... their QKV product with RoPE + KV append fused

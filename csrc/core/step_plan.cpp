@@ -42,7 +42,7 @@ StepPlan make_step_plan(const ModelSpec& s, int max_context, const PlanOptions& 
   StepPlan p;
   p.options = options;
   p.max_context = max_context;
-  p.prefill_chunk = StepPlan::prefill_chunk_for(s.hidden_size);
+  p.prefill_chunk = std::min(StepPlan::prefill_chunk_for(s.hidden_size), max_context);
   int dev = 0;
   cudaDeviceProp prop{};
   AF_CUDA_CHECK(cudaGetDevice(&dev));

@@ -113,7 +113,7 @@ struct StepPlan {
   static constexpr int prefill_chunk_for(int hidden_size) {
     return hidden_size <= kPrefillChunkNarrowMaxHidden ? kPrefillChunkNarrow : kPrefillChunkWide;
   }
-  int prefill_chunk = kPrefillChunkWide;  // this model's default (prefill_chunk_for), before max_context's bound
+  int prefill_chunk = kPrefillChunkWide;  // this model's default (prefill_chunk_for), at most max_context
   int prefill_attn_min_rows = kPrefillAttnMinRows;
   // Which attention_prefill kernel such a chunk runs: the warpgroup-MMA one (attention_prefill_sm90.cu)
   // on sm_90 at head_dim 128, the mma.sync one otherwise (docs/design/attention_prefill.md).
