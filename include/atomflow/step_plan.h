@@ -102,13 +102,15 @@ struct StepPlan {
   // guess at the crossover, to be measured (docs/design/attention_prefill.md).
   static constexpr int kPrefillAttnMinRows = 32;
   static constexpr int kNever = 1 << 30;  // prefill_attn_min_rows of a shape attention_prefill does not take
-  // The default rows per prefill pass (EngineOptions::prefill_chunk 0), by the model's width: enough rows
-  // that a long prompt's narrowest products fill their waves of GEMM tiles, no more (the activation buffers
-  // grow with the chunk). H100, `tools/prefill_profile.py MODEL -p 8192,32768 --chunk 2048,4096,8192`
-  // (docs/perf-log.md 2026-11-28 a): 3B (hidden 3072) pp8192 133.8 / 125.6 / 127.7 ms, pp32768 906 / 874 /
-  // 880; 8B (4096) pp8192 261.4 / 266.3 / 272.5, pp32768 1614 / 1625 / 1664; with `-p 8192,16384 --chunk
-  // 2048,4096`: 1B (2048) 64.1 / 62.6, 185.5 / 178.9; Qwen2.5-7B (3584) 236.3 / 251.2, 556.2 / 578.1. Widths up
-  // to kPrefillChunkNarrowMaxHidden take kPrefillChunkNarrow rows, wider ones kPrefillChunkWide.
+  // The default rows per prefill pass (EngineOptions::prefill_chunk 0), by the model's width. What moves it
+  // is which products the sm90 GEMM runs on its 256-token tile (sm90_tile_for: by waves of tiles over the
+  // SMs): on an H100 the 1B and 3B shapes take it for 3 and 1 of their 4 products at 2048 rows and for all
+  // 4 at 4096; Qwen2.5-7B for 3 at 2048 and 1 at 4096; the 8B for all 4 at both (then the smaller chunk). H100,
+  // `tools/prefill_profile.py MODEL -p 8192,32768 --chunk 2048,4096,8192` (docs/perf-log.md 2026-11-28 a): 3B (hidden
+  // 3072) pp8192 133.8 / 125.6 / 127.7 ms, pp32768 906 / 874 / 880; 8B (4096) pp8192 261.4 / 266.3 / 272.5, pp32768
+  // 1614 / 1625 / 1664; with `-p 8192,16384 --chunk 2048,4096`: 1B (2048) 64.1 / 62.6, 185.5 / 178.9; Qwen2.5-7B (3584)
+  // 236.3 / 251.2, 556.2 / 578.1. Widths up to kPrefillChunkNarrowMaxHidden take kPrefillChunkNarrow rows, wider ones
+  // kPrefillChunkWide.
   static constexpr int kPrefillChunkNarrowMaxHidden = 3072, kPrefillChunkNarrow = 4096, kPrefillChunkWide = 2048;
   static constexpr int prefill_chunk_for(int hidden_size) {
     return hidden_size <= kPrefillChunkNarrowMaxHidden ? kPrefillChunkNarrow : kPrefillChunkWide;
