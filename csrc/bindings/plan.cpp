@@ -165,6 +165,15 @@ void register_plan(py::module_& m) {
       py::arg("gemm_pdl") = true, py::arg("skinny_gemm") = true, py::arg("skinny_rope") = true,
       py::arg("skinny_norm") = true,
       "the step plan an Engine of this spec and options would make on the current GPU, without loading weights");
+  m.def(
+      "prefill_chunk_for",
+      [](int hidden_size) {
+        AF_CHECK(hidden_size >= 1, "prefill_chunk_for: hidden_size must be >= 1");
+        return StepPlan::prefill_chunk_for(hidden_size);
+      },
+      py::arg("hidden_size"),
+      "the default rows per prefill pass of a model this wide (StepPlan::prefill_chunk_for), before max_context's "
+      "bound; no GPU needed");
 }
 
 }  // namespace atomflow::bindings

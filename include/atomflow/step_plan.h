@@ -110,7 +110,8 @@ struct StepPlan {
   // 3072) pp8192 133.8 / 125.6 / 127.7 ms, pp32768 906 / 874 / 880; 8B (4096) pp8192 261.4 / 266.3 / 272.5, pp32768
   // 1614 / 1625 / 1664; with `-p 8192,16384 --chunk 2048,4096`: 1B (2048) 64.1 / 62.6, 185.5 / 178.9; Qwen2.5-7B (3584)
   // 236.3 / 251.2, 556.2 / 578.1. Widths up to kPrefillChunkNarrowMaxHidden take kPrefillChunkNarrow rows, wider ones
-  // kPrefillChunkWide.
+  // kPrefillChunkWide. tests/test_prefill_chunk.py holds the measured picks and checks that each is the chunk
+  // putting more FLOPs on the 256-token tile.
   static constexpr int kPrefillChunkNarrowMaxHidden = 3072, kPrefillChunkNarrow = 4096, kPrefillChunkWide = 2048;
   static constexpr int prefill_chunk_for(int hidden_size) {
     return hidden_size <= kPrefillChunkNarrowMaxHidden ? kPrefillChunkNarrow : kPrefillChunkWide;
