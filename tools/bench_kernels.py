@@ -70,7 +70,15 @@ def main(argv=None) -> int:
         help="chunk rows of the gemm_sm90 and gemm_w8a8 sections (comma-separated)",
     )
     ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}")
+    ap.add_argument(
+        "--prefill-kernels",
+        default="wgmma,mma",
+        help="attention_prefill section: the kernels timed (wgmma, mma or both; the mma.sync kernel is slow deep in a context)",
+    )
     args = ap.parse_args(argv)
+    prefill_kernels = args.prefill_kernels.split(",")
+    if not prefill_kernels or set(prefill_kernels) - {"wgmma", "mma"}:
+        ap.error(f"--prefill-kernels takes wgmma, mma or both, not {args.prefill_kernels!r}")
     run = set(args.sections.split(","))
     chunk_rows = [int(r) for r in args.rows.split(",")]
     if run - set(SECTIONS):
@@ -247,27 +255,18 @@ def main(argv=None) -> int:
         for name in ["3B", "8B"]:
             m = MODELS[name]
             H, Hkv, D = m["H"], m["Hkv"], m["D"]
-            for M in [32, 64, 128, 256, 512, 1024, 2048]:  # 2048: EngineOptions' default prefill_chunk
+            for M in [32, 64, 128, 256, 512, 1024, 2048, 4096]:  # 2048 / 4096: the plan's prompt chunks
                 for prior in [0, 4096, 16384] + ([32768] if M >= 1024 else []):
                     flops = 4 * H * D * (M * prior + M * (M + 1) // 2)
                     plan = ops.attention_prefill_plan(M, H, Hkv, D)["kernel"]
-                    us_w = ops.time_attention_prefill(M, prior, H, Hkv, D, iters=iters, kernel="wgmma")
-                    us_m = ops.time_attention_prefill(M, prior, H, Hkv, D, iters=iters, kernel="mma")
-                    rows.append(
-                        [
-                            name,
-                            str(M),
-                            str(prior),
-                            f"{us_w:.1f}",
-                            f"{flops / us_w / 1e6:.0f}",
-                            f"{us_m:.1f}",
-                            f"{flops / us_m / 1e6:.0f}",
-                            f"{us_m / us_w:.2f}x",
-                            "wgmma" if "wgmma" in plan else "mma",
-                        ]
-                    )
+                    us = {k: ops.time_attention_prefill(M, prior, H, Hkv, D, iters=iters, kernel=k) for k in prefill_kernels}
+                    cells = []
+                    for k in ("wgmma", "mma"):
+                        cells += [f"{us[k]:.1f}", f"{flops / us[k] / 1e6:.0f}"] if k in us else ["", ""]
+                    ratio = f"{us['mma'] / us['wgmma']:.2f}x" if len(us) == 2 else ""
+                    rows.append([name, str(M), str(prior), *cells, ratio, "wgmma" if "wgmma" in plan else "mma"])
                     results["attention_prefill"].append(
-                        dict(model=name, M=M, prior=prior, flops=flops, plan=plan, us_wgmma=us_w, us_mma=us_m)
+                        dict(model=name, M=M, prior=prior, flops=flops, plan=plan, **{f"us_{k}": v for k, v in us.items()})
                     )
         table(
             "prefill attention (one chunk, one layer): wgmma against mma.sync, and the plan's kernel",

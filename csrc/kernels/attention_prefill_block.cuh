@@ -21,6 +21,14 @@ __device__ __forceinline__ void pf_cp_async16(uint32_t smem, const void* gmem, b
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem), "l"(gmem), "r"(src_bytes));
 }
 
+// 2^x on the special-function unit, one MUFU.EX2 (exp2f without fast math adds the subnormal range's
+// scaling around it). Flushes subnormal results to 0: a probability under 2^-126 of the row's max.
+__device__ __forceinline__ float pf_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // Two probabilities -> bf16x2 bits (lo = the lower column), and their rounded sum (the row sum adds
 // exactly what the P V product multiplies, so the weights of a row sum to 1 after the division).
 __device__ __forceinline__ uint32_t pf_pack_p(float lo, float hi, float& sum) {

@@ -110,26 +110,26 @@ __device__ __forceinline__ void wg_fence_regs(uint32_t (&a)[kWgKeys / 16][4]) {
     for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(a[i][j])::"memory");
 }
 
-// One tile's online softmax on S (64 fp32 accumulators of a thread, layout below), scores in log2
-// units after q_scale; the causal mask only where the tile crosses a row's limit of the warp. Updates
-// the running max, rescales the running sum, returns the factor O must be rescaled by, and leaves the
-// probabilities in s; wg_pack_tile rounds them to bf16 as the A fragments of the tile's 8 k-steps of
-// 16 keys (n8 tiles 2 kk and 2 kk + 1 of S) and adds the rounded values to the sum.
+// One tile's online softmax on S (64 fp32 accumulators of a thread, layout below), the raw scores Q K^T;
+// q_scale takes them to log2 units. The causal mask only where the tile crosses a row's limit of the warp.
+// Updates the running max (log2 units), rescales the running sum, returns the factor O must be rescaled
+// by, and leaves the probabilities exp2(s q_scale - max) in s: one FFMA and one MUFU.EX2 each (the max
+// is taken on the raw scores: rounding is monotonic, so max(s) q_scale is the max of the products).
+// wg_pack_tile rounds them to bf16 as the A fragments of the tile's 8 k-steps of 16 keys (n8 tiles 2 kk
+// and 2 kk + 1 of S) and adds the rounded values to the sum.
 struct WgRows {
   int lim0, lim1, warp_lo;   // the last key rows g and g + 8 see; the lowest limit of the warp
   float m_run[2], l_run[2];  // l: this lane's columns only
 };
 __device__ __forceinline__ void wg_softmax(float (&s)[64], int kb, float q_scale, int c, WgRows& r, float (&corr)[2]) {
-  const bool masked = kb + kWgKeys - 1 > r.warp_lo;
+  if (kb + kWgKeys - 1 > r.warp_lo) {
 #pragma unroll
-  for (int j = 0; j < kWgKeys / 8; ++j)
+    for (int j = 0; j < kWgKeys / 8; ++j)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      float v = s[4 * j + e] * q_scale;
-      if (masked && kb + 8 * j + 2 * c + (e & 1) > (e < 2 ? r.lim0 : r.lim1)) v = -INFINITY;
-      s[4 * j + e] = v;
-    }
-  float mx[2] = {r.m_run[0], r.m_run[1]};
+      for (int e = 0; e < 4; ++e)
+        if (kb + 8 * j + 2 * c + (e & 1) > (e < 2 ? r.lim0 : r.lim1)) s[4 * j + e] = -INFINITY;
+  }
+  float mx[2] = {s[0], s[2]};
 #pragma unroll
   for (int j = 0; j < kWgKeys / 8; ++j) {
     mx[0] = fmaxf(mx[0], fmaxf(s[4 * j], s[4 * j + 1]));
@@ -139,14 +139,16 @@ __device__ __forceinline__ void wg_softmax(float (&s)[64], int kb, float q_scale
   for (int i = 0; i < 2; ++i) {  // the 4 lanes of a quad share a row
     mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
     mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
-    corr[i] = exp2f(r.m_run[i] - mx[i]);  // mx >= m_run, finite: in (0, 1]
-    r.m_run[i] = mx[i];
+    const float m_new = fmaxf(r.m_run[i], mx[i] * q_scale);  // finite: m_run starts at kPfNegInit
+    corr[i] = pf_exp2(r.m_run[i] - m_new);                   // in (0, 1]
+    r.m_run[i] = m_new;
     r.l_run[i] *= corr[i];
   }
+  const float neg_m[2] = {-r.m_run[0], -r.m_run[1]};
 #pragma unroll
   for (int j = 0; j < kWgKeys / 8; ++j)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) s[4 * j + e] = exp2f(s[4 * j + e] - r.m_run[e / 2]);
+    for (int e = 0; e < 4; ++e) s[4 * j + e] = pf_exp2(fmaf(s[4 * j + e], q_scale, neg_m[e / 2]));
 }
 __device__ __forceinline__ void wg_pack_tile(const float (&s)[64], WgRows& r, uint32_t (&p)[kWgKeys / 16][4]) {
 #pragma unroll
