@@ -200,17 +200,29 @@ def test_small_prefill_chunk_matches_reference(tiny):
 
 
 def test_prefill_chunk_default_and_bound(tiny):
-    """The core's default chunk is the step plan's for the model's width (4096 rows up to hidden 3072), the
+    """The core's default chunk is the step plan's: the rule of StepPlan::prefill_chunk_for on this GPU's SMs
+    where the sm90 GEMM takes the layers (tests/test_prefill_chunk.py checks the rule), 2048 rows elsewhere; the
     plan says it, and it never passes max_context."""
     from atomflow import _core
 
-    assert tiny.spec.hidden_size <= 3072
+    keys = ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim")
+
+    def expected(spec, plan):
+        if plan["prefill_sm90_gemm_min_rows"] is None:
+            return 2048
+        return _core.prefill_chunk_for(*(spec[k] for k in keys), plan["device"]["sm_count"])
+
     eng = cuda(tiny, 4096 + 64)
-    assert eng.prefill_chunk == 4096 and eng.step_plan["prefill_chunk"] == 4096
+    want = expected(tiny.spec.to_dict(), eng.step_plan)
+    assert eng.prefill_chunk == want and eng.step_plan["prefill_chunk"] == want
     del eng
     gc.collect()
-    wide = dict(tiny.spec.to_dict(), hidden_size=4096)
-    assert _core.plan_for(wide, 8192)["prefill_chunk"] == 2048
+    for sizes in [(3072, 8192, 24, 8, 128), (4096, 14336, 32, 8, 128)]:  # the 3B's and the 8B's
+        spec = dict(tiny.spec.to_dict(), **dict(zip(keys, sizes)))
+        plan = _core.plan_for(spec, 8192)
+        assert plan["prefill_chunk"] == expected(spec, plan)
+        if plan["prefill_sm90_gemm_min_rows"] is not None and plan["device"]["sm_count"] == 132:  # H100 / H200
+            assert plan["prefill_chunk"] == (4096 if sizes[0] == 3072 else 2048)
     assert _core.plan_for(tiny.spec.to_dict(), 300)["prefill_chunk"] == 300
     gc.collect()
     assert cuda(tiny, 300).prefill_chunk == 300

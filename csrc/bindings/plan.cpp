@@ -167,13 +167,18 @@ void register_plan(py::module_& m) {
       "the step plan an Engine of this spec and options would make on the current GPU, without loading weights");
   m.def(
       "prefill_chunk_for",
-      [](int hidden_size) {
-        AF_CHECK(hidden_size >= 1, "prefill_chunk_for: hidden_size must be >= 1");
-        return StepPlan::prefill_chunk_for(hidden_size);
+      [](int hidden_size, int intermediate_size, int num_heads, int num_kv_heads, int head_dim, int sm_count) {
+        AF_CHECK(hidden_size >= 1 && intermediate_size >= 1 && num_heads >= 1 && num_kv_heads >= 1 && head_dim >= 1 &&
+                     sm_count >= 1,
+                 "prefill_chunk_for: every size and sm_count must be >= 1");
+        const int q_dim = num_heads * head_dim, qkv_dim = q_dim + 2 * num_kv_heads * head_dim;
+        return StepPlan::prefill_chunk_for(kernels::Sm90Layer{hidden_size, intermediate_size, q_dim, qkv_dim},
+                                           sm_count);
       },
-      py::arg("hidden_size"),
-      "the default rows per prefill pass of a model this wide (StepPlan::prefill_chunk_for), before max_context's "
-      "bound; no GPU needed");
+      py::arg("hidden_size"), py::arg("intermediate_size"), py::arg("num_heads"), py::arg("num_kv_heads"),
+      py::arg("head_dim"), py::arg("sm_count"),
+      "the default rows per prefill pass of a model of these sizes on a Hopper GPU of sm_count SMs whose sm90 GEMM "
+      "takes its layers (StepPlan::prefill_chunk_for), before max_context's bound; no GPU needed");
 }
 
 }  // namespace atomflow::bindings

@@ -42,7 +42,6 @@ StepPlan make_step_plan(const ModelSpec& s, int max_context, const PlanOptions& 
   StepPlan p;
   p.options = options;
   p.max_context = max_context;
-  p.prefill_chunk = std::min(StepPlan::prefill_chunk_for(s.hidden_size), max_context);
   int dev = 0;
   cudaDeviceProp prop{};
   AF_CUDA_CHECK(cudaGetDevice(&dev));
@@ -102,6 +101,10 @@ StepPlan make_step_plan(const ModelSpec& s, int max_context, const PlanOptions& 
   const bool sm90_gemm =
       p.cc_major == 9 && kernels::gemm_w8a16_sm90_takes_layer(kernels::Sm90Layer{d, f, s.q_dim(), s.qkv_dim()});
   p.sm90_gemm_min_rows = sm90_gemm ? StepPlan::kSm90GemmMinRows : StepPlan::kNever;
+  p.prefill_chunk =
+      std::min(sm90_gemm ? StepPlan::prefill_chunk_for(kernels::Sm90Layer{d, f, s.q_dim(), s.qkv_dim()}, p.sm_count)
+                         : StepPlan::kPrefillChunkSmall,
+               max_context);
   p.w8a8_min_rows = sm90_gemm && options.prefill_fp8 ? StepPlan::kW8A8MinRows : StepPlan::kNever;
   const int M = StepPlan::kSkinnyMaxRows;
   const bool skinny = p.cc_major == 9 && options.skinny_gemm &&

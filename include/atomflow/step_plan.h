@@ -102,21 +102,32 @@ struct StepPlan {
   // guess at the crossover, to be measured (docs/design/attention_prefill.md).
   static constexpr int kPrefillAttnMinRows = 32;
   static constexpr int kNever = 1 << 30;  // prefill_attn_min_rows of a shape attention_prefill does not take
-  // The default rows per prefill pass (EngineOptions::prefill_chunk 0), by the model's width. What moves it
-  // is which products the sm90 GEMM runs on its 256-token tile (sm90_tile_for: by waves of tiles over the
-  // SMs): on an H100 the 1B and 3B shapes take it for 3 and 1 of their 4 products at 2048 rows and for all
-  // 4 at 4096; Qwen2.5-7B for 3 at 2048 and 1 at 4096; the 8B for all 4 at both (then the smaller chunk). H100,
-  // `tools/prefill_profile.py MODEL -p 8192,32768 --chunk 2048,4096,8192` (docs/perf-log.md 2026-11-28 a): 3B (hidden
-  // 3072) pp8192 133.8 / 125.6 / 127.7 ms, pp32768 906 / 874 / 880; 8B (4096) pp8192 261.4 / 266.3 / 272.5, pp32768
-  // 1614 / 1625 / 1664; with `-p 8192,16384 --chunk 2048,4096`: 1B (2048) 64.1 / 62.6, 185.5 / 178.9; Qwen2.5-7B (3584)
-  // 236.3 / 251.2, 556.2 / 578.1. Widths up to kPrefillChunkNarrowMaxHidden take kPrefillChunkNarrow rows, wider ones
-  // kPrefillChunkWide. tests/test_prefill_chunk.py holds the measured picks and checks that each is the chunk
-  // putting more FLOPs on the 256-token tile.
-  static constexpr int kPrefillChunkNarrowMaxHidden = 3072, kPrefillChunkNarrow = 4096, kPrefillChunkWide = 2048;
-  static constexpr int prefill_chunk_for(int hidden_size) {
-    return hidden_size <= kPrefillChunkNarrowMaxHidden ? kPrefillChunkNarrow : kPrefillChunkWide;
+  // The default rows per prefill pass (EngineOptions::prefill_chunk 0): of kPrefillChunkSmall and
+  // kPrefillChunkLarge, the one that puts more of a layer's product FLOPs on the sm90 GEMM's 256-token tile
+  // (sm90_tile_for on this GPU's SMs: by waves of tiles; ~10% less time per FLOP than the 128-token tile when
+  // its waves are full), the smaller on a tie; kPrefillChunkSmall where the sm90 GEMM does not take the
+  // layer. On an H100 (132 SMs) the 1B and 3B shapes take the tile for 3 and 1 of their 4 products at 2048
+  // rows and all 4 at 4096; Qwen2.5-7B 3 at 2048 and 1 at 4096; the 8B all 4 at both. That picks the faster
+  // chunk of each: `tools/prefill_profile.py MODEL -p 8192,32768 --chunk 2048,4096,8192` (docs/perf-log.md
+  // 2026-11-28 a): 3B pp8192 133.8 / 125.6 / 127.7 ms, pp32768 906 / 874 / 880; 8B pp8192 261.4 / 266.3 / 272.5,
+  // pp32768 1614 / 1625 / 1664; with `-p 8192,16384 --chunk 2048,4096`: 1B 64.1 / 62.6, 185.5 / 178.9;
+  // Qwen2.5-7B 236.3 / 251.2, 556.2 / 578.1 (tests/test_prefill_chunk.py holds those picks).
+  static constexpr int kPrefillChunkSmall = 2048, kPrefillChunkLarge = 4096;
+  static constexpr double xwide_flops(const kernels::Sm90Layer& l, int rows, int sms) {
+    const double products[4][2] = {{1.0 * l.qkv_dim, 1.0 * l.d},
+                                   {1.0 * l.d, 1.0 * l.q_dim},
+                                   {2.0 * l.f, 1.0 * l.d},
+                                   {1.0 * l.d, 1.0 * l.f}};  // N x K: qkv, o, gate/up, down
+    double sum = 0;
+    for (const auto& nk : products)
+      if (kernels::sm90_tile_for(rows, static_cast<int>(nk[0]), sms) == kernels::Sm90Tile::XWide) sum += nk[0] * nk[1];
+    return sum;
   }
-  int prefill_chunk = kPrefillChunkWide;  // this model's default (prefill_chunk_for), at most max_context
+  static constexpr int prefill_chunk_for(const kernels::Sm90Layer& l, int sms) {
+    return xwide_flops(l, kPrefillChunkLarge, sms) > xwide_flops(l, kPrefillChunkSmall, sms) ? kPrefillChunkLarge
+                                                                                             : kPrefillChunkSmall;
+  }
+  int prefill_chunk = kPrefillChunkSmall;  // this model's default (prefill_chunk_for), at most max_context
   int prefill_attn_min_rows = kPrefillAttnMinRows;
   // Which attention_prefill kernel such a chunk runs: the warpgroup-MMA one (attention_prefill_sm90.cu)
   // on sm_90 at head_dim 128, the mma.sync one otherwise (docs/design/attention_prefill.md).
