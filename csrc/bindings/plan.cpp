@@ -171,8 +171,11 @@ void register_plan(py::module_& m) {
         AF_CHECK(hidden_size >= 1 && intermediate_size >= 1 && num_heads >= 1 && num_kv_heads >= 1 && head_dim >= 1 &&
                      sm_count >= 1,
                  "prefill_chunk_for: every size and sm_count must be >= 1");
-        const int q_dim = num_heads * head_dim, qkv_dim = q_dim + 2 * num_kv_heads * head_dim;
-        return StepPlan::prefill_chunk_for(kernels::Sm90Layer{hidden_size, intermediate_size, q_dim, qkv_dim},
+        ModelSpec s;
+        s.num_heads = num_heads;
+        s.num_kv_heads = num_kv_heads;
+        s.head_dim = head_dim;
+        return StepPlan::prefill_chunk_for(kernels::Sm90Layer{hidden_size, intermediate_size, s.q_dim(), s.qkv_dim()},
                                            sm_count);
       },
       py::arg("hidden_size"), py::arg("intermediate_size"), py::arg("num_heads"), py::arg("num_kv_heads"),

@@ -98,13 +98,11 @@ StepPlan make_step_plan(const ModelSpec& s, int max_context, const PlanOptions& 
                               ? kernels::PrefillAttnKernel::Wgmma
                               : kernels::PrefillAttnKernel::Mma;
   // The Hopper GEMM takes a chunk's products only when every one of them is a shape it runs.
-  const bool sm90_gemm =
-      p.cc_major == 9 && kernels::gemm_w8a16_sm90_takes_layer(kernels::Sm90Layer{d, f, s.q_dim(), s.qkv_dim()});
+  const kernels::Sm90Layer layer{d, f, s.q_dim(), s.qkv_dim()};
+  const bool sm90_gemm = p.cc_major == 9 && kernels::gemm_w8a16_sm90_takes_layer(layer);
   p.sm90_gemm_min_rows = sm90_gemm ? StepPlan::kSm90GemmMinRows : StepPlan::kNever;
   p.prefill_chunk =
-      std::min(sm90_gemm ? StepPlan::prefill_chunk_for(kernels::Sm90Layer{d, f, s.q_dim(), s.qkv_dim()}, p.sm_count)
-                         : StepPlan::kPrefillChunkSmall,
-               max_context);
+      std::min(sm90_gemm ? StepPlan::prefill_chunk_for(layer, p.sm_count) : StepPlan::kPrefillChunkSmall, max_context);
   p.w8a8_min_rows = sm90_gemm && options.prefill_fp8 ? StepPlan::kW8A8MinRows : StepPlan::kNever;
   const int M = StepPlan::kSkinnyMaxRows;
   const bool skinny = p.cc_major == 9 && options.skinny_gemm &&
