@@ -33,6 +33,21 @@ def test_quantize_fp8_rows_per_token_per_128_columns(rng=np.random.default_rng(0
             assert np.all(np.abs(qb - blk) <= np.abs(blk) * 2.0**-4 + scale * 2.0**-9 + 1e-30)  # e4m3's half step
 
 
+def test_quantize_fp8_rows_takes_other_group_sizes(rng=np.random.default_rng(3)):
+    """Groups of 32 columns: each block on its own e4m3 grid, its largest value exact; the default is 128."""
+    x = rng.standard_normal((3, 96)).astype(np.float32)
+    x[1, 40] = 300.0  # an outlier moves only its own group's scale
+    q = quantize_fp8_rows(x, 32)
+    for r in range(3):
+        for g0 in (0, 32, 64):
+            blk, qb = x[r, g0 : g0 + 32], q[r, g0 : g0 + 32]
+            scale = np.float32(np.abs(blk).max() / np.float32(448.0))
+            np.testing.assert_array_equal(qb, (qb / scale).astype(ml_dtypes.float8_e4m3fn).astype(np.float32) * scale)
+            assert np.abs(qb).max() == pytest.approx(np.abs(blk).max(), rel=1e-6)
+    np.testing.assert_array_equal(quantize_fp8_rows(x), quantize_fp8_rows(x, 128))
+    assert not np.array_equal(q, quantize_fp8_rows(x))
+
+
 def test_reference_applies_the_fp8_recipe_to_long_calls(tiny_model_file):
     model = AtomflowFile(tiny_model_file)
     ids = np.random.default_rng(1).integers(0, model.spec.vocab_size, W8A8_MIN_ROWS + 40).astype(np.int32)
@@ -70,6 +85,9 @@ def test_reference_fp8_products_attribute_the_recipe(tiny_model_file):
     fp8.reset()
     fp8.ref.fp8_products = frozenset(FP8_PRODUCTS)
     np.testing.assert_array_equal(fp8.prefill(ids), every)
+    fp8.reset()
+    fp8.ref.fp8_group = 32  # tools/recipe_attribution.py --groups: the scales' columns
+    assert not np.array_equal(fp8.prefill(ids), every)
 
 
 def test_perplexity_cli_takes_the_recipe(tiny_model_file, tmp_path, capsys):

@@ -50,6 +50,13 @@ def test_recipe_tools_run_on_the_cpu_reference(tiny_model_file, tmp_path):
     r = run("recipe_attribution.py", str(tiny_model_file), *common)
     assert r.returncode == 0, r.stderr
     assert "| w8a16 | " in r.stdout and "| w8a8, down in 16 bits | " in r.stdout
+    r = run("recipe_attribution.py", str(tiny_model_file), *common, "--groups", "128,32")
+    assert r.returncode == 0, r.stderr
+    assert "| w8a8, groups of 128 columns | " in r.stdout and "| w8a8, groups of 32 columns | " in r.stdout
+    assert "in 16 bits" not in r.stdout
+    for bad in ("0", "x"):
+        r = run("recipe_attribution.py", str(tiny_model_file), *common, "--groups", bad)
+        assert r.returncode == 2 and "--groups" in r.stderr
     r = run("recipe_smoothing.py", str(tiny_model_file), "--calib", str(text), *common)
     assert r.returncode == 0, r.stderr
     assert "| smoothed (alpha 0.5), w8a16 | " in r.stdout and "| smoothed (alpha 0.5), w8a8 | " in r.stdout

@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     calls = [0]
     quantize = R.quantize_fp8_rows
 
-    def record(v: np.ndarray) -> np.ndarray:
+    def record(v: np.ndarray, group: int = R.FP8_GROUP) -> np.ndarray:  # the quantizer's signature
         k = calls[0]
         calls[0] += 1
         p, i = R.FP8_PRODUCTS[k % 4], (k // 4) % spec.num_layers

@@ -28,17 +28,17 @@ FP8_GROUP = 128
 FP8_PRODUCTS = ("qkv", "o", "gate_up", "down")  # a layer's products, in order
 
 
-def quantize_fp8_rows(x: np.ndarray) -> np.ndarray:
-    """x [M, K] fp32 as the FP8 recipe feeds it to the product: per row per 128 columns (a last group
-    may be shorter), scale = amax / 448 (1 for an all-zero group), x / scale rounded to e4m3, times the
-    scale again."""
+def quantize_fp8_rows(x: np.ndarray, group: int = FP8_GROUP) -> np.ndarray:
+    """x [M, K] fp32 as the FP8 recipe feeds it to the product: per row per `group` columns (128, the
+    recipe's; a last group may be shorter), scale = amax / 448 (1 for an all-zero group), x / scale
+    rounded to e4m3, times the scale again."""
     x = np.asarray(x, np.float32)
     out = np.empty_like(x)
-    for g in range(0, x.shape[1], FP8_GROUP):
-        blk = x[:, g : g + FP8_GROUP]
+    for g in range(0, x.shape[1], group):
+        blk = x[:, g : g + group]
         amax = np.abs(blk).max(axis=1, keepdims=True)
         scale = np.where(amax > 0, amax / np.float32(448.0), np.float32(1.0)).astype(np.float32)
-        out[:, g : g + FP8_GROUP] = (blk / scale).astype(ml_dtypes.float8_e4m3fn).astype(np.float32) * scale
+        out[:, g : g + group] = (blk / scale).astype(ml_dtypes.float8_e4m3fn).astype(np.float32) * scale
     return out
 
 
@@ -72,8 +72,10 @@ class ReferenceModel:
         self.max_context = max_context
         self.prefill_recipe = prefill_recipe
         # The products whose input the w8a8 recipe quantizes (all of them, as the engine does; a subset
-        # attributes the recipe's cost, tools/recipe_attribution.py).
+        # attributes the recipe's cost, tools/recipe_attribution.py), and the columns a scale covers (the
+        # engine's 128; other sizes measure the choice, tools/recipe_attribution.py --groups).
         self.fp8_products = frozenset(FP8_PRODUCTS)
+        self.fp8_group = FP8_GROUP
         self.inv_freq = spec.rope_inv_freq()
         self.embed = model.array("embed")  # bf16 rows, converted on lookup
         self.layers = []
@@ -122,7 +124,7 @@ class ReferenceModel:
         s = self.spec
 
         def a(product: str, v: np.ndarray) -> np.ndarray:  # what a linear's input is rounded to
-            return quantize_fp8_rows(v) if fp8 and product in self.fp8_products else v
+            return quantize_fp8_rows(v, self.fp8_group) if fp8 and product in self.fp8_products else v
 
         m, p0 = len(ids), self.pos
         positions = np.arange(p0, p0 + m)
