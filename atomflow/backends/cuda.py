@@ -105,7 +105,7 @@ class CudaBackend:
     """The _core engine over one .atomflow file: weights, KV cache for max_context tokens, one
     CUDA graph per decode step. eager runs the step without the graph; None (the default) takes it
     from the ATOMFLOW_EAGER environment variable. prefill_chunk: rows per prefill pass (default the
-    step plan's for the model: 4096 up to hidden size 3072, else 2048; at most max_context). plan:
+    step plan's for the model on this GPU, 2048 or 4096: `step_plan["prefill_chunk"]`; at most max_context). plan:
     overrides of the step plan (PLAN_OPTIONS), e.g. f16_activations=False (default from
     ATOMFLOW_BF16_ACTS) or fused_tail=False."""
 
