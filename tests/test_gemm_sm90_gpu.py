@@ -211,6 +211,32 @@ def test_gemm_sm90_every_tile_kind(rng, tile, M, N, K, x_dtype):
         check(got, want, RECIPE_REL + BF16_OUT_REL, f"{what} SwiGLU", scale=max(float(np.linalg.norm(want)), BF16_TINY))
 
 
+@pytest.mark.parametrize("swiglu", ["halves", "one"])
+@pytest.mark.parametrize("x_dtype", ["bf16", "f16"])
+@pytest.mark.parametrize("tile", ["xwide", "wide", "narrow"])
+@pytest.mark.parametrize("M,N,K", [(1, 1040, 576), (100, 3072, 3072), (300, 16384, 3072)])
+def test_gemm_sm90_swiglu_is_its_product_stored(rng, tile, M, N, K, x_dtype, swiglu):
+    """SwiGLU either way (two launches of F rows, the up half's epilogue taking the gate half's fp32 y; or one
+    launch of 2F rows and swiglu_rows): bf16(silu(gate) * up) of the very fp32 values Store gives for the whole
+    [2F, K] weight on the same tile kind (a data-parallel kind sums each output in the same order whatever N).
+    Host float32 arithmetic of the formula may differ from the device's expf by an ulp of fp32, so a rare
+    output may round to the neighbouring bf16; anything more (a half paired with the wrong weight rows, scales
+    of the wrong columns, the gate read from the wrong place) moves most outputs."""
+    if not ops.gemm_sm90_built():
+        pytest.skip("built without gemm_w8a16_sm90 (test_sm90_gemm_is_built says why)")
+    w, s, x, _ = inputs(rng, M, N, K, x_dtype)
+    y = ops.gemm_sm90(w, s, x, STORE, None, x_dtype, tile)
+    F = N // 2
+    gate, up = y[:, :F], y[:, F:]
+    with np.errstate(over="ignore"):
+        want = bf16_bits(gate / (np.float32(1) + np.exp(-gate)) * up).astype(np.int32)
+    got = ops.gemm_sm90(w, s, x, SWIGLU, None, x_dtype, tile, swiglu=swiglu).astype(np.int32)
+    ulps = np.abs(got - want)
+    what = f"gemm_sm90 SwiGLU ({swiglu}) tile={tile} M={M} N={N} K={K} x {x_dtype}"
+    assert ulps.max() <= 1, f"{what}: {int((ulps > 1).sum())} outputs off by more than one bf16 ulp (max {ulps.max()})"
+    assert (ulps > 0).mean() < 1e-3, f"{what}: {int((ulps > 0).sum())} of {ulps.size} outputs differ by an ulp"
+
+
 @pytest.mark.parametrize("M,N,K", [(17, 960, 576), (300, 3072, 8192)])
 def test_gemm_sm90_pretransposed_scales_same_bits(rng, M, N, K):
     """The engine passes the scales transposed at load: the same bits as the launcher's own transpose."""

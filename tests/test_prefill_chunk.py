@@ -36,10 +36,13 @@ def test_default_chunk_is_the_measured_faster_one(model):
 
 
 def xwide_flops(rows, p, sms):
-    """A layer's product FLOPs (N x K each) that sm90_tile_for puts on the 256-token tile, by the tile rule's
-    own binding (ops.sm90_tile_for): a second reading of the rule the plan's C++ applies."""
+    """A layer's product FLOPs (N x K of each launch; SwiGLU two of F rows or one of 2F, by
+    ops.sm90_swiglu_halves) that sm90_tile_for puts on the 256-token tile, by the rules' own bindings: a
+    second reading of the rule the plan's C++ applies."""
     q_dim, kv_dim = p.heads * p.head_dim, 2 * p.kv_heads * p.head_dim
-    products = [(q_dim + kv_dim, p.hidden), (p.hidden, q_dim), (2 * p.intermediate, p.hidden), (p.hidden, p.intermediate)]
+    F = p.intermediate
+    swiglu = [(F, p.hidden)] * 2 if ops.sm90_swiglu_halves(rows, F, sms) else [(2 * F, p.hidden)]
+    products = [(q_dim + kv_dim, p.hidden), (p.hidden, q_dim), *swiglu, (p.hidden, p.intermediate)]
     return sum(n * k for n, k in products if ops.sm90_tile_for(rows, n, sms) == "xwide")
 
 

@@ -68,3 +68,25 @@ def test_the_waves_follow_the_sm_count():
     assert ops.sm90_tile_for(1024, 3072, 192) == "wide"  # 1 wave either way
     with pytest.raises(ValueError):
         ops.sm90_tile_for(0, 3072, H100_SMS)
+
+
+# SwiGLU as two launches of F rows or one of 2F (kernels.h sm90_swiglu_halves), H100, `python
+# tools/prefill_profile.py MODEL -p 512,8192` (GEMM + swiglu_rows against the two launches; ms of kernels):
+# (model, M, F, halves measured faster)
+SWIGLU_MEASURED = [
+    ("3B", 512, 8192, False),  # one 2F launch + swiglu_rows 6.05, halves 6.29 (a half: 128 tiles, one partial wave)
+    ("8B", 512, 14336, True),  # 13.42 / 13.19 (224 tiles a half)
+    ("3B", 4096, 8192, True),  # pp8192 in 4096-row chunks 79.3 / 76.2
+    ("8B", 2048, 14336, True),  # pp8192 in 2048-row chunks 189.4 / 182.5
+]
+
+
+@pytest.mark.parametrize("model,M,F,halves", SWIGLU_MEASURED)
+def test_swiglu_runs_the_measured_faster_way(model, M, F, halves):
+    assert ops.sm90_swiglu_halves(M, F, H100_SMS) == halves, f"{model} at {M} rows"
+
+
+@pytest.mark.parametrize("M", [1, 64, 256])
+def test_swiglu_of_stream_k_chunks_is_one_launch(M):
+    for F in (1536, 8192, 14336):
+        assert not ops.sm90_swiglu_halves(M, F, H100_SMS)

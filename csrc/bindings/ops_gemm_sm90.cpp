@@ -21,6 +21,13 @@ k::Sm90Tile tile_arg(const std::string& tile) {
                         tile + "'");
 }
 
+k::Sm90Swiglu swiglu_arg(const std::string& swiglu) {
+  if (swiglu == "auto") return k::Sm90Swiglu::Auto;
+  if (swiglu == "halves") return k::Sm90Swiglu::Halves;
+  if (swiglu == "one") return k::Sm90Swiglu::OneLaunch;
+  throw py::value_error("swiglu must be 'auto', 'halves' or 'one', got '" + swiglu + "'");
+}
+
 // One call of either sm90 GEMM on host arrays: w u8 [N, K], scales f32 [N, ceil(K / 128)], x u16 [M, K];
 // out_init: AddResidual's starting values. The operands on the device, the output poisoned (NaN) before
 // the launch (or out_init), the workspace poisoned too, so nothing may rely on it.
@@ -56,16 +63,17 @@ struct Sm90Call {
 
 py::object gemm_sm90(const py::array& w_, const py::array& s_, const py::array& x_, int ep_,
                      const py::object& out_init_, const std::string& x_dtype, const std::string& tile,
-                     bool pretransposed) {
+                     bool pretransposed, const std::string& swiglu) {
   Sm90Call c("gemm_sm90", w_, s_, x_, ep_, out_init_, x_dtype);
   const k::Sm90Tile kind = tile_arg(tile);
+  const k::Sm90Swiglu path = swiglu_arg(swiglu);
   const size_t ws_bytes = k::gemm_w8a16_sm90_workspace_bytes(c.ep, c.M, c.N, c.K, kind);
   DeviceBuffer ws = DeviceBuffer::poisoned(ws_bytes);
   DeviceBuffer scales_gn =
       DeviceBuffer::poisoned(pretransposed ? sizeof(float) * static_cast<size_t>(c.N) * scale_groups(c.K) : 16);
   if (pretransposed) k::gemm_w8a16_sm90_transpose_scales(c.ds.get<float>(), c.N, c.K, scales_gn.get<float>(), nullptr);
   k::gemm_w8a16_sm90(c.dw.get<uint8_t>(), c.ds.get<float>(), c.dx.get(), c.xt, c.M, c.N, c.K, c.ep, c.out.get(),
-                     ws.get(), ws_bytes, nullptr, kind, pretransposed ? scales_gn.get<float>() : nullptr);
+                     ws.get(), ws_bytes, nullptr, kind, pretransposed ? scales_gn.get<float>() : nullptr, true, path);
   return c.result();
 }
 
@@ -73,10 +81,11 @@ py::object gemm_sm90(const py::array& w_, const py::array& s_, const py::array& 
 // weights are not rotated (as time_gemm), unless rotate: then each launch reads its weights and scales from
 // DRAM (a short chunk, bound by the weight stream; as time_gemv_m).
 double time_gemm_sm90(int M, int N, int K, int iters, int ep_, const std::string& x_dtype, const std::string& tile,
-                      bool rotate) {
+                      bool rotate, const std::string& swiglu) {
   const k::Act xt = act_arg(x_dtype);
   const k::Epilogue ep = epilogue_arg(ep_);
   const k::Sm90Tile kind = tile_arg(tile);
+  const k::Sm90Swiglu path = swiglu_arg(swiglu);
   require(k::gemm_w8a16_sm90_supported(ep, M, N, K), "time_gemm_sm90: unsupported shape or a build without it");
   const size_t ws_bytes = k::gemm_w8a16_sm90_workspace_bytes(ep, M, N, K, kind);
   GemmOperands o(M, N, K);
@@ -85,15 +94,15 @@ double time_gemm_sm90(int M, int N, int K, int iters, int ep_, const std::string
     RotatingWeights r(N, K);
     return median_us(
         [&](int i) {
-          k::gemm_w8a16_sm90(r.w(i), r.s(i), o.x.get(), xt, M, N, K, ep, o.out.get(), ws.get(), ws_bytes, nullptr,
-                             kind);
+          k::gemm_w8a16_sm90(r.w(i), r.s(i), o.x.get(), xt, M, N, K, ep, o.out.get(), ws.get(), ws_bytes, nullptr, kind,
+                             nullptr, true, path);
         },
         iters, r.batches());
   }
   return median_us(
       [&](int) {
         k::gemm_w8a16_sm90(o.w.get<uint8_t>(), o.s.get<float>(), o.x.get(), xt, M, N, K, ep, o.out.get(), ws.get(),
-                           ws_bytes, nullptr, kind);
+                           ws_bytes, nullptr, kind, nullptr, true, path);
       },
       iters, 2);
 }
@@ -139,12 +148,22 @@ void register_gemm_sm90(py::module_& m) {
         "whether this build has gemm_w8a16_sm90 (nvidia-cutlass's headers were found at build time)");
   m.def("gemm_sm90", &gemm_sm90, py::arg("w"), py::arg("scales"), py::arg("x"), py::arg("epilogue") = 0,
         py::arg("out_init") = py::none(), py::arg("x_dtype") = "bf16", py::arg("tile") = "auto",
-        py::arg("pretransposed") = false,
+        py::arg("pretransposed") = false, py::arg("swiglu") = "auto",
         "gemm_w8a16_sm90: w u8 [N, K] (N % 8 == 0, K % 64 == 0), scales f32 [N, ceil(K/128)], x u16 [M, K] (bf16 or "
         "f16 bits); epilogue 0 Store -> f32 [M, N], 1 AddResidual (out_init f32 [M, N]) -> f32 [M, N], 2 SwiGLU -> "
         "u16 [M, N/2] (bf16); tile auto (sm90_tile_for), xwide (256 tokens per tile), wide (128) or narrow (64), "
         "-streamk; pretransposed: the scales transposed first by gemm_w8a16_sm90_transpose_scales and passed as the "
-        "engine passes them");
+        "engine passes them; swiglu: auto (sm90_swiglu_halves), halves (two launches of N/2 rows, the activation in "
+        "the up half's epilogue) or one (one launch, then swiglu_rows)");
+  m.def(
+      "sm90_swiglu_halves",
+      [](int M, int F, int sms) {
+        require(M >= 1 && F >= 1 && sms >= 1, "sm90_swiglu_halves: M, F and sms must be >= 1");
+        return k::sm90_swiglu_halves(M, F, sms);
+      },
+      py::arg("M"), py::arg("F"), py::arg("sms"),
+      "whether gemm_w8a16_sm90's auto runs SwiGLU (N = 2F) as two launches of F rows on a GPU of sms SMs "
+      "(kernels.h)");
   m.def(
       "sm90_tile_for",
       [](int M, int N, int sms) {
@@ -159,7 +178,9 @@ void register_gemm_sm90(py::module_& m) {
       py::arg("epilogue"), py::arg("M"), py::arg("N"), py::arg("K"));
   m.def("time_gemm_sm90", &time_gemm_sm90, py::arg("M"), py::arg("N"), py::arg("K"), py::arg("iters") = 20,
         py::arg("epilogue") = 0, py::arg("x_dtype") = "bf16", py::arg("tile") = "auto", py::arg("rotate") = false,
-        "us per gemm_w8a16_sm90 launch (median of iters batches); rotate: weights and scales rotated past L2");
+        py::arg("swiglu") = "auto",
+        "us per gemm_w8a16_sm90 launch (median of iters batches); rotate: weights and scales rotated past L2; swiglu "
+        "as gemm_sm90's");
 }
 
 }  // namespace atomflow::bindings::ops

@@ -12,7 +12,11 @@
 //  - Tile 128 (weight rows) x 256, 128 or 64 (tokens) x 64 (k; 128 with 64 tokens); cluster 1x1,
 //    cooperative schedule (two consumer warpgroups, one TMA producer warp), persistent blocks with the
 //    data-parallel or the stream-K tile scheduler (deterministic reduction of split tiles in the
-//    workspace); TMA epilogue. Which of the five kinds runs: kernels.h's sm90_tile_for(M, N, SMs).
+//    workspace); TMA epilogue. Which of the five kinds runs: kernels.h's sm90_tile_for(M, N, SMs), N the
+//    launch's (F for each half of SwiGLU). The kernels: gemm_w8a16_sm90.cuh.
+//  - SwiGLU runs as two products of F rows: the gate half (w[:F]) writes its fp32 y to the workspace, the up
+//    half (w[F:], gemm_w8a16_sm90_swiglu.cu) reads it as the epilogue's C and stores bf16(silu(gate) * up):
+//    the formula and the roundings of gemm_w8a16's SwiGLU, with no fp32 [M, 2F] round trip.
 //  - Rows of x past M and weight rows past N are TMA's out-of-bounds zeros; their outputs are not stored.
 //    The scale group of k is k / 128 for every k (CUTLASS's group index of a 64- or 128-wide k-tile), so
 //    a 64-column tail group (K % 128 == 64) needs nothing special.
@@ -23,9 +27,9 @@
 //  Launches 1. scale_transpose: scales -> workspace [ceil(K / 128), N] fp32 (CUTLASS's scales are N-major),
 //              unless the caller passes them transposed already (scales_gn; the engine's, made at load);
 //           2. the CUTLASS GEMM: Store: out fp32 [M, N] = y; AddResidual: out += y (C is out, beta = 1);
-//              SwiGLU (N = 2F): y fp32 [M, N] into the workspace, then
-//           3. swiglu_rows: out bf16 [M, F] = silu(y[:, :F]) * y[:, F:].
-//           Plain stream-ordered launches (no PDL): each waits for everything before it.
+//              SwiGLU (N = 2F): the gate half, gate fp32 [M, F] = x w[:F]^T into the workspace, then
+//           3. (SwiGLU) the up half: out bf16 [M, F] = silu(gate) * (x w[F:]^T).
+//           The GEMMs launch under PDL when pdl says so (each one's loads wait for the kernel before it).
 //  Workspace gemm_w8a16_sm90_workspace_bytes(ep, M, N, K, tile) bytes of device memory, 256-byte aligned,
 //           used by one stream at a time, no initial value needed, nothing left in it for later calls.
 #include <cuda_bf16.h>
@@ -36,17 +40,7 @@
 
 #include "atomflow/kernels.h"
 #include "gemm_sm90_common.cuh"
-
-#if ATOMFLOW_SM90_GEMM
-#include "cute/tensor.hpp"
-#include "cutlass/cutlass.h"
-#include "cutlass/epilogue/collective/collective_builder.hpp"
-#include "cutlass/gemm/collective/collective_builder.hpp"
-#include "cutlass/gemm/device/gemm_universal_adapter.h"
-#include "cutlass/gemm/dispatch_policy.hpp"
-#include "cutlass/gemm/kernel/gemm_universal.hpp"
-#include "cutlass/util/packed_stride.hpp"
-#endif
+#include "gemm_w8a16_sm90.cuh"
 
 namespace atomflow::kernels {
 
@@ -55,6 +49,10 @@ namespace {
 using sm90::align_up;
 using sm90::kScaleGroup;
 using sm90::kWsAlign;
+#if ATOMFLOW_SM90_GEMM
+using sm90_w8a16::dispatch;
+using sm90_w8a16::PlainFusion;
+#endif
 
 // ---------------------------------------------------------------------------------------
 // kernels
@@ -90,131 +88,32 @@ __global__ void swiglu_rows(const float* __restrict__ y, int F, bf16* __restrict
 }
 
 #if ATOMFLOW_SM90_GEMM
-using namespace cute;
-
-// The CUTLASS kernels, one per activation type. Names follow the transposed product: A = the weight
-// (N rows), B = x (M columns), D' = y^T. Declared at namespace scope with concrete types (inside a
-// class template the host compiler rejects the builders' dependent names).
-using ElementW = cutlass::float_e4m3_t;
-using ElementScale = float;                    // fp32: the weight is rounded once, after the scale (see the top)
-using LayoutW = cutlass::layout::RowMajor;     // A [N, K], K-major
-using LayoutX = cutlass::layout::ColumnMajor;  // B [K, M] column-major = x [M, K] row-major
-using LayoutD = cutlass::layout::ColumnMajor;  // D' [N, M] column-major = y [M, N] row-major
-constexpr int kAlignW = 16, kAlignX = 8, kAlignD = 4;  // elements of 16 bytes
-using ClusterShape = Shape<_1, _1, _1>;                // 2 x 1 clusters (x tiles multicast) measured no faster
-// Three tile widths along the tokens: xwide (256: each weight converted serves twice the tokens of a wide
-// tile; ~10% less time per FLOP when the waves of tiles are full), wide (128), and narrow (64) for short
-// chunks, where a 128-token tile would run half its MMAs or more on rows past M (kernels.h: sm90_tile_for
-// picks one by M and N). The narrow tile takes 128 columns of k a stage (one scale group; 64 measured 3-7%
-// slower at 64 rows), the others 64 (128 measured even on wide; xwide's stages would not fit).
-using TileXWide = Shape<_128, _256, _64>;
-using TileWide = Shape<_128, _128, _64>;
-using TileNarrow = Shape<_128, _64, _128>;
-
-template <class Tile>
-using EpilogueOp = typename cutlass::epilogue::collective::CollectiveBuilder<
-    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, ClusterShape,
-    cutlass::epilogue::collective::EpilogueTileAuto, float, float, float, LayoutD, kAlignD, float, LayoutD, kAlignD,
-    cutlass::epilogue::TmaWarpSpecializedCooperative>::CollectiveOp;
-
-template <class T, class Tile>
-using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, cute::tuple<ElementW, ElementScale>, LayoutW, kAlignW, T,
-    LayoutX, kAlignX, float, Tile, ClusterShape,
-    cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
-        sizeof(typename EpilogueOp<Tile>::SharedStorage))>,
-    cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
-
-// Scheduler: PersistentScheduler (data-parallel: one block per tile at a time), or StreamKScheduler: the
-// k-loops of all tiles spread over the SMs, so a product with fewer tiles than SMs (o and down of a
-// short chunk: N / 128 tiles) still runs on every SM; split tiles are reduced in the workspace in a fixed
-// order (deterministic), then one block runs the epilogue.
-template <class T, class Tile, class Scheduler>
-using Kernel =
-    cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop<T, Tile>, EpilogueOp<Tile>, Scheduler>;
-
-// Argument packing and launch of one of them (T: the activation's CUTLASS type).
-template <class T, class Tile, class Scheduler>
-struct Sm90Gemm {
-  using K_ = Kernel<T, Tile, Scheduler>;
-  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<K_>;
-
-  static typename Gemm::Arguments arguments(const uint8_t* w, const float* scales_gn, const void* x, int M, int N,
-                                            int K, float beta, const float* c, float* d) {
-    using StrideW = typename K_::StrideA;
-    using StrideX = typename K_::StrideB;
-    using StrideC = typename K_::StrideC;
-    using StrideD = typename K_::StrideD;
-    using StrideS = typename K_::CollectiveMainloop::StrideScale;
-    const int G = CEIL_DIV(K, kScaleGroup);
-    const StrideW sw = cutlass::make_cute_packed_stride(StrideW{}, make_shape(N, K, 1));
-    const StrideX sx = cutlass::make_cute_packed_stride(StrideX{}, make_shape(M, K, 1));
-    const StrideC sc = cutlass::make_cute_packed_stride(StrideC{}, make_shape(N, M, 1));
-    const StrideD sd = cutlass::make_cute_packed_stride(StrideD{}, make_shape(N, M, 1));
-    const StrideS ss = cutlass::make_cute_packed_stride(StrideS{}, make_shape(N, G, 1));
-    cutlass::KernelHardwareInfo hw{};
-    hw.sm_count = current_sm_count();
-    typename Gemm::Arguments args{
-        cutlass::gemm::GemmUniversalMode::kGemm,
-        {N, M, K, 1},
-        {reinterpret_cast<const ElementW*>(w), sw, static_cast<const T*>(x), sx, scales_gn, ss, kScaleGroup},
-        {{1.f, beta}, c, sc, d, sd},
-        hw};
-    return args;
-  }
-
-  static size_t workspace_bytes(int M, int N, int K) {
-    return Gemm::get_workspace_size(arguments(nullptr, nullptr, nullptr, M, N, K, 0.f, nullptr, nullptr));
-  }
-
-  // y = x w^T (beta 0) or out += x w^T (beta 1, c = d = out).
-  static void run(const uint8_t* w, const float* scales_gn, const void* x, int M, int N, int K, float beta, float* out,
-                  void* workspace, cudaStream_t stream, bool pdl) {
-    sm90::run_cutlass<K_, Gemm>(arguments(w, scales_gn, x, M, N, K, beta, out, out), workspace, stream,
-                                "gemm_w8a16_sm90", pdl);
-  }
-};
-
-// The kernel for (activation type, tile): one call site per instance.
-template <class T, class Fn>
-void dispatch_tile(Sm90Tile tile, Fn&& fn) {
-  using P = cutlass::gemm::PersistentScheduler;
-  using S = cutlass::gemm::StreamKScheduler;
-  switch (tile) {
-    case Sm90Tile::Wide: return fn(Sm90Gemm<T, TileWide, P>{});
-    case Sm90Tile::Narrow: return fn(Sm90Gemm<T, TileNarrow, P>{});
-    case Sm90Tile::WideStreamK: return fn(Sm90Gemm<T, TileWide, S>{});
-    case Sm90Tile::XWide: return fn(Sm90Gemm<T, TileXWide, P>{});
-    default: return fn(Sm90Gemm<T, TileNarrow, S>{});
-  }
-}
-template <class Fn>
-void dispatch(Act x_type, Sm90Tile tile, Fn&& fn) {
-  if (x_type == Act::F16)
-    dispatch_tile<cutlass::half_t>(tile, fn);
-  else
-    dispatch_tile<cutlass::bfloat16_t>(tile, fn);
-}
-
 size_t cutlass_workspace_bytes(Act x_type, Sm90Tile tile, int M, int N, int K) {
   size_t bytes = 0;
-  dispatch(x_type, tile, [&](auto g) { bytes = decltype(g)::workspace_bytes(M, N, K); });
+  dispatch<PlainFusion>(x_type, tile, [&](auto g) { bytes = decltype(g)::workspace_bytes(M, N, K); });
   return bytes;
 }
 #else
 size_t cutlass_workspace_bytes(Act, Sm90Tile, int, int, int) { return 0; }
 #endif
 
-// Workspace carve-up: [scales G x N fp32][SwiGLU's y M x N fp32][CUTLASS's own workspace].
+// The N of one launch: N, or F for each half of SwiGLU's N = 2F run as two launches.
+int launch_rows(Epilogue ep, int N, bool halves) { return ep == Epilogue::SwiGLU && halves ? N / 2 : N; }
+
+// Workspace carve-up: [scales G x N fp32][SwiGLU's y: the gate half's M x F fp32, or one launch's M x 2F]
+// [CUTLASS's own workspace, one launch's at a time (the two halves in turn)].
 struct Carve {
-  size_t scales, swiglu, cutlass, total;
+  size_t scales, y, cutlass, total;
 };
-Carve carve(Epilogue ep, Act x_type, Sm90Tile tile, int M, int N, int K) {
+Carve carve(Epilogue ep, Act x_type, Sm90Tile tile, int M, int N, int K, bool halves) {
   Carve c{};
+  const int n = launch_rows(ep, N, halves);
   c.scales = align_up(sizeof(float) * static_cast<size_t>(CEIL_DIV(K, kScaleGroup)) * N);
-  c.swiglu = ep == Epilogue::SwiGLU ? align_up(sizeof(float) * static_cast<size_t>(M) * N) : 0;
-  c.cutlass = align_up(cutlass_workspace_bytes(x_type, tile, M, N, K));
-  c.total = c.scales + c.swiglu + c.cutlass;
+  c.y = ep == Epilogue::SwiGLU ? align_up(sizeof(float) * static_cast<size_t>(M) * n) : 0;
+  c.cutlass = align_up(cutlass_workspace_bytes(x_type, tile, M, n, K));
+  if (ep == Epilogue::SwiGLU && halves)
+    c.cutlass = std::max(c.cutlass, align_up(sm90_w8a16::swiglu_up_workspace_bytes(x_type, tile, M, n, K)));
+  c.total = c.scales + c.y + c.cutlass;
   return c;
 }
 
@@ -237,8 +136,15 @@ size_t gemm_w8a16_sm90_workspace_bytes(Epilogue ep, int M, int N, int K, Sm90Til
   if (tile == Sm90Tile::Auto && M > kSm90StreamKMaxRows)
     return std::max(gemm_w8a16_sm90_workspace_bytes(ep, M, N, K, Sm90Tile::Wide),
                     gemm_w8a16_sm90_workspace_bytes(ep, M, N, K, Sm90Tile::XWide));
-  if (tile == Sm90Tile::Auto) tile = sm90_tile_for(M, N, 1);
-  return std::max(carve(ep, Act::BF16, tile, M, N, K).total, carve(ep, Act::F16, tile, M, N, K).total);
+  // SwiGLU: either way of running it (sm90_swiglu_halves depends on the GPU's SMs).
+  size_t bytes = 0;
+  for (bool halves : {false, true}) {
+    if (ep != Epilogue::SwiGLU && halves) continue;
+    const Sm90Tile kind = tile == Sm90Tile::Auto ? sm90_tile_for(M, launch_rows(ep, N, halves), 1) : tile;
+    bytes = std::max(
+        {bytes, carve(ep, Act::BF16, kind, M, N, K, halves).total, carve(ep, Act::F16, kind, M, N, K, halves).total});
+  }
+  return bytes;
 }
 
 bool gemm_w8a16_sm90_takes_layer(const Sm90Layer& l) {
@@ -288,7 +194,7 @@ void gemm_w8a16_sm90_transpose_scales(const float* scales, int N, int K, float* 
 
 void gemm_w8a16_sm90(const uint8_t* w, const float* scales, const void* x, Act x_type, int M, int N, int K, Epilogue ep,
                      void* out, void* workspace, size_t workspace_bytes, cudaStream_t stream, Sm90Tile tile,
-                     const float* scales_pre, bool pdl) {
+                     const float* scales_pre, bool pdl, Sm90Swiglu swiglu) {
   AF_CHECK(gemm_w8a16_sm90_built(), "gemm_w8a16_sm90: this build has no sm90 GEMM (nvidia-cutlass was not found)");
   AF_CHECK(gemm_w8a16_sm90_supported(ep, M, N, K),
            "gemm_w8a16_sm90: needs M >= 1, N % 8 == 0, K % 64 == 0 and the Store, AddResidual or SwiGLU epilogue");
@@ -296,34 +202,39 @@ void gemm_w8a16_sm90(const uint8_t* w, const float* scales, const void* x, Act x
   for (const void* p :
        {static_cast<const void*>(w), static_cast<const void*>(scales), x, static_cast<const void*>(out)})
     AF_CHECK(reinterpret_cast<uintptr_t>(p) % 16 == 0, "gemm_w8a16_sm90: w, scales, x and out must be 16-byte aligned");
-  if (tile == Sm90Tile::Auto) tile = sm90_tile_for(M, N, current_sm_count());
-  const Carve c = carve(ep, x_type, tile, M, N, K);
+  const int sms = current_sm_count();
+  const bool halves = ep == Epilogue::SwiGLU &&
+                      (swiglu == Sm90Swiglu::Auto ? sm90_swiglu_halves(M, N / 2, sms) : swiglu == Sm90Swiglu::Halves);
+  const int n = launch_rows(ep, N, halves);
+  if (tile == Sm90Tile::Auto) tile = sm90_tile_for(M, n, sms);
+  const Carve c = carve(ep, x_type, tile, M, N, K, halves);
   AF_CHECK(workspace != nullptr && workspace_bytes >= c.total && reinterpret_cast<uintptr_t>(workspace) % kWsAlign == 0,
            "gemm_w8a16_sm90: the workspace must be gemm_w8a16_sm90_workspace_bytes() bytes, 256-byte aligned");
   uint8_t* ws = static_cast<uint8_t*>(workspace);
   const float* scales_gn = scales_pre != nullptr ? scales_pre : reinterpret_cast<float*>(ws);
   float* y_swiglu = reinterpret_cast<float*>(ws + c.scales);
-  void* cutlass_ws = ws + c.scales + c.swiglu;
+  void* cutlass_ws = ws + c.scales + c.y;
 
   if (scales_pre == nullptr) gemm_w8a16_sm90_transpose_scales(scales, N, K, reinterpret_cast<float*>(ws), stream);
 
 #if ATOMFLOW_SM90_GEMM
+  // Store / AddResidual: out (fp32) = y (+ out). SwiGLU: y of the gate half (or of all 2F rows) into the
+  // workspace, then the up half with the activation in its epilogue (or swiglu_rows).
   float* y = ep == Epilogue::SwiGLU ? y_swiglu : static_cast<float*>(out);
   const float beta = ep == Epilogue::AddResidual ? 1.f : 0.f;
-  dispatch(x_type, tile, [&](auto g) { decltype(g)::run(w, scales_gn, x, M, N, K, beta, y, cutlass_ws, stream, pdl); });
-  AF_CUDA_CHECK(cudaGetLastError());
+  dispatch<PlainFusion>(x_type, tile, [&](auto g) {
+    using G = decltype(g);
+    G::run(w, scales_gn, N, x, M, n, K, typename G::Thread{1.f, beta}, y, y, cutlass_ws, stream, pdl);
+  });
+  if (halves)
+    sm90_w8a16::swiglu_up(w + static_cast<size_t>(n) * K, scales_gn + n, N, x, x_type, M, n, K, y_swiglu,
+                          static_cast<bf16*>(out), cutlass_ws, tile, stream, pdl);
 #else
-  (void)y_swiglu;
   (void)cutlass_ws;
   (void)scales_gn;
 #endif
-
-  if (ep == Epilogue::SwiGLU) {
-    const int F = N / 2;
-    swiglu_rows<<<dim3(CEIL_DIV(F / 4, kSwigluThreads), M), kSwigluThreads, 0, stream>>>(y_swiglu, F,
-                                                                                         static_cast<bf16*>(out));
-    AF_CUDA_CHECK(cudaGetLastError());
-  }
+  if (ep == Epilogue::SwiGLU && !halves)
+    gemm_w8a16_sm90_swiglu_rows(y_swiglu, M, N / 2, static_cast<bf16*>(out), stream);
 }
 
 }  // namespace atomflow::kernels

@@ -156,13 +156,14 @@ void gemm_w8a16(const uint8_t* w, const float* scales, const void* x, Act x_type
 // gemm_w8a16_sm90.cu: the same product on Hopper's warpgroup MMA (CUTLASS's mixed-input TMA + wgmma
 // GEMM, built for sm_90a from the nvidia-cutlass headers). Each weight is rounded once to x_type after
 // its fp32 scale (gemm_w8a16 keeps w * s exact: bf16 adds <= 2^-9 relative per weight, fp16 2^-11).
-// Epilogues Store and AddResidual (fp32 [M, N]) and SwiGLU (N = 2F, bf16 [M, F], through an fp32 [M, N]
-// copy of y in the workspace). N % 8 == 0 (N % 16 == 0 for SwiGLU), K % 64 == 0, M >= 1.
+// Epilogues Store and AddResidual (fp32 [M, N]) and SwiGLU (N = 2F, bf16 [M, F]; two launches or one, by
+// sm90_swiglu_halves below, the same bits either way). N % 8 == 0 (N % 16 == 0 for SwiGLU), K % 64 == 0, M >= 1.
 // workspace: gemm_w8a16_sm90_workspace_bytes(ep, M, N, K, tile) bytes (256-byte aligned), no initial value,
 // one stream at a time. Under PDL or not as its pdl argument says (below).
 // Tokens per tile: XWide 256, Wide 128, Narrow 64; the StreamK kinds split the k-loops of the tiles over all
 // SMs (CUTLASS's stream-K scheduler), so a product with fewer tiles than SMs still runs on every SM.
-// Auto: sm90_tile_for(M, N, SMs), the best kind per product as measured (docs/design/gemm_w8a16_sm90.md).
+// Auto: sm90_tile_for(M, N, SMs) with N a launch's (F for a SwiGLU half), the best kind per product as measured
+// (docs/design/gemm_w8a16_sm90.md). An explicit kind serves every launch of the call.
 enum class Sm90Tile { Auto, Wide, Narrow, WideStreamK, NarrowStreamK, XWide };
 constexpr int kSm90NarrowMaxRows = 64, kSm90StreamKMaxRows = 256;
 // Past kSm90StreamKMaxRows, XWide (256 tokens a tile) when its waves of tiles over the SMs take less time
@@ -177,6 +178,23 @@ constexpr Sm90Tile sm90_tile_for(int M, int N, int sms) {
   const int xwide_waves = (row_tiles * ((M + 255) / 256) + sms - 1) / sms;
   return xwide_waves * kSm90XWideTileCost < wide_waves ? Sm90Tile::XWide : Sm90Tile::Wide;
 }
+// Tiles of a product of M tokens and N weight rows on a kind (tokens per tile: XWide 256, Wide 128, Narrow 64).
+constexpr int sm90_tiles(int M, int N, Sm90Tile kind) {
+  const int tokens = kind == Sm90Tile::XWide                                       ? 256
+                     : kind == Sm90Tile::Narrow || kind == Sm90Tile::NarrowStreamK ? 64
+                                                                                   : 128;
+  return ((N + 127) / 128) * ((M + tokens - 1) / tokens);
+}
+// SwiGLU (N = 2F) as two launches of F rows, the up half's epilogue taking the gate half's fp32 y (no fp32
+// [M, 2F] round trip), when each half's tiles (on the kind sm90_tile_for picks for F) outnumber the SMs, past
+// the stream-K rows; otherwise one launch of 2F rows and swiglu_rows on its fp32 y in the workspace. A half in
+// one partial wave pays the boundary between the two launches (the up half's loads wait for the gate half's
+// last tile), which one launch's persistent tiles overlap (docs/design/gemm_w8a16_sm90.md, "SwiGLU").
+constexpr bool sm90_swiglu_halves(int M, int F, int sms) {
+  return M > kSm90StreamKMaxRows && sm90_tiles(M, F, sm90_tile_for(M, F, sms)) > sms;
+}
+// How gemm_w8a16_sm90 runs SwiGLU: Auto (sm90_swiglu_halves), Halves or OneLaunch (the harness's knobs).
+enum class Sm90Swiglu { Auto, Halves, OneLaunch };
 bool gemm_w8a16_sm90_built();  // false: nvidia-cutlass was missing at build time (the launcher fails)
 bool gemm_w8a16_sm90_supported(Epilogue ep, int M, int N, int K);
 size_t gemm_w8a16_sm90_workspace_bytes(Epilogue ep, int M, int N, int K, Sm90Tile tile = Sm90Tile::Auto);
@@ -186,7 +204,8 @@ size_t gemm_w8a16_sm90_workspace_bytes(Epilogue ep, int M, int N, int K, Sm90Til
 // that kernel ends (the same bits either way).
 void gemm_w8a16_sm90(const uint8_t* w, const float* scales, const void* x, Act x_type, int M, int N, int K, Epilogue ep,
                      void* out, void* workspace, size_t workspace_bytes, cudaStream_t stream,
-                     Sm90Tile tile = Sm90Tile::Auto, const float* scales_gn = nullptr, bool pdl = true);
+                     Sm90Tile tile = Sm90Tile::Auto, const float* scales_gn = nullptr, bool pdl = true,
+                     Sm90Swiglu swiglu = Sm90Swiglu::Auto);
 // A Llama layer's four products as a prefill chunk runs them: qkv [qkv_dim, d] (Store), o [d, q_dim] and
 // down [d, f] (AddResidual), gate/up [2 f, d] (SwiGLU). Whether this build's sm90 GEMM takes every one of
 // them (the caller checks the device is sm_90), and the workspace that serves any chunk of min_rows..

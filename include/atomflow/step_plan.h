@@ -114,13 +114,18 @@ struct StepPlan {
   // Qwen2.5-7B 236.3 / 251.2, 556.2 / 578.1 (tests/test_prefill_chunk.py holds those picks).
   static constexpr int kPrefillChunkSmall = 2048, kPrefillChunkLarge = 4096;
   static constexpr double xwide_flops(const kernels::Sm90Layer& l, int rows, int sms) {
-    const double products[4][2] = {{1.0 * l.qkv_dim, 1.0 * l.d},
+    // N x K of each launch: qkv, o, SwiGLU's two halves of f rows or one launch of 2f
+    // (kernels::sm90_swiglu_halves), down.
+    const bool halves = kernels::sm90_swiglu_halves(rows, l.f, sms);
+    const double products[5][2] = {{1.0 * l.qkv_dim, 1.0 * l.d},
                                    {1.0 * l.d, 1.0 * l.q_dim},
-                                   {2.0 * l.f, 1.0 * l.d},
-                                   {1.0 * l.d, 1.0 * l.f}};  // N x K: qkv, o, gate/up, down
+                                   {(halves ? 1.0 : 2.0) * l.f, 1.0 * l.d},
+                                   {halves ? 1.0 * l.f : 0.0, 1.0 * l.d},
+                                   {1.0 * l.d, 1.0 * l.f}};
     double sum = 0;
     for (const auto& nk : products)
-      if (kernels::sm90_tile_for(rows, static_cast<int>(nk[0]), sms) == kernels::Sm90Tile::XWide) sum += nk[0] * nk[1];
+      if (nk[0] > 0 && kernels::sm90_tile_for(rows, static_cast<int>(nk[0]), sms) == kernels::Sm90Tile::XWide)
+        sum += nk[0] * nk[1];
     return sum;
   }
   static constexpr int prefill_chunk_for(const kernels::Sm90Layer& l, int sms) {
