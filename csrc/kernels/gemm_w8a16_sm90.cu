@@ -14,9 +14,10 @@
 //    data-parallel or the stream-K tile scheduler (deterministic reduction of split tiles in the
 //    workspace); TMA epilogue. Which of the five kinds runs: kernels.h's sm90_tile_for(M, N, SMs), N the
 //    launch's (F for each half of SwiGLU). The kernels: gemm_w8a16_sm90.cuh.
-//  - SwiGLU runs as two products of F rows: the gate half (w[:F]) writes its fp32 y to the workspace, the up
-//    half (w[F:], gemm_w8a16_sm90_swiglu.cu) reads it as the epilogue's C and stores bf16(silu(gate) * up):
-//    the formula and the roundings of gemm_w8a16's SwiGLU, with no fp32 [M, 2F] round trip.
+//  - SwiGLU (N = 2F) by kernels.h's sm90_swiglu_halves: two launches of F rows, the gate half (w[:F]) writing
+//    its fp32 y to the workspace and the up half (w[F:], gemm_w8a16_sm90_swiglu.cu) reading it as its
+//    epilogue's C and storing bf16(silu(gate) * up); or one launch of 2F rows and swiglu_rows. Either way
+//    gemm_w8a16's formula and roundings, the same bits.
 //  - Rows of x past M and weight rows past N are TMA's out-of-bounds zeros; their outputs are not stored.
 //    The scale group of k is k / 128 for every k (CUTLASS's group index of a 64- or 128-wide k-tile), so
 //    a 64-column tail group (K % 128 == 64) needs nothing special.
@@ -27,8 +28,9 @@
 //  Launches 1. scale_transpose: scales -> workspace [ceil(K / 128), N] fp32 (CUTLASS's scales are N-major),
 //              unless the caller passes them transposed already (scales_gn; the engine's, made at load);
 //           2. the CUTLASS GEMM: Store: out fp32 [M, N] = y; AddResidual: out += y (C is out, beta = 1);
-//              SwiGLU (N = 2F): the gate half, gate fp32 [M, F] = x w[:F]^T into the workspace, then
-//           3. (SwiGLU) the up half: out bf16 [M, F] = silu(gate) * (x w[F:]^T).
+//              SwiGLU (N = 2F), halves: gate fp32 [M, F] = x w[:F]^T into the workspace, then
+//           3. the up half: out bf16 [M, F] = silu(gate) * (x w[F:]^T); or, one launch: y fp32 [M, 2F] into
+//              the workspace, then swiglu_rows: out bf16 [M, F] = silu(y[:, :F]) * y[:, F:].
 //           The GEMMs launch under PDL when pdl says so (each one's loads wait for the kernel before it).
 //  Workspace gemm_w8a16_sm90_workspace_bytes(ep, M, N, K, tile) bytes of device memory, 256-byte aligned,
 //           used by one stream at a time, no initial value needed, nothing left in it for later calls.
