@@ -91,8 +91,43 @@ inline unsigned* gemv_tickets() {
 // Scale groups of a K-column weight row: 128 columns each, a last one of 64 when K % 128 == 64.
 inline py::ssize_t scale_groups(int K) { return (K + 127) / 128; }
 
-// What a GEMM timer launches on: w fp8 [N, K] all 1.0 (0x38), scales [N, groups], x bf16 [M, K] and out
-// fp32 [M, N] zeroed. The values do not change a GEMM's time, and it is compute-bound: no rotation.
+// Operand values for the compute-bound timers, from a fixed-seed xorshift64*: e4m3 weight bytes of every
+// finite value (never NaN), and 16-bit x as fp16 bits of +-[1, 2) with random mantissas (read as bf16,
+// +-[2^-7, 2^-6)). Not zeros or one repeated value: the sm90 GEMM ran up to 13% faster on zero x than on these
+// (its Store over the 3B / 8B gate_up weights at 512..4096 rows, H100), and its two ways of running SwiGLU
+// ranked otherwise than in the engine (docs/design/gemm_w8a16_sm90.md, "SwiGLU").
+inline uint64_t xorshift_star(uint64_t& state) {
+  state ^= state >> 12, state ^= state << 25, state ^= state >> 27;
+  return state * 0x2545F4914F6CDD1DULL;
+}
+inline std::vector<uint8_t> random_fp8_bytes(size_t n, uint64_t seed) {
+  std::vector<uint8_t> v(n);
+  uint64_t st = seed | 1;
+  for (size_t i = 0; i < n; i += 8) {
+    const uint64_t r = xorshift_star(st);
+    for (size_t j = 0; j < 8 && i + j < n; ++j) {
+      const uint8_t b = static_cast<uint8_t>(r >> (8 * j));
+      v[i + j] = (b & 0x7F) == 0x7F ? b ^ 0x01 : b;  // 0x7F / 0xFF are e4m3's NaNs
+    }
+  }
+  return v;
+}
+inline std::vector<uint16_t> random_x_bits(size_t n, uint64_t seed) {
+  std::vector<uint16_t> v(n);
+  uint64_t st = seed | 1;
+  for (size_t i = 0; i < n; i += 4) {
+    const uint64_t r = xorshift_star(st);
+    for (size_t j = 0; j < 4 && i + j < n; ++j) {
+      const uint16_t b = static_cast<uint16_t>(r >> (16 * j));
+      v[i + j] = static_cast<uint16_t>(0x3C00 | (b & 0x83FF));  // sign, exponent of 1, 10 random mantissa bits
+    }
+  }
+  return v;
+}
+constexpr float kTimerScale = 1.f / 256;  // every weight scale: |w| <= 448 / 256
+
+// What a GEMM timer launches on: w fp8 [N, K] and x 16-bit [M, K] pseudo-random (above), scales [N, groups]
+// all kTimerScale, out fp32 [M, N] zeroed. Compute-bound: no rotation.
 struct GemmOperands {
   DeviceBuffer w, s, x, out;
   GemmOperands(int M, int N, int K)
@@ -100,9 +135,12 @@ struct GemmOperands {
         s(sizeof(float) * static_cast<size_t>(N) * scale_groups(K)),
         x(sizeof(bf16) * static_cast<size_t>(M) * K),
         out(sizeof(float) * static_cast<size_t>(M) * N) {
-    w.fill(0x38);
-    s.fill(0);
-    x.fill(0);
+    const std::vector<uint8_t> wb = random_fp8_bytes(static_cast<size_t>(N) * K, 1);
+    const std::vector<uint16_t> xb = random_x_bits(static_cast<size_t>(M) * K, 2);
+    const std::vector<float> sc(static_cast<size_t>(N) * scale_groups(K), kTimerScale);
+    w.upload(wb.data(), wb.size());
+    x.upload(xb.data(), sizeof(uint16_t) * xb.size());
+    s.upload(sc.data(), sizeof(float) * sc.size());
     out.fill(0);
   }
 };
@@ -138,15 +176,26 @@ struct Rotating {
 };
 
 // What the timers of the kernels that stream their weights launch on: Rotating copies of an FP8 [N, K]
-// weight and its scales, so each launch reads them from DRAM. Random-looking bytes are not needed (no DRAM
-// compression on cudaMalloc memory): every byte 0x38 (1.0 in e4m3, and a finite fp32 scale) keeps every value
-// finite. Launch i takes w(i), s(i); batches(): median_us's rotation.
+// weight and its scales, so each launch reads them from DRAM. For a bandwidth-bound kernel random-looking
+// bytes are not needed (no DRAM compression on cudaMalloc memory): every byte 0x38 (1.0 in e4m3, and a finite
+// fp32 scale) keeps every value finite. random: every copy GemmOperands' pseudo-random weight and kTimerScale
+// scales instead, for a compute-bound kernel read from DRAM (time_gemm_sm90's rotate). Launch i takes w(i),
+// s(i); batches(): median_us's rotation.
 struct RotatingWeights {
   size_t wbytes;
   Rotating copies;
-  RotatingWeights(int N, int K)
+  RotatingWeights(int N, int K, bool random = false)
       : wbytes(static_cast<size_t>(N) * K), copies(wbytes + static_cast<size_t>(N) * scale_groups(K) * sizeof(float)) {
-    copies.buf.fill(0x38);
+    if (!random) {
+      copies.buf.fill(0x38);
+      return;
+    }
+    const std::vector<uint8_t> wb = random_fp8_bytes(wbytes, 1);
+    const std::vector<float> sc(static_cast<size_t>(N) * scale_groups(K), kTimerScale);
+    for (int i = 0; i < copies.copies; ++i) {
+      AF_CUDA_CHECK(cudaMemcpy(w(i), wb.data(), wb.size(), cudaMemcpyHostToDevice));
+      AF_CUDA_CHECK(cudaMemcpy(s(i), sc.data(), sizeof(float) * sc.size(), cudaMemcpyHostToDevice));
+    }
   }
   uint8_t* w(int i) const { return copies.at<uint8_t>(i); }
   float* s(int i) const { return copies.at<float>(i, wbytes); }

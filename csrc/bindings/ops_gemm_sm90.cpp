@@ -91,7 +91,7 @@ double time_gemm_sm90(int M, int N, int K, int iters, int ep_, const std::string
   GemmOperands o(M, N, K);
   DeviceBuffer ws(ws_bytes);
   if (rotate) {
-    RotatingWeights r(N, K);
+    RotatingWeights r(N, K, /*random=*/true);
     return median_us(
         [&](int i) {
           k::gemm_w8a16_sm90(r.w(i), r.s(i), o.x.get(), xt, M, N, K, ep, o.out.get(), ws.get(), ws_bytes, nullptr, kind,
