@@ -70,14 +70,20 @@ def test_the_waves_follow_the_sm_count():
         ops.sm90_tile_for(0, 3072, H100_SMS)
 
 
-# SwiGLU as two launches of F rows or one of 2F (kernels.h sm90_swiglu_halves), H100, `python
-# tools/prefill_profile.py MODEL -p 512,8192` (GEMM + swiglu_rows against the two launches; ms of kernels):
-# (model, M, F, halves measured faster)
+# SwiGLU as two launches of F rows or one of 2F (kernels.h sm90_swiglu_halves), H100, the engine with the
+# halves always taken against one launch always (perf-log 2026-11-28 c): `python tools/prefill_profile.py MODEL -p
+# 512,8192`, GEMM + swiglu_rows kernels in ms, and `atomflow bench MODEL -p 768,1024,2048 -n 0 -r 3`, TTFT in ms
+# (two rounds each). (model, M, F, halves measured faster)
 SWIGLU_MEASURED = [
-    ("3B", 512, 8192, False),  # one 2F launch + swiglu_rows 6.05, halves 6.29 (a half: 128 tiles, one partial wave)
-    ("8B", 512, 14336, True),  # 13.42 / 13.19 (224 tiles a half)
-    ("3B", 4096, 8192, True),  # pp8192 in 4096-row chunks 79.3 / 76.2
-    ("8B", 2048, 14336, True),  # pp8192 in 2048-row chunks 189.4 / 182.5
+    ("3B", 512, 8192, False),  # kernels 6.05 / 6.29: a half is 128 xwide tiles, one partial wave
+    ("3B", 768, 8192, False),  # 10.18-10.30 / 10.68-10.81: the halves on wide tiles, one launch on xwide
+    ("3B", 1024, 8192, True),  # 13.44-13.47 / 12.91-13.17
+    ("3B", 2048, 8192, True),  # 26.98-27.34 / 26.46-26.72
+    ("3B", 4096, 8192, True),  # kernels of pp8192 in 4096-row chunks 79.3 / 76.2
+    ("8B", 512, 14336, True),  # kernels 13.42 / 13.19 (224 xwide tiles a half)
+    ("8B", 768, 14336, True),  # 23.54-23.73 / 22.94-22.96
+    ("8B", 1024, 14336, False),  # 27.98-28.14 / 30.09-30.13: the halves on wide tiles, one launch on xwide
+    ("8B", 2048, 14336, True),  # 55.29-55.43 / 54.32-54.37; kernels of pp8192 in 2048-row chunks 189.4 / 182.5
 ]
 
 

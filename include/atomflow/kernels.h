@@ -186,12 +186,15 @@ constexpr int sm90_tiles(int M, int N, Sm90Tile kind) {
   return ((N + 127) / 128) * ((M + tokens - 1) / tokens);
 }
 // SwiGLU (N = 2F) as two launches of F rows, the up half's epilogue taking the gate half's fp32 y (no fp32
-// [M, 2F] round trip), when each half's tiles (on the kind sm90_tile_for picks for F) outnumber the SMs, past
-// the stream-K rows; otherwise one launch of 2F rows and swiglu_rows on its fp32 y in the workspace. A half in
-// one partial wave pays the boundary between the two launches (the up half's loads wait for the gate half's
-// last tile), which one launch's persistent tiles overlap (docs/design/gemm_w8a16_sm90.md, "SwiGLU").
+// [M, 2F] round trip), past the stream-K rows when each half runs on the 256-token tile (sm90_tile_for at F)
+// and its tiles outnumber the SMs; otherwise one launch of 2F rows and swiglu_rows on its fp32 y in the
+// workspace. A half in one partial wave pays the boundary between the two launches (the up half's loads wait
+// for the gate half's last tile), which one launch's persistent tiles overlap; halves on the 128-token tile
+// where one launch would take the 256-token one convert each weight for half the tokens. Measured in the
+// engine on an H100 (docs/design/gemm_w8a16_sm90.md, "SwiGLU"; tests/test_sm90_tiles.py).
 constexpr bool sm90_swiglu_halves(int M, int F, int sms) {
-  return M > kSm90StreamKMaxRows && sm90_tiles(M, F, sm90_tile_for(M, F, sms)) > sms;
+  return M > kSm90StreamKMaxRows && sm90_tile_for(M, F, sms) == Sm90Tile::XWide &&
+         sm90_tiles(M, F, Sm90Tile::XWide) > sms;
 }
 // How gemm_w8a16_sm90 runs SwiGLU: Auto (sm90_swiglu_halves), Halves or OneLaunch (the harness's knobs).
 enum class Sm90Swiglu { Auto, Halves, OneLaunch };
