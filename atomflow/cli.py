@@ -536,7 +536,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("model")
     b.add_argument("-p", "--n-prompt", default="512", help="prompt tokens of the pp tests, comma list; 0 = none")
     b.add_argument("-n", "--n-gen", default="128", help="generated tokens of the tg tests, comma list; 0 = none")
-    b.add_argument("--context", default=None, help="cache depths for tg at a long context, comma list (e.g. 4096,32768)")
+    b.add_argument(
+        "--context",
+        default=None,
+        help="cache depths, comma list (e.g. 4096,32768): each adds pp<P>@d<D> (the prompt after D cached tokens) "
+        "and tg<N>@d<D> (llama-bench's -d)",
+    )
     b.add_argument("-r", "--repetitions", default="5", help="timed repetitions per test (default 5)")
     b.add_argument("--no-warmup", action="store_true", help="no untimed warm-up run before the tests")
     b.add_argument("-o", "--output", default="md", help="md (default) | json (every sample) | csv")

@@ -45,9 +45,9 @@ def reference_attention(q, kc, vc, pos, scale, block=128):
     return out
 
 
-def check_prefill(rng, M, pos, Hkv, G, D, key_groups=None, spare=5, kernel="auto", q_gain=2.0):
+def check_prefill(rng, M, pos, Hkv, G, D, key_groups=None, spare=5, kernel="auto", q_gain=2.0, splits=None):
     """M queries after pos cached keys; `spare` cache rows past pos + M hold NaN. Scores have a standard
-    deviation of about q_gain."""
+    deviation of about q_gain. splits: the wgmma kernel's, forced (None: the plan's for pos cached keys)."""
     H = Hkv * G
     C = pos + M + spare
     kc = bf16_bits(rng.standard_normal((C, Hkv, D)))
@@ -55,8 +55,8 @@ def check_prefill(rng, M, pos, Hkv, G, D, key_groups=None, spare=5, kernel="auto
     kc[pos + M :] = vc[pos + M :] = BF16_NAN
     q = bf16_bits(rng.standard_normal((M, H, D)) * q_gain)
     scale = 1.0 / np.sqrt(D)
-    got = from_bf16(ops.attention_prefill(q, kc, vc, pos, scale, key_groups=key_groups, kernel=kernel))
-    what = f"attention_prefill M={M} pos={pos} Hkv={Hkv} G={G} D={D} key_groups={key_groups} kernel={kernel}"
+    got = from_bf16(ops.attention_prefill(q, kc, vc, pos, scale, key_groups=key_groups, kernel=kernel, splits=splits))
+    what = f"attention_prefill M={M} pos={pos} Hkv={Hkv} G={G} D={D} key_groups={key_groups} kernel={kernel} splits={splits}"
     bad = ~np.isfinite(got)
     assert not bad.any(), f"{what}: {int(bad.sum())} non-finite outputs, first at {np.argwhere(bad)[0]}"
     want = reference_attention(q, kc, vc, pos, scale)
@@ -90,6 +90,30 @@ def test_prefill_attention_peaked_scores(rng, M, pos, D, kernel):
     of its max (flushed to 0 by the exponential) and the running max moves by hundreds of units between
     tiles; the rows still match the float64 softmax."""
     check_prefill(rng, M, pos, 2, 3 if D == 128 else 4, D, kernel=kernel, q_gain=40.0)
+
+
+@pytest.mark.parametrize("splits", [2, 3, 7, 32])
+@pytest.mark.parametrize("M,pos,Hkv,G", [(32, 4000, 8, 3), (300, 700, 2, 4), (5, 129, 1, 8), (129, 8192 + 5, 2, 3)])
+def test_prefill_attention_splits(rng, splits, M, pos, Hkv, G):
+    """The wgmma kernel's keys split over blocks whose partials (poisoned scratch) a second kernel merges:
+    splits of several tiles, of one, and empty ones (a block whose rows see fewer key tiles than splits)."""
+    check_prefill(rng, M, pos, Hkv, G, 128, kernel="wgmma", splits=splits)
+
+
+def test_prefill_attention_split_plan(rng):
+    """A short chunk deep in the context splits its keys over the SMs its blocks leave idle; a long one, or
+    one at the start, does not (and needs no scratch)."""
+    from atomflow import _core
+
+    sms = _core.device_info()["sm_count"]
+    deep = ops.attention_prefill_plan(32, 24, 8, 128, prior=4096)  # 8 blocks over 33 key tiles
+    assert deep["splits"] == max(1, min(32, 33 // 2, sms // 8)) >= 2
+    assert deep["kernel"] == f"attention_prefill_wgmma<D=128> x {deep['splits']} splits"
+    assert deep["scratch_bytes"] == 32 * 24 * deep["splits"] * (128 + 2) * 4
+    for M, prior in [(32, 0), (4096, 4096), (512, 0)]:
+        p = ops.attention_prefill_plan(M, 24, 8, 128, prior=prior)
+        assert p["splits"] == 1 and p["scratch_bytes"] == 0, (M, prior, p)
+    check_prefill(rng, 32, 4096, 8, 3, 128)  # the plan's splits through the default path
 
 
 def test_prefill_attention_kernels_agree(rng):
@@ -244,6 +268,7 @@ def test_engine_prefill_past_8192(tiny):
     _engine_case(tiny, _prompt(8300, tiny.spec.vocab_size, 1), [5000], 8448)
 
 
-@pytest.mark.parametrize("n,split", [(300, [200]), (8292, [8000])])
+@pytest.mark.parametrize("n,split", [(300, [200]), (8292, [8000]), (2100, [2048])])
 def test_engine_prefill_head_dim_128(d128, n, split):
+    """The wgmma kernel in the engine; the chunks of 292 rows at 8000 and 52 at 2048 split their keys."""
     _engine_case(d128, _prompt(n, d128.spec.vocab_size, 2), split, 8448)

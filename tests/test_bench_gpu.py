@@ -45,21 +45,23 @@ def test_bench_tiny(tiny_model_file):
     assert res["device"]["name"] and res["commit"] and res["versions"]["cuda_runtime"]
     assert res["read_bandwidth_gbs"] > 100
     rows = rows_of(res, "atomflow")
-    assert set(rows) == {"pp32", "tg16", "tg16@d64"}
+    assert set(rows) == {"pp32", "tg16", "pp32@d64", "tg16@d64"}
     for r in rows.values():
         assert r["status"] == "ok", r
         assert r["tokens_per_s_avg"] > 0 and r["tokens_per_s_std"] >= 0 and len(r["samples"]["tokens_per_s"]) == 2
         assert r["bytes_per_token"] > AtomflowFile(tiny_model_file).weight_bytes / 32
         assert r["achieved_gbs"] > 0 and 0 < r["efficiency"] < 1.0, r["efficiency"]
-    pp = rows["pp32"]
-    assert pp["ttft_ms"] > 0 and pp["tpot_ms_p50"] is None and len(pp["samples"]["ttft_ms"]) == 2
+    for name in ("pp32", "pp32@d64"):
+        pp = rows[name]
+        assert pp["ttft_ms"] > 0 and pp["tpot_ms_p50"] is None and len(pp["samples"]["ttft_ms"]) == 2
+    assert rows["pp32@d64"]["depth"] == 64
     for name in ("tg16", "tg16@d64"):
         r = rows[name]
         assert 0 < r["tpot_ms_p50"] <= r["tpot_ms_p90"] <= r["tpot_ms_p99"]
         assert [len(g) for g in r["samples"]["tpot_ms"]] == [15, 15]
         assert r["achieved_gbs"] == pytest.approx(r["bytes_per_token"] / r["tpot_ms_p50"] / 1e6)
     assert rows["tg16@d64"]["bytes_per_token"] > rows["tg16"]["bytes_per_token"]  # KV read at depth
-    assert "| atomflow | tg16 |" in render(res, "md") and render(res, "csv").count("\n") == 4
+    assert "| atomflow | tg16 |" in render(res, "md") and render(res, "csv").count("\n") == 5
 
 
 def test_compiled_prefill_runs_fused_attention(tiny_hf_dir):

@@ -42,10 +42,15 @@ def test_default_tests_are_llama_bench_ones():
 
 def test_lists_contexts_and_sizes():
     o = make_options("m", n_prompt="64,512", n_gen="32", context="4096,32768", repetitions="2")
-    assert [t.name for t in o.tests] == ["pp64", "pp512", "tg32", "tg32@d4096", "tg32@d32768"]
-    assert o.max_context == 32768 + 32
+    assert [t.name for t in o.tests] == [
+        "pp64", "pp512", "tg32", "pp64@d4096", "pp512@d4096", "tg32@d4096", "pp64@d32768", "pp512@d32768", "tg32@d32768",
+    ]  # fmt: skip
+    assert o.max_context == 32768 + 512 + 1  # pp512@d32768: its prompt after the depth, and the generated token
     deep = o.tests[-1]
     assert deep.positions == 32800 and deep.mean_context == 32768 + 16
+    assert o.tests[-2].positions == 32768 + 513 and o.tests[-2].depth == 32768
+    only_pp = make_options("m", n_prompt="32", n_gen="0", context="4096")
+    assert [t.name for t in only_pp.tests] == ["pp32", "pp32@d4096"]
 
 
 @pytest.mark.parametrize(
@@ -57,7 +62,6 @@ def test_lists_contexts_and_sizes():
         (dict(repetitions="0"), "-r: 0 must be >= 1"),
         (dict(repetitions="2,3"), "-r: one integer"),
         (dict(context="0"), "--context: 0 must be >= 1"),
-        (dict(context="4096", n_gen="0"), "--context needs generated tokens"),
         (dict(n_prompt="0", n_gen="0"), "nothing to run"),
         (dict(output="xml"), "-o: output format"),
         (dict(baselines=["gpt-fast"]), "unknown baseline 'gpt-fast'"),
@@ -80,10 +84,12 @@ def test_compile_prefill_option():
 
 
 def test_context_beyond_the_model():
-    o = make_options("m", context="16384")
+    o = make_options("m", n_prompt="0", context="16384")
     with pytest.raises(ValueError, match="tg128@d16384 needs 16512 positions; the model supports 16384"):
         check_fits_model(o, 16384)
-    check_fits_model(make_options("m", context="16000"), 16384)
+    with pytest.raises(ValueError, match="pp512@d16000 needs 16513 positions"):
+        check_fits_model(make_options("m", context="16000"), 16384)
+    check_fits_model(make_options("m", context="15800"), 16384)
 
 
 # ----------------------------------------------------------------------------- bytes

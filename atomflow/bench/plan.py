@@ -1,8 +1,9 @@
 """`atomflow bench` options and the tests they ask for, checked before anything touches a GPU.
 
 llama-bench's tests: pp<P> (prompt processing of P random tokens), tg<N> (N generated tokens
-from an empty cache) and tg<N>@d<D> (N tokens after the cache was filled to depth D). -p, -n and
---context take comma-separated lists; 0 in -p or -n skips that kind of test.
+from an empty cache), and at each depth D of --context (llama-bench's -d) pp<P>@d<D> (P prompt tokens
+after D cached ones: a later turn of a conversation) and tg<N>@d<D> (N tokens after the cache was filled
+to depth D). -p, -n and --context take comma-separated lists; 0 in -p or -n skips that kind of test.
 """
 
 from __future__ import annotations
@@ -20,13 +21,12 @@ class BenchTest:
     kind: str  # "pp" or "tg"
     n_prompt: int  # pp: prompt tokens
     n_gen: int  # tg: generated tokens (TPOT from the n_gen - 1 gaps between them)
-    depth: int = 0  # tg: tokens in the cache before the first generated one
+    depth: int = 0  # tokens in the cache before the prompt (pp) or the first generated one (tg)
 
     @property
     def name(self) -> str:
-        if self.kind == "pp":
-            return f"pp{self.n_prompt}"
-        return f"tg{self.n_gen}" + (f"@d{self.depth}" if self.depth else "")
+        at = f"@d{self.depth}" if self.depth else ""
+        return f"pp{self.n_prompt}{at}" if self.kind == "pp" else f"tg{self.n_gen}{at}"
 
     @property
     def mean_context(self) -> float:
@@ -38,7 +38,7 @@ class BenchTest:
     def positions(self) -> int:
         """Cache rows the test needs (pp: its TTFT run generates one token after the prompt, and
         the engine wants a free row for it)."""
-        return self.n_prompt + 1 if self.kind == "pp" else self.depth + self.n_gen
+        return self.depth + (self.n_prompt + 1 if self.kind == "pp" else self.n_gen)
 
 
 @dataclass(frozen=True)
@@ -108,10 +108,9 @@ def make_options(
         raise ValueError("-n: 1 generated token has no time per output token; use 0 (skip) or >= 2")
     depths = int_list(context, "--context", 1) if context not in (None, "") else ()
     ps, ns = tuple(p for p in ps if p), tuple(n for n in ns if n)
-    if depths and not ns:
-        raise ValueError("--context needs generated tokens: -n must be >= 2")
     tests = [BenchTest("pp", p, 0) for p in ps] + [BenchTest("tg", 0, n) for n in ns]
-    tests += [BenchTest("tg", 0, n, d) for d in depths for n in ns]
+    for d in depths:
+        tests += [BenchTest("pp", p, 0, d) for p in ps] + [BenchTest("tg", 0, n, d) for n in ns]
     if not tests:
         raise ValueError("nothing to run: -p and -n are both 0")
     if output not in FORMATS:

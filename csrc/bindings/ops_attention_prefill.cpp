@@ -17,9 +17,10 @@ namespace {
 
 using atomflow::median_us;
 
-// The plan on this GPU; kernel "auto" | "mma" | "wgmma" and key_groups 1 or 2 (the mma kernel's) override
-// the plan's kernel.
-k::PrefillAttnPlan prefill_plan(int M, int H, int Hkv, int D, const py::object& key_groups, const std::string& kernel) {
+// The plan on this GPU for a chunk after `prior` cached keys; kernel "auto" | "mma" | "wgmma" and key_groups 1 or
+// 2 (the mma kernel's) override the plan's kernel, splits (the wgmma kernel's, >= 1) its splits.
+k::PrefillAttnPlan prefill_plan(int M, int H, int Hkv, int D, const py::object& key_groups, const std::string& kernel,
+                                int prior, const py::object& splits) {
   int sms = 0;
   AF_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   require(kernel == "auto" || kernel == "mma" || kernel == "wgmma", "kernel must be 'auto', 'mma' or 'wgmma'");
@@ -34,23 +35,32 @@ k::PrefillAttnPlan prefill_plan(int M, int H, int Hkv, int D, const py::object& 
     require(kind == k::PrefillAttnKernel::Mma, "key_groups is the mma kernel's");
     sms = kg == 2 ? INT_MAX : 0;  // plan_attention_prefill: two groups when blocks <= sm_count, one for 0
   }
-  return k::plan_attention_prefill(M, H, Hkv, D, sms, kind);
+  k::PrefillAttnPlan p = k::plan_attention_prefill(M, H, Hkv, D, sms, kind, prior);
+  if (!splits.is_none()) {
+    const int n = splits.cast<int>();
+    require(p.kernel == k::PrefillAttnKernel::Wgmma, "splits is the wgmma kernel's");
+    require(n >= 1 && n <= 65535, "splits must be in 1..65535");
+    p.splits = n;
+  }
+  return p;
 }
 
 py::array_t<uint16_t> attention_prefill(const py::array& q_, const py::array& k_cache_, const py::array& v_cache_,
                                         int pos, const py::object& scale_, const py::object& key_groups,
-                                        const std::string& kernel) {
+                                        const std::string& kernel, const py::object& splits) {
   AttnArgs a(q_, k_cache_, v_cache_, pos, scale_);
-  const k::PrefillAttnPlan plan = prefill_plan(a.M, a.H, a.Hkv, a.D, key_groups, kernel);
+  const k::PrefillAttnPlan plan = prefill_plan(a.M, a.H, a.Hkv, a.D, key_groups, kernel, pos, splits);
   DeviceBuffer out = DeviceBuffer::poisoned(sizeof(bf16) * a.M * a.H * a.D);
+  DeviceBuffer scratch = DeviceBuffer::poisoned(std::max<size_t>(k::attention_prefill_scratch_bytes(plan), 16));
   k::attention_prefill(plan, a.q.get<bf16>(), a.k_cache.get<bf16>(), a.v_cache.get<bf16>(), a.pos.get<int32_t>(), a.M,
-                       a.H, a.Hkv, a.D, a.C, a.scale, out.get<bf16>(), nullptr);
+                       a.H, a.Hkv, a.D, a.C, a.scale, out.get<bf16>(), nullptr, scratch.get<void>());
   sync();
   return to_host<uint16_t>(out, {a.M, a.H, a.D});
 }
 
-py::dict attention_prefill_plan(int M, int H, int Hkv, int D, const py::object& key_groups, const std::string& kernel) {
-  const k::PrefillAttnPlan p = prefill_plan(M, H, Hkv, D, key_groups, kernel);
+py::dict attention_prefill_plan(int M, int H, int Hkv, int D, const py::object& key_groups, const std::string& kernel,
+                                int prior) {
+  const k::PrefillAttnPlan p = prefill_plan(M, H, Hkv, D, key_groups, kernel, prior, py::none());
   py::dict d;
   d["kernel"] = k::attention_prefill_name(p);
   d["tiles"] = p.tiles;
@@ -58,12 +68,14 @@ py::dict attention_prefill_plan(int M, int H, int Hkv, int D, const py::object& 
   d["key_groups"] = p.key_groups;
   d["threads"] = p.threads;
   d["smem"] = p.smem;
+  d["splits"] = p.splits;
+  d["scratch_bytes"] = k::attention_prefill_scratch_bytes(p);
   return d;
 }
 
 // A chunk of M query tokens after `prior` cached ones (pos = prior); caches rotated past L2.
 double time_attention_prefill(int M, int prior, int H, int Hkv, int D, int iters, const py::object& key_groups,
-                              const std::string& kernel) {
+                              const std::string& kernel, const py::object& splits) {
   require(M >= 1 && prior >= 0, "need M >= 1 and prior >= 0");
   const int C = prior + M;
   const size_t cache = static_cast<size_t>(C) * Hkv * D * sizeof(bf16);
@@ -72,11 +84,12 @@ double time_attention_prefill(int M, int prior, int H, int Hkv, int D, int iters
   DeviceBuffer q(sizeof(bf16) * M * H * D), out(sizeof(bf16) * M * H * D), pos = device_int(prior);
   q.fill(0);
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  const k::PrefillAttnPlan plan = prefill_plan(M, H, Hkv, D, key_groups, kernel);
+  const k::PrefillAttnPlan plan = prefill_plan(M, H, Hkv, D, key_groups, kernel, prior, splits);
+  DeviceBuffer scratch(std::max<size_t>(k::attention_prefill_scratch_bytes(plan), 16));
   return median_us(
       [&](int i) {
         k::attention_prefill(plan, q.get<bf16>(), kv.at<bf16>(i), kv.at<bf16>(i, cache), pos.get<int32_t>(), M, H, Hkv,
-                             D, C, scale, out.get<bf16>(), nullptr);
+                             D, C, scale, out.get<bf16>(), nullptr, scratch.get<void>());
       },
       iters, std::min(kv.copies, 8));
 }
@@ -86,13 +99,16 @@ double time_attention_prefill(int M, int prior, int H, int Hkv, int D, int iters
 void register_attention_prefill(py::module_& m) {
   m.def("attention_prefill", &attention_prefill, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("pos"),
         py::arg("scale") = py::none(), py::arg("key_groups") = py::none(), py::arg("kernel") = "auto",
+        py::arg("splits") = py::none(),
         "q u16 [M, H, D], caches u16 [C, Hkv, D], pos -> u16 [M, H, D] (bf16): causal GQA attention of a prefill "
-        "chunk on tensor cores; kernel 'mma' | 'wgmma' and key_groups 1 or 2 (mma) override the plan's");
+        "chunk on tensor cores, planned for pos cached keys; kernel 'mma' | 'wgmma', key_groups 1 or 2 (mma) and "
+        "splits (wgmma; the scratch comes poisoned) override the plan's");
   m.def("attention_prefill_plan", &attention_prefill_plan, py::arg("M"), py::arg("H"), py::arg("Hkv"), py::arg("D"),
-        py::arg("key_groups") = py::none(), py::arg("kernel") = "auto",
-        "the launch plan of attention_prefill for this shape on this GPU");
+        py::arg("key_groups") = py::none(), py::arg("kernel") = "auto", py::arg("prior") = 0,
+        "the launch plan of attention_prefill for this shape after `prior` cached keys on this GPU");
   m.def("time_attention_prefill", &time_attention_prefill, py::arg("M"), py::arg("prior"), py::arg("H"), py::arg("Hkv"),
         py::arg("D"), py::arg("iters") = 20, py::arg("key_groups") = py::none(), py::arg("kernel") = "auto",
+        py::arg("splits") = py::none(),
         "us per attention_prefill call: M query tokens after `prior` cached keys; caches rotated past L2");
 }
 

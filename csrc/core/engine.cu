@@ -29,13 +29,15 @@ kernels::SamplingConfig greedy() { return kernels::SamplingConfig{0.0f, 0, 1.0f,
 
 // Throws when the arena does not fit, naming the largest max_context that would.
 void check_fits(const ModelSpec& spec, const ModelTensors& tensors, const Layout& layout, int max_context,
-                int prefill_chunk, int head_blocks, bool prefill_scales) {
+                int prefill_chunk, int head_blocks, bool prefill_scales, size_t prefill_attn_scratch) {
   size_t free_bytes = 0, total_bytes = 0;
   AF_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
   const size_t needed = layout.plan.total() + kHeadroom;
   if (needed <= free_bytes) return;
   auto fits = [&](int ctx) {
-    return plan_layout(spec, tensors, ctx, prefill_chunk, head_blocks, prefill_scales).plan.total() + kHeadroom <=
+    return plan_layout(spec, tensors, ctx, prefill_chunk, head_blocks, prefill_scales, prefill_attn_scratch)
+                   .plan.total() +
+               kHeadroom <=
            free_bytes;
   };
   std::string msg = "not enough GPU memory: max_context " + std::to_string(max_context) + " needs " +
@@ -99,8 +101,15 @@ void Engine::init(const std::string& path, const std::vector<TensorInfo>& table,
   MappedFile file(path);
   const ModelTensors tensors = resolve_tensors(s, table, file.size());
   const bool prefill_scales = step_plan_.sm90_gemm_min_rows < StepPlan::kNever;
-  const Layout layout = plan_layout(s, tensors, opt_.max_context, opt_.prefill_chunk, head_blocks, prefill_scales);
-  check_fits(s, tensors, layout, opt_.max_context, opt_.prefill_chunk, head_blocks, prefill_scales);
+  // The prefill attention's split partials: chunks on the wgmma kernel (kernels.h).
+  const size_t prefill_attn_scratch = step_plan_.prefill_attn_min_rows < StepPlan::kNever &&
+                                              step_plan_.prefill_attn_kernel == kernels::PrefillAttnKernel::Wgmma
+                                          ? kernels::attention_prefill_scratch_max(s.head_dim, step_plan_.sm_count)
+                                          : 0;
+  const Layout layout =
+      plan_layout(s, tensors, opt_.max_context, opt_.prefill_chunk, head_blocks, prefill_scales, prefill_attn_scratch);
+  check_fits(s, tensors, layout, opt_.max_context, opt_.prefill_chunk, head_blocks, prefill_scales,
+             prefill_attn_scratch);
   if (opt_.verbose) std::fprintf(stderr, "atomflow: %s\n", layout.plan.summary().c_str());
   arena_ = Arena(layout.plan.total());
   ++allocations_;
@@ -137,6 +146,8 @@ void Engine::init(const std::string& path, const std::vector<TensorInfo>& table,
   buf_.logits = arena_.at<float>(layout.logits);
   buf_.ids = arena_.at<int32_t>(layout.ids);
   buf_.attn_scratch = arena_.at<void>(layout.attn_scratch);
+  buf_.attn_prefill_scratch =
+      layout.attn_prefill_scratch == kNoSlot ? nullptr : arena_.at<void>(layout.attn_prefill_scratch);
   buf_.sample_scratch = arena_.at<void>(layout.sample_scratch);
   buf_.gemv_tickets = arena_.at<unsigned>(layout.gemv_tickets);
   buf_.norm_ss = arena_.at<float>(layout.norm_ss);

@@ -74,7 +74,7 @@ GemmRoute route_of(const StepPlan& plan, void* ws, size_t ws_bytes, bool step_ro
 
 // rows tokens at positions *pos .. *pos + rows - 1, embedded in buf_.x, through every layer. The
 // attention grid is planned for attn_keys keys: at least the keys of the last row (engine.h).
-void Engine::enqueue_layers(int rows, int attn_keys) {
+void Engine::enqueue_layers(int rows, int attn_keys, int prior) {
   const ModelSpec& s = spec_;
   const int d = s.hidden_size, f = s.intermediate_size;
   const int H = s.num_heads, Hkv = s.num_kv_heads, D = s.head_dim, C = opt_.max_context;
@@ -117,7 +117,7 @@ void Engine::enqueue_layers(int rows, int attn_keys) {
   if (rows == 1)
     attn_plan = probe_ ? plan.probe_attention(attn_keys) : plan.decode_attention(attn_keys);
   else if (tc_attn)
-    prefill_plan = plan.prefill_attention(rows);
+    prefill_plan = plan.prefill_attention(rows, prior);
   else  // the small-M GEMV's chunks (the decode step's bits) run their rows as decode steps
     attn_plan = kernels::plan_attention(rows, H, Hkv, D, attn_keys, plan.options.cluster_merge,
                                         /*rows_as_steps=*/small_m, false, plan.attn_halved);
@@ -168,7 +168,7 @@ void Engine::enqueue_layers(int rows, int attn_keys) {
       // the bits do not depend on attn_keys (attention_decode.cu).
       if (tc_attn)
         kernels::attention_prefill(prefill_plan, buf_.q, L.k_cache, L.v_cache, buf_.pos, rows, H, Hkv, D, C, scale,
-                                   static_cast<bf16*>(buf_.attn_out), stream_);
+                                   static_cast<bf16*>(buf_.attn_out), stream_, buf_.attn_prefill_scratch);
       else if (qkv_in)
         kernels::attention_qkv(attn_plan, kernels::AttnQkvIn{buf_.qkv, buf_.inv_freq, extras}, L.k_cache, L.v_cache,
                                buf_.pos, H, Hkv, D, attn_keys, scale, buf_.attn_scratch, buf_.attn_out, stream_,
@@ -324,7 +324,7 @@ void Engine::enqueue_sample() {
 void Engine::enqueue_prefill_chunk(int offset, int rows, bool advance) {
   NvtxRange range("prefill_chunk");
   kernels::embedding(buf_.embed, buf_.ids + offset, rows, spec_.hidden_size, spec_.vocab_size, buf_.x, stream_);
-  enqueue_layers(rows, opt_.max_context);
+  enqueue_layers(rows, opt_.max_context, host_pos_ + offset);  // the chunk's first position
   if (advance) step::advance_pos(buf_.pos, rows, stream_);
 }
 

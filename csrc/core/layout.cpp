@@ -112,7 +112,7 @@ ModelTensors resolve_tensors(const ModelSpec& s, const std::vector<TensorInfo>& 
 }
 
 Layout plan_layout(const ModelSpec& s, const ModelTensors& t, int max_context, int prefill_chunk, int head_blocks,
-                   bool prefill_scales) {
+                   bool prefill_scales, size_t prefill_attn_scratch) {
   Layout L;
   ArenaPlan& plan = L.plan;
 
@@ -183,6 +183,7 @@ Layout plan_layout(const ModelSpec& s, const ModelTensors& t, int max_context, i
   for (int m = 1; m <= prefill_chunk; ++m)
     attn_scratch = std::max(attn_scratch, kernels::attention_scratch_bytes(m, s.num_heads, s.head_dim, max_context));
   L.attn_scratch = plan.reserve("scratch", attn_scratch);
+  L.attn_prefill_scratch = prefill_attn_scratch > 0 ? plan.reserve("scratch", prefill_attn_scratch) : kNoSlot;
   L.sample_scratch = plan.reserve("scratch", kernels::sampling_scratch_bytes(s.vocab_size));
   L.gemv_tickets = plan.reserve("scratch", kernels::kGemvTicketBytes);
   // The skinny GEMM's sums of squares for a chunk's split RMSNorm (kernels.h, SkinnyNormOut): a row's slot per

@@ -61,8 +61,9 @@ struct Layout {
   size_t ids;       // int32 [max_context]  prompt ids
   // Scratch and the small device state the decode graph reads.
   size_t attn_scratch, sample_scratch, gemv_tickets;
-  size_t norm_ss;  // fp32: the skinny GEMM's sums of squares of a split RMSNorm (kernels.h, SkinnyNormOut)
-  size_t gemm_ws;  // the sm90 prefill GEMM's workspace (kernels.h), sized for a chunk's largest product
+  size_t attn_prefill_scratch;  // the prefill attention's split partials (kernels.h), kNoSlot when none
+  size_t norm_ss;               // fp32: the skinny GEMM's sums of squares of a split RMSNorm (kernels.h, SkinnyNormOut)
+  size_t gemm_ws;               // the sm90 prefill GEMM's workspace (kernels.h), sized for a chunk's largest product
   size_t gemm_ws_bytes;
   size_t head_best;  // uint64 [head_best_n]: the FP8 head's per-block argmax keys (kernels.h)
   int head_best_n;
@@ -76,7 +77,8 @@ struct Layout {
 // that fits the free memory.
 // head_blocks: the FP8 head GEMV's grid (the step plan's head.blocks), one argmax key per block.
 // prefill_scales: reserve the transposed scales of the sm90 prefill GEMM (StepPlan::sm90_gemm_min_rows).
+// prefill_attn_scratch: bytes of the prefill attention's split partials (attention_prefill_scratch_max).
 Layout plan_layout(const ModelSpec& spec, const ModelTensors& tensors, int max_context, int prefill_chunk,
-                   int head_blocks, bool prefill_scales);
+                   int head_blocks, bool prefill_scales, size_t prefill_attn_scratch);
 
 }  // namespace atomflow

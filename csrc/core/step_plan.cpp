@@ -31,8 +31,8 @@ kernels::AttnPlan StepPlan::probe_attention(int attn_keys) const {
                                  attn_halved);
 }
 
-kernels::PrefillAttnPlan StepPlan::prefill_attention(int rows) const {
-  return kernels::plan_attention_prefill(rows, num_heads, num_kv_heads, head_dim, sm_count, prefill_attn_kernel);
+kernels::PrefillAttnPlan StepPlan::prefill_attention(int rows, int prior) const {
+  return kernels::plan_attention_prefill(rows, num_heads, num_kv_heads, head_dim, sm_count, prefill_attn_kernel, prior);
 }
 
 StepPlan make_step_plan(const ModelSpec& s, int max_context, const PlanOptions& options) {

@@ -4,7 +4,8 @@
 // a block's 64 rows are (query token, head) pairs of ONE kv head, packed p = m * G + g, so any G in
 // 1..16 fills the tensor-core M dimension and reads each key once per 64 packed rows.
 // No split of the keys across blocks: one block per (query tile, kv head) walks every key its rows
-// see, so the kernel needs no scratch and nothing that grows with the context.
+// see, so the kernel needs no scratch and nothing that grows with the context (the wgmma kernel splits
+// them for a short chunk deep in a context, attention_prefill_sm90.cu).
 // Why this shape, its FLOPs and the predicted times: docs/design/attention_prefill.md.
 //
 // Contract of attention_prefill_kernel<D, KG>, grid (ceil(M * G / 64), Hkv) x 128 * KG threads,
@@ -19,6 +20,7 @@
 // Inside a block: warp w of key group k (KG groups of 4 warps) owns packed rows 16 w .. 16 w + 15
 // and the key tiles k, k + KG, k + 2 KG, ...; with KG = 2 the two groups' (m, l, O) meet in shared
 // memory at the end (one more warp per SM sub-partition when a chunk has fewer blocks than SMs).
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <type_traits>
@@ -307,11 +309,12 @@ bool attention_prefill_supported(int D, int group) {
 
 bool attention_prefill_wgmma_takes(int D) { return D == attention_prefill_wgmma_head_dim(); }
 
-PrefillAttnPlan plan_attention_prefill(int M, int H, int Hkv, int D, int sm_count, PrefillAttnKernel kernel) {
+PrefillAttnPlan plan_attention_prefill(int M, int H, int Hkv, int D, int sm_count, PrefillAttnKernel kernel,
+                                       int prior) {
   AF_CHECK(M >= 1 && H >= 1 && Hkv >= 1 && H % Hkv == 0, "plan_attention_prefill: M, H, Hkv >= 1, H a multiple of Hkv");
   AF_CHECK(H / Hkv <= kMaxPrefillGroup, "attention_prefill: at most 16 query heads per kv head");
   AF_CHECK(D == 64 || D == 80 || D == 96 || D == 128, "attention_prefill: head_dim must be 64, 80, 96 or 128");
-  AF_CHECK(sm_count >= 0, "plan_attention_prefill: sm_count must be >= 0");
+  AF_CHECK(sm_count >= 0 && prior >= 0, "plan_attention_prefill: sm_count and prior must be >= 0");
   AF_CHECK(kernel != PrefillAttnKernel::Wgmma || attention_prefill_wgmma_takes(D),
            "attention_prefill: the wgmma kernel takes head_dim 128");
   PrefillAttnPlan p{};
@@ -327,8 +330,13 @@ PrefillAttnPlan plan_attention_prefill(int M, int H, int Hkv, int D, int sm_coun
     p.key_groups = 1;
     p.threads = attention_prefill_wgmma_threads();
     p.smem = attention_prefill_wgmma_smem();
+    // The key tiles of the chunk's last block (its rows see every key), spread over the SMs its tiles leave.
+    const int blocks = p.tiles * Hkv, key_tiles = CEIL_DIV(prior + M, attention_prefill_wgmma_rows());
+    p.splits = std::max(
+        1, std::min({kPrefillAttnMaxSplits, key_tiles / kPrefillAttnSplitTiles, blocks > 0 ? sm_count / blocks : 1}));
     return p;
   }
+  p.splits = 1;
   p.tiles = CEIL_DIV(M * (H / Hkv), kPfRows);
   p.key_groups = pf_key_groups(p.tiles * Hkv, sm_count);
   p.threads = kPfGroupThreads * p.key_groups;
@@ -336,8 +344,19 @@ PrefillAttnPlan plan_attention_prefill(int M, int H, int Hkv, int D, int sm_coun
   return p;
 }
 
+size_t attention_prefill_scratch_bytes(const PrefillAttnPlan& p) {
+  return p.kernel == PrefillAttnKernel::Wgmma ? attention_prefill_wgmma_scratch(p.M, p.H, p.Hkv, p.splits) : 0;
+}
+
+size_t attention_prefill_scratch_max(int D, int sm_count) {
+  if (!attention_prefill_wgmma_takes(D)) return 0;
+  return static_cast<size_t>(sm_count) * attention_prefill_wgmma_rows() * (D + 2) * sizeof(float);
+}
+
 std::string attention_prefill_name(const PrefillAttnPlan& p) {
-  if (p.kernel == PrefillAttnKernel::Wgmma) return "attention_prefill_wgmma<D=" + std::to_string(p.D) + ">";
+  if (p.kernel == PrefillAttnKernel::Wgmma)
+    return "attention_prefill_wgmma<D=" + std::to_string(p.D) + ">" +
+           (p.splits > 1 ? " x " + std::to_string(p.splits) + " splits" : "");
   return "attention_prefill<D=" + std::to_string(p.D) + ", KG=" + std::to_string(p.key_groups) + ">";
 }
 
@@ -358,7 +377,7 @@ static void launch_prefill(const PrefillAttnPlan& plan, const bf16* q, const bf1
 
 void attention_prefill(const PrefillAttnPlan& plan, const bf16* q, const bf16* k_cache, const bf16* v_cache,
                        const int32_t* pos, int M, int H, int Hkv, int D, int max_context, float scale, bf16* out,
-                       cudaStream_t stream) {
+                       cudaStream_t stream, void* scratch) {
   AF_CHECK(plan.M == M && plan.H == H && plan.Hkv == Hkv && plan.D == D,
            "attention_prefill: the plan is not this call's (plan_attention_prefill(M, H, Hkv, D, sm_count))");
   AF_CHECK(M >= 1 && M <= max_context, "attention_prefill: need 1 <= M <= max_context");
@@ -368,7 +387,11 @@ void attention_prefill(const PrefillAttnPlan& plan, const bf16* q, const bf16* k
            "attention_prefill: q and the caches must be 16-byte aligned, out 4-byte aligned");
   const float q_scale = scale * 1.4426950408889634f;  // scores in log2 units: exp2f in the softmax
   if (plan.kernel == PrefillAttnKernel::Wgmma) {
-    attention_prefill_wgmma(plan.tiles, q, k_cache, v_cache, pos, M, H, Hkv, max_context, q_scale, out, stream);
+    AF_CHECK(
+        plan.splits == 1 || (scratch != nullptr && reinterpret_cast<uintptr_t>(scratch) % 16 == 0),
+        "attention_prefill: a plan with splits needs a 16-byte aligned scratch of attention_prefill_scratch_bytes");
+    attention_prefill_wgmma(plan.tiles, plan.splits, q, k_cache, v_cache, pos, M, H, Hkv, max_context, q_scale, out,
+                            static_cast<float*>(scratch), stream);
     return;
   }
   pf_for_head_dim(D, [&](auto d) {

@@ -1,21 +1,27 @@
 // Causal GQA attention of a prefill chunk on Hopper's warpgroup MMA (wgmma), head_dim 128: the
-// FlashAttention-3 arithmetic without its warp specialization. Two consumer warpgroups per block, each
-// owning 64 packed (query token, head) rows of ONE kv head (p = m * G + g, as attention_prefill.cu
-// packs them), share every 128-key K/V tile in shared memory. S = Q K^T reads Q and K from shared
+// FlashAttention-3 arithmetic without its warp specialization; a short chunk deep in a context splits its
+// keys over more blocks (flash-decoding's split and merge) where its own blocks would leave SMs idle. Two
+// consumer warpgroups per block, each owning 64 packed (query token, head) rows of ONE kv head (p = m * G + g, as
+// attention_prefill.cu packs them), share every 128-key K/V tile in shared memory. S = Q K^T reads Q and K from shared
 // memory (wgmma SS); P stays in registers as the A operand of O += P V (wgmma RS, V transposed by the
 // descriptor); the online softmax runs in the accumulators' registers and overlaps P V. K/V tiles land
 // through a 3-stage cp.async ring in the 128-byte-swizzled layout wgmma reads.
 // Why, the layout arithmetic and the measurements: docs/design/attention_prefill.md.
 //
-// Contract of attention_prefill_wgmma_kernel, grid (ceil(M * G / 128), Hkv) x 256 threads,
+// Contract of attention_prefill_wgmma_kernel, grid (ceil(M * G / 128), Hkv, splits) x 256 threads,
 // kWgSmem bytes of dynamic shared memory, built for sm_90a only:
 //  Inputs   q bf16 [M, H, 128] (rotated), caches bf16 [capacity, Hkv, 128] holding rows [0, *pos + M)
 //           (the chunk's own rows appended already), *pos in device memory. Query m (position *pos + m)
 //           attends to rows [0, *pos + m]. Rows at or past *pos + M are never read (the loader
 //           zero-fills them), so their contents do not matter.
 //  Before its PDL wait nothing: q, *pos and the chunk's cache rows come from the kernel before.
-//  Triggers its dependents (the o GEMM) after its key loop.
-//  Writes   out bf16 [M, H, 128], every element once; no scratch.
+//  Triggers its dependents (the o GEMM, or the merge) after its key loop.
+//  Writes   one split: out bf16 [M, H, 128], every element once. splits > 1: block z takes the z-th of
+//           `splits` equal runs of the key tiles its rows see and writes, for each of its packed rows p of
+//           kv head h, the unnormalized O (fp32 [128]) and (max in log2 units, sum) to the scratch at
+//           ((h * M * G + p) * splits + z) (O first, then the pairs); a run past its keys writes (max, 0).
+//           attention_prefill_merge_kernel (after it, PDL) then writes out from them. Nothing is kept in
+//           the scratch between calls.
 #include <cstdint>
 
 #include "atomflow/kernels.h"
@@ -182,7 +188,7 @@ __device__ __forceinline__ void wg_rescale(float (&o)[64], const float (&corr)[2
 // into the registers P(kt) held.
 __global__ void __launch_bounds__(kWgThreads, 1)
     attention_prefill_wgmma_kernel(const bf16* q, const bf16* k_cache, const bf16* v_cache, const int32_t* pos_ptr,
-                                   int M, int H, int Hkv, int capacity, float q_scale, bf16* out) {
+                                   int M, int H, int Hkv, int capacity, float q_scale, bf16* out, float* part) {
   constexpr int CH = kWgD / 8;  // 16-byte chunks per row
   constexpr int kLoads = kWgTileRows * CH / kWgThreads;
   constexpr int KP = kWgKeys / 16;  // k-steps of P V
@@ -198,6 +204,25 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   const PrefillBlock b = prefill_block<kWgTileRows>(pos_ptr, M, H, Hkv, capacity);  // after the PDL wait
   const int G = b.G, rows = b.rows, p0 = b.p0, h = b.h, pos = b.pos, n_keys = b.n_keys;
   const int n_kt = CEIL_DIV(n_keys, kWgKeys);
+  // This block's key tiles [kt0, kt1): split blockIdx.z of the n_kt its rows see (all of them unsplit).
+  const int splits = gridDim.z, z = blockIdx.z, per = CEIL_DIV(n_kt, splits);
+  const int kt0 = min(n_kt, z * per), kt1 = min(n_kt, kt0 + per);
+  const int r0 = wg * kWgRows + wq * 16 + g;  // this lane's first row (and r0 + 8)
+  // A split's partial of packed row p: O (unnormalized, fp32 [128]) at part_o(p), (max in log2 units, sum) at
+  // part_ml(p); the merge kernel's layout.
+  const size_t part_rows = static_cast<size_t>(Hkv) * rows * splits;
+  auto part_o = [&](int p) { return part + ((static_cast<size_t>(h) * rows + p) * splits + z) * kWgD; };
+  auto part_ml = [&](int p) {
+    return part + part_rows * kWgD + ((static_cast<size_t>(h) * rows + p) * splits + z) * 2;
+  };
+  if (kt0 >= kt1) {  // a split past the keys of this block's rows: an empty partial
+    for (int i = 0; i < 2; ++i) {
+      const int p = p0 + r0 + 8 * i;
+      if (c == 0 && p < rows) *reinterpret_cast<float2*>(part_ml(p)) = make_float2(kPfNegInit, 0.f);
+    }
+    pdl_launch_dependents();
+    return;
+  }
 
   // Q tile: packed row p = m * G + gh is q row (m, head h * G + gh); rows past M * G are zeros.
 #pragma unroll
@@ -248,10 +273,9 @@ __global__ void __launch_bounds__(kWgThreads, 1)
 
   // Causal limits (the last key each row sees): this lane's rows, its warp's lowest, and its
   // warpgroup's highest. Rows past M * G take the last row's limit: finite scores, never written.
-  const int r0 = wg * kWgRows + wq * 16 + g;
   auto limit = [&](int r) { return pos + min(p0 + r, rows - 1) / G; };
   WgRows st{limit(r0), limit(r0 + 8), limit(wg * kWgRows + wq * 16), {kPfNegInit, kPfNegInit}, {0.f, 0.f}};
-  const int wg_tiles = min(n_kt, limit(wg * kWgRows + kWgRows - 1) / kWgKeys + 1);  // tiles this warpgroup sees
+  const int wg_tiles = min(kt1, limit(wg * kWgRows + kWgRows - 1) / kWgKeys + 1);  // this warpgroup's end
 
   float o[64];
 #pragma unroll
@@ -259,18 +283,20 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   float s[64], corr[2];
 
   uint32_t p[KP][4];
-  load_kv(0);
-  if (n_kt > 1) load_kv(1);
-  landed(n_kt > 1);  // tile 0 (and Q)
-  wgmma_fence();
-  issue_s(s, 0);  // every row sees key 0: every warpgroup has tile 0
-  wgmma_wait<0>();
-  wg_fence_regs(s);
-  wg_softmax(s, 0, q_scale, c, st, corr);  // O is 0: no rescale
-  wg_pack_tile(s, st, p);
-  for (int kt = 0; kt < n_kt; ++kt) {
+  load_kv(kt0);
+  if (kt0 + 1 < kt1) load_kv(kt0 + 1);
+  landed(kt0 + 1 < kt1);  // tile kt0 (and Q)
+  if (kt0 < wg_tiles) {   // unsplit, every row sees key 0: every warpgroup has tile 0
+    wgmma_fence();
+    issue_s(s, kt0);
+    wgmma_wait<0>();
+    wg_fence_regs(s);
+    wg_softmax(s, kt0 * kWgKeys, q_scale, c, st, corr);  // O is 0: no rescale
+    wg_pack_tile(s, st, p);
+  }
+  for (int kt = kt0; kt < kt1; ++kt) {
     landed(false);  // tile kt + 1; and every warpgroup is past step kt - 1, so tile kt - 1's stage is free
-    if (kt + 2 < n_kt) load_kv(kt + 2);
+    if (kt + 2 < kt1) load_kv(kt + 2);
     if (kt + 1 < wg_tiles) {  // P(kt) in p: issue S(kt + 1), then P(kt) V(kt)
       wgmma_fence();
       issue_s(s, kt + 1);
@@ -294,7 +320,8 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   asm volatile("cp.async.wait_group 0;" ::: "memory");  // only empty groups can be pending
   pdl_launch_dependents();
 
-  // Out: row (m, head h * G + gh) of packed row p = m * G + gh; l > 0 (key 0 is seen by every row).
+  // Out: row (m, head h * G + gh) of packed row p = m * G + gh; l > 0 (key 0 is seen by every row). Split:
+  // the partial (a row that sees none of the split's keys has l = 0 and O = 0).
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     float l = st.l_run[i];
@@ -302,6 +329,14 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     l += __shfl_xor_sync(0xffffffffu, l, 2);
     const int p = p0 + r0 + 8 * i;
     if (p >= rows) continue;
+    if (splits > 1) {
+      float* const dst = part_o(p) + 2 * c;
+#pragma unroll
+      for (int j = 0; j < kWgD / 8; ++j)
+        *reinterpret_cast<float2*>(dst + 8 * j) = make_float2(o[4 * j + 2 * i], o[4 * j + 2 * i + 1]);
+      if (c == 0) *reinterpret_cast<float2*>(part_ml(p)) = make_float2(st.m_run[i], l);
+      continue;
+    }
     const int m = p / G, gh = p % G;
     bf16* const dst = out + (static_cast<size_t>(m) * H + h * G + gh) * kWgD + 2 * c;
     const float inv_l = 1.f / l;
@@ -310,6 +345,46 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       *reinterpret_cast<__nv_bfloat162*>(dst + 8 * j) =
           __floats2bfloat162_rn(o[4 * j + 2 * i] * inv_l, o[4 * j + 2 * i + 1] * inv_l);
   }
+}
+
+// The splits' partials of each packed row into its output row: one warp per (kv head, packed row), lane s
+// reads split s's (max, sum), lane t sums columns 4 t .. 4 t + 3 of O over the splits weighted by
+// 2^(max_s - max); splits whose sum is 0 (no key of the row) are skipped. Grid ceil(Hkv * rows / 8) x 256.
+__global__ void __launch_bounds__(256)
+    attention_prefill_merge_kernel(const float* part, int rows, int H, int Hkv, int splits, bf16* out) {
+  pdl_wait();  // the partials are the previous kernel's
+  pdl_launch_dependents();
+  const int warp = blockIdx.x * 8 + threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (warp >= Hkv * rows) return;
+  const int h = warp / rows, p = warp % rows, G = H / Hkv;
+  const float* const o = part + static_cast<size_t>(warp) * splits * kWgD + 4 * lane;
+  const float2 ml = lane < splits
+                        ? __ldcg(reinterpret_cast<const float2*>(
+                              part + static_cast<size_t>(Hkv) * rows * splits * kWgD + (warp * splits + lane) * 2))
+                        : make_float2(kPfNegInit, 0.f);
+  float mx = ml.y > 0.f ? ml.x : kPfNegInit;
+#pragma unroll
+  for (int d = 16; d > 0; d /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, d));
+  const float w = ml.y > 0.f ? pf_exp2(ml.x - mx) : 0.f;
+  float l = w * ml.y;
+#pragma unroll
+  for (int d = 16; d > 0; d /= 2) l += __shfl_xor_sync(0xffffffffu, l, d);
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int s = 0; s < splits; ++s) {
+    const float ws = __shfl_sync(0xffffffffu, w, s);
+    if (ws == 0.f) continue;
+    const float4 v = __ldcg(reinterpret_cast<const float4*>(o + static_cast<size_t>(s) * kWgD));
+    acc.x = fmaf(ws, v.x, acc.x);
+    acc.y = fmaf(ws, v.y, acc.y);
+    acc.z = fmaf(ws, v.z, acc.z);
+    acc.w = fmaf(ws, v.w, acc.w);
+  }
+  const float inv_l = 1.f / l;  // split 0 holds key 0, which every row sees: l > 0
+  const int m = p / G, gh = p % G;
+  __nv_bfloat162* const dst =
+      reinterpret_cast<__nv_bfloat162*>(out + (static_cast<size_t>(m) * H + h * G + gh) * kWgD + 4 * lane);
+  dst[0] = __floats2bfloat162_rn(acc.x * inv_l, acc.y * inv_l);
+  dst[1] = __floats2bfloat162_rn(acc.z * inv_l, acc.w * inv_l);
 }
 
 constexpr size_t kWgSmem = static_cast<size_t>(kWgTile) * (1 + 2 * kWgStages) + 1024;  // + the alignment
@@ -323,16 +398,27 @@ int attention_prefill_wgmma_rows() { return kWgTileRows; }
 int attention_prefill_wgmma_threads() { return kWgThreads; }
 size_t attention_prefill_wgmma_smem() { return kWgSmem; }
 
-void attention_prefill_wgmma(int tiles, const bf16* q, const bf16* k_cache, const bf16* v_cache, const int32_t* pos,
-                             int M, int H, int Hkv, int max_context, float q_scale, bf16* out, cudaStream_t stream) {
+size_t attention_prefill_wgmma_scratch(int M, int H, int Hkv, int splits) {
+  return splits > 1 ? static_cast<size_t>(M) * H * splits * (kWgD + 2) * sizeof(float) : 0;
+}
+
+void attention_prefill_wgmma(int tiles, int splits, const bf16* q, const bf16* k_cache, const bf16* v_cache,
+                             const int32_t* pos, int M, int H, int Hkv, int max_context, float q_scale, bf16* out,
+                             float* scratch, cudaStream_t stream) {
   static const bool configured = [] {
     AF_CUDA_CHECK(cudaFuncSetAttribute(attention_prefill_wgmma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        static_cast<int>(kWgSmem)));
     return true;
   }();
   (void)configured;
-  af_launch(attention_prefill_wgmma_kernel, dim3(tiles, Hkv), dim3(kWgThreads), kWgSmem, stream, q, k_cache, v_cache,
-            pos, M, H, Hkv, max_context, q_scale, out);
+  AF_CHECK(splits >= 1 && splits <= 65535, "attention_prefill_wgmma: splits out of range");
+  af_launch(attention_prefill_wgmma_kernel, dim3(tiles, Hkv, splits), dim3(kWgThreads), kWgSmem, stream, q, k_cache,
+            v_cache, pos, M, H, Hkv, max_context, q_scale, out, scratch);
+  if (splits > 1) {
+    const int rows = M * (H / Hkv);
+    af_launch(attention_prefill_merge_kernel, dim3(CEIL_DIV(Hkv * rows, 8)), dim3(256), 0, stream,
+              static_cast<const float*>(scratch), rows, H, Hkv, splits, out);
+  }
 }
 
 }  // namespace atomflow::kernels

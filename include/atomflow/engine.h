@@ -188,6 +188,7 @@ class Engine {
     float* logits;
     int32_t* ids;
     void* attn_scratch;
+    void* attn_prefill_scratch;  // the prefill attention's split partials (null: no wgmma prefill attention)
     void* sample_scratch;
     unsigned* gemv_tickets;  // the gate/up GEMV's counters (kernels.h), zeroed at load
     float* norm_ss;          // a skinny chunk's split RMSNorm: the products' sums of squares (kernels.h)
@@ -203,7 +204,7 @@ class Engine {
   };
 
   // forward.cu: the launches, enqueued on stream_ (graph-capturable: no sync, no allocation).
-  void enqueue_layers(int rows, int attn_keys);
+  void enqueue_layers(int rows, int attn_keys, int prior = 0);
   // scales_gn: the scales transposed for the sm90 GEMM (LayerPtrs), or null.
   // norm_in: a skinny chunk's split RMSNorm (StepPlan::skinny_norm): buf_.xn holds bf16(x * norm) and the
   // product normalizes its sums (kernels.h, SkinnyNormIn), no rmsnorm launch.

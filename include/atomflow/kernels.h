@@ -444,7 +444,10 @@ void attention_qkv(const AttnPlan& plan, const AttnQkvIn& in, bf16* k_cache, bf1
 // tokens, on tensor cores. Query m (at position *pos + m) attends to cache rows [0, *pos + m]; rows at
 // or past *pos + M are never read. q bf16 [M, H, D] (rotated), caches bf16 [max_context, Hkv, D], out
 // bf16 [M, H, D]. One block per (tile of packed (query token, head) rows of one kv head, kv head) walks
-// all the keys its rows see: no split, no scratch, nothing that grows with the context. Two kernels:
+// all the keys its rows see; where those blocks leave most SMs idle deep in a context (a short chunk after a
+// long prompt), the Wgmma kernel splits each block's keys over `splits` blocks that write unnormalized
+// partials to a scratch, merged by a second kernel (its size: attention_prefill_scratch_bytes, bounded by the
+// SMs, never by the context). Two kernels:
 //  - Mma (attention_prefill.cu, FlashAttention-2 style: mma.sync bf16, fp32 accumulation, online
 //    softmax in registers): tiles of 64 rows; D in {64, 80, 96, 128};
 //  - Wgmma (attention_prefill_sm90.cu, warpgroup MMA on sm_90a): tiles of 128 rows, two warpgroups
@@ -460,20 +463,29 @@ struct PrefillAttnPlan {
   int key_groups;            // Mma: groups of 4 warps per block, each taking every key_groups-th key tile (1 or 2)
   int threads;               // Mma: 128 * key_groups; Wgmma: 256
   size_t smem;               // dynamic shared memory per block
+  int splits;                // Wgmma: blocks per (tile, kv head) sharing its key tiles (grid.z); 1: no scratch
 };
 // sm_count: the SMs of the GPU that runs it (the step plan's); it picks the Mma kernel's key groups
-// (0: one group).
+// (0: one group) and the Wgmma kernel's splits. prior: the keys cached before the chunk (the chunk's first
+// position), which the splits follow: kPrefillAttnMaxSplits at most, at least kPrefillAttnSplitTiles key tiles
+// a split, tiles x Hkv x splits <= sm_count (docs/design/attention_prefill.md, "Splits").
+constexpr int kPrefillAttnMaxSplits = 32, kPrefillAttnSplitTiles = 2;
 PrefillAttnPlan plan_attention_prefill(int M, int H, int Hkv, int D, int sm_count,
-                                       PrefillAttnKernel kernel = PrefillAttnKernel::Auto);
+                                       PrefillAttnKernel kernel = PrefillAttnKernel::Auto, int prior = 0);
+// The scratch a plan's partials take (0 without splits): fp32 O, max and sum per packed row and split; and
+// the most any chunk's plan takes on sm_count SMs (the splits fill at most the SMs' blocks of 128 rows).
+size_t attention_prefill_scratch_bytes(const PrefillAttnPlan& plan);
+size_t attention_prefill_scratch_max(int D, int sm_count);
 // Whether attention_prefill is built for this head_dim and query heads per KV head; whether its Wgmma
 // kernel takes this head_dim (Auto's rule).
 bool attention_prefill_supported(int D, int group);
 bool attention_prefill_wgmma_takes(int D);
 // "attention_prefill<D=128, KG=2>" or "attention_prefill_wgmma<D=128>"
 std::string attention_prefill_name(const PrefillAttnPlan& plan);
+// scratch: attention_prefill_scratch_bytes(plan) bytes (may be null when that is 0); no state is kept in it.
 void attention_prefill(const PrefillAttnPlan& plan, const bf16* q, const bf16* k_cache, const bf16* v_cache,
                        const int32_t* pos, int M, int H, int Hkv, int D, int max_context, float scale, bf16* out,
-                       cudaStream_t stream);
+                       cudaStream_t stream, void* scratch = nullptr);
 
 // ---------------------------------------------------------------------------------------
 // Paged and batched decode attention (the sandbox, docs/SANDBOX.md): the same kernel as

@@ -209,7 +209,8 @@ struct StepPlan {
   kernels::AttnPlan probe_attention(int attn_keys) const;
   // Whether a chunk of `rows` query tokens runs attention_prefill, and its plan when it does.
   bool prefill_on_tensor_cores(int rows) const { return rows >= prefill_attn_min_rows; }
-  kernels::PrefillAttnPlan prefill_attention(int rows) const;
+  // prior: the chunk's first position (its key tiles set the splits, kernels.h).
+  kernels::PrefillAttnPlan prefill_attention(int rows, int prior = 0) const;
 };
 
 // Needs the GPU that will run the engine as the current device.

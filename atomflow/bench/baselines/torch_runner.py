@@ -357,6 +357,9 @@ def run_torch_baseline(
     try:
         for test in opts.tests:
             log(f"{name}: {test.name}")
+            if test.kind == "pp" and test.depth:
+                rows.append(skipped_row(name, test, "a prompt after cached tokens is not run by this baseline"))
+                continue
             ids = (
                 torch.from_numpy(prompt_ids(spec.vocab_size, max(test.n_prompt, test.depth + 1), opts.seed))
                 .long()
