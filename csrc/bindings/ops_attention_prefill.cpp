@@ -19,10 +19,15 @@ using atomflow::median_us;
 
 // The plan on this GPU for a chunk after `prior` cached keys; kernel "auto" | "mma" | "wgmma" and key_groups 1 or
 // 2 (the mma kernel's) override the plan's kernel, splits (the wgmma kernel's, >= 1) its splits.
+// sm_count: the plan for a GPU of that many SMs (None: this one's).
 k::PrefillAttnPlan prefill_plan(int M, int H, int Hkv, int D, const py::object& key_groups, const std::string& kernel,
-                                int prior, const py::object& splits) {
+                                int prior, const py::object& splits, const py::object& sm_count = py::none()) {
   int sms = 0;
-  AF_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  if (sm_count.is_none())
+    AF_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  else
+    sms = sm_count.cast<int>();
+  require(sms >= 1, "sm_count must be >= 1");
   require(kernel == "auto" || kernel == "mma" || kernel == "wgmma", "kernel must be 'auto', 'mma' or 'wgmma'");
   // key_groups is the Mma kernel's: given, it picks that kernel.
   const k::PrefillAttnKernel kind = kernel == "mma" || (kernel == "auto" && !key_groups.is_none())
@@ -59,8 +64,8 @@ py::array_t<uint16_t> attention_prefill(const py::array& q_, const py::array& k_
 }
 
 py::dict attention_prefill_plan(int M, int H, int Hkv, int D, const py::object& key_groups, const std::string& kernel,
-                                int prior) {
-  const k::PrefillAttnPlan p = prefill_plan(M, H, Hkv, D, key_groups, kernel, prior, py::none());
+                                int prior, const py::object& sm_count) {
+  const k::PrefillAttnPlan p = prefill_plan(M, H, Hkv, D, key_groups, kernel, prior, py::none(), sm_count);
   py::dict d;
   d["kernel"] = k::attention_prefill_name(p);
   d["tiles"] = p.tiles;
@@ -105,7 +110,17 @@ void register_attention_prefill(py::module_& m) {
         "splits (wgmma; the scratch comes poisoned) override the plan's");
   m.def("attention_prefill_plan", &attention_prefill_plan, py::arg("M"), py::arg("H"), py::arg("Hkv"), py::arg("D"),
         py::arg("key_groups") = py::none(), py::arg("kernel") = "auto", py::arg("prior") = 0,
-        "the launch plan of attention_prefill for this shape after `prior` cached keys on this GPU");
+        py::arg("sm_count") = py::none(),
+        "the launch plan of attention_prefill for this shape after `prior` cached keys on this GPU (or one of "
+        "sm_count SMs: no GPU needed)");
+  m.def(
+      "attention_prefill_scratch_max",
+      [](int D, int sm_count) {
+        require(sm_count >= 1, "sm_count must be >= 1");
+        return k::attention_prefill_scratch_max(D, sm_count);
+      },
+      py::arg("D"), py::arg("sm_count"),
+      "the scratch bytes the engine reserves for the prefill attention's split partials (kernels.h)");
   m.def("time_attention_prefill", &time_attention_prefill, py::arg("M"), py::arg("prior"), py::arg("H"), py::arg("Hkv"),
         py::arg("D"), py::arg("iters") = 20, py::arg("key_groups") = py::none(), py::arg("kernel") = "auto",
         py::arg("splits") = py::none(),
