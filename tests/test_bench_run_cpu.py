@@ -21,9 +21,11 @@ def test_engine_tests_on_cpu(tiny_model_file):
     opts = make_options(str(tiny_model_file), n_prompt="8", n_gen="4", context="6", repetitions="2")
     eng = Engine.load(tiny_model_file, backend="cpu", max_context=opts.max_context)
     rows = {r["test"]: r for r in run_engine_tests(eng, opts, 100.0, lambda m: None)}
-    assert set(rows) == {"pp8", "tg4", "tg4@d6"}
+    assert set(rows) == {"pp8", "tg4", "pp8@d6", "tg4@d6"}
     assert all(r["status"] == "ok" and r["tokens_per_s_avg"] > 0 for r in rows.values())
-    assert len(rows["pp8"]["samples"]["ttft_ms"]) == 2 and rows["pp8"]["tpot_ms_p50"] is None
+    for name in ("pp8", "pp8@d6"):  # the second after 6 cached tokens, reused as the prompt's prefix
+        assert len(rows[name]["samples"]["ttft_ms"]) == 2 and rows[name]["tpot_ms_p50"] is None
+    assert rows["pp8@d6"]["depth"] == 6
     assert [len(g) for g in rows["tg4@d6"]["samples"]["tpot_ms"]] == [3, 3]
     assert rows["tg4@d6"]["bytes_per_token"] - rows["tg4"]["bytes_per_token"] == pytest.approx(6 * eng.spec.kv_bytes_per_token())
     assert eng.position == 0
