@@ -423,8 +423,9 @@ def test_vllm_runner_with_a_fake_vllm(tiny_hf_dir, monkeypatch):
     clock = [100.0]
     monkeypatch.setattr(vllm_runner, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=LLM, SamplingParams=SamplingParams))
-    opts = make_options("m", n_prompt="16", n_gen="5", repetitions="2")
+    opts = make_options("m", n_prompt="16", n_gen="5", context="8", repetitions="2")
     rows = {r["test"]: r for r in baselines.run("vllm", tiny_hf_dir, opts, 1000.0, lambda m: None)}
+    assert rows["pp16@d8"]["status"] == "skipped" and "after cached tokens" in rows["pp16@d8"]["reason"]
     assert made["enable_prefix_caching"] is False and made["dtype"] == "bfloat16"
     assert made["max_model_len"] >= opts.max_context
     assert rows["pp16"]["status"] == "ok" and len(rows["pp16"]["samples"]["ttft_ms"]) == 2
