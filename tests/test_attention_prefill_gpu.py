@@ -100,6 +100,13 @@ def test_prefill_attention_splits(rng, splits, M, pos, Hkv, G):
     check_prefill(rng, M, pos, Hkv, G, 128, kernel="wgmma", splits=splits)
 
 
+def test_prefill_attention_splits_past_a_warp_are_refused():
+    """The merge reads one split a lane: a forced count past 32 is refused before any launch."""
+    z = lambda *s: np.zeros(s, np.uint16)  # noqa: E731
+    with pytest.raises(ValueError, match="splits must be in 1..32"):
+        ops.attention_prefill(z(4, 2, 128), z(8, 1, 128), z(8, 1, 128), 0, kernel="wgmma", splits=33)
+
+
 def test_prefill_attention_split_plan(rng):
     """A short chunk deep in the context splits its keys over the SMs its blocks leave idle; a long one, or
     one at the start, does not (and needs no scratch)."""

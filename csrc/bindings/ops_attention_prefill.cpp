@@ -44,7 +44,8 @@ k::PrefillAttnPlan prefill_plan(int M, int H, int Hkv, int D, const py::object& 
   if (!splits.is_none()) {
     const int n = splits.cast<int>();
     require(p.kernel == k::PrefillAttnKernel::Wgmma, "splits is the wgmma kernel's");
-    require(n >= 1 && n <= 65535, "splits must be in 1..65535");
+    require(n >= 1 && n <= k::kPrefillAttnMaxSplits,
+            "splits must be in 1.." + std::to_string(k::kPrefillAttnMaxSplits));
     p.splits = n;
   }
   return p;

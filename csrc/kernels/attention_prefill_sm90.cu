@@ -411,7 +411,9 @@ void attention_prefill_wgmma(int tiles, int splits, const bf16* q, const bf16* k
     return true;
   }();
   (void)configured;
-  AF_CHECK(splits >= 1 && splits <= 65535, "attention_prefill_wgmma: splits out of range");
+  // The merge reads one split a lane: at most a warp's.
+  AF_CHECK(splits >= 1 && splits <= kPrefillAttnMaxSplits && kPrefillAttnMaxSplits <= 32,
+           "attention_prefill_wgmma: splits must be in 1..kPrefillAttnMaxSplits");
   af_launch(attention_prefill_wgmma_kernel, dim3(tiles, Hkv, splits), dim3(kWgThreads), kWgSmem, stream, q, k_cache,
             v_cache, pos, M, H, Hkv, max_context, q_scale, out, scratch);
   if (splits > 1) {
