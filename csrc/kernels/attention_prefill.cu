@@ -345,7 +345,7 @@ PrefillAttnPlan plan_attention_prefill(int M, int H, int Hkv, int D, int sm_coun
 }
 
 size_t attention_prefill_scratch_bytes(const PrefillAttnPlan& p) {
-  return p.kernel == PrefillAttnKernel::Wgmma ? attention_prefill_wgmma_scratch(p.M, p.H, p.Hkv, p.splits) : 0;
+  return p.kernel == PrefillAttnKernel::Wgmma ? attention_prefill_wgmma_scratch(p.M, p.H, p.splits) : 0;
 }
 
 size_t attention_prefill_scratch_max(int D, int sm_count) {

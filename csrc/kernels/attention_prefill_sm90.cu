@@ -398,7 +398,7 @@ int attention_prefill_wgmma_rows() { return kWgTileRows; }
 int attention_prefill_wgmma_threads() { return kWgThreads; }
 size_t attention_prefill_wgmma_smem() { return kWgSmem; }
 
-size_t attention_prefill_wgmma_scratch(int M, int H, int Hkv, int splits) {
+size_t attention_prefill_wgmma_scratch(int M, int H, int splits) {
   return splits > 1 ? static_cast<size_t>(M) * H * splits * (kWgD + 2) * sizeof(float) : 0;
 }
 

@@ -13,7 +13,7 @@ int attention_prefill_wgmma_rows();      // packed rows per block (grid.x = ceil
 int attention_prefill_wgmma_threads();   // threads per block
 size_t attention_prefill_wgmma_smem();   // dynamic shared memory per block
 // Scratch bytes of the partials of `splits` blocks per tile (0 for one).
-size_t attention_prefill_wgmma_scratch(int M, int H, int Hkv, int splits);
+size_t attention_prefill_wgmma_scratch(int M, int H, int splits);
 // q_scale: the softmax scale times log2(e). Grid (tiles, Hkv, splits); with splits > 1 the partials go to
 // scratch and a merge kernel writes out.
 void attention_prefill_wgmma(int tiles, int splits, const bf16* q, const bf16* k_cache, const bf16* v_cache,
