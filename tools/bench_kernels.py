@@ -258,18 +258,28 @@ def main(argv=None) -> int:
             for M in [32, 64, 128, 256, 512, 1024, 2048, 4096]:  # 2048 / 4096: the plan's prompt chunks
                 for prior in [0, 4096, 16384] + ([32768] if M >= 1024 else []):
                     flops = 4 * H * D * (M * prior + M * (M + 1) // 2)
-                    plan = ops.attention_prefill_plan(M, H, Hkv, D)["kernel"]
+                    planned = ops.attention_prefill_plan(M, H, Hkv, D, prior=prior)
+                    plan, splits = planned["kernel"], planned["splits"]
                     us = {k: ops.time_attention_prefill(M, prior, H, Hkv, D, iters=iters, kernel=k) for k in prefill_kernels}
                     cells = []
                     for k in ("wgmma", "mma"):
                         cells += [f"{us[k]:.1f}", f"{flops / us[k] / 1e6:.0f}"] if k in us else ["", ""]
                     ratio = f"{us['mma'] / us['wgmma']:.2f}x" if len(us) == 2 else ""
-                    rows.append([name, str(M), str(prior), *cells, ratio, "wgmma" if "wgmma" in plan else "mma"])
+                    kind = ("wgmma" if "wgmma" in plan else "mma") + (f" x {splits}" if splits > 1 else "")
+                    rows.append([name, str(M), str(prior), *cells, ratio, kind])
                     results["attention_prefill"].append(
-                        dict(model=name, M=M, prior=prior, flops=flops, plan=plan, **{f"us_{k}": v for k, v in us.items()})
+                        dict(
+                            model=name,
+                            M=M,
+                            prior=prior,
+                            flops=flops,
+                            plan=plan,
+                            splits=splits,
+                            **{f"us_{k}": v for k, v in us.items()},
+                        )
                     )
         table(
-            "prefill attention (one chunk, one layer): wgmma against mma.sync, and the plan's kernel",
+            "prefill attention (one chunk, one layer): wgmma against mma.sync, and the plan's kernel (x its key splits)",
             ["model", "M", "prior", "us (wgmma)", "TFLOP/s", "us (mma)", "TFLOP/s", "mma / wgmma", "plan"],
             rows,
         )
