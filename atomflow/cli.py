@@ -110,6 +110,8 @@ def _print_plan(p: dict) -> None:
     elif pre:
         chunks = "; ".join(f"{c['rows']} rows: {c['kernel']}, {c['blocks']} blocks of {c['warps']} warps" for c in pre["chunks"])
         print(f"  prefill attention on tensor cores for chunks of >= {pre['min_rows']} rows ({chunks})")
+        if pre.get("deep_prior") is not None:
+            print(f"  ... and for a prompt's chunks of >= 2 rows after >= {pre['deep_prior']} cached keys (keys split)")
 
 
 def _table(head: tuple, rows: list[tuple]) -> None:

@@ -108,19 +108,25 @@ def test_prefill_attention_splits_past_a_warp_are_refused():
 
 
 def test_prefill_attention_split_plan(rng):
-    """A short chunk deep in the context splits its keys over the SMs its blocks leave idle; a long one, or
-    one at the start, does not (and needs no scratch)."""
+    """A short chunk deep in the context splits its keys over the SMs its blocks leave idle, a chunk whose
+    blocks leave a partial wave into fuller waves; a long one, or one at the start, does not (and needs no
+    scratch). The rule itself: tests/test_attention_prefill_plan.py."""
     from atomflow import _core
 
     sms = _core.device_info()["sm_count"]
     deep = ops.attention_prefill_plan(32, 24, 8, 128, prior=4096)  # 8 blocks over 33 key tiles
-    assert deep["splits"] == max(1, min(32, 33 // 2, sms // 8)) >= 2
+    assert deep == ops.attention_prefill_plan(32, 24, 8, 128, prior=4096, sm_count=sms) and deep["splits"] >= 2
     assert deep["kernel"] == f"attention_prefill_wgmma<D=128> x {deep['splits']} splits"
     assert deep["scratch_bytes"] == 32 * 24 * deep["splits"] * (128 + 2) * 4
     for M, prior in [(32, 0), (4096, 4096), (512, 0)]:
         p = ops.attention_prefill_plan(M, 24, 8, 128, prior=prior)
         assert p["splits"] == 1 and p["scratch_bytes"] == 0, (M, prior, p)
     check_prefill(rng, 32, 4096, 8, 3, 128)  # the plan's splits through the default path
+    check_prefill(rng, 8, 1000, 8, 3, 128)  # a short chunk's
+    wide = ops.attention_prefill_plan(512, 24, 8, 128, prior=4096)  # 96 blocks: four splits on 132 SMs
+    if sms == 132:
+        assert wide["splits"] == 4
+    check_prefill(rng, 512, 4096, 8, 3, 128)
 
 
 def test_prefill_attention_kernels_agree(rng):
@@ -197,7 +203,7 @@ def test_prefill_attention_rejects_unsupported():
 # ----------------------------------------------------------------------------- the engine's prefill
 
 
-def _engine_case(model, ids, split, max_context, prefill_chunk=None):
+def _engine_case(model, ids, split, max_context, prefill_chunk=None, check_plan=None):
     """Prefill ids (in calls cut at `split`) on the numpy reference and the CUDA engine; the last
     row's logits must agree after each call, then two decode steps."""
     from atomflow import _core
@@ -211,6 +217,8 @@ def _engine_case(model, ids, split, max_context, prefill_chunk=None):
     try:
         plan = eng.step_plan["prefill_attention"]
         assert 2 <= plan["min_rows"] <= 256  # the default chunks run on tensor cores
+        if check_plan is not None:
+            check_plan(eng.step_plan)
         start = 0
         for end in [*split, len(ids)]:
             part = ids[start:end]
@@ -266,7 +274,13 @@ def test_engine_prefill_chunk_edges(tiny, n, split):
 
 
 def test_engine_prefill_small_chunks_keep_decode_kernel(tiny):
-    _engine_case(tiny, _prompt(100, tiny.spec.vocab_size, 5), [], 256, prefill_chunk=7)
+    """head_dim 64 (the mma.sync kernel, no key splits): chunks under the threshold keep the decode kernel at
+    any depth."""
+
+    def no_deep(plan):
+        assert plan["prefill_attention"]["deep_prior"] is None
+
+    _engine_case(tiny, _prompt(100, tiny.spec.vocab_size, 5), [], 256, prefill_chunk=7, check_plan=no_deep)
 
 
 def test_engine_prefill_past_8192(tiny):
@@ -279,3 +293,15 @@ def test_engine_prefill_past_8192(tiny):
 def test_engine_prefill_head_dim_128(d128, n, split):
     """The wgmma kernel in the engine; the chunks of 292 rows at 8000 and 52 at 2048 split their keys."""
     _engine_case(d128, _prompt(n, d128.spec.vocab_size, 2), split, 8448)
+
+
+def test_engine_prefill_short_chunks_deep_in_a_context(d128):
+    """Prompt chunks of 7 rows (and a tail of 3) after 64 or more cached keys take the wgmma kernel with its
+    keys split (StepPlan::prefill_attn_deep_prior); the first chunks, and a verify's rows, the decode kernel."""
+    from atomflow import _core
+
+    def deep(plan):
+        if _core.device_info()["capability"][0] == 9:  # the wgmma kernel's splits
+            assert plan["prefill_attention"]["deep_prior"] == 64
+
+    _engine_case(d128, _prompt(3000, d128.spec.vocab_size, 4), [2000, 2990], 4096, prefill_chunk=7, check_plan=deep)

@@ -108,6 +108,9 @@ py::dict plan_to_dict(const StepPlan& p) {
   py::dict pre;
   const bool tc = p.prefill_attn_min_rows < StepPlan::kNever;
   pre["min_rows"] = tc ? py::object(py::int_(p.prefill_attn_min_rows)) : py::object(py::none());
+  // and prompt chunks of 2 rows or more after deep_prior cached keys (None: never)
+  pre["deep_prior"] = p.prefill_attn_deep_prior < StepPlan::kNever ? py::object(py::int_(p.prefill_attn_deep_prior))
+                                                                   : py::object(py::none());
   py::list chunks;
   for (int rows : tc ? std::vector<int>{p.prefill_attn_min_rows, 256, p.prefill_chunk} : std::vector<int>{}) {
     const kernels::PrefillAttnPlan a = p.prefill_attention(rows);

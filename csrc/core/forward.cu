@@ -109,9 +109,9 @@ void Engine::enqueue_layers(int rows, int attn_keys, int prior) {
   const kernels::SkinnyNormIn after_norm{buf_.norm_ss, kernels::skinny_norm_parts(d), d, s.rms_norm_eps};
   bf16* const xw = reinterpret_cast<bf16*>(buf_.xn);  // a split RMSNorm's x: bf16(x * w), where xn was
   // A decode step's attention grid is the plan's for attn_keys; a prefill chunk's is planned for its
-  // M: on tensor cores from the plan's threshold of rows on, else the decode kernel with the plan's
-  // options.
-  const bool tc_attn = rows > 1 && plan.prefill_on_tensor_cores(rows);
+  // M and prior: on tensor cores from the plan's threshold of rows on (or deep in a context: a prompt's
+  // chunk, not a verify's), else the decode kernel with the plan's options.
+  const bool tc_attn = rows > 1 && plan.prefill_on_tensor_cores(rows, prior, step_rows_);
   kernels::AttnPlan attn_plan{};
   kernels::PrefillAttnPlan prefill_plan{};
   if (rows == 1)

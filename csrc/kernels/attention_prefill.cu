@@ -330,10 +330,18 @@ PrefillAttnPlan plan_attention_prefill(int M, int H, int Hkv, int D, int sm_coun
     p.key_groups = 1;
     p.threads = attention_prefill_wgmma_threads();
     p.smem = attention_prefill_wgmma_smem();
-    // The key tiles of the chunk's last block (its rows see every key), spread over the SMs its tiles leave.
+    // The key tiles of the chunk's last block (its rows see every key), split where that costs less.
     const int blocks = p.tiles * Hkv, key_tiles = CEIL_DIV(prior + M, attention_prefill_wgmma_rows());
-    p.splits = std::max(
-        1, std::min({kPrefillAttnMaxSplits, key_tiles / kPrefillAttnSplitTiles, blocks > 0 ? sm_count / blocks : 1}));
+    p.splits = 1;
+    if (sm_count > 0) {
+      long long best = prefill_attn_split_cost(blocks, key_tiles, 1, sm_count);
+      for (int s = 2; s <= kPrefillAttnMaxSplits && s * kPrefillAttnSplitTiles <= key_tiles &&
+                      static_cast<long long>(blocks) * s <= static_cast<long long>(kPrefillAttnSplitWaves) * sm_count;
+           ++s) {
+        const long long c = prefill_attn_split_cost(blocks, key_tiles, s, sm_count);
+        if (c < best) best = c, p.splits = s;
+      }
+    }
     return p;
   }
   p.splits = 1;
@@ -350,7 +358,8 @@ size_t attention_prefill_scratch_bytes(const PrefillAttnPlan& p) {
 
 size_t attention_prefill_scratch_max(int D, int sm_count) {
   if (!attention_prefill_wgmma_takes(D)) return 0;
-  return static_cast<size_t>(sm_count) * attention_prefill_wgmma_rows() * (D + 2) * sizeof(float);
+  return static_cast<size_t>(kPrefillAttnSplitWaves) * sm_count * attention_prefill_wgmma_rows() * (D + 2) *
+         sizeof(float);
 }
 
 std::string attention_prefill_name(const PrefillAttnPlan& p) {

@@ -467,13 +467,26 @@ struct PrefillAttnPlan {
 };
 // sm_count: the SMs of the GPU that runs it (the step plan's); it picks the Mma kernel's key groups
 // (0: one group) and the Wgmma kernel's splits. prior: the keys cached before the chunk (the chunk's first
-// position), which the splits follow: kPrefillAttnMaxSplits at most, at least kPrefillAttnSplitTiles key tiles
-// a split, tiles x Hkv x splits <= sm_count (docs/design/attention_prefill.md, "Splits").
-constexpr int kPrefillAttnMaxSplits = 32, kPrefillAttnSplitTiles = 2;
+// position), which the splits follow: of 1..kPrefillAttnMaxSplits with at least kPrefillAttnSplitTiles key
+// tiles a split and tiles x Hkv x splits <= kPrefillAttnSplitWaves x sm_count, the fewest of the least cost
+// prefill_attn_split_cost (docs/design/attention_prefill.md, "Splits").
+constexpr int kPrefillAttnMaxSplits = 32, kPrefillAttnSplitTiles = 2, kPrefillAttnSplitWaves = 4;
+// The cost of `splits` splits of `blocks` blocks whose longest walks `key_tiles` key tiles, in units of
+// 1 / (2 sm_count) of one block's pass over a key tile: the waves of split blocks, each walking its run of
+// tiles and writing its partials (one tile's time), the merge reading a partial of every split block (one
+// tile's time a split block, spread over the SMs) and its launch (half a tile). Fitted to the 3B and 8B
+// shapes' splits on an H200 (132 SMs; 64..1024 rows after 512..16384 keys): the pick is within 3.5% of the
+// fastest measured split count but at two of 56 points (7% and 10%).
+constexpr long long prefill_attn_split_cost(int blocks, int key_tiles, int splits, int sm_count) {
+  const long long waves = (static_cast<long long>(blocks) * splits + sm_count - 1) / sm_count;
+  const long long run = (key_tiles + splits - 1) / splits;
+  if (splits == 1) return 2LL * sm_count * waves * run;
+  return 2LL * sm_count * waves * (run + 1) + 2LL * splits * blocks + sm_count;
+}
 PrefillAttnPlan plan_attention_prefill(int M, int H, int Hkv, int D, int sm_count,
                                        PrefillAttnKernel kernel = PrefillAttnKernel::Auto, int prior = 0);
 // The scratch a plan's partials take (0 without splits): fp32 O, max and sum per packed row and split; and
-// the most any chunk's plan takes on sm_count SMs (the splits fill at most the SMs' blocks of 128 rows).
+// the most any chunk's plan takes on sm_count SMs (kPrefillAttnSplitWaves x sm_count blocks of 128 rows).
 size_t attention_prefill_scratch_bytes(const PrefillAttnPlan& plan);
 size_t attention_prefill_scratch_max(int D, int sm_count);
 // Whether attention_prefill is built for this head_dim and query heads per KV head; whether its Wgmma

@@ -97,10 +97,17 @@ struct StepPlan {
   bool attn_halved = false;
   // Prefill chunks (M > 1) run the tensor-core GEMM. Their attention: chunks of at least
   // prefill_attn_min_rows rows run attention_prefill on tensor cores (planned per chunk by
-  // prefill_attention: its grid depends on the rows); shorter ones run the decode kernel, planned per
-  // chunk with options.cluster_merge (the chunk's M sets the splits). kPrefillAttnMinRows is a first
-  // guess at the crossover, to be measured (docs/design/attention_prefill.md).
-  static constexpr int kPrefillAttnMinRows = 32;
+  // prefill_attention: its grid depends on the rows and the keys before them); shorter ones run the decode
+  // kernel, planned per chunk with options.cluster_merge (the chunk's M sets the splits), but a prompt's
+  // chunk after at least prefill_attn_deep_prior cached keys takes the tensor-core kernel from 2 rows where
+  // it splits its keys (the Wgmma kernel): a verify's rows keep the decode kernel, the decode step's bits.
+  // H200, 2..31 rows after 0..16384 keys (`ops.time_attention` against `ops.time_attention_prefill`, us a
+  // layer, docs/design/attention_prefill.md "Short chunks deep in a context"): from an empty cache the
+  // decode kernel is 0-0.9 us faster on the 3B's heads at 2..16 rows (the 8B's: 0.3-0.9 slower); after 64
+  // keys the wgmma kernel is faster at every row count (3B 16 rows 8.8 -> 6.9 us), after 128..512 within
+  // 1.3 us either way at 2..8 rows and faster from 12, after 4096 keys 25.7 -> 15.1 (2 rows), 88.9 -> 16.1
+  // (16), 160.1 -> 17.4 (31).
+  static constexpr int kPrefillAttnMinRows = 32, kPrefillAttnDeepPrior = 64;
   static constexpr int kNever = 1 << 30;  // prefill_attn_min_rows of a shape attention_prefill does not take
   // The default rows per prefill pass (EngineOptions::prefill_chunk 0): of kPrefillChunkSmall and
   // kPrefillChunkLarge, the one that puts more of a layer's product FLOPs on the sm90 GEMM's 256-token tile
@@ -134,6 +141,7 @@ struct StepPlan {
   }
   int prefill_chunk = kPrefillChunkSmall;  // this model's default (prefill_chunk_for), at most max_context
   int prefill_attn_min_rows = kPrefillAttnMinRows;
+  int prefill_attn_deep_prior = kPrefillAttnDeepPrior;  // kNever where the chunks keep the decode kernel
   // Which attention_prefill kernel such a chunk runs: the warpgroup-MMA one (attention_prefill_sm90.cu)
   // on sm_90 at head_dim 128, the mma.sync one otherwise (docs/design/attention_prefill.md).
   kernels::PrefillAttnKernel prefill_attn_kernel = kernels::PrefillAttnKernel::Mma;
@@ -208,7 +216,10 @@ struct StepPlan {
   // A probed decode step's (q from rope_kv_append, never qkv_in).
   kernels::AttnPlan probe_attention(int attn_keys) const;
   // Whether a chunk of `rows` query tokens runs attention_prefill, and its plan when it does.
-  bool prefill_on_tensor_cores(int rows) const { return rows >= prefill_attn_min_rows; }
+  // rows of a chunk whose first position is prior; step_rows: a chunk whose rows are decode steps' (a verify).
+  bool prefill_on_tensor_cores(int rows, int prior, bool step_rows) const {
+    return rows >= prefill_attn_min_rows || (rows > 1 && !step_rows && prior >= prefill_attn_deep_prior);
+  }
   // prior: the chunk's first position (its key tiles set the splits, kernels.h).
   kernels::PrefillAttnPlan prefill_attention(int rows, int prior = 0) const;
 };
