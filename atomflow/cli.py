@@ -473,7 +473,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--speculate",
         default=None,
         metavar="ngram[:K]",
-        help="speculative decoding with n-gram drafts of up to K tokens (1..15, default 8); greedy only (the "
+        help="speculative decoding with n-gram drafts of up to K tokens (1..15, default 10); greedy only (the "
         "default temperature becomes 0); the verify chunks run the decode step's activations, so the output "
         "equals plain greedy decoding's",
     )

@@ -10,7 +10,10 @@ rows. So the tokens equal plain greedy decoding's, token for token, wherever the
 decode steps (README: exactness). A verify whose fp16 activations passed fp16's range appends
 nothing (backend.verify gives None): a plain step goes on from there, and reruns in bf16 as plain
 decoding does. k adapts (halves on a full miss, doubles on a full accept) and
-speculation pauses for a while when the recent acceptance says it does not pay.
+speculation pauses for a while when the recent acceptance says it does not pay. Where no draft is
+found, a run of plain_run pipelined plain steps goes on before the next lookup: one step at a time
+would wait for each (a run pays that once), and a draft found after its first token is still there,
+one token on, after its last.
 """
 
 from __future__ import annotations
@@ -27,7 +30,13 @@ from atomflow.errors import NonFiniteLogitsError
 from atomflow.tokens import generation_budget
 
 METHODS = ("ngram",)
-DEFAULT_K = 8
+# The defaults: tools/speculate_sim.py on the prompts' recorded greedy tokens with SmolLM2's verify costs per
+# row count (H200) predicted plain runs of 3 and k 10..15 ahead of runs of 1 and k 8 (copy 1.77 -> 1.80-1.82x,
+# chat 1.08 -> 1.11-1.12x, open 1.04 -> 1.09-1.10x; with a 3B's costs alike); tools/speculate_bench.py -n 128
+# on an H200, two rounds in one call, plain runs of 3: k 8 / 10 / 11 copy 1.73-1.75 / 1.81-1.82 / 1.79-1.85x,
+# chat 1.11-1.12 / 1.11-1.12 / 1.10-1.11x, open 1.06 / 1.05 / 1.03-1.05x (docs/perf-log.md 2026-11-28 g).
+DEFAULT_K = 10
+DEFAULT_PLAIN_RUN = 3
 # The pause threshold of a run that has not yet timed both a verify step and a plain step.
 FALLBACK_MIN_ACCEPT = 0.6
 MAX_ROWS = 16  # a verify chunk's rows: the small-M GEMV's limit on CUDA (StepPlan::small_m_max_rows)
@@ -40,7 +49,8 @@ class SpecConfig:
     window, min_accept: speculation pauses when the last `window` verify steps accepted fewer than
     min_accept drafted tokens per step on average; None: the break-even measured in the run (a verify
     step's time over a plain step's, minus one). It pauses for pause_tokens plain tokens, doubling on
-    each pause in a row up to max_pause_tokens."""
+    each pause in a row up to max_pause_tokens. plain_run: the pipelined plain steps taken where no draft is
+    found, before the next lookup (at least 1)."""
 
     method: str = "ngram"
     k_max: int = DEFAULT_K
@@ -50,6 +60,7 @@ class SpecConfig:
     min_accept: float | None = None
     pause_tokens: int = 16
     max_pause_tokens: int = 256
+    plain_run: int = DEFAULT_PLAIN_RUN
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -58,8 +69,8 @@ class SpecConfig:
             raise ValueError(f"speculate k must be in [1, {MAX_ROWS - 1}], got {self.k_max}")
         if not 1 <= self.n_min <= self.n_max:
             raise ValueError(f"n-gram lengths need 1 <= n_min <= n_max, got {self.n_min}..{self.n_max}")
-        if self.window < 1 or self.pause_tokens < 1 or self.max_pause_tokens < self.pause_tokens:
-            raise ValueError("window and pause_tokens must be >= 1, max_pause_tokens >= pause_tokens")
+        if self.window < 1 or self.pause_tokens < 1 or self.max_pause_tokens < self.pause_tokens or self.plain_run < 1:
+            raise ValueError("window, pause_tokens and plain_run must be >= 1, max_pause_tokens >= pause_tokens")
         if self.min_accept is not None and not self.min_accept >= 0:
             raise ValueError(f"min_accept must be >= 0 or None (measured), got {self.min_accept}")
 
@@ -192,8 +203,8 @@ class AdaptiveK:
                 self.pause = self.cfg.pause_tokens  # paying: the next pause starts short again
 
     def plain_tokens(self) -> int:
-        """Plain decode steps to run now: the rest of a pause, or one when no draft was found."""
-        return max(1, self.paused_left)
+        """Plain decode steps to run now: the rest of a pause, or a run of plain_run when no draft was found."""
+        return self.paused_left if self.paused else self.cfg.plain_run
 
     def ran_plain(self, n: int) -> None:
         self.paused_left = max(0, self.paused_left - n)

@@ -110,6 +110,25 @@ def test_speculate_sim_replays_the_real_loop():
     assert r["stats"].verify_steps == 0 and r["speedup"] == pytest.approx(1.0)
 
 
+def test_speculate_sim_models_runs_and_a_verify_table():
+    """--call-ms: each run of plain steps pays its wait once, so random tokens (no draft) cost 39 steps and one
+    wait a run of plain_run; --verify-table: a verify of k drafts costs the k-th time (the last past its end)."""
+    sys.path.insert(0, str(TOOLS))
+    from speculate_sim import replay
+
+    from atomflow.speculate import SpecConfig
+
+    rng = np.random.default_rng(1)
+    noise = dict(prompt=rng.permutation(1000)[:40].tolist(), output=rng.permutation(1000)[:40].tolist())
+    for run_len in (1, 3):
+        r = replay(noise, SpecConfig(plain_run=run_len), step_ms=1.0, verify_ms=(1.2, 0.05), call_ms=0.5)
+        assert r["speedup"] == pytest.approx(39 / (39 + 0.5 * -(-39 // run_len)))
+    item = dict(prompt=[5, 6, 7, 8, 9, 10, 11, 12] * 4, output=[5, 6, 7, 8, 9, 10, 11, 12] * 8)
+    cheap = replay(item, SpecConfig(), step_ms=1.0, verify_ms=[1.1] * 15)
+    dear = replay(item, SpecConfig(), step_ms=1.0, verify_ms=[1.1] * 7 + [3.0])
+    assert cheap["stats"].accepted == dear["stats"].accepted and cheap["speedup"] > dear["speedup"] > 1
+
+
 def test_speculate_sim_refuses_bad_costs(tmp_path):
     r = run("speculate_sim.py", "m.atomflow", "--verify-ms", "1")
     assert r.returncode == 2 and "--verify-ms" in r.stderr

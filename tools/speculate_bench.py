@@ -4,7 +4,7 @@ for it, and (unless --no-default-run) a plain run on an engine loaded without it
 Prints per kind: acceptance, tokens per step, tokens/s of each run and the speedups; checks that
 the speculative tokens equal the plain ones (exit 1 if any prompt differs).
 
-  python tools/speculate_bench.py [MODEL.atomflow] [--speculate ngram:8] [-n 256] [--json OUT]
+  python tools/speculate_bench.py [MODEL.atomflow] [--speculate ngram] [-n 256] [--json OUT]
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def timed(eng: Engine, ids: list[int], n: int, speculate: str, ignore_eos: bool)
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", nargs="?", default=None, help="a .atomflow file (default: the default model)")
-    ap.add_argument("--speculate", default="ngram:8")
+    ap.add_argument("--speculate", default="ngram")
     ap.add_argument("-n", "--max-new-tokens", type=int, default=256)
     ap.add_argument("--backend", default="auto", choices=["auto", "cuda", "cpu"])
     ap.add_argument("--max-context", type=int, default=4096)

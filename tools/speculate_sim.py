@@ -10,8 +10,9 @@ policy's acceptance is exact and its speedup as good as the cost model; a GPU ru
 
 The greedy tokens of tools/speculate_prompts.json are generated once on the CPU backend (exact) and
 kept in --greedy (default: next to the model, MODEL.greedy-N.json). --verify-ms A,B models a verify
-step of k drafts as A + B k ms, --step-ms a plain pipelined step; --costs-from fits both to a
-`speculate_bench.py --json` run. Each --config is a SpecConfig (its keyword arguments); the defaults always run.
+step of k drafts as A + B k ms, --verify-table T1,T2,... as T_k ms (k = 1, 2, ...: `tools/verify_cost.py`'s
+column), --step-ms a plain pipelined step; --costs-from fits the first two to a `speculate_bench.py --json`
+run. Each --config is a SpecConfig (its keyword arguments); the defaults always run.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ class Replay:
         self.n = len(prompt)
         self.max_context = len(self.seq) + 1
         self.clock, self.step_s, self.verify_s = clock, step_s, verify_s
+        self.call_s = 0.0
         self.position = 0
         self._run = None
 
@@ -70,6 +72,7 @@ class Replay:
         return out
 
     def steps(self, token: int, n: int):
+        self.clock.now += self.call_s  # a run of plain steps waits for its last one: not pipelined across runs
         for _ in range(n):
             self.clock.now += self.step_s
             self.position += 1
@@ -86,10 +89,17 @@ class Replay:
         return self._run
 
 
-def replay(item: dict, cfg: SpecConfig, step_ms: float, verify_ms: tuple[float, float]) -> dict:
+def replay(item: dict, cfg: SpecConfig, step_ms: float, verify_ms, call_ms: float = 0.0) -> dict:
+    """verify_ms: (A, B), a verify of k drafts A + B k ms, or a list, the k-th its time."""
     clock = Clock()
-    a, b = verify_ms
-    be = Replay(item["prompt"], item["output"], clock, step_ms / 1e3, lambda k: (a + b * k) / 1e3)
+    if isinstance(verify_ms, list):
+        table = verify_ms
+        cost = lambda k: table[min(k, len(table)) - 1] / 1e3  # noqa: E731
+    else:
+        a, b = verify_ms
+        cost = lambda k: (a + b * k) / 1e3  # noqa: E731
+    be = Replay(item["prompt"], item["output"], clock, step_ms / 1e3, cost)
+    be.call_s = call_ms / 1e3
     stats = SpecStats()
     saved, speculate.time = speculate.time, clock
     try:
@@ -150,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-n", "--max-new-tokens", type=int, default=128)
     ap.add_argument("--step-ms", type=float, default=0.635, help="a plain step (default: SmolLM2, H100)")
     ap.add_argument("--verify-ms", default="0.70,0.065", help="A,B: a verify of k drafts costs A + B k ms")
+    ap.add_argument("--verify-table", default=None, help="T1,T2,...: a verify of k drafts costs T_k ms")
+    ap.add_argument("--call-ms", type=float, default=0.0, help="what a run of plain steps adds to its steps (its wait)")
     ap.add_argument("--config", action="append", default=[], help="SpecConfig keywords, e.g. n_min=1,min_accept=0.6")
     ap.add_argument("--costs-from", default=None, help="fit --step-ms and --verify-ms to a speculate_bench --json file")
     a = ap.parse_args(argv)
@@ -160,6 +172,10 @@ def main(argv: list[str] | None = None) -> int:
         configs = [SpecConfig()] + [parse_config(c) for c in a.config]
         if a.costs_from:
             a.step_ms, verify_ms = costs_from_bench(a.costs_from)
+        if a.verify_table:
+            verify_ms = [float(x) for x in a.verify_table.split(",")]
+            if not verify_ms or min(verify_ms) <= 0:
+                raise ValueError("--verify-table needs positive times")
     except (ValueError, TypeError, KeyError, OSError) as e:
         ap.error(f"bad --verify-ms, --step-ms, --config or --costs-from: {e}")
     if a.model is None:
@@ -171,13 +187,18 @@ def main(argv: list[str] | None = None) -> int:
         runs = json.loads(path.read_text())["runs"]
     else:
         runs = record(a.model, path, a.max_new_tokens)
-    print(f"{path.name}: {len(runs)} prompts | step {a.step_ms:.3f} ms, verify {verify_ms[0]:.3f} + {verify_ms[1]:.3f} k ms")
+    model = (
+        "table " + " ".join(f"{t:.3f}" for t in verify_ms)
+        if isinstance(verify_ms, list)
+        else f"{verify_ms[0]:.3f} + {verify_ms[1]:.3f} k"
+    )
+    print(f"{path.name}: {len(runs)} prompts | step {a.step_ms:.3f} ms, verify {model} ms")
     print("| config | kind | acceptance | tokens/step | pauses | predicted speedup |")
     print("|---|---|---:|---:|---:|---:|")
     for cfg in configs:
         label = ", ".join(f"{k}={getattr(cfg, k)}" for k in ("k_max", "n_min", "n_max", "min_accept", "pause_tokens"))
         for kind in dict.fromkeys(r["kind"] for r in runs):
-            res = [replay(r, cfg, a.step_ms, verify_ms) for r in runs if r["kind"] == kind]
+            res = [replay(r, cfg, a.step_ms, verify_ms, a.call_ms) for r in runs if r["kind"] == kind]
             st = SpecStats.total([x["stats"] for x in res])
             speed = float(np.mean([x["speedup"] for x in res]))
             print(f"| {label} | {kind} | {st.acceptance:.0%} | {st.tokens_per_step:.2f} | {st.pauses} | {speed:.2f}x |")

@@ -48,7 +48,7 @@ def register(subparsers) -> None:
         "--speculate",
         default=None,
         metavar="ngram[:K]",
-        help="speculative decoding with n-gram drafts, K drafted tokens at most (1..15, default 8); greedy only: "
+        help="speculative decoding with n-gram drafts, K drafted tokens at most (1..15, default 10); greedy only: "
         "requests default to temperature 0 and a temperature > 0 gets a 400",
     )
     s.add_argument("--prefill-recipe", choices=PREFILL_RECIPES, default="w8a16", help=PREFILL_RECIPE_HELP)
