@@ -1,6 +1,9 @@
 """Speculative decoding with n-gram drafts (atomflow/speculate.py): the drafter, the adaptive k,
 and greedy equality with plain decoding on the CPU backend (tiny model; SmolLM2 where installed)."""
 
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -136,63 +139,25 @@ def test_no_draft_runs_a_plain_run():
         SpecConfig(plain_run=0)
 
 
-class _Recorded:
-    """A backend answering from a recorded greedy sequence; it logs each steps() run's length and each
-    verify's rows."""
-
-    verify_rows, max_context = 16, 1 << 20
-
-    def __init__(self, prompt, output):
-        self.seq, self.n, self.position, self.runs, self.verifies, self._run = (
-            list(prompt) + list(output),
-            len(prompt),
-            0,
-            [],
-            [],
-            None,
-        )
-
-    def spec_prefill(self, ids, start):
-        self.position = self.n
-        return self.seq[self.n]
-
-    def verify(self, ids):
-        rows = [int(t) for t in ids]
-        self.verifies.append(len(rows))
-        out = np.array([self.seq[self.position + i + 1] for i in range(len(rows))], np.int32)
-        self.position += len(rows)
-        return out
-
-    def steps(self, token, n):
-        self.runs.append(n)
-        for _ in range(n):
-            self.position += 1
-            yield self.seq[self.position]
-
-    def rollback(self, position):
-        self.position = position
-
-    def hold(self, keep):
-        self._run = object()
-        return self._run
-
-    def hold_of(self):
-        return self._run
-
-
 @pytest.mark.parametrize("plain_run", [1, 3, 5])
 def test_the_loop_runs_plain_runs_where_no_draft_is_found(plain_run):
     """No token repeats: no draft anywhere, so every run but the budget's last is plain_run steps long; the
     tokens are the recording's. Then a repeating tail: verifies take over."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    from speculate_sim import Clock, Replay
+
     from atomflow.speculate import speculative_ids
 
+    def recorded(prompt, output):  # the simulator's backend: answers from the recording, logs runs and verifies
+        return Replay(prompt, output, Clock(), 0.001, lambda k: 0.001)
+
     prompt, output = list(range(100, 110)), list(range(200, 240))
-    be = _Recorded(prompt, output)
+    be = recorded(prompt, output)
     got = list(speculative_ids(be, np.asarray(prompt, np.int32), len(output), 0, SpecConfig(plain_run=plain_run), SpecStats()))
     assert got == output and not be.verifies
     assert be.runs[:-1] == [plain_run] * (len(be.runs) - 1) and sum(be.runs) == len(output) - 1
     output = list(range(200, 220)) + list(range(200, 220))  # the second half copies the first
-    be = _Recorded(prompt, output)
+    be = recorded(prompt, output)
     got = list(speculative_ids(be, np.asarray(prompt, np.int32), len(output), 0, SpecConfig(plain_run=plain_run), SpecStats()))
     assert got == output and be.verifies
 

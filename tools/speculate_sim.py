@@ -43,7 +43,8 @@ class Clock:
 class Replay:
     """The backend interface speculative_ids uses, answering from one prompt's recorded greedy tokens:
     a verify row's greedy token is the recorded one while the rows before it follow the recording (the
-    loop reads no row past the first rejected draft); every call advances the clock by its model."""
+    loop reads no row past the first rejected draft); every call advances the clock by its model. runs and
+    verifies log each run of plain steps' length and each verify's rows."""
 
     verify_rows = speculate.MAX_ROWS
 
@@ -53,6 +54,8 @@ class Replay:
         self.max_context = len(self.seq) + 1
         self.clock, self.step_s, self.verify_s = clock, step_s, verify_s
         self.call_s = 0.0
+        self.runs: list[int] = []
+        self.verifies: list[int] = []
         self.position = 0
         self._run = None
 
@@ -62,6 +65,7 @@ class Replay:
 
     def verify(self, ids) -> np.ndarray:
         pos, rows = self.position, [int(t) for t in ids]
+        self.verifies.append(len(rows))
         out = np.zeros(len(rows), np.int32)
         for i in range(len(rows)):
             out[i] = self.seq[pos + i + 1] if pos + i + 1 < len(self.seq) else 0
@@ -72,6 +76,7 @@ class Replay:
         return out
 
     def steps(self, token: int, n: int):
+        self.runs.append(n)
         self.clock.now += self.call_s  # a run of plain steps waits for its last one: not pipelined across runs
         for _ in range(n):
             self.clock.now += self.step_s
