@@ -444,16 +444,17 @@ void attention_qkv(const AttnPlan& plan, const AttnQkvIn& in, bf16* k_cache, bf1
 // tokens, on tensor cores. Query m (at position *pos + m) attends to cache rows [0, *pos + m]; rows at
 // or past *pos + M are never read. q bf16 [M, H, D] (rotated), caches bf16 [max_context, Hkv, D], out
 // bf16 [M, H, D]. One block per (tile of packed (query token, head) rows of one kv head, kv head) walks
-// all the keys its rows see; where those blocks leave most SMs idle deep in a context (a short chunk after a
-// long prompt), the Wgmma kernel splits each block's keys over `splits` blocks that write unnormalized
-// partials to a scratch, merged by a second kernel (its size: attention_prefill_scratch_bytes, bounded by the
-// SMs, never by the context). Two kernels:
+// all the keys its rows see; where those blocks leave SMs idle deep in a context (a short chunk after a long
+// prompt, or a last wave only partly filled), the Wgmma kernel splits each block's keys over `splits` blocks
+// that write unnormalized partials to a scratch, merged by a second kernel (its size:
+// attention_prefill_scratch_bytes, bounded by the SMs, never by the context). Two kernels:
 //  - Mma (attention_prefill.cu, FlashAttention-2 style: mma.sync bf16, fp32 accumulation, online
 //    softmax in registers): tiles of 64 rows; D in {64, 80, 96, 128};
 //  - Wgmma (attention_prefill_sm90.cu, warpgroup MMA on sm_90a): tiles of 128 rows, two warpgroups
 //    sharing 128-key tiles; D = 128 only.
-// H / Hkv in 1..16. The step plan picks it for chunks of at least prefill_attn_min_rows rows
-// (step_plan.h); decode (M = 1) keeps attention().
+// H / Hkv in 1..16. The step plan picks it for chunks of at least prefill_attn_min_rows rows, and for a
+// prompt's chunks of 2 or more after prefill_attn_deep_prior cached keys (step_plan.h); decode (M = 1) and a
+// verify's rows keep attention().
 constexpr int kMaxPrefillGroup = 16;                // query heads per kv head
 enum class PrefillAttnKernel { Auto, Mma, Wgmma };  // Auto: Wgmma where it takes D, else Mma
 struct PrefillAttnPlan {
