@@ -19,6 +19,7 @@ one token on, after its last.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -96,6 +97,16 @@ def parse_speculate(value: str | SpecConfig | None) -> SpecConfig | None:
     if not k.isdigit() or not 1 <= int(k) <= MAX_ROWS - 1:
         raise ValueError(f"--speculate ngram:K needs an integer K in 1..{MAX_ROWS - 1}, got {value!r}")
     return SpecConfig(method, k_max=int(k))
+
+
+def with_keywords(cfg: SpecConfig, text: str) -> SpecConfig:
+    """cfg with the SpecConfig keywords of "KEY=VALUE,..." (integers, decimals or None) replaced: the tools'
+    --config. ValueError (or TypeError for an unknown key) when the result is not a valid config."""
+    kw: dict[str, int | float | None] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, _, value = part.partition("=")
+        kw[key.strip()] = None if value.strip() == "None" else float(value) if "." in value else int(value)
+    return dataclasses.replace(cfg, **kw)
 
 
 def check_greedy(spec: SpecConfig | None, temperature: float) -> None:

@@ -130,6 +130,18 @@ def test_default_drafts_need_a_two_token_match():
     assert d.propose(2) == [4, 3]
 
 
+def test_with_keywords_replaces_fields_and_checks_them():
+    from atomflow.speculate import with_keywords
+
+    cfg = with_keywords(SpecConfig(k_max=6), "plain_run=1, min_accept=0.5,n_min=1")
+    assert (cfg.k_max, cfg.plain_run, cfg.min_accept, cfg.n_min) == (6, 1, 0.5, 1)
+    assert with_keywords(cfg, "min_accept=None").min_accept is None and with_keywords(cfg, "") == cfg
+    with pytest.raises(ValueError, match="plain_run"):
+        with_keywords(cfg, "plain_run=0")
+    with pytest.raises(TypeError):
+        with_keywords(cfg, "bogus=1")
+
+
 def test_no_draft_runs_a_plain_run():
     """Where no draft is found the loop takes plain_run pipelined steps (3 by default), a pause its own
     length; with plain_run 1, one step at a time."""

@@ -129,6 +129,15 @@ def test_speculate_sim_models_runs_and_a_verify_table():
     assert cheap["stats"].accepted == dear["stats"].accepted and cheap["speedup"] > dear["speedup"] > 1
 
 
+def test_speculate_bench_refuses_bad_configs():
+    r = run("speculate_bench.py", "m.atomflow", "--config", "bogus=1")
+    assert r.returncode == 2 and "--config" in r.stderr and "bogus" in r.stderr
+    r = run("speculate_bench.py", "m.atomflow", "--config", "plain_run=0")
+    assert r.returncode == 2 and "plain_run" in r.stderr
+    r = run("speculate_bench.py", "m.atomflow", "--speculate", "off")
+    assert r.returncode == 2 and "speculation is off" in r.stderr
+
+
 def test_speculate_sim_refuses_bad_costs(tmp_path):
     r = run("speculate_sim.py", "m.atomflow", "--verify-ms", "1")
     assert r.returncode == 2 and "--verify-ms" in r.stderr

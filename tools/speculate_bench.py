@@ -4,7 +4,7 @@ for it, and (unless --no-default-run) a plain run on an engine loaded without it
 Prints per kind: acceptance, tokens per step, tokens/s of each run and the speedups; checks that
 the speculative tokens equal the plain ones (exit 1 if any prompt differs).
 
-  python tools/speculate_bench.py [MODEL.atomflow] [--speculate ngram] [-n 256] [--json OUT]
+  python tools/speculate_bench.py [MODEL.atomflow] [--speculate ngram] [--config plain_run=1,...] [-n 256] [--json OUT]
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from atomflow import Engine, SamplingParams
+from atomflow.speculate import parse_speculate, with_keywords
 
 PROMPTS = Path(__file__).with_name("speculate_prompts.json")
 
@@ -46,6 +47,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", nargs="?", default=None, help="a .atomflow file (default: the default model)")
     ap.add_argument("--speculate", default="ngram")
+    ap.add_argument("--config", default="", help="SpecConfig keywords over --speculate's, e.g. plain_run=1,n_min=1")
     ap.add_argument("-n", "--max-new-tokens", type=int, default=256)
     ap.add_argument("--backend", default="auto", choices=["auto", "cuda", "cpu"])
     ap.add_argument("--max-context", type=int, default=4096)
@@ -54,6 +56,13 @@ def main(argv=None) -> int:
     ap.add_argument("--no-default-run", action="store_true", help="skip the default-precision plain run")
     ap.add_argument("--json", default=None, help="write every run here")
     a = ap.parse_args(argv)
+    try:
+        spec = parse_speculate(a.speculate)
+        if spec is None:
+            raise ValueError("speculation is off")
+        spec = with_keywords(spec, a.config)
+    except (ValueError, TypeError) as e:
+        ap.error(f"bad --speculate or --config: {e}")
     if a.model is None:
         from atomflow.model.default import default_model
 
@@ -72,26 +81,26 @@ def main(argv=None) -> int:
         del eng
         gc.collect()
 
-    eng = Engine.load(a.model, backend=a.backend, max_context=a.max_context, speculate=a.speculate)
+    eng = Engine.load(a.model, backend=a.backend, max_context=a.max_context, speculate=spec)
     runs, mismatches = [], 0
     for kind in kinds:
         for i, item in enumerate(prompts[kind]):
             ids = encode(eng, item)
             plain, s_plain = timed(eng, ids, a.max_new_tokens, "off", ignore_eos)
-            spec, s_spec = timed(eng, ids, a.max_new_tokens, a.speculate, ignore_eos)
+            got, s_spec = timed(eng, ids, a.max_new_tokens, spec, ignore_eos)
             st = eng.stats.speculation
-            same = plain == spec
+            same = plain == got
             mismatches += not same
             runs.append(
                 dict(
                     kind=kind,
                     prompt=i,
                     prompt_tokens=len(ids),
-                    tokens=len(spec),
+                    tokens=len(got),
                     equal=same,
-                    first_diff=None if same else next((j for j, (x, y) in enumerate(zip(plain, spec)) if x != y), None),
+                    first_diff=None if same else next((j for j, (x, y) in enumerate(zip(plain, got)) if x != y), None),
                     plain_tps=(len(plain) - 1) / s_plain,
-                    spec_tps=(len(spec) - 1) / s_spec,
+                    spec_tps=(len(got) - 1) / s_spec,
                     default_tps=default_tps.get((kind, i)),
                     drafted=st.drafted,
                     accepted=st.accepted,
@@ -104,7 +113,7 @@ def main(argv=None) -> int:
             )
             print(f"{kind}[{i}]: {runs[-1]}", file=sys.stderr)
 
-    print(f"\n{a.model} | backend {eng.backend_name} | --speculate {a.speculate} | {a.max_new_tokens} tokens per prompt\n")
+    print(f"\n{a.model} | backend {eng.backend_name} | --speculate {spec} {a.config} | {a.max_new_tokens} tokens per prompt\n")
     print(
         "| kind | prompts | acceptance | tokens/step | verify ms | plain t/s | speculative t/s | speedup "
         "| default t/s | speedup vs default | equal |"
@@ -130,7 +139,7 @@ def main(argv=None) -> int:
         "loaded without --speculate (the same activations: the two plain rates should agree)."
     )
     if a.json:
-        Path(a.json).write_text(json.dumps(dict(model=str(a.model), speculate=a.speculate, runs=runs), indent=1))
+        Path(a.json).write_text(json.dumps(dict(model=str(a.model), speculate=str(spec), config=a.config, runs=runs), indent=1))
     if mismatches:
         print(f"speculate_bench: {mismatches} prompt(s) generated other tokens with speculation", file=sys.stderr)
         return 1

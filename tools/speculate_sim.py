@@ -27,7 +27,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import atomflow.speculate as speculate  # noqa: E402
-from atomflow.speculate import SpecConfig, SpecStats, speculative_ids  # noqa: E402
+from atomflow.speculate import SpecConfig, SpecStats, speculative_ids, with_keywords  # noqa: E402
 
 
 class Clock:
@@ -150,14 +150,6 @@ def costs_from_bench(path: str) -> tuple[float, tuple[float, float]]:
     return step_ms, (float(a), float(b))
 
 
-def parse_config(text: str) -> SpecConfig:
-    kw = {}
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        key, _, value = part.partition("=")
-        kw[key] = None if value == "None" else float(value) if "." in value else int(value)
-    return SpecConfig(**kw)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", nargs="?", default=None, help="a .atomflow file (default: the default model)")
@@ -174,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         verify_ms = tuple(float(x) for x in a.verify_ms.split(","))
         if len(verify_ms) != 2 or a.step_ms <= 0:
             raise ValueError
-        configs = [SpecConfig()] + [parse_config(c) for c in a.config]
+        configs = [SpecConfig()] + [with_keywords(SpecConfig(), c) for c in a.config]
         if a.costs_from:
             a.step_ms, verify_ms = costs_from_bench(a.costs_from)
         if a.verify_table:
