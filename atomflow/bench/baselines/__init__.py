@@ -38,6 +38,14 @@ def reason(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__
 
 
+def not_run(name: str, test: BenchTest) -> dict | None:
+    """The skipped row of a test no baseline runs (a prompt after cached tokens, pp<P>@d<D>: it would need
+    the baseline's own prefix cache), else None."""
+    if test.kind == "pp" and test.depth:
+        return skipped_row(name, test, "a prompt after cached tokens is not run by this baseline")
+    return None
+
+
 def check_hf_dir(hf_dir: str | Path | None) -> Path:
     if not hf_dir:
         raise Skip("no HF directory: pass --hf-dir (the model file records no existing source directory)")

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from atomflow.bench.bandwidth import dense_weight_bytes, prompt_bytes_per_token, token_bytes
-from atomflow.bench.baselines import Skip
+from atomflow.bench.baselines import Skip, not_run
 from atomflow.bench.plan import BenchOptions, BenchTest, prompt_ids
 from atomflow.bench.result import measured_row, skipped_row
 from atomflow.model.spec import ModelSpec
@@ -357,8 +357,8 @@ def run_torch_baseline(
     try:
         for test in opts.tests:
             log(f"{name}: {test.name}")
-            if test.kind == "pp" and test.depth:
-                rows.append(skipped_row(name, test, "a prompt after cached tokens is not run by this baseline"))
+            if (row := not_run(name, test)) is not None:
+                rows.append(row)
                 continue
             ids = (
                 torch.from_numpy(prompt_ids(spec.vocab_size, max(test.n_prompt, test.depth + 1), opts.seed))

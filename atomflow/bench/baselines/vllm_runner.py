@@ -11,9 +11,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from atomflow.bench.bandwidth import dense_weight_bytes, prompt_bytes_per_token, token_bytes
-from atomflow.bench.baselines import Skip
+from atomflow.bench.baselines import Skip, not_run
 from atomflow.bench.plan import BenchOptions, prompt_ids
-from atomflow.bench.result import measured_row, skipped_row
+from atomflow.bench.result import measured_row
 from atomflow.model.spec import ModelSpec
 
 
@@ -43,8 +43,8 @@ def run_vllm(hf_dir: Path, opts: BenchOptions, bandwidth_gbs: float | None, log:
     rows = []
     for test in opts.tests:
         log(f"vllm: {test.name}")
-        if test.kind == "pp" and test.depth:
-            rows.append(skipped_row("vllm", test, "a prompt after cached tokens is not run by this baseline"))
+        if (row := not_run("vllm", test)) is not None:
+            rows.append(row)
             continue
         ids = prompt_ids(spec.vocab_size, max(test.n_prompt, test.depth + 1), opts.seed)
         tps, tpot, ttft = [], [], []
