@@ -297,7 +297,8 @@ def test_engine_prefill_head_dim_128(d128, n, split):
 
 def test_engine_prefill_short_chunks_deep_in_a_context(d128):
     """Prompt chunks of 7 rows (and a tail of 3) after 64 or more cached keys take the wgmma kernel with its
-    keys split (StepPlan::prefill_attn_deep_prior); the first chunks, and a verify's rows, the decode kernel."""
+    keys split (StepPlan::prefill_attn_deep_prior), the first chunks the decode kernel. (A verify's rows keep
+    the decode kernel at any depth, StepPlan::prefill_on_tensor_cores's step_rows; not checked here.)"""
     from atomflow import _core
 
     def deep(plan):

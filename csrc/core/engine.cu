@@ -101,11 +101,9 @@ void Engine::init(const std::string& path, const std::vector<TensorInfo>& table,
   MappedFile file(path);
   const ModelTensors tensors = resolve_tensors(s, table, file.size());
   const bool prefill_scales = step_plan_.sm90_gemm_min_rows < StepPlan::kNever;
-  // The prefill attention's split partials: chunks on the wgmma kernel (kernels.h).
-  const size_t prefill_attn_scratch = step_plan_.prefill_attn_min_rows < StepPlan::kNever &&
-                                              step_plan_.prefill_attn_kernel == kernels::PrefillAttnKernel::Wgmma
-                                          ? kernels::attention_prefill_scratch_max(s.head_dim, step_plan_.sm_count)
-                                          : 0;
+  // The prefill attention's split partials (kernels.h).
+  const size_t prefill_attn_scratch =
+      step_plan_.prefill_attn_splits() ? kernels::attention_prefill_scratch_max(s.head_dim, step_plan_.sm_count) : 0;
   const Layout layout =
       plan_layout(s, tensors, opt_.max_context, opt_.prefill_chunk, head_blocks, prefill_scales, prefill_attn_scratch);
   check_fits(s, tensors, layout, opt_.max_context, opt_.prefill_chunk, head_blocks, prefill_scales,

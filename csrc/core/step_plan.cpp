@@ -98,10 +98,7 @@ StepPlan make_step_plan(const ModelSpec& s, int max_context, const PlanOptions& 
                               ? kernels::PrefillAttnKernel::Wgmma
                               : kernels::PrefillAttnKernel::Mma;
   // Short prompt chunks deep in a context only where the kernel splits its keys.
-  p.prefill_attn_deep_prior =
-      p.prefill_attn_min_rows < StepPlan::kNever && p.prefill_attn_kernel == kernels::PrefillAttnKernel::Wgmma
-          ? StepPlan::kPrefillAttnDeepPrior
-          : StepPlan::kNever;
+  p.prefill_attn_deep_prior = p.prefill_attn_splits() ? StepPlan::kPrefillAttnDeepPrior : StepPlan::kNever;
   // The Hopper GEMM takes a chunk's products only when every one of them is a shape it runs.
   const kernels::Sm90Layer layer{d, f, s.q_dim(), s.qkv_dim()};
   const bool sm90_gemm = p.cc_major == 9 && kernels::gemm_w8a16_sm90_takes_layer(layer);

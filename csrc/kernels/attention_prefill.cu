@@ -5,7 +5,7 @@
 // 1..16 fills the tensor-core M dimension and reads each key once per 64 packed rows.
 // No split of the keys across blocks: one block per (query tile, kv head) walks every key its rows
 // see, so the kernel needs no scratch and nothing that grows with the context (the wgmma kernel splits
-// them for a short chunk deep in a context, attention_prefill_sm90.cu).
+// them deep in a context where its blocks would leave SMs idle, attention_prefill_sm90.cu).
 // Why this shape, its FLOPs and the predicted times: docs/design/attention_prefill.md.
 //
 // Contract of attention_prefill_kernel<D, KG>, grid (ceil(M * G / 64), Hkv) x 128 * KG threads,
@@ -20,7 +20,6 @@
 // Inside a block: warp w of key group k (KG groups of 4 warps) owns packed rows 16 w .. 16 w + 15
 // and the key tiles k, k + KG, k + 2 KG, ...; with KG = 2 the two groups' (m, l, O) meet in shared
 // memory at the end (one more warp per SM sub-partition when a chunk has fewer blocks than SMs).
-#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <type_traits>

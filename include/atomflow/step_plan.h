@@ -215,6 +215,11 @@ struct StepPlan {
   const kernels::AttnPlan& decode_attention(int attn_keys) const;
   // A probed decode step's (q from rope_kv_append, never qkv_in).
   kernels::AttnPlan probe_attention(int attn_keys) const;
+  // Whether chunks on attention_prefill split their keys (the Wgmma kernel): the engine reserves the
+  // partials' scratch, and short prompt chunks deep in a context take it (prefill_attn_deep_prior).
+  bool prefill_attn_splits() const {
+    return prefill_attn_min_rows < kNever && prefill_attn_kernel == kernels::PrefillAttnKernel::Wgmma;
+  }
   // Whether a chunk of `rows` query tokens runs attention_prefill, and its plan when it does.
   // rows of a chunk whose first position is prior; step_rows: a chunk whose rows are decode steps' (a verify).
   bool prefill_on_tensor_cores(int rows, int prior, bool step_rows) const {
